@@ -1,0 +1,3 @@
+from hetplan.cli import main
+
+raise SystemExit(main())

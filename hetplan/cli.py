@@ -1,0 +1,58 @@
+"""The one place where hetplan's commands are registered.
+
+Each command is a module in `hetplan.commands` with HELP, add_arguments(parser) and
+main(args) -> int. Bad input from outside raises `planner.io.InputError`; it is printed here as
+one line on stderr with exit code 2, never as a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from planner.io import InputError
+
+# name -> module; order is the order of `hetplan --help`
+COMMANDS = {
+    "profile": "hetplan.commands.profile",
+    "graph": "hetplan.commands.graph",
+    "simulate": "hetplan.commands.simulate",
+    "plan": "hetplan.commands.plan",
+    "run": "hetplan.commands.run",
+    "compare": "hetplan.commands.compare",
+    "demo": "hetplan.commands.demo",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints usage too)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hetplan", description="Simulate, plan and run heterogeneous parallel training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, modname in COMMANDS.items():
+        mod = importlib.import_module(modname)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._main(args) or 0)
+    except InputError as e:
+        print(f"hetplan {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hetplan {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+"""hetplan's planner: workloads, operator graph, topology, cost model, plan, simulator, search.
+
+Never imports `runtime`."""

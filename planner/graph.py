@@ -1,0 +1,60 @@
+"""The model side: a workload's operator graph, grouped into layers.
+
+Types only in this file's head; capture lives below. A `ModelGraph` is captured at one batch
+size (`batch`); every activation-like quantity (FLOPs, activation/saved bytes, bytes moved)
+scales linearly with the batch, parameter quantities do not. Use `Layer.scaled(b / graph.batch)`
+or `ModelGraph.cut_bytes_at(i, b)` to get figures at another (micro)batch size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import networkx as nx
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int                 # 0..L-1 in execution order
+    name: str                  # module path of the group, e.g. "blocks.3", "fc1"
+    fwd_flops: float           # forward FLOPs at the graph batch (multiply-add = 2)
+    bwd_flops: float           # backward FLOPs at the graph batch
+    param_bytes: int           # bytes of parameters owned by the layer
+    activation_bytes: int      # bytes of this layer's outputs (all ops), at the graph batch
+    saved_bytes: int           # bytes saved for backward by this layer's ops, at the graph batch
+    fwd_bytes_moved: float     # activation bytes read + written by forward ops (parameters excluded)
+    bwd_bytes_moved: float     # same for backward
+    n_ops: int                 # forward operator count
+    bwd_n_ops: int             # backward operator count
+    param_names: tuple[str, ...] = ()   # fully qualified parameter names owned by the layer
+    signature: str = ""        # stable key of the layer's ops and shapes (cost cache key)
+
+    def scaled(self, ratio: float) -> "Layer":
+        """The same layer at batch * ratio: activation-like fields scale, parameters do not."""
+        return replace(self, fwd_flops=self.fwd_flops * ratio, bwd_flops=self.bwd_flops * ratio,
+                       activation_bytes=int(self.activation_bytes * ratio),
+                       saved_bytes=int(self.saved_bytes * ratio),
+                       fwd_bytes_moved=self.fwd_bytes_moved * ratio,
+                       bwd_bytes_moved=self.bwd_bytes_moved * ratio)
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    layers: tuple[Layer, ...]
+    batch: int                             # the batch size the graph was captured at
+    cut_bytes: tuple[int, ...]             # len L+1: bytes crossing the cut before layer i at the
+                                           # graph batch (cut_bytes[0]: inputs; [L]: outputs); counts
+                                           # every live value, so skip connections are included
+    ops: nx.DiGraph = field(default_factory=nx.DiGraph, compare=False, repr=False)
+    info: dict[str, Any] = field(default_factory=dict, compare=False)  # capture method, warnings
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def cut_bytes_at(self, i: int, batch: float) -> float:
+        return self.cut_bytes[i] * batch / self.batch
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(l.param_bytes for l in self.layers)

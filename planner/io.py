@@ -1,0 +1,121 @@
+"""Reading and writing the JSON files that pass between hetplan's steps.
+
+Every file from outside goes through `Reader`, so a bad value always produces one line that
+names the file, the field and what was expected (raised as `InputError`, exit code 2 in the
+CLI). Every file we write goes through `write_json_atomic`, so a failure never leaves a
+half-written file behind.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+_MISSING = object()
+
+
+class InputError(Exception):
+    """Bad input from outside (file, flag, spec). The message is one line for the user."""
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{p}: {what} not found") from None
+    except OSError as e:
+        raise InputError(f"{p}: cannot read {what}: {e.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` as JSON to `path` via a temporary file and an atomic rename."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _type_name(kind: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+             list: "a list", dict: "an object"}
+    if isinstance(kind, tuple):
+        return " or ".join(names.get(k, k.__name__) for k in kind)
+    return names.get(kind, kind.__name__)
+
+
+class Reader:
+    """Typed access to a JSON object; errors name `file` and the dotted field path."""
+
+    def __init__(self, data: Any, file: str, prefix: str = ""):
+        self.file, self.prefix = str(file), prefix
+        if not isinstance(data, dict):
+            raise self.error("", "expected an object")
+        self.data = data
+
+    def where(self, key: str | int) -> str:
+        if isinstance(key, int):
+            return f"{self.prefix}[{key}]"
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def error(self, key: str | int, msg: str) -> InputError:
+        field = self.where(key) if key != "" else (self.prefix or "top level")
+        return InputError(f"{self.file}: {field}: {msg}")
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def get(self, key: str, kind: Any, default: Any = _MISSING,
+            check: Callable[[Any], bool] | None = None, expected: str = "") -> Any:
+        """Return data[key] as `kind` (int accepted for float; bool never for int/float)."""
+        if key not in self.data or self.data[key] is None:
+            if default is not _MISSING:
+                return default
+            raise self.error(key, f"missing; expected {expected or _type_name(kind)}")
+        v = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        ok = False
+        for k in kinds:
+            if k is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+                v, ok = float(v), math.isfinite(float(v))
+            elif k is int and isinstance(v, int) and not isinstance(v, bool):
+                ok = True
+            elif k is int and isinstance(v, float) and v.is_integer() and float not in kinds:
+                v, ok = int(v), True
+            elif k not in (int, float) and isinstance(v, k):
+                ok = True
+            if ok:
+                break
+        if not ok or (check is not None and not check(v)):
+            raise self.error(key, f"expected {expected or _type_name(kind)}, got {json.dumps(v)[:60]}")
+        return v
+
+    def sub(self, key: str) -> "Reader":
+        return Reader(self.get(key, dict), self.file, self.where(key))
+
+    def items(self, key: str, allow_empty: bool = False) -> list[Any]:
+        v = self.get(key, list)
+        if not v and not allow_empty:
+            raise self.error(key, "expected a non-empty list")
+        return v
+
+    def readers(self, key: str, allow_empty: bool = False) -> list["Reader"]:
+        items = self.items(key, allow_empty)
+        return [Reader(x, self.file, f"{self.where(key)}[{i}]") for i, x in enumerate(items)]

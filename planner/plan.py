@@ -1,0 +1,278 @@
+"""The plan file (`hetplan.plan/1`): one schema, one loader, read by simulate, run and compare.
+
+A plan is a set of data-parallel replicas; each replica is a pipeline of stages over distinct
+devices; each stage holds a half-open layer range [start, end). See ../shared/CONTRACT.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from planner.io import InputError, Reader, read_json, write_json_atomic
+
+SCHEMA = "hetplan.plan/1"
+SCHEDULES = ("gpipe", "1f1b")
+GRANULARITIES = ("coarse", "fine")
+OPTIMIZERS = ("sgd", "adam")
+PLACEMENTS = ("device", "cpu")
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
+
+
+@dataclass(frozen=True)
+class Stage:
+    device: str
+    layers: tuple[int, int]  # half-open [start, end)
+
+    @property
+    def start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def end(self) -> int:
+        return self.layers[1]
+
+
+@dataclass(frozen=True)
+class Replica:
+    batch_fraction: float
+    microbatches: int
+    stages: tuple[Stage, ...]
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(s.device for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Sync:
+    granularity: str = "fine"          # "coarse": once after backward; "fine": per bucket
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str = "adam"                 # "sgd" or "adam"
+    lr: float = 1e-3
+    placement: str = "device"          # "device" or "cpu" (ZeRO-Offload style)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    spec: str                          # built-in name or "package.module:function"
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TopologyRef:
+    name: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Predicted:
+    iteration_s: float
+    peak_memory_bytes: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # baselines, per-device busy, ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    global_batch: int
+    replicas: tuple[Replica, ...]
+    schedule: str = "1f1b"
+    sync: Sync = Sync()
+    optimizer: Optimizer = Optimizer()
+    recompute: bool = False
+    topology: TopologyRef | None = None
+    predicted: Predicted | None = None
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(s.device for r in self.replicas for s in r.stages)
+
+    @property
+    def num_layers(self) -> int:
+        return self.replicas[0].stages[-1].end
+
+    def replica_batches(self) -> list[int]:
+        """Samples per replica: round(fraction * global_batch), as the contract says."""
+        return [round(r.batch_fraction * self.global_batch) for r in self.replicas]
+
+    def replica_offsets(self) -> list[int]:
+        """Index of each replica's first sample in the global batch (contiguous slices)."""
+        out, acc = [], 0
+        for b in self.replica_batches():
+            out.append(acc)
+            acc += b
+        return out
+
+    def without_prediction(self) -> "Plan":
+        return replace(self, predicted=None)
+
+
+# --- validation -----------------------------------------------------------------------------
+def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = None,
+                  device_names: set[str] | None = None) -> None:
+    """Check every rule of the contract; raise InputError with one line naming the field."""
+    def err(field_: str, msg: str) -> InputError:
+        return InputError(f"{file}: {field_}: {msg}")
+
+    if plan.global_batch < 1:
+        raise err("global_batch", f"expected a positive integer, got {plan.global_batch}")
+    if not plan.replicas:
+        raise err("replicas", "expected at least one replica")
+    if plan.schedule not in SCHEDULES:
+        raise err("schedule", f"expected one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
+    if plan.sync.granularity not in GRANULARITIES:
+        raise err("sync.granularity", f"expected one of {', '.join(GRANULARITIES)}, got {plan.sync.granularity!r}")
+    if plan.sync.bucket_bytes < 1:
+        raise err("sync.bucket_bytes", f"expected a positive integer, got {plan.sync.bucket_bytes}")
+    if plan.optimizer.name not in OPTIMIZERS:
+        raise err("optimizer.name", f"expected one of {', '.join(OPTIMIZERS)}, got {plan.optimizer.name!r}")
+    if plan.optimizer.placement not in PLACEMENTS:
+        raise err("optimizer.placement", f"expected one of {', '.join(PLACEMENTS)}, got {plan.optimizer.placement!r}")
+    if not plan.optimizer.lr > 0:
+        raise err("optimizer.lr", f"expected a positive number, got {plan.optimizer.lr}")
+    L = num_layers if num_layers is not None else plan.num_layers
+    seen: dict[str, str] = {}
+    total = 0.0
+    batches = plan.replica_batches()
+    for i, rep in enumerate(plan.replicas):
+        where = f"replicas[{i}]"
+        if not 0 < rep.batch_fraction <= 1:
+            raise err(f"{where}.batch_fraction", f"expected a number in (0, 1], got {rep.batch_fraction}")
+        total += rep.batch_fraction
+        if rep.microbatches < 1:
+            raise err(f"{where}.microbatches", f"expected a positive integer, got {rep.microbatches}")
+        if batches[i] < 1:
+            raise err(f"{where}.batch_fraction",
+                      f"gives round({rep.batch_fraction} * {plan.global_batch}) = 0 samples; expected at least 1")
+        if batches[i] % rep.microbatches:
+            raise err(f"{where}.microbatches",
+                      f"expected a divisor of the replica's batch {batches[i]}, got {rep.microbatches}")
+        if not rep.stages:
+            raise err(f"{where}.stages", "expected at least one stage")
+        if plan.schedule == "1f1b" and rep.microbatches < len(rep.stages):
+            raise err(f"{where}.microbatches",
+                      f"1f1b needs microbatches >= stages ({len(rep.stages)}), got {rep.microbatches}")
+        expect_start = 0
+        for j, st in enumerate(rep.stages):
+            sw = f"{where}.stages[{j}]"
+            start, end = st.layers
+            if start != expect_start:
+                raise err(f"{sw}.layers", f"expected to start at layer {expect_start} (stages cover [0, L) in order), got {start}")
+            if end <= start:
+                raise err(f"{sw}.layers", f"expected a non-empty range [start, end), got [{start}, {end}]")
+            expect_start = end
+            if device_names is not None and st.device not in device_names:
+                raise err(f"{sw}.device", f"expected a device of the topology ({', '.join(sorted(device_names))}), got {st.device!r}")
+            if st.device in seen:
+                raise err(f"{sw}.device", f"device {st.device!r} is already used by {seen[st.device]}; expected distinct devices")
+            seen[st.device] = sw
+        if expect_start != L:
+            raise err(f"{where}.stages[{len(rep.stages) - 1}].layers",
+                      f"expected the last stage to end at layer {L} (the model has {L} layers), got {expect_start}")
+    if abs(total - 1.0) > 1e-6:
+        raise err("replicas", f"batch_fraction values sum to {total:.6g}; expected 1")
+    if sum(batches) != plan.global_batch:
+        raise err("replicas", f"replica batches {batches} (round(fraction * global_batch)) sum to "
+                              f"{sum(batches)}; expected global_batch {plan.global_batch}")
+
+
+# --- file format ---------------------------------------------------------------------------
+def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
+    r = Reader(data, file)
+    schema = r.get("schema", str, default=SCHEMA)
+    if schema != SCHEMA:
+        raise r.error("schema", f"expected {SCHEMA!r}, got {schema!r}")
+    m = r.sub("model")
+    model = ModelRef(spec=m.get("spec", str), args=dict(m.get("args", dict, default={})))
+    replicas = []
+    for rr in r.readers("replicas"):
+        stages = []
+        for s in rr.readers("stages"):
+            lay = s.get("layers", list, check=lambda v: len(v) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
+                expected="[start, end] with non-negative integers")
+            stages.append(Stage(device=s.get("device", str), layers=(lay[0], lay[1])))
+        replicas.append(Replica(batch_fraction=rr.get("batch_fraction", float),
+                                microbatches=rr.get("microbatches", int, default=1),
+                                stages=tuple(stages)))
+    sync = Sync()
+    if r.has("sync"):
+        s = r.sub("sync")
+        sync = Sync(granularity=s.get("granularity", str, default=sync.granularity),
+                    bucket_bytes=s.get("bucket_bytes", int, default=sync.bucket_bytes))
+    opt = Optimizer()
+    if r.has("optimizer"):
+        o = r.sub("optimizer")
+        opt = Optimizer(name=o.get("name", str, default=opt.name), lr=o.get("lr", float, default=opt.lr),
+                        placement=o.get("placement", str, default=opt.placement))
+    topo = None
+    if r.has("topology"):
+        t = r.sub("topology")
+        topo = TopologyRef(name=t.get("name", str), sha256=t.get("sha256", str))
+    pred = None
+    if r.has("predicted"):
+        p = r.sub("predicted")
+        peak = p.get("peak_memory_bytes", dict, default={})
+        pred = Predicted(iteration_s=p.get("iteration_s", float),
+                         peak_memory_bytes={str(k): float(v) for k, v in peak.items()},
+                         extra={k: v for k, v in p.data.items() if k not in ("iteration_s", "peak_memory_bytes")})
+    plan = Plan(model=model, global_batch=r.get("global_batch", int), replicas=tuple(replicas),
+                schedule=r.get("schedule", str, default="1f1b"), sync=sync, optimizer=opt,
+                recompute=r.get("recompute", bool, default=False), topology=topo, predicted=pred)
+    validate_plan(plan, file)
+    return plan
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "model": {"spec": plan.model.spec, "args": dict(plan.model.args)},
+        "global_batch": plan.global_batch,
+    }
+    if plan.topology is not None:
+        out["topology"] = {"name": plan.topology.name, "sha256": plan.topology.sha256}
+    out["replicas"] = [
+        {"batch_fraction": r.batch_fraction, "microbatches": r.microbatches,
+         "stages": [{"device": s.device, "layers": list(s.layers)} for s in r.stages]}
+        for r in plan.replicas]
+    out["schedule"] = plan.schedule
+    out["sync"] = {"granularity": plan.sync.granularity, "bucket_bytes": plan.sync.bucket_bytes}
+    out["optimizer"] = {"name": plan.optimizer.name, "lr": plan.optimizer.lr,
+                        "placement": plan.optimizer.placement}
+    out["recompute"] = plan.recompute
+    if plan.predicted is not None:
+        out["predicted"] = {"iteration_s": plan.predicted.iteration_s,
+                            "peak_memory_bytes": dict(plan.predicted.peak_memory_bytes),
+                            **plan.predicted.extra}
+    return out
+
+
+def load_plan(path: str | Path) -> Plan:
+    return plan_from_dict(read_json(path, "plan file"), str(path))
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    write_json_atomic(path, plan_to_dict(plan))
+
+
+def plan_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def plan_key(plan: Plan) -> str:
+    """A stable identity of the strategy (no prediction), for caches and dedup in search."""
+    d = plan_to_dict(plan.without_prediction())
+    d.pop("topology", None)
+    return json.dumps(d, sort_keys=True)
+
+
+__all__ = ["Plan", "Replica", "Stage", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
+           "validate_plan", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan", "plan_sha256",
+           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "OPTIMIZERS", "PLACEMENTS"]

@@ -1,0 +1,224 @@
+"""The hardware side: devices, links and the topology file (`hetplan.topology/1`).
+
+A topology is either measured by `hetplan profile` (it then carries richer data in
+`Device.measured` and `Topology.measured`) or written by hand as a what-if file, which needs
+only the scalar fields of the contract. Units are in the field names, SI throughout.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from planner.io import InputError, Reader, read_json, write_json_atomic
+
+SCHEMA = "hetplan.topology/1"
+DEVICE_NAME = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)/)?(?P<kind>cpu|cuda):(?P<index>\d+)$")
+
+
+def parse_device_name(name: str) -> tuple[str | None, str, int]:
+    """'node1/cuda:3' -> ('node1', 'cuda', 3); raises ValueError when malformed."""
+    m = DEVICE_NAME.match(name)
+    if not m:
+        raise ValueError(f"bad device name {name!r}")
+    return m.group("node"), m.group("kind"), int(m.group("index"))
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str                      # "cpu:0", "cuda:1", "node1/cuda:3"
+    kind: str                      # "cpu" or "cuda"
+    memory_bytes: float            # capacity available to training
+    matmul_flops_per_s: float      # sustained dense matmul throughput
+    memory_bytes_per_s: float      # sustained memory bandwidth (stream-like copy)
+    op_overhead_s: float = 0.0     # fixed cost per operator launch
+    threads: int | None = None     # intra-op threads (CPU workers)
+    measured: dict[str, Any] = field(default_factory=dict, compare=True)  # tables from `profile`
+
+    @property
+    def node(self) -> str | None:
+        return parse_device_name(self.name)[0]
+
+
+@dataclass(frozen=True)
+class Link:
+    a: str
+    b: str
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+    measured: dict[str, Any] = field(default_factory=dict, compare=True)
+
+    def transfer_s(self, n_bytes: float) -> float:
+        """latency_s + n / bandwidth_bytes_per_s (the contract's link cost)."""
+        return self.latency_s + n_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...] = ()
+    measured: dict[str, Any] = field(default_factory=dict, compare=True)  # host facts, collectives...
+    sha256: str | None = field(default=None, compare=False)  # of the file it was loaded from
+
+    def __post_init__(self):
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate device names in topology {self.name!r}")
+
+    # --- lookups -------------------------------------------------------------------------
+    @cached_property
+    def _by_name(self) -> dict[str, Device]:
+        return {d.name: d for d in self.devices}
+
+    def device(self, name: str) -> Device:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no device {name!r} in topology {self.name!r}") from None
+
+    def has_device(self, name: str) -> bool:
+        return name in self._by_name
+
+    @cached_property
+    def graph(self) -> nx.Graph:
+        """Undirected device graph; edge attribute `link` holds the Link."""
+        g = nx.Graph()
+        g.add_nodes_from(self._by_name)
+        for link in self.links:
+            g.add_edge(link.a, link.b, link=link,
+                       weight=link.latency_s + 1.0 / link.bandwidth_bytes_per_s)
+        return g
+
+    def route(self, a: str, b: str) -> tuple[Link, ...]:
+        """Links on the cheapest path from a to b (empty when a == b).
+
+        Raises ValueError when no path exists. Paths are cached: the search asks often.
+        """
+        if a == b:
+            return ()
+        key = (a, b) if a < b else (b, a)
+        cache = self.__dict__.setdefault("_route_cache", {})
+        if key not in cache:
+            try:
+                path = nx.shortest_path(self.graph, key[0], key[1], weight="weight")
+            except (nx.NetworkXNoPath, nx.NodeNotFound):
+                cache[key] = None
+            else:
+                cache[key] = tuple(self.graph.edges[u, v]["link"] for u, v in zip(path, path[1:]))
+        if cache[key] is None:
+            raise ValueError(f"no path of links between {a} and {b}")
+        return cache[key]
+
+    def transfer_s(self, a: str, b: str, n_bytes: float) -> float:
+        """Time to move n bytes from a to b: sum of link costs along the route
+        (store-and-forward; a contiguous transfer is not pipelined across hops)."""
+        return sum(link.transfer_s(n_bytes) for link in self.route(a, b))
+
+    def allreduce_s(self, devices: list[str] | tuple[str, ...], n_bytes: float) -> float:
+        """Ring all-reduce of n bytes over k devices (the contract's formula):
+        2(k-1)·latency + 2(k-1)/k · n / bandwidth, with the slowest link on the ring; a ring
+        hop without a direct link uses its routed path (its latencies add, the bottleneck
+        bandwidth applies)."""
+        k = len(devices)
+        if k <= 1:
+            return 0.0
+        lat, bw = 0.0, float("inf")
+        for i in range(k):
+            hop = self.route(devices[i], devices[(i + 1) % k])
+            lat = max(lat, sum(l.latency_s for l in hop))
+            bw = min(bw, min(l.bandwidth_bytes_per_s for l in hop))
+        return 2 * (k - 1) * lat + 2 * (k - 1) / k * n_bytes / bw
+
+
+# --- file format --------------------------------------------------------------------------
+_DEVICE_FIELDS = {"name", "kind", "threads", "memory_bytes", "matmul_flops_per_s",
+                  "memory_bytes_per_s", "op_overhead_s"}
+_LINK_FIELDS = {"a", "b", "bandwidth_bytes_per_s", "latency_s"}
+
+
+def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
+    r = Reader(data, file)
+    schema = r.get("schema", str, default=SCHEMA)
+    if schema != SCHEMA:
+        raise r.error("schema", f"expected {SCHEMA!r}, got {schema!r}")
+    positive = lambda v: v > 0  # noqa: E731
+    devices = []
+    for d in r.readers("devices"):
+        name = d.get("name", str)
+        try:
+            _, kind_from_name, _ = parse_device_name(name)
+        except ValueError:
+            raise d.error("name", f"expected 'cpu:N' or 'cuda:N' (optionally 'node/'), got {name!r}") from None
+        kind = d.get("kind", str, default=kind_from_name,
+                     check=lambda k: k == kind_from_name, expected=f"{kind_from_name!r} (as in its name)")
+        devices.append(Device(
+            name=name, kind=kind,
+            memory_bytes=d.get("memory_bytes", float, check=positive, expected="a positive number"),
+            matmul_flops_per_s=d.get("matmul_flops_per_s", float, check=positive, expected="a positive number"),
+            memory_bytes_per_s=d.get("memory_bytes_per_s", float, check=positive, expected="a positive number"),
+            op_overhead_s=d.get("op_overhead_s", float, default=0.0, check=lambda v: v >= 0,
+                                expected="a non-negative number"),
+            threads=d.get("threads", int, default=None, check=positive, expected="a positive integer"),
+            measured={k: v for k, v in d.data.items() if k not in _DEVICE_FIELDS},
+        ))
+    names = set()
+    for i, dev in enumerate(devices):
+        if dev.name in names:
+            raise r.error(f"devices[{i}].name", f"duplicate device name {dev.name!r}")
+        names.add(dev.name)
+    links = []
+    for l in r.readers("links", allow_empty=True) if r.has("links") else []:
+        a = l.get("a", str, check=lambda v: v in names, expected="the name of a device in 'devices'")
+        b = l.get("b", str, check=lambda v: v in names and v != a,
+                  expected="the name of another device in 'devices'")
+        links.append(Link(
+            a=a, b=b,
+            bandwidth_bytes_per_s=l.get("bandwidth_bytes_per_s", float, check=positive,
+                                        expected="a positive number"),
+            latency_s=l.get("latency_s", float, default=0.0, check=lambda v: v >= 0,
+                            expected="a non-negative number"),
+            measured={k: v for k, v in l.data.items() if k not in _LINK_FIELDS},
+        ))
+    extra = {k: v for k, v in r.data.items() if k not in {"schema", "name", "devices", "links"}}
+    return Topology(name=r.get("name", str, default=Path(file).stem), devices=tuple(devices),
+                    links=tuple(links), measured=extra)
+
+
+def topology_to_dict(t: Topology) -> dict[str, Any]:
+    devices = []
+    for d in t.devices:
+        out: dict[str, Any] = {"name": d.name, "kind": d.kind}
+        if d.threads is not None:
+            out["threads"] = d.threads
+        out.update(memory_bytes=d.memory_bytes, matmul_flops_per_s=d.matmul_flops_per_s,
+                   memory_bytes_per_s=d.memory_bytes_per_s, op_overhead_s=d.op_overhead_s)
+        out.update(d.measured)
+        devices.append(out)
+    links = [{"a": l.a, "b": l.b, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s,
+              "latency_s": l.latency_s, **l.measured} for l in t.links]
+    return {"schema": SCHEMA, "name": t.name, "devices": devices, "links": links, **t.measured}
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_topology(path: str | Path) -> Topology:
+    data = read_json(path, "topology file")
+    t = topology_from_dict(data, str(path))
+    object.__setattr__(t, "sha256", file_sha256(path))
+    return t
+
+
+def save_topology(t: Topology, path: str | Path) -> None:
+    write_json_atomic(path, topology_to_dict(t))
+
+
+__all__ = ["Device", "Link", "Topology", "InputError", "load_topology", "save_topology",
+           "topology_from_dict", "topology_to_dict", "parse_device_name", "file_sha256"]

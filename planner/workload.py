@@ -1,0 +1,102 @@
+"""Workloads: `--model SPEC` and `--model-arg KEY=VALUE`.
+
+SPEC is a built-in name (see planner.models) or `package.module:function`. The function takes
+the model args as keyword arguments and returns any object with `model`, `make_batch` and
+`loss_fn` (the `Workload` dataclass below is the documented way).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+from planner.io import InputError
+
+
+@dataclass
+class Workload:
+    model: Any                                   # torch.nn.Module
+    make_batch: Callable[[int, int], tuple]      # (batch_size, seed) -> (inputs, target)
+    loss_fn: Callable[[Any, Any], Any]           # (output, target) -> scalar (mean over batch)
+    optimizer: str = "adam"                      # the workload's usual optimizer ("sgd"/"adam")
+    lr: float = 1e-3                             # and its learning rate
+
+
+def convert_arg(value: str) -> Any:
+    """'12' -> 12, '0.1' -> 0.1, 'true'/'false' -> bool, anything else stays a string."""
+    if not isinstance(value, str):
+        return value
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_model_args(items: list[str] | None, flag: str = "--model-arg") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"{flag}: expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = convert_arg(value.strip())
+    return out
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    from planner import models
+    if spec in models.BUILTINS:
+        return models.BUILTINS[spec]
+    if ":" not in spec:
+        raise InputError(f"--model: unknown model {spec!r}; expected one of "
+                         f"{', '.join(sorted(models.BUILTINS))} or package.module:function")
+    modname, _, fname = spec.partition(":")
+    try:
+        mod = importlib.import_module(modname)
+    except ImportError as e:
+        raise InputError(f"--model: cannot import module {modname!r} of {spec!r}: {e}") from None
+    fn = getattr(mod, fname, None)
+    if not callable(fn):
+        raise InputError(f"--model: {modname!r} has no function {fname!r}")
+    return fn
+
+
+def load_workload(spec: str, args: dict[str, Any] | None = None) -> Workload:
+    """Build the workload: torch.manual_seed(0), then the factory with the converted args."""
+    import torch
+
+    args = {k: convert_arg(v) for k, v in (args or {}).items()}
+    fn = _resolve(spec)
+    try:
+        sig = inspect.signature(fn)
+        accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        if not accepts_kwargs:
+            unknown = sorted(set(args) - set(sig.parameters))
+            if unknown:
+                raise InputError(f"--model-arg: {spec} has no argument {unknown[0]!r}; expected one of "
+                                 f"{', '.join(sig.parameters) or '(none)'}")
+    except (TypeError, ValueError):
+        pass
+    torch.manual_seed(0)
+    try:
+        w = fn(**args)
+    except InputError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise InputError(f"--model-arg: {spec} rejected its arguments {args}: {e}") from None
+    for attr in ("model", "make_batch", "loss_fn"):
+        if not hasattr(w, attr):
+            raise InputError(f"--model: {spec} returned an object without {attr!r}; expected "
+                             "model, make_batch and loss_fn")
+    if not isinstance(w.model, torch.nn.Module):
+        raise InputError(f"--model: {spec} returned a model that is not a torch.nn.Module")
+    if not isinstance(w, Workload):
+        w = Workload(model=w.model, make_batch=w.make_batch, loss_fn=w.loss_fn,
+                     optimizer=getattr(w, "optimizer", "adam"), lr=getattr(w, "lr", 1e-3))
+    return w

@@ -1,0 +1,1 @@
+"""hetplan's runtime: executes a plan with torch.distributed and measures it."""
