@@ -1,0 +1,64 @@
+"""Gradient buckets: which layers' gradients are all-reduced together, among which devices.
+
+The simulator and the runtime both call `grad_buckets`, so the buckets that are predicted are
+the buckets that are run. Formation follows torch DDP (`bucket_cap_mb`):
+
+* Walk the layers in reverse order (the order their gradients become final in backward).
+* A layer's *group* is the tuple of devices holding it, one per replica (replica order). Data
+  parallel replicas may cut the model differently, so the group can change at any layer.
+* Consecutive layers of the same group go into the same bucket until adding the next layer
+  would make the bucket exceed `plan.sync.bucket_bytes`; then a new bucket starts. A layer
+  larger than the cap is a bucket on its own. A change of group always starts a new bucket.
+* Layers without parameters have no gradient and belong to no bucket.
+
+A single-replica plan still has buckets (groups of one device); they need no exchange.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.graph import ModelGraph
+from planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class Bucket:
+    layers: tuple[int, ...]    # layer indices in the order they are added (descending)
+    devices: tuple[str, ...]   # one per replica: the device holding these layers there
+    bytes: int                 # gradient bytes = parameter bytes of the layers
+
+
+def layer_groups(plan: Plan, num_layers: int) -> list[tuple[str, ...]]:
+    """For each layer, the devices holding it, one per replica."""
+    groups: list[list[str]] = [[] for _ in range(num_layers)]
+    for rep in plan.replicas:
+        for st in rep.stages:
+            for i in range(st.start, st.end):
+                groups[i].append(st.device)
+    return [tuple(g) for g in groups]
+
+
+def grad_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
+    """DDP-style buckets in the order they become ready (see the module docstring)."""
+    cap = plan.sync.bucket_bytes
+    groups = layer_groups(plan, graph.num_layers)
+    out: list[Bucket] = []
+    cur_layers: list[int] = []
+    cur_group: tuple[str, ...] | None = None
+    cur_bytes = 0
+    for i in range(graph.num_layers - 1, -1, -1):
+        n = graph.layers[i].param_bytes
+        if n <= 0:
+            continue
+        if cur_layers and (groups[i] != cur_group or cur_bytes + n > cap):
+            out.append(Bucket(tuple(cur_layers), cur_group, cur_bytes))
+            cur_layers, cur_bytes = [], 0
+        cur_layers.append(i)
+        cur_group = groups[i]
+        cur_bytes += n
+    if cur_layers:
+        out.append(Bucket(tuple(cur_layers), cur_group, cur_bytes))
+    return out
+
+
+__all__ = ["Bucket", "grad_buckets", "layer_groups"]

@@ -1,0 +1,131 @@
+"""The cost model: how long a layer, a transfer, an all-reduce and an optimizer step take.
+
+Pure functions carry the formulas (each docstring states its formula); `CostModel` wraps
+them in precomputed tables so the simulator's hot path is a dictionary lookup and a
+subtraction of prefix sums. `RooflineCost` is the contract's what-if model; the measured
+model (`planner.layer_timing.MeasuredCost`) replaces the per-layer times by timings taken on
+this machine and keeps everything else.
+
+Not modelled: kernel fusion across layers, cache effects between consecutive layers, overlap
+of compute and communication on the same device (a transfer does not slow the compute queue),
+mixed precision (all bytes are as captured).
+"""
+from __future__ import annotations
+
+from planner.graph import Layer, ModelGraph
+from planner.topology import Device, Topology, parse_device_name
+
+# Bytes touched per parameter byte by one optimizer step (memory-bound, foreach-style kernels):
+# SGD (no momentum): read param, read grad, write param = 3.
+# Adam: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq = 7.
+OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 3.0, "adam": 7.0}
+# Optimizer state held per parameter byte: Adam's two moments; plain SGD holds none.
+OPTIMIZER_STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adam": 2.0}
+
+
+def roofline_s(flops: float, bytes_moved: float, n_ops: int, device: Device) -> float:
+    """max(flops / matmul_flops_per_s, bytes_moved / memory_bytes_per_s) + n_ops * op_overhead_s."""
+    return (max(flops / device.matmul_flops_per_s, bytes_moved / device.memory_bytes_per_s)
+            + n_ops * device.op_overhead_s)
+
+
+def layer_fwd_s(layer: Layer, device: Device) -> float:
+    """Forward time of `layer` (already scaled to the microbatch) on a what-if device.
+
+    roofline_s(fwd_flops, fwd_bytes_moved + param_bytes, n_ops): the activations the ops read
+    and write plus one read of the parameters."""
+    return roofline_s(layer.fwd_flops, layer.fwd_bytes_moved + layer.param_bytes, layer.n_ops, device)
+
+
+def layer_bwd_s(layer: Layer, device: Device) -> float:
+    """Backward time of `layer` (scaled to the microbatch) on a what-if device.
+
+    roofline_s(bwd_flops, bwd_bytes_moved + 2 * param_bytes, bwd_n_ops): activation traffic
+    plus reading the parameters and writing (accumulating) their gradients."""
+    return roofline_s(layer.bwd_flops, layer.bwd_bytes_moved + 2 * layer.param_bytes,
+                      layer.bwd_n_ops, device)
+
+
+def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:
+    """One optimizer step over `param_bytes` of parameters, memory-bound:
+    OPTIMIZER_BYTES_PER_PARAM_BYTE[optimizer] * param_bytes / memory_bytes_per_s
+    (SGD 3x, Adam 7x; per-tensor launch overhead not modelled)."""
+    return OPTIMIZER_BYTES_PER_PARAM_BYTE[optimizer] * param_bytes / device.memory_bytes_per_s
+
+
+def host_cpu(topology: Topology, device: str) -> str:
+    """The CPU that runs `device`'s optimizer under placement "cpu" (ZeRO-Offload): a CPU
+    device on the same node, preferring one with a direct link, then the lowest name.
+    A CPU device is its own host. Raises ValueError when the node has no CPU device."""
+    node, kind, _ = parse_device_name(device)
+    if kind == "cpu":
+        return device
+    cpus = [d.name for d in topology.devices if d.kind == "cpu" and d.node == node]
+    if not cpus:
+        raise ValueError(f"optimizer placement 'cpu' needs a CPU device on the node of {device}")
+    linked = {l.a if l.b == device else l.b for l in topology.links if device in (l.a, l.b)}
+    return min(cpus, key=lambda c: (c not in linked, c))
+
+
+class CostModel:
+    """Precomputed layer costs for one graph on one topology.
+
+    Subclasses provide `layer_times(device, batch) -> (fwd_s list, bwd_s list)` per layer at a
+    microbatch of `batch` samples; this class caches prefix sums so that the time of any layer
+    range is `prefix[end] - prefix[start]`.
+    """
+
+    def __init__(self, graph: ModelGraph, topology: Topology):
+        self.graph, self.topology = graph, topology
+        self._prefix: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
+        self._layer: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
+        self._opt: dict[tuple[str, str, float], float] = {}
+
+    def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
+        raise NotImplementedError
+
+    def _tables(self, device: str, batch: float):
+        key = (device, batch)
+        if key not in self._prefix:
+            fwd, bwd = self.layer_times(self.topology.device(device), batch)
+            pf, pb = [0.0], [0.0]
+            for f, b in zip(fwd, bwd):
+                pf.append(pf[-1] + f)
+                pb.append(pb[-1] + b)
+            self._layer[key] = (list(fwd), list(bwd))
+            self._prefix[key] = (pf, pb)
+        return self._prefix[key]
+
+    def fwd_s(self, device: str, start: int, end: int, batch: float) -> float:
+        """Forward time of layers [start, end) on `device` at a microbatch of `batch` samples."""
+        pf = self._tables(device, batch)[0]
+        return pf[end] - pf[start]
+
+    def bwd_s(self, device: str, start: int, end: int, batch: float) -> float:
+        """Backward time of layers [start, end) on `device` at a microbatch of `batch` samples."""
+        pb = self._tables(device, batch)[1]
+        return pb[end] - pb[start]
+
+    def layer_s(self, device: str, index: int, batch: float) -> tuple[float, float]:
+        self._tables(device, batch)
+        fwd, bwd = self._layer[(device, batch)]
+        return fwd[index], bwd[index]
+
+    def optimizer_s(self, device: str, param_bytes: float, optimizer: str) -> float:
+        key = (device, optimizer, param_bytes)
+        if key not in self._opt:
+            self._opt[key] = optimizer_s(param_bytes, optimizer, self.topology.device(device))
+        return self._opt[key]
+
+
+class RooflineCost(CostModel):
+    """The contract's what-if model: every layer by `layer_fwd_s` / `layer_bwd_s`."""
+
+    def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
+        ratio = batch / self.graph.batch
+        scaled = [l.scaled(ratio) for l in self.graph.layers]
+        return [layer_fwd_s(l, device) for l in scaled], [layer_bwd_s(l, device) for l in scaled]
+
+
+__all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "optimizer_s", "host_cpu", "CostModel",
+           "RooflineCost", "OPTIMIZER_BYTES_PER_PARAM_BYTE", "OPTIMIZER_STATE_PER_PARAM_BYTE"]

@@ -1,0 +1,68 @@
+"""Peak memory per device for one training iteration of a plan.
+
+peak(device) = parameters + gradients + optimizer state + saved activations in flight, where
+for the stage a device holds (layers [a, b), microbatch of `mb` samples, p stages, m
+microbatches, stage index s):
+
+* parameters and gradients: sum of param_bytes over [a, b), each.
+* optimizer state: OPTIMIZER_STATE_PER_PARAM_BYTE (Adam 2x params, SGD 0). Under placement
+  "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients.
+* activations: saved_bytes of one microbatch (sum over [a, b), scaled to mb) times the
+  microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m).
+  With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
+  microbatch, plus one microbatch's full saved activations while it is recomputed.
+
+Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
+activations flowing through backward, communication buffers, the CUDA context.
+"""
+from __future__ import annotations
+
+from planner.cost import OPTIMIZER_STATE_PER_PARAM_BYTE, host_cpu
+from planner.graph import ModelGraph
+from planner.plan import Plan
+from planner.topology import Topology
+
+
+def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B)."""
+    if schedule == "gpipe":
+        return microbatches
+    return min(stages - stage, microbatches)
+
+
+def activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
+    """Peak saved-activation bytes of one stage of one replica (see the module docstring)."""
+    rep = plan.replicas[rep_index]
+    st = rep.stages[stage]
+    mb = plan.replica_batches()[rep_index] / rep.microbatches
+    ratio = mb / graph.batch
+    one_mb = sum(graph.layers[i].saved_bytes for i in range(st.start, st.end)) * ratio
+    n = in_flight(plan.schedule, len(rep.stages), stage, rep.microbatches)
+    if plan.recompute:
+        return n * graph.cut_bytes_at(st.start, mb) + one_mb
+    return n * one_mb
+
+
+def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
+    """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
+    state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
+    offload = plan.optimizer.placement == "cpu"
+    out: dict[str, float] = {}
+    for r, rep in enumerate(plan.replicas):
+        for s, st in enumerate(rep.stages):
+            params = float(sum(graph.layers[i].param_bytes for i in range(st.start, st.end)))
+            acts = activation_bytes(plan, graph, r, s)
+            out[st.device] = out.get(st.device, 0.0) + 2 * params + acts
+            host = host_cpu(topology, st.device) if offload else st.device
+            extra = state_ratio * params
+            if host != st.device:
+                extra += params  # the host's copy of the gradients
+            out[host] = out.get(host, 0.0) + extra
+    return out
+
+
+def feasible(peaks: dict[str, float], topology: Topology) -> bool:
+    return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
+
+
+__all__ = ["in_flight", "activation_bytes", "peak_memory", "feasible"]

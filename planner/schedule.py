@@ -1,0 +1,111 @@
+"""Pipeline schedules as data (in the style of torch.distributed.pipelining).
+
+An `Action` is one stage's forward or backward of one microbatch and prints as `1F0`
+(stage 1, forward, microbatch 0) or `0B3`; `Action.parse` reads it back. A schedule is a list
+of actions per stage, in the order that stage's device runs them. `grid` dry-runs a schedule
+with unit-time actions and prints the step x stage table (and names the step of a deadlock).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: str          # "F" (forward) or "B" (backward)
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        m = _ACTION.match(text.strip())
+        if not m:
+            raise ValueError(f"bad action {text!r}; expected like '1F0' or '0B3'")
+        return Action(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
+    """GPipe: every stage runs all forwards, then all backwards (microbatches in order)."""
+    return [[Action(s, "F", i) for i in range(microbatches)]
+            + [Action(s, "B", i) for i in range(microbatches)] for s in range(stages)]
+
+
+def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
+    """Non-interleaved 1F1B (PipeDream-Flush): stage s holds at most p - s microbatches."""
+    out = []
+    for s in range(stages):
+        warmup = min(stages - s - 1, microbatches)
+        acts = [Action(s, "F", i) for i in range(warmup)]                  # warm-up
+        for i in range(microbatches - warmup):                            # steady: 1F then 1B
+            acts += [Action(s, "F", warmup + i), Action(s, "B", i)]
+        acts += [Action(s, "B", i) for i in range(microbatches - warmup, microbatches)]  # cool-down
+        out.append(acts)
+    return out
+
+
+def make_schedule(name: str, stages: int, microbatches: int) -> list[list[Action]]:
+    if name == "gpipe":
+        return gpipe(stages, microbatches)
+    if name == "1f1b":
+        return one_f_one_b(stages, microbatches)
+    raise ValueError(f"unknown schedule {name!r}; expected gpipe or 1f1b")
+
+
+def format_schedule(schedule: list[list[Action]]) -> str:
+    return "\n".join(" ".join(str(a) for a in acts) for acts in schedule)
+
+
+def parse_schedule(text: str) -> list[list[Action]]:
+    return [[Action.parse(t) for t in line.split()] for line in text.strip().splitlines()]
+
+
+def dry_run(schedule: list[list[Action]]) -> list[list[Action | None]]:
+    """Unit-time execution: per step, the action each stage runs (None when idle).
+
+    F(s, i) needs F(s-1, i) done in an earlier step; B(s, i) needs B(s+1, i) (or, on the last
+    stage, F(s, i)). Raises ValueError naming the step when no stage can progress."""
+    p = len(schedule)
+    done: set[tuple[int, str, int]] = set()
+    pos = [0] * p
+    steps: list[list[Action | None]] = []
+    while any(pos[s] < len(schedule[s]) for s in range(p)):
+        row: list[Action | None] = []
+        for s in range(p):
+            a = schedule[s][pos[s]] if pos[s] < len(schedule[s]) else None
+            if a is not None:
+                need = ((s - 1, "F", a.microbatch) if a.kind == "F" and s > 0 else
+                        (s + 1, "B", a.microbatch) if a.kind == "B" and s < p - 1 else
+                        (s, "F", a.microbatch) if a.kind == "B" else None)
+                if need is not None and need not in done:
+                    a = None
+            row.append(a)
+        if all(a is None for a in row):
+            waiting = [str(schedule[s][pos[s]]) for s in range(p) if pos[s] < len(schedule[s])]
+            raise ValueError(f"deadlock at step {len(steps)}: waiting {', '.join(waiting)}")
+        for s, a in enumerate(row):
+            if a is not None:
+                done.add((a.stage, a.kind, a.microbatch))
+                pos[s] += 1
+        steps.append(row)
+    return steps
+
+
+def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
+    """The step x device table of a unit-time dry run, one row per step."""
+    names = names or [f"stage{s}" for s in range(len(schedule))]
+    steps = dry_run(schedule)
+    w = max(4, *(len(n) for n in names))
+    lines = ["step " + " ".join(n.rjust(w) for n in names)]
+    for t, row in enumerate(steps):
+        lines.append(f"{t:>4} " + " ".join((str(a) if a else ".").rjust(w) for a in row))
+    return "\n".join(lines)
+
+
+__all__ = ["Action", "gpipe", "one_f_one_b", "make_schedule", "format_schedule",
+           "parse_schedule", "dry_run", "grid"]

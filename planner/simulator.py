@@ -1,0 +1,347 @@
+"""The execution simulator: a task graph of one training iteration and a deterministic event loop.
+
+Tasks (per replica x stage x microbatch): forward and backward compute on the stage's device;
+activation / gradient transfers between consecutive stages, one task per link hop of the
+route (store-and-forward); one ring all-reduce per gradient bucket (planner.buckets) among
+the devices holding its layers; one optimizer step per device after its gradients are synced
+(under placement "cpu": gradient copy to the host CPU, update there, parameter copy back).
+
+Resources: each device's compute queue and each *direction* of each link (links are full
+duplex) runs one task at a time; an all-reduce holds every link direction of its ring at once.
+The order on a device is the schedule (consecutive actions are chained); every queue serves
+ready tasks first come, first served, ties broken by task id (creation order), and events at
+the same time are all applied before any task starts, so a run is deterministic.
+
+Sync: "fine" splits the last microbatch's backward of a stage at bucket boundaries, so a
+bucket's all-reduce starts when its layers' gradients are final on every device of its group,
+overlapping the remaining backward; "coarse" starts a bucket's all-reduce after all backward
+work of every device in its group. Recompute adds the stage's forward to its backward.
+
+Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
+loss computation (part of the last stage's forward as captured), send/recv launch overhead
+beyond link latency, and all-reduce algorithms other than the ring.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.buckets import grad_buckets
+from planner.cost import CostModel, RooflineCost, host_cpu
+from planner.graph import ModelGraph
+from planner.memory import feasible as memory_feasible, peak_memory
+from planner.plan import Plan
+from planner.schedule import make_schedule
+from planner.topology import Topology
+
+
+@dataclass(frozen=True)
+class SimResult:
+    iteration_s: float
+    peak_memory_bytes: dict[str, float]
+    feasible: bool
+    per_device: dict[str, dict[str, float]]
+    tasks: tuple[dict[str, Any], ...] | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"iteration_s": self.iteration_s, "peak_memory_bytes": dict(self.peak_memory_bytes),
+                "feasible": self.feasible, "per_device": {d: dict(v) for d, v in self.per_device.items()}}
+
+
+_STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
+
+
+class _Graph:
+    """The task graph under construction: parallel lists indexed by task id."""
+
+    def __init__(self, trace: bool):
+        self.dur: list[float] = []
+        self.res: list[tuple[int, ...]] = []
+        self.succ: list[list[int]] = []
+        self.ndeps: list[int] = []
+        self.meta: list[tuple[str, str, str]] | None = [] if trace else None  # (name, lane, kind)
+
+    def add(self, dur: float, res: tuple[int, ...], deps=(), meta=None) -> int:
+        t = len(self.dur)
+        self.dur.append(dur)
+        self.res.append(res)
+        self.succ.append([])
+        self.ndeps.append(0)
+        for d in deps:
+            if d is not None:
+                self.succ[d].append(t)
+                self.ndeps[t] += 1
+        if self.meta is not None:
+            self.meta.append(meta)
+        return t
+
+
+class Simulator:
+    """Simulates plans of one graph on one topology; costs and routes are cached across calls."""
+
+    def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
+                 cache_size: int = 4096):
+        self.graph, self.topology = graph, topology
+        self.cost = cost if cost is not None else RooflineCost(graph, topology)
+        self._rid: dict[Any, int] = {}
+        self._lanes: list[str] = []
+        for d in topology.devices:
+            self._resource(d.name)
+        self._hops: dict[tuple[str, str], list[tuple[int, float, float, str]]] = {}
+        self._ar: dict[tuple[tuple[str, ...], float], tuple[tuple[int, ...], float]] = {}
+        self._cache: dict[Any, SimResult] = {}
+        self._cache_size = cache_size
+
+    # --- resources and routes ----------------------------------------------------------------
+    def _resource(self, key: Any) -> int:
+        if key not in self._rid:
+            self._rid[key] = len(self._lanes)
+            self._lanes.append(key if isinstance(key, str) else f"{key[0]}->{key[1]}")
+        return self._rid[key]
+
+    def hops(self, a: str, b: str) -> list[tuple[int, float, float, str]]:
+        """(resource id, latency_s, bandwidth, lane) per link direction on the route a -> b."""
+        key = (a, b)
+        if key not in self._hops:
+            out, cur = [], a
+            for link in self.topology.route(a, b):
+                nxt = link.b if link.a == cur else link.a
+                out.append((self._resource((cur, nxt)), link.latency_s, link.bandwidth_bytes_per_s,
+                            f"{cur}->{nxt}"))
+                cur = nxt
+            self._hops[key] = out
+        return self._hops[key]
+
+    def _allreduce(self, devices: tuple[str, ...], n_bytes: float) -> tuple[tuple[int, ...], float]:
+        key = (devices, n_bytes)
+        if key not in self._ar:
+            res: list[int] = []
+            k = len(devices)
+            for i in range(k):
+                for h in self.hops(devices[i], devices[(i + 1) % k]):
+                    if h[0] not in res:
+                        res.append(h[0])
+            self._ar[key] = (tuple(res), self.topology.allreduce_s(devices, n_bytes))
+        return self._ar[key]
+
+    # --- building the task graph -------------------------------------------------------------
+    def _transfer(self, g: _Graph, stats, src: str, dst: str, n_bytes: float, after: int,
+                  label: str) -> int:
+        """Chain one task per hop from `after`; returns the last hop's task id."""
+        t = after
+        for rid, lat, bw, lane in self.hops(src, dst):
+            d = lat + n_bytes / bw
+            t = g.add(d, (rid,), (t,), (label, lane, "transfer"))
+            stats[src]["comm_s"] += d
+            stats[dst]["comm_s"] += d
+        return t
+
+    def _build(self, plan: Plan, g: _Graph, stats) -> None:
+        cost, graph = self.cost, self.graph
+        fine = plan.sync.granularity == "fine"
+        buckets = grad_buckets(plan, graph)
+        # Buckets that need an exchange, indexed by the device holding them in each replica.
+        shared = [b for b in buckets if len(b.devices) > 1]
+        by_device: dict[str, list[int]] = {}
+        for k, b in enumerate(shared):
+            for d in b.devices:
+                by_device.setdefault(d, []).append(k)
+        chunk_of: dict[tuple[str, int], int] = {}   # (device, bucket) -> task making it final
+        last_b: dict[str, int] = {}                 # device -> its last backward task
+        batches = plan.replica_batches()
+        rec = plan.recompute
+        for r, rep in enumerate(plan.replicas):
+            p, m = len(rep.stages), rep.microbatches
+            mb = batches[r] / m
+            sched = make_schedule(plan.schedule, p, m)
+            fwd = [[None] * m for _ in range(p)]   # task id of F
+            bwd_first = [[None] * m for _ in range(p)]
+            bwd_last = [[None] * m for _ in range(p)]
+            # Deps across stages are added after creation; we create per stage in schedule
+            # order, so keep pending cross-stage edges and wire them at the end.
+            pending: list[tuple[int, str, int, int]] = []
+            for s, st in enumerate(rep.stages):
+                dev, rid, a, e = st.device, self._rid[st.device], st.start, st.end
+                f_s = cost.fwd_s(dev, a, e, mb)
+                b_s = cost.bwd_s(dev, a, e, mb)
+                ds = stats[dev]
+                # Chunks of the last microbatch's backward at bucket boundaries (fine sync).
+                chunks = [(e, a, None)]
+                if fine and dev in by_device:
+                    chunks, hi = [], e
+                    ks = by_device[dev]
+                    for j, k in enumerate(ks):
+                        lo = a if j == len(ks) - 1 else min(shared[k].layers)
+                        chunks.append((hi, lo, k))
+                        hi = lo
+                prev = None
+                for act in sched[s]:
+                    i = act.microbatch
+                    if act.kind == "F":
+                        prev = fwd[s][i] = g.add(f_s, (rid,), (prev,), (f"{r}:{act}", dev, "forward"))
+                        ds["fwd_s"] += f_s
+                        continue
+                    pieces = chunks if i == m - 1 else [(e, a, None)]
+                    first = None
+                    for hi, lo, k in pieces:
+                        d = cost.bwd_s(dev, lo, hi, mb) if len(pieces) > 1 else b_s
+                        if rec and first is None:
+                            d += f_s
+                        prev = g.add(d, (rid,), (prev,), (f"{r}:{act}", dev, "backward"))
+                        ds["bwd_s"] += d
+                        if first is None:
+                            first = prev
+                        if k is not None:
+                            chunk_of[(dev, k)] = prev
+                    bwd_first[s][i], bwd_last[s][i] = first, prev
+                last_b[dev] = prev
+            for s in range(1, p):
+                src, dst = rep.stages[s - 1].device, rep.stages[s].device
+                n = graph.cut_bytes_at(rep.stages[s].start, mb)
+                for i in range(m):
+                    t = self._transfer(g, stats, src, dst, n, fwd[s - 1][i], f"{r}:act{s - 1}->{s}:{i}")
+                    g.succ[t].append(fwd[s][i])
+                    g.ndeps[fwd[s][i]] += 1
+                    t = self._transfer(g, stats, dst, src, n, bwd_last[s][i], f"{r}:grad{s}->{s - 1}:{i}")
+                    g.succ[t].append(bwd_first[s - 1][i])
+                    g.ndeps[bwd_first[s - 1][i]] += 1
+        # Gradient all-reduce per shared bucket.
+        synced: dict[str, list[int]] = {}
+        for k, b in enumerate(shared):
+            res, d = self._allreduce(b.devices, b.bytes)
+            deps = [chunk_of[(dev, k)] if fine else last_b[dev] for dev in b.devices]
+            t = g.add(d, res, deps, (f"allreduce b{k} {b.bytes}B", "+".join(b.devices), "allreduce"))
+            for dev in b.devices:
+                stats[dev]["comm_s"] += d
+                synced.setdefault(dev, []).append(t)
+        # Optimizer step per device holding parameters.
+        opt, offload = plan.optimizer.name, plan.optimizer.placement == "cpu"
+        for rep in plan.replicas:
+            for st in rep.stages:
+                dev = st.device
+                n = sum(graph.layers[i].param_bytes for i in range(st.start, st.end))
+                if n <= 0:
+                    continue
+                deps = synced.get(dev) or [last_b[dev]]
+                host = host_cpu(self.topology, dev) if offload else dev
+                if host == dev:
+                    d = cost.optimizer_s(dev, n, opt)
+                    g.add(d, (self._rid[dev],), deps, (f"{opt} step", dev, "optimizer"))
+                    stats[dev]["optimizer_s"] += d
+                    continue
+                join = g.add(0.0, (), deps, None if g.meta is None else ("sync", dev, "join"))
+                t = self._transfer(g, stats, dev, host, n, join, f"grads {dev}->{host}")
+                d = cost.optimizer_s(host, n, opt)
+                t = g.add(d, (self._rid[host],), (t,), (f"{opt} step for {dev}", host, "optimizer"))
+                stats[host]["optimizer_s"] += d
+                self._transfer(g, stats, host, dev, n, t, f"params {host}->{dev}")
+
+    # --- the event loop ----------------------------------------------------------------------
+    @staticmethod
+    def _run(g: _Graph, n_res: int) -> tuple[list[float], list[float]]:
+        """Deterministic list scheduling over FIFO resources; returns start and end times."""
+        dur, res, succ, ndeps = g.dur, g.res, g.succ, list(g.ndeps)
+        n = len(dur)
+        start, end = [0.0] * n, [0.0] * n
+        busy = [False] * n_res
+        waiting: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
+        started = [False] * n
+        events: list[tuple[float, int]] = []
+        touched: set[int] = set()
+
+        def ready(t: int, now: float) -> None:
+            r = res[t]
+            if not r:   # a pure join: completes at once
+                start[t] = end[t] = now
+                heapq.heappush(events, (now, t))
+                started[t] = True
+                return
+            for x in r:
+                heapq.heappush(waiting[x], (now, t))
+                touched.add(x)
+
+        def dispatch(now: float) -> None:
+            for x in sorted(touched):
+                if busy[x]:
+                    continue
+                w = waiting[x]
+                while w and started[w[0][1]]:
+                    heapq.heappop(w)
+                if not w:
+                    continue
+                t = w[0][1]
+                r = res[t]
+                if len(r) > 1 and any(busy[y] for y in r):
+                    continue
+                for y in r:
+                    busy[y] = True
+                started[t] = True
+                start[t] = now
+                end[t] = now + dur[t]
+                heapq.heappush(events, (end[t], t))
+            touched.clear()
+
+        for t in range(n):
+            if ndeps[t] == 0:
+                ready(t, 0.0)
+        dispatch(0.0)
+        while events:
+            now = events[0][0]
+            while events and events[0][0] == now:
+                _, t = heapq.heappop(events)
+                for x in res[t]:
+                    busy[x] = False
+                    touched.add(x)
+                for s in succ[t]:
+                    ndeps[s] -= 1
+                    if ndeps[s] == 0:
+                        ready(s, now)
+            dispatch(now)
+        if not all(started):
+            raise RuntimeError("simulator deadlock: some tasks never became ready")
+        return start, end
+
+    # --- entry point -------------------------------------------------------------------------
+    def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
+        key = (plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
+               plan.recompute)
+        if not trace and key in self._cache:
+            return self._cache[key]
+        g = _Graph(trace)
+        stats: dict[str, dict[str, float]] = {}
+        devices = list(plan.devices)
+        if plan.optimizer.placement == "cpu":
+            devices += [h for h in (host_cpu(self.topology, d) for d in plan.devices) if h not in devices]
+        for d in devices:
+            self.topology.device(d)   # raises KeyError naming the device
+            stats[d] = dict.fromkeys(_STATS, 0.0)
+        self._build(plan, g, stats)
+        start, end = self._run(g, len(self._lanes))
+        iteration_s = max(end) if end else 0.0
+        peaks = peak_memory(plan, self.graph, self.topology)
+        for d, v in stats.items():
+            v["compute_s"] = v["fwd_s"] + v["bwd_s"] + v["optimizer_s"]
+            v["busy_s"] = v["compute_s"]
+            v["idle_s"] = iteration_s - v["busy_s"]
+            v["peak_memory_bytes"] = peaks.get(d, 0.0)
+        tasks = None
+        if trace:
+            tasks = tuple({"name": m[0], "lane": m[1], "kind": m[2], "start_s": s, "end_s": e}
+                          for m, s, e in zip(g.meta, start, end) if m is not None and m[2] != "join")
+        result = SimResult(iteration_s=iteration_s, peak_memory_bytes=peaks,
+                           feasible=memory_feasible(peaks, self.topology), per_device=stats, tasks=tasks)
+        if not trace:
+            if len(self._cache) >= self._cache_size:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = result
+        return result
+
+
+def simulate(plan: Plan, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
+             trace: bool = False) -> SimResult:
+    """One-shot simulation (builds a fresh `Simulator`; reuse one for many plans)."""
+    return Simulator(graph, topology, cost).simulate(plan, trace=trace)
+
+
+__all__ = ["SimResult", "Simulator", "simulate"]

@@ -1,0 +1,41 @@
+"""Hand-built graphs, topologies and plans for exact-time simulator tests (not a test file)."""
+from __future__ import annotations
+
+from planner.graph import Layer, ModelGraph
+from planner.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from planner.topology import Device, Link, Topology
+
+
+def layer(i: int, fwd_flops=1e9, bwd_flops=2e9, param_bytes=0, saved_bytes=0) -> Layer:
+    return Layer(index=i, name=f"l{i}", fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                 param_bytes=param_bytes, activation_bytes=0, saved_bytes=saved_bytes,
+                 fwd_bytes_moved=0.0, bwd_bytes_moved=0.0, n_ops=1, bwd_n_ops=2,
+                 param_names=(f"l{i}.weight",), signature=f"sig{i}")
+
+
+def graph(layers, batch=1, cut_bytes=None) -> ModelGraph:
+    layers = tuple(layers)
+    return ModelGraph(layers=layers, batch=batch,
+                      cut_bytes=tuple(cut_bytes) if cut_bytes else (0,) * (len(layers) + 1))
+
+
+def device(name, flops=1e9, mem_bw=1e30, memory=1e12, overhead=0.0) -> Device:
+    return Device(name=name, kind=name.split("/")[-1].split(":")[0], memory_bytes=memory,
+                  matmul_flops_per_s=flops, memory_bytes_per_s=mem_bw, op_overhead_s=overhead)
+
+
+def topology(devices, links=()) -> Topology:
+    return Topology(name="t", devices=tuple(devices), links=tuple(links))
+
+
+def link(a, b, bw=1e30, lat=0.0) -> Link:
+    return Link(a=a, b=b, bandwidth_bytes_per_s=bw, latency_s=lat)
+
+
+def plan(replicas, global_batch, schedule="1f1b", granularity="fine", bucket_bytes=1 << 40,
+         optimizer="sgd", placement="device", recompute=False) -> Plan:
+    """replicas: list of (batch_fraction, microbatches, [(device, start, end), ...])."""
+    reps = tuple(Replica(f, m, tuple(Stage(d, (a, b)) for d, a, b in st)) for f, m, st in replicas)
+    return Plan(model=ModelRef("synthetic"), global_batch=global_batch, replicas=reps,
+                schedule=schedule, sync=Sync(granularity, bucket_bytes),
+                optimizer=Optimizer(optimizer, 1e-3, placement), recompute=recompute)
