@@ -1,0 +1,252 @@
+"""MCMC search over the strategy space (FlexFlow, Jia et al. 2019, section 5), plus what
+FlexFlow lacked: batch fractions solved directly, and baselines that bound the result.
+
+The search calls one narrow function, `evaluate(plan) -> result` with attributes
+`iteration_s`, `feasible` and `peak_memory_bytes` (planner.simulator's SimResult), and takes a
+seeded `random.Random`: no global state. Results are cached by `plan_key`.
+
+Determinism: the search stops after `iterations` proposals, or after half of them without
+improvement; both depend only on the seed. `time_limit_s` is a safety cap only: when it stops
+the search, the result can depend on the machine's speed, and `SearchResult.stopped_by` says so.
+
+Cost of a plan for the walk: its predicted iteration time when feasible; an infeasible plan
+costs its time times (2 + how far its worst device is over memory), so the walk can cross
+infeasible regions but never returns one.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from planner.baselines import baseline_strategies
+from planner.plan import Plan, plan_key
+from planner.space import Pipeline, Space, Strategy, min_batch, propose, to_plan
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    iterations: int = 2000          # proposals; the deterministic budget
+    time_limit_s: float = 10.0      # safety cap (wall clock)
+    temperature: float = 30.0       # beta = temperature / current cost: a 3% worse plan is
+                                    # accepted with probability exp(-0.9) ~ 0.4
+    restart_every: int = 150        # proposals without improvement before returning to the best
+    batch_move_prob: float = 0.2    # share of proposals that shift samples between replicas
+
+
+@dataclass(frozen=True)
+class Problem:
+    space: Space
+    evaluate: Callable[[Plan], Any]                 # -> .iteration_s, .feasible, .peak_memory_bytes
+    memory_bytes: dict[str, float]                  # device capacity
+    shares: dict[str, tuple[float, ...]]            # per device, each layer's share of model time
+    cut_s: Callable[[str, str, int], float] | None = None  # activations at cut i between two devices
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    iteration_s: float
+    feasible: bool
+    peak_memory_bytes: dict[str, float]
+    memory_ratio: float              # max over devices of peak / capacity
+    cost: float                      # what the walk minimises (see module docstring)
+    name: str = ""
+
+    @property
+    def strategy(self) -> Strategy:
+        from planner.space import from_plan
+        return from_plan(self.plan)[0]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Candidate | None                  # None when no feasible plan was found
+    baselines: tuple[Candidate, ...]
+    least_memory: Candidate                 # the plan with the lowest memory_ratio seen
+    iterations: int
+    evaluations: int
+    stopped_by: str                         # "iterations", "no improvement" or "time limit"
+    elapsed_s: float
+    history: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # (elapsed_s, best_s)
+
+
+class Searcher:
+    def __init__(self, problem: Problem, rng: random.Random, config: SearchConfig = SearchConfig(),
+                 progress: Callable[[str], None] | None = None):
+        self.p, self.rng, self.cfg, self.progress = problem, rng, config, progress
+        self.cache: dict[str, Candidate] = {}
+        self.evaluations = 0
+        self.least_memory: Candidate | None = None
+
+    # --- evaluation ---------------------------------------------------------------------
+    def evaluate(self, plan: Plan, name: str = "") -> Candidate:
+        key = plan_key(plan)
+        c = self.cache.get(key)
+        if c is None:
+            r = self.p.evaluate(plan)
+            self.evaluations += 1
+            peak = {d: float(v) for d, v in r.peak_memory_bytes.items()}
+            ratio = max((v / self.p.memory_bytes[d] for d, v in peak.items() if d in self.p.memory_bytes),
+                        default=0.0)
+            t = float(r.iteration_s)
+            feasible = bool(r.feasible) and ratio <= 1.0 and math.isfinite(t)
+            cost = t if feasible else (t * (2.0 + max(ratio - 1.0, 0.0)) if math.isfinite(t) else math.inf)
+            c = Candidate(plan, t, feasible, peak, ratio, cost)
+            self.cache[key] = c
+            if plan.global_batch == self.p.space.global_batch and (
+                    self.least_memory is None or ratio < self.least_memory.memory_ratio):
+                self.least_memory = c
+        return replace(c, name=name) if name else c
+
+    # --- batch split ----------------------------------------------------------------------
+    def replica_time_s(self, s: Strategy, pipe: Pipeline, batch: int) -> float:
+        """Predicted time of `pipe` alone (one replica, whole plan at `batch`)."""
+        space = replace(self.p.space, global_batch=batch)
+        solo = replace(s, pipelines=(pipe,))
+        return self.evaluate(to_plan(space, solo, (batch,))).iteration_s
+
+    def solve_batches(self, s: Strategy) -> tuple[int, ...]:
+        """Integer replica batches so that replicas finish together.
+
+        Each replica's time is modelled as affine in its batch, t_r(b) = a_r + c_r·b, from two
+        simulations of the replica alone (at B/8 and B samples). The continuous optimum is the
+        level T with sum_r max(low_r, (T - a_r)/c_r) = B (bisection); the integer split takes
+        its floors and hands the remaining samples, one by one, to the replica whose
+        t_r(b_r + 1) is smallest, which minimises the max replica time for the model. The full
+        simulator then judges the plan; batch-shift moves correct what the model misses."""
+        B = self.p.space.global_batch
+        lows = [min_batch(p, s.schedule) for p in s.pipelines]
+        if len(s.pipelines) == 1:
+            return (B,)
+        models = []
+        for p, lo in zip(s.pipelines, lows):
+            b1 = max(lo, B // 8)
+            t1, t2 = self.replica_time_s(s, p, b1), self.replica_time_s(s, p, B)
+            slope = (t2 - t1) / (B - b1) if B > b1 else t2 / B
+            slope = max(slope, 1e-12 * max(t2, 1e-12))  # time never falls with more samples
+            models.append((t1 - slope * b1, slope))
+
+        def total(level: float) -> float:
+            return sum(max(lo, (level - a) / c) for (a, c), lo in zip(models, lows))
+        lo_t, hi_t = 0.0, max(a + c * B for a, c in models)
+        for _ in range(60):
+            mid = (lo_t + hi_t) / 2
+            lo_t, hi_t = (mid, hi_t) if total(mid) < B else (lo_t, mid)
+        batches = [max(lo, math.floor((hi_t - a) / c)) for (a, c), lo in zip(models, lows)]
+        while sum(batches) > B:  # floors of a level slightly above the optimum can overshoot
+            i = max((i for i in range(len(batches)) if batches[i] > lows[i]),
+                    key=lambda i: models[i][0] + models[i][1] * batches[i])
+            batches[i] -= 1
+        while sum(batches) < B:
+            i = min(range(len(batches)), key=lambda i: (models[i][0] + models[i][1] * (batches[i] + 1), i))
+            batches[i] += 1
+        return tuple(batches)
+
+    def shift_batch(self, s: Strategy, batches: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Move a few samples from one replica to another (fine-tuning with the full simulator)."""
+        if len(batches) < 2:
+            return None
+        i, j = self.rng.sample(range(len(batches)), 2)
+        room = batches[i] - min_batch(s.pipelines[i], s.schedule)
+        if room < 1:
+            return None
+        k = 1 if self.rng.random() < 0.6 else self.rng.randint(1, max(1, room // 4))
+        out = list(batches)
+        out[i] -= k
+        out[j] += k
+        return tuple(out)
+
+    # --- the walk -----------------------------------------------------------------------------
+    def baselines(self) -> list[Candidate]:
+        space = self.p.space
+        singles = [self.evaluate(to_plan(space, Strategy((Pipeline((d,), ()),)), (space.global_batch,)),
+                                 name=f"single device {d}") for d in space.devices]
+        single_s = {c.plan.devices[0]: c.iteration_s for c in singles}
+        feasible = [c for c in singles if c.feasible]
+        pool = min(feasible or singles, key=lambda c: (c.cost, c.memory_ratio))
+        out = [replace(pool, name=f"fastest single device ({pool.plan.devices[0]})")]
+        for name, strat, batches in baseline_strategies(space, single_s, self.p.shares, self.p.cut_s):
+            out.append(self.evaluate(to_plan(space, strat, batches), name=name))
+        return out
+
+    def run(self) -> SearchResult:
+        t0 = time.monotonic()
+        space, cfg, rng = self.p.space, self.cfg, self.rng
+        bases = self.baselines()
+        start = min(bases, key=lambda c: (not c.feasible, c.cost))
+        cur = best = start
+        history = [(time.monotonic() - t0, best.iteration_s)]
+        last_gain = last_restart = 0
+        stopped_by, it = "iterations", 0
+        next_report = t0 + 1.0
+        for it in range(1, cfg.iterations + 1):
+            now = time.monotonic()
+            if now - t0 > cfg.time_limit_s:
+                stopped_by = "time limit"
+                break
+            if it - last_gain > cfg.iterations // 2:
+                stopped_by = "no improvement"
+                break
+            if self.progress and now >= next_report:
+                self.progress(f"search: {it} iterations, {self.evaluations} simulations, "
+                              f"best {best.iteration_s * 1e3:.3f} ms{'' if best.feasible else ' (infeasible)'}")
+                next_report = now + 1.0
+            if it - max(last_gain, last_restart) >= cfg.restart_every:
+                cur, last_restart = best, it
+            cand = self._propose(cur)
+            if cand is None:
+                continue
+            delta = cand.cost - cur.cost
+            if delta <= 0 or (math.isfinite(cand.cost) and
+                              rng.random() < math.exp(-cfg.temperature * delta / cur.cost)):
+                cur = cand
+            if cand.cost < best.cost * (1 - 1e-9) and (cand.feasible or not best.feasible):
+                best, last_gain = cand, it
+                history.append((time.monotonic() - t0, best.iteration_s))
+        else:
+            it = cfg.iterations
+        return SearchResult(best=best if best.feasible else None, baselines=tuple(bases),
+                            least_memory=self.least_memory, iterations=it, evaluations=self.evaluations,
+                            stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history))
+
+    def _propose(self, cur: Candidate) -> Candidate | None:
+        s, batches = _split(cur.plan)
+        if self.rng.random() < self.cfg.batch_move_prob:
+            nb = self.shift_batch(s, batches)
+            if nb is not None:
+                return self.evaluate(to_plan(self.p.space, s, nb))
+        t = propose(self.p.space, s, self.rng)
+        if t is None:
+            return None
+        if [p.devices for p in t.pipelines] == [p.devices for p in s.pipelines] and \
+                [min_batch(p, t.schedule) for p in t.pipelines] == [min_batch(p, s.schedule) for p in s.pipelines] \
+                and self.rng.random() < 0.5:
+            nb = batches   # same replicas: keep the tuned split half of the time
+        else:
+            nb = self.solve_batches(t)
+        return self.evaluate(to_plan(self.p.space, t, nb))
+
+
+def _split(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
+    from planner.space import from_plan
+    return from_plan(plan)
+
+
+def search(problem: Problem, rng: random.Random, config: SearchConfig = SearchConfig(),
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """Best plan found by the MCMC walk, never predicted slower than the best baseline."""
+    return Searcher(problem, rng, config, progress).run()
+
+
+def memory_error(result: SearchResult, memory_bytes: dict[str, float]) -> str:
+    """One line for 'no feasible plan': the smallest memory the least hungry plan needs, and where."""
+    c = result.least_memory
+    devs = [d for d in c.peak_memory_bytes if d in memory_bytes]
+    if not devs:
+        return "no feasible plan found (the simulator rejected every plan)"
+    dev = max(devs, key=lambda d: c.peak_memory_bytes[d] / memory_bytes[d])
+    return (f"no plan fits in memory: the least memory-hungry plan found needs "
+            f"{c.peak_memory_bytes[dev]:.4g} bytes on {dev}, which has {memory_bytes[dev]:.4g}")

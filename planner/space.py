@@ -1,0 +1,339 @@
+"""The strategy space: every choice a plan makes, the search's moves, and exhaustive enumeration.
+
+A `Strategy` is a plan without its batch split: which devices form which pipelines, where the
+stage boundaries are, the desired microbatch count of each pipeline, and the global choices
+(schedule, sync granularity and bucket size, optimizer placement, recompute). A plan is a
+strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
+search solve it directly (planner.search.solve_batches) instead of random-walking fractions.
+
+Every move rewrites one choice and returns a strategy that `to_plan` can turn into a valid plan
+(validate_plan), or None when the move does not apply (e.g. no unused device to add).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from planner.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+
+MiB = 2**20
+BUCKET_CHOICES_BYTES = (1 * MiB, 4 * MiB, 25 * MiB, 100 * MiB)
+
+
+@dataclass(frozen=True)
+class Space:
+    """What may be chosen for one workload on one topology."""
+    devices: tuple[str, ...]               # in a sensible pipeline order (see baselines.device_order)
+    kinds: dict[str, str]                  # device -> "cpu" / "cuda"
+    num_layers: int
+    global_batch: int
+    model: ModelRef
+    optimizer_name: str = "adam"
+    lr: float = 1e-3
+    bucket_choices_bytes: tuple[int, ...] = BUCKET_CHOICES_BYTES
+    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    granularities: tuple[str, ...] = ("fine", "coarse")
+    recompute_choices: tuple[bool, ...] = (False, True)
+    max_microbatches: int = 64             # more microbatches than this only add overhead
+
+    @property
+    def has_gpu(self) -> bool:
+        return any(k == "cuda" for k in self.kinds.values())
+
+    @property
+    def placements(self) -> tuple[str, ...]:
+        # Offloading the optimizer to the CPU only means something for GPU-resident parameters.
+        return ("device", "cpu") if self.has_gpu else ("device",)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    devices: tuple[str, ...]               # stage k runs on devices[k]
+    cuts: tuple[int, ...]                  # len(devices) - 1 strictly increasing layers in (0, L)
+    microbatches: int = 1                  # desired; realised as a divisor of the replica batch
+
+    def ranges(self, num_layers: int) -> list[tuple[int, int]]:
+        bounds = (0, *self.cuts, num_layers)
+        return list(zip(bounds, bounds[1:]))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    pipelines: tuple[Pipeline, ...]
+    schedule: str = "1f1b"
+    granularity: str = "fine"
+    bucket_bytes: int = 25 * MiB
+    placement: str = "device"
+    recompute: bool = False
+
+    @property
+    def used(self) -> frozenset[str]:
+        return frozenset(d for p in self.pipelines for d in p.devices)
+
+
+# --- strategy -> plan ---------------------------------------------------------------------
+def min_batch(p: Pipeline, schedule: str) -> int:
+    """Smallest replica batch a pipeline can take: 1F1B needs microbatches >= stages."""
+    return len(p.devices) if schedule == "1f1b" else 1
+
+
+def realise_microbatches(desired: int, batch: int, stages: int, schedule: str) -> int:
+    """The divisor m of `batch` closest to `desired` (in ratio; ties -> smaller) with m >= stages
+    under 1F1B. Raises ValueError when none exists (batch < stages under 1F1B)."""
+    low = stages if schedule == "1f1b" else 1
+    divs = [m for m in range(low, batch + 1) if batch % m == 0]
+    if not divs:
+        raise ValueError(f"no microbatch count >= {low} divides batch {batch}")
+    return min(divs, key=lambda m: (abs(math.log(m / max(desired, 1))), m))
+
+
+def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> Plan:
+    """The plan of strategy `s` with replica batches `batches` (summing to the global batch).
+
+    Fractions are b / B, so round(fraction * B) gives back b exactly."""
+    B = space.global_batch
+    replicas = []
+    for p, b in zip(s.pipelines, batches, strict=True):
+        m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule)
+        stages = tuple(Stage(d, r) for d, r in zip(p.devices, p.ranges(space.num_layers)))
+        replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
+    return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
+                sync=Sync(s.granularity, s.bucket_bytes),
+                optimizer=Optimizer(space.optimizer_name, space.lr, s.placement),
+                recompute=s.recompute)
+
+
+def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
+    """Inverse of to_plan (microbatches as realised)."""
+    pipes = tuple(Pipeline(devices=r.devices, cuts=tuple(st.start for st in r.stages[1:]),
+                           microbatches=r.microbatches) for r in plan.replicas)
+    s = Strategy(pipes, plan.schedule, plan.sync.granularity, plan.sync.bucket_bytes,
+                 plan.optimizer.placement, plan.recompute)
+    return s, tuple(plan.replica_batches())
+
+
+def fits(space: Space, s: Strategy) -> bool:
+    """Structural validity: distinct devices, cuts inside (0, L), batch enough for every pipeline."""
+    used = [d for p in s.pipelines for d in p.devices]
+    if not s.pipelines or len(used) != len(set(used)):
+        return False
+    for p in s.pipelines:
+        if len(p.cuts) != len(p.devices) - 1 or not p.devices:
+            return False
+        bounds = (0, *p.cuts, space.num_layers)
+        if any(a >= b for a, b in zip(bounds, bounds[1:])):
+            return False
+    return sum(min_batch(p, s.schedule) for p in s.pipelines) <= space.global_batch
+
+
+# --- moves ----------------------------------------------------------------------------------
+def _set_pipe(s: Strategy, i: int, p: Pipeline | None) -> Strategy:
+    pipes = list(s.pipelines)
+    if p is None:
+        del pipes[i]
+    else:
+        pipes[i] = p
+    return replace(s, pipelines=tuple(pipes))
+
+
+def _even_cuts(n_stages: int, num_layers: int) -> tuple[int, ...]:
+    return tuple(round(k * num_layers / n_stages) for k in range(1, n_stages))
+
+
+def move_cut(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Shift one stage boundary by a few layers."""
+    cands = [i for i, p in enumerate(s.pipelines) if p.cuts]
+    if not cands:
+        return None
+    i = rng.choice(cands)
+    p = s.pipelines[i]
+    k = rng.randrange(len(p.cuts))
+    step = rng.choice((-1, 1)) * (1 if rng.random() < 0.7 else rng.randint(2, max(2, space.num_layers // 4)))
+    cuts = list(p.cuts)
+    cuts[k] += step
+    return _set_pipe(s, i, replace(p, cuts=tuple(cuts)))
+
+
+def split_stage(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Give half of one stage's layers to an unused device (a new stage right after it)."""
+    free = [d for d in space.devices if d not in s.used]
+    cands = [(i, k) for i, p in enumerate(s.pipelines)
+             for k, (a, b) in enumerate(p.ranges(space.num_layers)) if b - a >= 2]
+    if not free or not cands:
+        return None
+    i, k = rng.choice(cands)
+    p = s.pipelines[i]
+    a, b = p.ranges(space.num_layers)[k]
+    mid = rng.randint(a + 1, b - 1) if rng.random() < 0.3 else (a + b) // 2
+    d = rng.choice(free)
+    devices = (*p.devices[:k + 1], d, *p.devices[k + 1:])
+    cuts = tuple(sorted((*p.cuts, mid)))
+    return _set_pipe(s, i, replace(p, devices=devices, cuts=cuts,
+                                   microbatches=max(p.microbatches, len(devices))))
+
+
+def merge_stages(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Merge two adjacent stages onto one of their devices (the other becomes unused)."""
+    cands = [(i, k) for i, p in enumerate(s.pipelines) for k in range(len(p.cuts))]
+    if not cands:
+        return None
+    i, k = rng.choice(cands)
+    p = s.pipelines[i]
+    keep = k if rng.random() < 0.5 else k + 1
+    drop = k + 1 if keep == k else k
+    devices = tuple(d for j, d in enumerate(p.devices) if j != drop)
+    cuts = tuple(c for j, c in enumerate(p.cuts) if j != k)
+    return _set_pipe(s, i, replace(p, devices=devices, cuts=cuts))
+
+
+def swap_devices(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Exchange two devices' places (either may be unused: then it replaces the other)."""
+    a = rng.choice([d for p in s.pipelines for d in p.devices])
+    b = rng.choice([d for d in space.devices if d != a] or [a])
+    if a == b:
+        return None
+    swap = {a: b, b: a}
+    pipes = tuple(replace(p, devices=tuple(swap.get(d, d) for d in p.devices)) for p in s.pipelines)
+    return replace(s, pipelines=pipes)
+
+
+def add_replica(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """An unused device becomes a new one-stage data-parallel replica."""
+    free = [d for d in space.devices if d not in s.used]
+    if not free:
+        return None
+    return replace(s, pipelines=(*s.pipelines, Pipeline((rng.choice(free),), ())))
+
+
+def _without(s: Strategy, d: str, rng: random.Random) -> Strategy:
+    """`s` without device d: its one-stage replica disappears, or its stage merges into a neighbour."""
+    i = next(i for i, p in enumerate(s.pipelines) if d in p.devices)
+    p = s.pipelines[i]
+    if len(p.devices) == 1:
+        return _set_pipe(s, i, None)
+    k = p.devices.index(d)
+    cut = k - 1 if k == len(p.devices) - 1 or (k > 0 and rng.random() < 0.5) else k
+    devices = tuple(x for x in p.devices if x != d)
+    return _set_pipe(s, i, replace(p, devices=devices, cuts=tuple(c for j, c in enumerate(p.cuts) if j != cut)))
+
+
+def remove_device(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Leave one device unused."""
+    if len(s.used) <= 1:
+        return None
+    return _without(s, rng.choice(sorted(s.used, key=space.devices.index)), rng)
+
+
+def move_device(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Take a device out of its replica and make it a stage of another replica (or a new one)."""
+    if len(s.used) <= 1:
+        return None
+    d = rng.choice(sorted(s.used, key=space.devices.index))
+    t = _without(s, d, rng)
+    if not t.pipelines or rng.random() < 0.25:
+        return replace(t, pipelines=(*t.pipelines, Pipeline((d,), ())))
+    i = rng.randrange(len(t.pipelines))
+    p = t.pipelines[i]
+    ranges = p.ranges(space.num_layers)
+    cands = [k for k, (a, b) in enumerate(ranges) if b - a >= 2]
+    if not cands:
+        return None
+    k = rng.choice(cands)
+    a, b = ranges[k]
+    devices = (*p.devices[:k + 1], d, *p.devices[k + 1:])
+    return _set_pipe(t, i, replace(p, devices=devices, cuts=tuple(sorted((*p.cuts, (a + b) // 2))),
+                                   microbatches=max(p.microbatches, len(devices))))
+
+
+def change_microbatches(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    i = rng.randrange(len(s.pipelines))
+    p = s.pipelines[i]
+    m = p.microbatches * 2 if rng.random() < 0.5 else p.microbatches // 2
+    m = max(1, min(m, space.max_microbatches))
+    return None if m == p.microbatches else _set_pipe(s, i, replace(p, microbatches=m))
+
+
+def _other(choices: tuple, current, rng: random.Random):
+    others = [c for c in choices if c != current]
+    return rng.choice(others) if others else None
+
+
+def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Change one global choice: schedule, sync granularity, bucket size, placement, recompute."""
+    name, choices = rng.choice((("schedule", space.schedules), ("granularity", space.granularities),
+                                ("bucket_bytes", space.bucket_choices_bytes),
+                                ("placement", space.placements), ("recompute", space.recompute_choices)))
+    v = _other(tuple(choices), getattr(s, name), rng)
+    return None if v is None else replace(s, **{name: v})
+
+
+# (move, weight): structural moves dominate; global toggles are few and cheap to try.
+MOVES = ((move_cut, 4), (split_stage, 1), (merge_stages, 1), (swap_devices, 2), (add_replica, 1),
+         (remove_device, 1), (move_device, 1), (change_microbatches, 2), (toggle_global, 2))
+
+
+def propose(space: Space, s: Strategy, rng: random.Random, tries: int = 8) -> Strategy | None:
+    """One random rewrite of one choice of `s` that stays structurally valid (or None)."""
+    moves, weights = zip(*MOVES)
+    for _ in range(tries):
+        move = rng.choices(moves, weights)[0]
+        t = move(space, s, rng)
+        if t is not None and t != s and fits(space, t):
+            return t
+    return None
+
+
+# --- exhaustive enumeration (small spaces: tests and ground truth) ----------------------------
+def _compositions(total: int, parts: int, lows: list[int]) -> Iterator[tuple[int, ...]]:
+    if parts == 1:
+        if total >= lows[0]:
+            yield (total,)
+        return
+    for b in range(lows[0], total - sum(lows[1:]) + 1):
+        for rest in _compositions(total - b, parts - 1, lows[1:]):
+            yield (b, *rest)
+
+
+def _pipeline_groupings(devices: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], ...]]:
+    """Every set of disjoint ordered device sequences over a subset of `devices` (each set once)."""
+    n = len(devices)
+    for r in range(1, n + 1):
+        for subset in itertools.combinations(devices, r):
+            for perm in itertools.permutations(subset):
+                # split the permutation into groups; canonical order: groups sorted by first element
+                for mask in range(2 ** (r - 1)):
+                    groups, cur = [], [perm[0]]
+                    for j in range(1, r):
+                        if mask >> (j - 1) & 1:
+                            groups.append(tuple(cur))
+                            cur = []
+                        cur.append(perm[j])
+                    groups.append(tuple(cur))
+                    if all(devices.index(a[0]) < devices.index(b[0]) for a, b in zip(groups, groups[1:])):
+                        yield tuple(groups)
+
+
+def enumerate_plans(space: Space) -> Iterator[Plan]:
+    """Every valid plan of a small space (all structures, cuts, batch splits, microbatch
+    counts and global choices). Exponential: meant for <= 3 devices and a few layers."""
+    L, B = space.num_layers, space.global_batch
+    globals_ = list(itertools.product(space.schedules, space.granularities, space.bucket_choices_bytes,
+                                      space.placements, space.recompute_choices))
+    for groups in _pipeline_groupings(space.devices):
+        cut_sets = [list(itertools.combinations(range(1, L), len(g) - 1)) for g in groups]
+        for cuts in itertools.product(*cut_sets):
+            for sched, gran, bucket, place, rec in globals_:
+                pipes = tuple(Pipeline(g, c) for g, c in zip(groups, cuts))
+                lows = [min_batch(p, sched) for p in pipes]
+                if sum(lows) > B:
+                    continue
+                for batches in _compositions(B, len(pipes), lows):
+                    low = [len(p.devices) if sched == "1f1b" else 1 for p in pipes]
+                    mb_sets = [[m for m in range(lo, b + 1) if b % m == 0] for lo, b in zip(low, batches)]
+                    for mbs in itertools.product(*mb_sets):
+                        s = Strategy(tuple(replace(p, microbatches=m) for p, m in zip(pipes, mbs)),
+                                     sched, gran, bucket, place, rec)
+                        yield to_plan(space, s, batches)

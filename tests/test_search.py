@@ -1,0 +1,190 @@
+"""Tests of the strategy space, the baselines and the MCMC search (planner.space, baselines, search).
+
+Most tests use a small analytic model instead of the simulator (`toy_evaluate`), so they pin the
+search itself: exhaustive enumeration gives the true optimum of a small space. The tests at the
+end go through the real simulator and the CLI.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from planner.baselines import partition_min_max, proportional_batches
+from planner.plan import ModelRef, validate_plan
+from planner.search import Problem, SearchConfig, Searcher, search
+from planner.space import (Pipeline, Space, Strategy, enumerate_plans, propose, realise_microbatches,
+                           to_plan)
+
+# --- a toy analytic cost model --------------------------------------------------------------
+WORK = (1.0, 2.0, 2.0, 2.0, 2.0, 1.0)        # seconds per sample per unit-speed device, per layer
+PARAM_BYTES = (4e6, 1e6, 1e6, 1e6, 1e6, 4e6)
+ACT_BYTES = 1e6                              # per sample per layer
+
+
+@dataclass(frozen=True)
+class ToyResult:
+    iteration_s: float
+    feasible: bool
+    peak_memory_bytes: dict
+
+
+def toy_evaluate(speeds: dict, memory: dict, link_bytes_per_s: float = 1e9):
+    """Per stage and microbatch: samples · work / speed (+1 ms overhead); a pipeline takes
+    sum_k t_k + (m-1) max_k t_k; recompute costs a third more compute but keeps 1/5 of the
+    activations; replicas all-reduce their parameters (hidden behind compute under 'fine');
+    a CPU-placed optimizer stores 2 instead of 4 copies of the parameters on the device."""
+    def evaluate(plan):
+        L = plan.num_layers
+        times, peak = [], {}
+        for r, b in zip(plan.replicas, plan.replica_batches()):
+            m, S = r.microbatches, len(r.stages)
+            ts = []
+            for k, st in enumerate(r.stages):
+                w = sum(WORK[st.start:st.end]) * L / len(WORK) if L != len(WORK) else sum(WORK[st.start:st.end])
+                ts.append((b / m) * w / speeds[st.device] * (4 / 3 if plan.recompute else 1) + 1e-3)
+                in_flight = min(m, S - k) if plan.schedule == "1f1b" else m
+                acts = (b / m) * ACT_BYTES * (st.end - st.start) * in_flight * (0.2 if plan.recompute else 1)
+                copies = 2 if plan.optimizer.placement == "cpu" else 4
+                peak[st.device] = copies * sum(PARAM_BYTES[st.start:st.end]) + acts
+            times.append(sum(ts) + (m - 1) * max(ts))
+        R = len(plan.replicas)
+        sync = 2 * (R - 1) / R * sum(PARAM_BYTES) / link_bytes_per_s + (R > 1) * 1e-4 * math.ceil(
+            sum(PARAM_BYTES) / plan.sync.bucket_bytes)
+        if plan.sync.granularity == "fine":
+            sync = max(0.0, sync - 0.5 * min(times))
+        t = max(times) + sync + (0.01 if plan.optimizer.placement == "cpu" else 0.0)
+        feasible = all(peak[d] <= memory[d] for d in peak)
+        return ToyResult(t, feasible, peak)
+    return evaluate
+
+
+def toy_problem(speeds, memory, batch=6, layers=6, **space_kw):
+    devices = tuple(speeds)
+    space = Space(devices=devices, kinds={d: d.split(":")[0] for d in devices}, num_layers=layers,
+                  global_batch=batch, model=ModelRef("toy"), **space_kw)
+    shares = {d: tuple(w / sum(WORK) for w in WORK) for d in devices}
+    return Problem(space, toy_evaluate(speeds, memory), dict(memory), shares)
+
+
+BIG = 1e12
+SMALL_SPACE = dict(bucket_choices_bytes=(2**20, 25 * 2**20))
+
+
+# --- strategy space ---------------------------------------------------------------------------
+def test_realise_microbatches_picks_nearest_valid_divisor():
+    assert realise_microbatches(4, 12, 2, "1f1b") == 4
+    assert realise_microbatches(5, 12, 2, "1f1b") == 6      # |log 6/5| = 0.18 < |log 5/4| = 0.22
+    assert realise_microbatches(1, 12, 3, "1f1b") == 3      # 1F1B needs m >= stages
+    assert realise_microbatches(1, 7, 3, "1f1b") == 7
+    assert realise_microbatches(8, 6, 3, "gpipe") == 6
+    with pytest.raises(ValueError):
+        realise_microbatches(1, 2, 3, "1f1b")
+
+
+def test_every_proposal_gives_a_valid_plan():
+    p = toy_problem({"cuda:0": 1.0, "cuda:1": 2.0, "cpu:0": 0.5}, {"cuda:0": BIG, "cuda:1": BIG, "cpu:0": BIG},
+                    batch=7)
+    rng = random.Random(3)
+    s = Strategy((Pipeline(("cuda:0",), ()),))
+    searcher = Searcher(p, rng)
+    seen = set()
+    for _ in range(400):
+        t = propose(p.space, s, rng)
+        if t is None:
+            continue
+        plan = to_plan(p.space, t, searcher.solve_batches(t))
+        validate_plan(plan, "<test>", 6, set(p.space.devices))
+        seen.add(tuple(len(x.devices) for x in t.pipelines))
+        s = t
+    assert len(seen) >= 4   # the walk reaches DP, pipelines and hybrids
+
+
+def test_enumeration_counts_a_tiny_space():
+    # 2 devices, 2 layers, batch 2, gpipe only, one of each global choice:
+    # one device (2 ways): m in {1, 2} -> 4 plans; DP: batches (1, 1), m = 1 -> 1 plan;
+    # pipeline (2 orders, cut at 1): m in {1, 2} -> 4 plans. Total 9.
+    space = Space(devices=("cpu:0", "cpu:1"), kinds={"cpu:0": "cpu", "cpu:1": "cpu"}, num_layers=2,
+                  global_batch=2, model=ModelRef("toy"), bucket_choices_bytes=(2**20,), schedules=("gpipe",),
+                  granularities=("fine",), recompute_choices=(False,))
+    plans = list(enumerate_plans(space))
+    assert len(plans) == 9
+    for plan in plans:
+        validate_plan(plan, "<test>", 2, {"cpu:0", "cpu:1"})
+
+
+# --- baselines ----------------------------------------------------------------------------------
+def test_proportional_batches_largest_remainder():
+    assert proportional_batches(32, [1, 3], [1, 1]) == (8, 24)
+    assert proportional_batches(10, [1, 1, 1], [1, 1, 1]) == (4, 3, 3)
+    assert sum(proportional_batches(97, [0.3, 1.7, 5.0], [1, 1, 1])) == 97
+
+
+def test_partition_min_max_balances_layers():
+    work = [1, 2, 2, 2, 2, 1]
+    cuts, worst = partition_min_max(lambda k, i, j: sum(work[i:j]), 2, 6)
+    assert cuts == (3,) and worst == 5
+    # a second device twice as fast takes more layers: cut 2 gives max(3, 7/2) = 3.5,
+    # cut 1 gives max(1, 9/2), cut 3 gives max(5, 5/2)
+    cuts, worst = partition_min_max(lambda k, i, j: sum(work[i:j]) / (2 if k == 1 else 1), 2, 6)
+    assert cuts == (2,) and worst == pytest.approx(3.5)
+
+
+# --- search on the toy model ----------------------------------------------------------------------
+def _exhaustive_best(problem):
+    best = math.inf
+    for plan in enumerate_plans(problem.space):
+        r = problem.evaluate(plan)
+        if r.feasible:
+            best = min(best, r.iteration_s)
+    return best
+
+
+@pytest.mark.parametrize("speeds,memory", [
+    ({"cuda:0": 1.0, "cuda:1": 3.0, "cpu:0": 0.4}, {"cuda:0": BIG, "cuda:1": BIG, "cpu:0": BIG}),
+    # memory-tight: no device holds the whole model with Adam on the device
+    ({"cuda:0": 1.0, "cuda:1": 1.0, "cpu:0": 0.5}, {"cuda:0": 3.5e7, "cuda:1": 3.5e7, "cpu:0": 3.5e7}),
+])
+def test_search_matches_exhaustive_enumeration(speeds, memory):
+    problem = toy_problem(speeds, memory, batch=6, **SMALL_SPACE)
+    truth = _exhaustive_best(problem)
+    result = search(problem, random.Random(0), SearchConfig(iterations=600, time_limit_s=60))
+    assert result.best is not None and result.best.feasible
+    assert result.best.iteration_s <= truth * 1.01
+    validate_plan(result.best.plan, "<test>", 6, set(speeds))
+
+
+def test_never_slower_than_the_best_baseline_and_same_seed_same_plan():
+    problem = toy_problem({"cuda:0": 1.0, "cuda:1": 2.5, "cpu:0": 0.3},
+                          {"cuda:0": BIG, "cuda:1": BIG, "cpu:0": BIG}, batch=12)
+    cfg = SearchConfig(iterations=300, time_limit_s=60)
+    a = search(problem, random.Random(7), cfg)
+    b = search(problem, random.Random(7), cfg)
+    assert a.best.plan == b.best.plan and a.iterations == b.iterations
+    assert a.stopped_by in ("iterations", "no improvement")
+    names = {c.name for c in a.baselines}
+    assert {"data parallel, equal shares", "data parallel, proportional shares", "balanced pipeline"} <= names
+    assert a.best.iteration_s <= min(c.iteration_s for c in a.baselines if c.feasible)
+
+
+def test_solve_batches_balances_replicas():
+    # DP over speeds 1 and 3: times 10·b1/1 and 10·b2/3 s (work 10 s per sample) are equal at b = (3, 9)
+    problem = toy_problem({"cuda:0": 1.0, "cuda:1": 3.0}, {"cuda:0": BIG, "cuda:1": BIG}, batch=12)
+    s = Strategy((Pipeline(("cuda:0",), ()), Pipeline(("cuda:1",), ())))
+    assert Searcher(problem, random.Random(0)).solve_batches(s) == (3, 9)
+
+
+def test_nothing_fits_reports_least_memory():
+    problem = toy_problem({"cuda:0": 1.0, "cuda:1": 1.0}, {"cuda:0": 1e6, "cuda:1": 1e6}, batch=4)
+    result = search(problem, random.Random(0), SearchConfig(iterations=100, time_limit_s=60))
+    assert result.best is None
+    from planner.search import memory_error
+    msg = memory_error(result, problem.memory_bytes)
+    assert "cuda:" in msg and "bytes" in msg
+    assert result.least_memory.memory_ratio > 1
