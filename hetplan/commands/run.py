@@ -1,10 +1,81 @@
-"""`hetplan run` (to be written)."""
-HELP = "run (not yet available)"
+"""`hetplan run PLAN`: execute a plan with torch.distributed on this machine and measure it.
+
+One process per plan device (CPU workers get their thread share, GPUs cuda:N), rendezvous on
+127.0.0.1 unless --master-addr is given. For several nodes, run
+`torchrun --nnodes N --node_rank I ... -m runtime.worker PLAN -o MEASURED` on each node.
+The measured file defaults to `<plan name>.measured.json` next to the plan.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HELP = "execute a plan with torch.distributed on this machine and write the measured file"
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("plan", help="plan file (hetplan.plan/1)")
+    p.add_argument("--iters", type=int, default=10, help="iterations to run (default 10)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="iterations left out of the median iteration time (default 2)")
+    p.add_argument("-o", "--output", default=None,
+                   help="measured file (default: <plan name>.measured.json next to the plan)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="write a torch.profiler Chrome trace per rank into DIR")
+    p.add_argument("--topology", default=None,
+                   help="topology file for CPU thread shares (default: profiles/<hostname>.json "
+                        "if it holds the plan's devices, else cores // CPU workers)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (default loopback)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("--save-params", metavar="FILE", default=None,
+                   help="save the final parameters (torch.save of name -> tensor)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a collective may wait for a peer (default 60)")
+
+
+def default_output(plan_path: str) -> str:
+    p = Path(plan_path)
+    return str(p.with_name(f"{p.stem}.measured.json"))
 
 
 def main(args) -> int:
-    raise SystemExit("hetplan run: not yet available")
+    from planner.io import InputError, write_json_atomic
+    from planner.plan import load_plan
+    from runtime.launch import RunError, check_devices, find_topology, launch, thread_shares
+    from runtime.worker import RunConfig
+
+    if args.iters < 1:
+        raise InputError(f"--iters: expected a positive integer, got {args.iters}")
+    if not 0 <= args.warmup < args.iters:
+        raise InputError(f"--warmup: expected an integer in [0, --iters), got {args.warmup}")
+    if args.timeout <= 0:
+        raise InputError(f"--timeout: expected a positive number, got {args.timeout}")
+    plan = load_plan(args.plan)
+    check_devices(plan, args.plan)
+    topology = find_topology(plan, args.topology)
+    out = args.output or default_output(args.plan)
+    extra = {"topology": topology.name if topology is not None else None}
+    cfg = RunConfig(plan=str(args.plan), iters=args.iters, warmup=args.warmup, out=out,
+                    trace_dir=args.trace, save_params=args.save_params,
+                    threads=thread_shares(plan, topology), timeout_s=args.timeout, extra=extra)
+    print(f"hetplan run: {len(plan.devices)} worker(s) on {', '.join(plan.devices)}; "
+          f"{args.iters} iterations", file=sys.stderr)
+    try:
+        result = launch(cfg, len(plan.devices), args.master_addr, args.master_port)
+    except RunError as e:
+        print(f"hetplan run: error: {e}", file=sys.stderr)
+        return 1
+    write_json_atomic(out, result)
+    summary = {"measured": out, "iteration_s": result["iteration_s"], "losses": result["losses"],
+               "per_device": {d: {"busy_s": v["busy_s"], "peak_memory_bytes": v["peak_memory_bytes"]}
+                              for d, v in result["per_device"].items()}}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"iteration: {result['iteration_s'] * 1e3:.2f} ms (median of {args.iters - args.warmup})")
+        for d, v in summary["per_device"].items():
+            print(f"  {d}: busy {v['busy_s'] * 1e3:.2f} ms, peak memory {v['peak_memory_bytes'] / 1e6:.1f} MB")
+        print(f"final loss: {result['losses'][-1]:.6g}")
+        print(f"wrote {out}")
+    return 0

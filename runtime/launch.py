@@ -1,0 +1,163 @@
+"""Local launch of `hetplan run`: one process per plan device on this machine.
+
+Children are started with multiprocessing's spawn and run the same env:// worker as torchrun
+(runtime.worker.run_worker). The launcher watches them: when one exits non-zero (an error, or
+killed), it terminates the others at once and raises `RunError` naming that rank, so a fault
+ends the whole run in well under the collective timeout. Rank 0 writes the measured file into
+a private run directory; the launcher reads it only after every rank exited 0, so a failed run
+never leaves a measured file at the user's path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from planner.io import InputError
+from planner.plan import Plan
+from planner.topology import Topology, load_topology, parse_device_name
+from runtime.worker import RunConfig, node_of, report_error, run_worker
+
+_POLL_S = 0.05
+_TERMINATE_GRACE_S = 5.0
+
+
+class RunError(Exception):
+    """A worker failed; the message is one line naming the rank and device."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_devices(plan: Plan, file: str) -> None:
+    """Every plan device must exist here: one node, cuda:N with N < the GPUs present."""
+    nodes = {node_of(d) for d in plan.devices}
+    if len(nodes) > 1:
+        raise InputError(f"{file}: replicas: devices span nodes {sorted(nodes)}; run each node "
+                         "with torchrun ... -m runtime.worker PLAN")
+    n_gpu = None
+    for i, rep in enumerate(plan.replicas):
+        for j, st in enumerate(rep.stages):
+            _, kind, index = parse_device_name(st.device)
+            if kind != "cuda":
+                continue
+            if n_gpu is None:
+                import torch
+                n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if index >= n_gpu:
+                raise InputError(f"{file}: replicas[{i}].stages[{j}].device: {st.device!r} is not on "
+                                 f"this machine ({n_gpu} CUDA device(s)); expected a device present here")
+
+
+def find_topology(plan: Plan, path: str | None) -> Topology | None:
+    """--topology T, else profiles/<hostname>.json when it holds every plan device, else None."""
+    if path:
+        t = load_topology(path)
+        if plan.topology is not None and t.sha256 != plan.topology.sha256:
+            print(f"hetplan run: warning: {path} is not the topology the plan was made for "
+                  f"({plan.topology.name})", file=sys.stderr)
+        return t
+    default = Path("profiles") / f"{socket.gethostname()}.json"
+    if default.exists():
+        try:
+            t = load_topology(default)
+        except InputError:
+            return None
+        if all(t.has_device(d) for d in plan.devices):
+            return t
+    return None
+
+
+def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:
+    """Intra-op threads of each CPU worker: the topology's `threads`, else cores // CPU workers."""
+    cpus = [d for d in plan.devices if parse_device_name(d)[1] == "cpu"]
+    default = max(1, (os.cpu_count() or 1) // max(1, len(cpus)))
+    out = {}
+    for d in cpus:
+        t = topology.device(d).threads if topology is not None and topology.has_device(d) else None
+        out[d] = t or default
+    return out
+
+
+def _child(rank: int, world: int, addr: str, port: int, cfg_json: str) -> None:
+    """Spawned process: set the env:// variables and run the worker."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR=addr,
+                      MASTER_PORT=str(port))
+    cfg = RunConfig.from_json(cfg_json)
+    try:
+        run_worker(cfg)
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher as one line
+        print(f"hetplan run: error: {report_error(cfg, e)}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def launch(cfg: RunConfig, world: int, master_addr: str = "127.0.0.1",
+           master_port: int | None = None) -> dict:
+    """Run the plan on `world` local processes; return the measured file's dict."""
+    import multiprocessing as mp
+
+    run_dir = tempfile.mkdtemp(prefix="hetplan-run-")
+    try:
+        wcfg = replace(cfg, out=str(Path(run_dir) / "measured.json"), error_dir=run_dir)
+        port = master_port or free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_child, args=(r, world, master_addr, port, wcfg.to_json()),
+                             name=f"hetplan-rank{r}") for r in range(world)]
+        for p in procs:
+            p.start()
+        _watch(procs, run_dir)
+        return json.loads(Path(wcfg.out).read_text())
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _watch(procs, run_dir: str) -> None:
+    """Wait for all; on the first non-zero exit, stop the rest and raise RunError."""
+    while True:
+        failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            # peers of a dead rank fail too, with a broken-connection error, often within the
+            # same poll: name the rank whose failure is not such an echo
+            lines = [_failure_line(r, p.exitcode, run_dir) for r, p in failed]
+            primary = [l for l in lines if not _is_echo(l)] or lines
+            _stop(procs)
+            raise RunError(primary[0])
+        if all(p.exitcode == 0 for p in procs):
+            return
+        time.sleep(_POLL_S)
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _is_echo(line: str) -> bool:
+    low = line.lower()
+    return any(k in low for k in ("connection closed", "connection reset", "broken pipe",
+                                  "timed out", "gloo"))
+
+
+def _failure_line(rank: int, code: int, run_dir: str) -> str:
+    err = Path(run_dir, f"rank{rank}.txt")
+    if err.exists():
+        return f"worker failed: {err.read_text().strip()}"
+    how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    return f"worker failed: rank {rank} {how} without an error message"

@@ -1,0 +1,114 @@
+"""What a run measures, and the measured file (`hetplan.measured/1`) built from it.
+
+- Iteration time: every rank passes a barrier, then times its own step with perf_counter (CUDA:
+  after a synchronize); the iteration's time is the MAX over ranks of these durations (the
+  barrier aligns the starts to within its own skew, tens of microseconds on loopback). The batch
+  is made before the barrier: data loading is not part of an iteration, as in the simulator.
+  `iteration_s` is the median after the warm-up iterations.
+- Busy time per device: compute only — forward, loss, backward and optimizer calls (not sends,
+  receives or waits for the gradient all-reduce). CPU: perf_counter around the calls; CUDA: CUDA
+  events around them, summed after the iteration. Reported as the median per iteration.
+- Peak memory: CUDA: torch.cuda.max_memory_allocated. CPU: growth of the process's peak RSS
+  (ru_maxrss) over its RSS when training started, so model weights built before are excluded
+  but optimizer state, activations and gradients are included; with several CPU workers each is
+  its own process, so the growth is per device. Allocator caching makes this an upper bound.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import resource
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc; else peak RSS)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024 if platform.system() == "Linux" else kib  # macOS reports bytes
+
+
+class BusyTimer:
+    """Sums compute time of the calls wrapped in `timer()` over one iteration."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.total_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def timer(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.total_s += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """Busy seconds since the last take (synchronizes CUDA)."""
+        if self._events:
+            torch.cuda.synchronize()
+            self.total_s += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+            self._events.clear()
+        out, self.total_s = self.total_s, 0.0
+        return out
+
+
+class MemoryTracker:
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.base_rss = rss_bytes()
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, peak_rss_bytes() - self.base_rss)
+
+
+def host_info() -> dict[str, Any]:
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+
+
+def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int,
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    """Combine every rank's record into the measured file's fields.
+
+    per_rank[r]: {"device", "iter_s": [...], "busy_s": [...], "loss": [...] (weighted, last
+    stages only, else zeros), "peak_memory_bytes", ...}. Iteration i's time is the max over ranks;
+    its loss is the sum over replicas' last stages of (b_r / G) * loss_r.
+    """
+    n = len(per_rank[0]["iter_s"])
+    iterations = [max(r["iter_s"][i] for r in per_rank) for i in range(n)]
+    losses = [sum(r["loss"][i] for r in per_rank) for i in range(n)]
+    kept = iterations[warmup:] or iterations
+    per_device = {}
+    for r in per_rank:
+        busy = r["busy_s"][warmup:] or r["busy_s"]
+        per_device[r["device"]] = {
+            "busy_s": statistics.median(busy), "peak_memory_bytes": r["peak_memory_bytes"],
+            "rank": r["rank"], "threads": r.get("threads"), "param_bytes": r["param_bytes"],
+            "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"]}
+    return {"plan_sha256": plan_sha256, "iterations_s": iterations,
+            "iteration_s": statistics.median(kept), "losses": losses, "per_device": per_device,
+            "host": host_info(), "torch": torch.__version__, **extra}

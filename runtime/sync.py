@@ -1,0 +1,164 @@
+"""Data-parallel gradient sync across replicas, and the object that owns the process groups.
+
+Every layer is held by one rank in each replica; in a hybrid plan (replicas of different
+pipeline depth) different layers are held by different sets of ranks. Gradients of a layer are
+summed over the ranks holding it (`SUM` all-reduce): each replica already scaled its loss by its
+share of the global batch (see pipeline.StageRunner), so the sum is the global-batch gradient.
+
+- coarse: after all backward work, one flat all-reduce per rank set.
+- fine: the simulator's buckets (planner.buckets); a bucket's async all-reduce is launched from a
+  `register_post_accumulate_grad_hook` as soon as its gradients are final (accumulated for every
+  microbatch). Within one group, buckets launch in a fixed order (reverse layer order), as torch
+  DDP does, so collectives match on every rank whatever order autograd finishes them in.
+
+Groups whose ranks are all CUDA use NCCL; any group with a CPU rank uses gloo and the gradients
+are staged through host memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def layer_ranks(replica_ranges: list[list[tuple[int, int]]], replica_ranks: list[list[int]],
+                num_layers: int) -> list[tuple[int, ...]]:
+    """For each layer, the sorted ranks holding it (one per replica)."""
+    out: list[list[int]] = [[] for _ in range(num_layers)]
+    for ranges, ranks in zip(replica_ranges, replica_ranks):
+        for (start, end), rank in zip(ranges, ranks):
+            for layer in range(start, end):
+                out[layer].append(rank)
+    return [tuple(sorted(r)) for r in out]
+
+
+class Groups:
+    """Owns every process group of a run (no singletons): world, pipeline pairs, sync sets.
+
+    Build it on every rank with the same arguments: `new_group` is collective and is called for
+    each group in the same order everywhere.
+    """
+
+    def __init__(self, kinds: list[str], pairs: list[tuple[int, int]], sync_sets: list[tuple[int, ...]]):
+        self.kinds = kinds                                  # rank -> "cpu" / "cuda"
+        self.world = dist.group.WORLD                       # gloo: barriers, result gathering
+        self.pair: dict[frozenset, Any] = {}
+        self.sync: dict[tuple[int, ...], Any] = {}
+        for a, b in sorted(set(pairs)):
+            cuda = kinds[a] == kinds[b] == "cuda"
+            self.pair[frozenset((a, b))] = dist.new_group([a, b], backend="nccl") if cuda else self.world
+        for ranks in sorted(set(sync_sets)):
+            if len(ranks) < 2:
+                continue
+            if all(kinds[r] == "cuda" for r in ranks):
+                self.sync[ranks] = dist.new_group(list(ranks), backend="nccl")
+            elif len(ranks) == len(kinds):
+                self.sync[ranks] = self.world
+            else:
+                self.sync[ranks] = dist.new_group(list(ranks), backend="gloo")
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.world)
+
+    def host_staged(self, ranks) -> bool:
+        """True when a group of these ranks runs on gloo but some rank's tensors are on CUDA."""
+        kinds = {self.kinds[r] for r in ranks}
+        return "cuda" in kinds and kinds != {"cuda"}
+
+
+@dataclass
+class _Bucket:
+    ranks: tuple[int, ...]
+    params: list[torch.nn.Parameter]
+    needed: int                       # accumulations until final: len(params) * microbatches
+    seen: int = 0
+    work: Any = None
+    flat: torch.Tensor | None = None
+
+
+class GradSync:
+    """Sums gradients over the ranks holding each layer; `finish()` after the last backward."""
+
+    def __init__(self, groups: Groups, rank: int, params_by_layer: dict[int, list[torch.nn.Parameter]],
+                 ranks_of_layer: list[tuple[int, ...]], buckets: list[tuple[int, ...]],
+                 granularity: str, microbatches: int):
+        self.groups, self.fine = groups, granularity == "fine"
+        if not self.fine:   # coarse: one bucket per rank set, all of its layers
+            by_set: dict[tuple[int, ...], list[int]] = {}
+            for layer in range(len(ranks_of_layer)):
+                by_set.setdefault(ranks_of_layer[layer], []).append(layer)
+            buckets = [tuple(v) for _, v in sorted(by_set.items())]
+        self.buckets: list[_Bucket] = []
+        for layers in _split_by_ranks(buckets, ranks_of_layer):
+            ranks = ranks_of_layer[layers[0]]
+            if rank not in ranks or len(ranks) < 2:
+                continue
+            params = [p for l in layers for p in params_by_layer.get(l, []) if p.requires_grad]
+            if params:
+                self.buckets.append(_Bucket(ranks, params, len(params) * microbatches))
+        if self.fine:
+            self._owner = {}
+            for b in self.buckets:
+                for p in b.params:
+                    self._owner[p] = b
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def begin(self) -> None:
+        for b in self.buckets:
+            b.seen, b.work, b.flat = 0, None, None
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        self._owner[p].seen += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, per group, every bucket whose turn has come and whose gradients are final."""
+        blocked: set[tuple[int, ...]] = set()
+        for b in self.buckets:
+            if b.work is not None or b.ranks in blocked:
+                continue
+            if b.seen < b.needed:
+                blocked.add(b.ranks)          # later buckets of this group wait their turn
+                continue
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        flat = _flatten_dense_tensors(grads)
+        if self.groups.host_staged(b.ranks):
+            flat = flat.cpu()
+        b.flat = flat
+        b.work = dist.all_reduce(flat, group=self.groups.sync[b.ranks], async_op=True)
+
+    def finish(self) -> None:
+        """Launch what is left (all of it for coarse), wait, and write the sums back."""
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            b.work.wait()
+            ref = b.params[0]
+            flat = b.flat.to(ref.device) if b.flat.device != ref.device else b.flat
+            for p, g in zip(b.params, _unflatten_dense_tensors(flat, b.params)):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+
+
+def _split_by_ranks(buckets: list[tuple[int, ...]], ranks_of_layer) -> list[tuple[int, ...]]:
+    """Split buckets so each holds layers of one rank set; order: last layer first."""
+    out = []
+    for layers in buckets:
+        cur: list[int] = []
+        for layer in sorted(layers, reverse=True):
+            if cur and ranks_of_layer[layer] != ranks_of_layer[cur[-1]]:
+                out.append(tuple(cur))
+                cur = []
+            cur.append(layer)
+        if cur:
+            out.append(tuple(cur))
+    return sorted(out, key=lambda ls: -max(ls))

@@ -1,0 +1,244 @@
+"""One rank of `hetplan run`: the single env:// worker function.
+
+It runs the same way under the local launcher (runtime.launch sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT and calls `run_worker`) and under torchrun
+(`torchrun ... -m runtime.worker PLAN [-o MEASURED] [--iters N] ...`). Each rank maps itself to
+one plan device (see `my_device`), builds its stage, trains `iters` iterations as the plan says,
+and rank 0 gathers every rank's record and writes the measured file atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise" makes that rank fail
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    plan: str                                 # plan file path
+    iters: int = 10                           # iterations to run
+    warmup: int = 2                           # iterations left out of the median
+    out: str = "measured.json"                # rank 0 writes the measured file here
+    trace_dir: str | None = None              # torch.profiler Chrome trace per rank
+    save_params: str | None = None            # rank 0 saves the final parameters (torch.save)
+    threads: dict[str, int] = field(default_factory=dict)   # CPU device -> intra-op threads
+    timeout_s: float = 60.0                   # collective timeout (a dead peer ends a wait)
+    error_dir: str | None = None              # each failing rank writes rank<R>.txt here
+    extra: dict = field(default_factory=dict)  # copied into the measured file (e.g. topology)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "RunConfig":
+        return RunConfig(**json.loads(text))
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def node_of(device: str) -> str:
+    return device.split("/", 1)[0] if "/" in device else ""
+
+
+def my_device(devices: tuple[str, ...], env) -> str:
+    """The plan device of this process.
+
+    Nodes are the distinct node prefixes of the plan's device names in natural order (node0,
+    node1, ..., node10); torchrun's node rank (GROUP_RANK) picks one, and LOCAL_RANK picks the
+    node's devices in plan order. Without prefixes the plan is one node.
+    """
+    nodes = sorted({node_of(d) for d in devices}, key=_natural)
+    node_rank = int(env.get("GROUP_RANK", "0"))
+    if node_rank >= len(nodes):
+        raise ValueError(f"node rank {node_rank} but the plan has {len(nodes)} node(s)")
+    local = [d for d in devices if node_of(d) == nodes[node_rank]]
+    local_world = int(env.get("LOCAL_WORLD_SIZE", len(local)))
+    if local_world != len(local):
+        raise ValueError(f"node {nodes[node_rank] or 'local'} runs {local_world} processes but the plan "
+                         f"has {len(local)} device(s) there ({', '.join(local)})")
+    return local[int(env.get("LOCAL_RANK", env.get("RANK", "0")))]
+
+
+def torch_device(name: str):
+    import torch
+    local = name.split("/", 1)[-1]
+    return torch.device("cpu") if local.startswith("cpu") else torch.device(local)
+
+
+def run_worker(cfg: RunConfig) -> None:
+    """Train the plan on this rank (env:// rendezvous) and, on rank 0, write the results."""
+    import torch
+    import torch.distributed as dist
+
+    from planner.plan import load_plan, plan_sha256
+    from runtime import measure, stage
+
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    plan = load_plan(cfg.plan)
+    if world != len(plan.devices):
+        raise ValueError(f"WORLD_SIZE is {world} but the plan has {len(plan.devices)} devices")
+    name = my_device(plan.devices, env)
+    device = torch_device(name)
+    if device.type == "cpu":
+        n_cpu = sum(1 for d in plan.devices if node_of(d) == node_of(name) and "cpu:" in d)
+        torch.set_num_threads(cfg.threads.get(name) or max(1, (os.cpu_count() or 1) // n_cpu))
+    else:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.timeout_s))
+    try:
+        names: list = [None] * world
+        dist.all_gather_object(names, name)
+        if sorted(names) != sorted(plan.devices):
+            raise ValueError(f"ranks map to devices {names}; expected each plan device once")
+        built = stage.build(plan, names, rank, device)
+        record = _train(cfg, plan, built, rank, device, name)
+        records: list = [None] * world if rank == 0 else None
+        dist.gather_object(record, records, dst=0)
+        params = _gather_params(cfg, built, rank, world)
+        if rank == 0:
+            result = measure.build_measured(plan_sha256(cfg.plan), records, cfg.warmup, {
+                "iters": cfg.iters, "warmup": cfg.warmup, "world_size": world,
+                "timing": "max over ranks of each rank's step after a barrier", **cfg.extra})
+            if params is not None:
+                _save_atomic(params, cfg.save_params)
+            from planner.measured import measured_from_dict, save_measured
+            save_measured(measured_from_dict({"schema": "hetplan.measured/1", **result}, cfg.out),
+                          cfg.out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg, plan, built, rank, device, name) -> dict:
+    import torch
+
+    from runtime import measure
+    timer, mem = built.timer, measure.MemoryTracker(device)
+    fault = os.environ.get(FAULT_ENV, "")
+    iter_s, busy_s, losses = [], [], []
+    prof = _profiler(cfg, device)
+    with prof:
+        for i in range(cfg.iters):
+            if fault:
+                _maybe_fail(fault, rank, i)
+            batch = built.microbatches(plan.global_batch, i)      # data loading: not timed
+            built.begin()
+            built.groups.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            loss = built.step(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            iter_s.append(time.perf_counter() - t0)
+            busy_s.append(timer.take())
+            losses.append(float(loss) if loss is not None else 0.0)
+            if rank == 0:
+                print(f"hetplan run: iteration {i + 1}/{cfg.iters}: {iter_s[-1] * 1e3:.2f} ms (rank 0)",
+                      file=sys.stderr, flush=True)
+    if cfg.trace_dir:
+        Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(cfg.trace_dir) / f"rank{rank}.json"))
+    return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
+            "peak_memory_bytes": mem.peak_bytes(), "threads": torch.get_num_threads(),
+            "param_bytes": sum(p.numel() * p.element_size() for p in built.params),
+            "optimizer_state_bytes": built.optimizer.state_bytes()}
+
+
+def _profiler(cfg, device):
+    import contextlib
+
+    if not cfg.trace_dir:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=acts)
+
+
+def _maybe_fail(fault: str, rank: int, iteration: int) -> None:
+    r, it, kind = fault.split(":")
+    if int(r) == rank and int(it) == iteration:
+        if kind == "exit":
+            os._exit(17)   # a crash: no cleanup, no error message
+        raise RuntimeError(f"injected fault at iteration {iteration}")
+
+
+def _gather_params(cfg, built, rank, world):
+    """Replica 0's parameters (every replica holds the same after a synchronous step)."""
+    import torch.distributed as dist
+    if not cfg.save_params:
+        return None
+    mine = ({n: p.detach().cpu() for n, p in built.named_params} if built.replica == 0 else {})
+    out: list = [None] * world if rank == 0 else None
+    dist.gather_object(mine, out, dst=0)
+    if rank != 0:
+        return None
+    merged = {}
+    for d in out:
+        merged.update(d)
+    return merged
+
+
+def _save_atomic(obj, path: str) -> None:
+    import torch
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, p)
+
+
+def report_error(cfg: RunConfig, exc: BaseException) -> str:
+    """One line naming the rank and device; written to error_dir for the launcher."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        from planner.plan import load_plan
+        dev = my_device(load_plan(cfg.plan).devices, os.environ)
+    except Exception:  # noqa: BLE001 - the error line must still be written
+        dev = "?"
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    line = f"rank {rank} ({dev}): {type(exc).__name__}: {msg}"
+    if cfg.error_dir:
+        Path(cfg.error_dir, f"rank{rank}.txt").write_text(line + "\n")
+    return line
+
+
+def _cli(argv=None) -> int:
+    """Entry point under torchrun: python -m runtime.worker PLAN [options]."""
+    p = argparse.ArgumentParser(prog="runtime.worker", description="one rank of hetplan run (torchrun)")
+    p.add_argument("plan")
+    p.add_argument("-o", "--output", default="measured.json")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--trace", default=None)
+    p.add_argument("--save-params", default=None)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads of a CPU worker")
+    p.add_argument("--timeout", type=float, default=60.0)
+    a = p.parse_args(argv)
+    threads = {}
+    if a.threads:
+        from planner.plan import load_plan
+        threads = {d: a.threads for d in load_plan(a.plan).devices}
+    cfg = RunConfig(plan=a.plan, iters=a.iters, warmup=a.warmup, out=a.output, trace_dir=a.trace,
+                    save_params=a.save_params, threads=threads, timeout_s=a.timeout)
+    try:
+        run_worker(cfg)
+    except Exception as e:
+        print(f"hetplan run: error: {report_error(cfg, e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())
