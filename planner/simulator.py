@@ -105,7 +105,10 @@ class Simulator:
         key = (a, b)
         if key not in self._hops:
             out, cur = [], a
-            for link in self.topology.route(a, b):
+            links = self.topology.route(a, b)
+            if links and a not in (links[0].a, links[0].b):
+                links = links[::-1]   # Topology.route caches one orientation per pair
+            for link in links:
                 nxt = link.b if link.a == cur else link.a
                 out.append((self._resource((cur, nxt)), link.latency_s, link.bandwidth_bytes_per_s,
                             f"{cur}->{nxt}"))
@@ -158,9 +161,8 @@ class Simulator:
             fwd = [[None] * m for _ in range(p)]   # task id of F
             bwd_first = [[None] * m for _ in range(p)]
             bwd_last = [[None] * m for _ in range(p)]
-            # Deps across stages are added after creation; we create per stage in schedule
-            # order, so keep pending cross-stage edges and wire them at the end.
-            pending: list[tuple[int, str, int, int]] = []
+            # Tasks are created stage by stage in schedule order; the transfers between stages
+            # are wired afterwards.
             for s, st in enumerate(rep.stages):
                 dev, rid, a, e = st.device, self._rid[st.device], st.start, st.end
                 f_s = cost.fwd_s(dev, a, e, mb)

@@ -1,0 +1,157 @@
+"""Measured layer costs (FlexFlow-style): time each layer's forward and backward on this machine.
+
+Used instead of the roofline when the topology was profiled on this host
+(`topology.measured["host"]["hostname"] == socket.gethostname()`). Each layer runs alone as a
+single-layer stage (planner.partition.build_stages), fed the outputs of layers 0..i-1 for a
+real batch, with `torch.set_num_threads(device.threads)` on CPU devices and synchronisation on
+CUDA devices; the figure is the median of `repeats` runs after `warmup` runs.
+
+Batch sizes: with `exact=True` (what `simulate` uses) the requested microbatch size is measured
+as is; otherwise the two powers of two around it are measured and the time is interpolated
+linearly (what a search that asks for many sizes wants). Results are cached on disk in
+`$HETPLAN_CACHE_DIR/layer_costs.json` (default `.hetplan-cache/`), keyed by host, layer
+signature, device kind, threads and batch size.
+
+Not modelled: interference between devices running at once (each layer is timed alone), and
+the optimizer (memory-bound formula of planner.cost, with the profiled memory bandwidth).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from planner.cost import CostModel, RooflineCost
+from planner.io import write_json_atomic
+from planner.topology import Device, Topology
+
+
+def measured_here(topology: Topology) -> bool:
+    host = topology.measured.get("host")
+    return isinstance(host, dict) and host.get("hostname") == socket.gethostname()
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("HETPLAN_CACHE_DIR", ".hetplan-cache")) / "layer_costs.json"
+
+
+def interpolate(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
+    """y0 + (y1 - y0) * (x - x0) / (x1 - x0); y0 when x0 == x1."""
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class MeasuredCost(CostModel):
+    def __init__(self, graph, topology: Topology, workload, exact: bool = True,
+                 warmup: int = 2, repeats: int = 5):
+        super().__init__(graph, topology)
+        self.workload, self.exact, self.warmup, self.repeats = workload, exact, warmup, repeats
+        self._roofline = RooflineCost(graph, topology)
+        self._stages: dict[int, list] = {}
+        self._disk: dict[str, list[float]] | None = None
+
+    # --- disk cache ----------------------------------------------------------------------
+    def _key(self, i: int, device: Device, batch: int) -> str:
+        layer = self.graph.layers[i]
+        sig = layer.signature or f"{layer.name}/{layer.param_bytes}/{layer.fwd_flops / self.graph.batch:.6g}"
+        return f"{socket.gethostname()}|{sig}|{device.kind}|{device.threads}|{batch}"
+
+    def _load_disk(self) -> dict[str, list[float]]:
+        if self._disk is None:
+            try:
+                self._disk = json.loads(cache_path().read_text())
+            except (OSError, ValueError):
+                self._disk = {}
+        return self._disk
+
+    def _save_disk(self, new: dict[str, list[float]]) -> None:
+        self._disk = None
+        merged = self._load_disk()   # re-read: another process may have added entries
+        merged.update(new)
+        write_json_atomic(cache_path(), merged)
+
+    # --- measuring -----------------------------------------------------------------------
+    def _measure(self, device: Device, batch: int) -> tuple[list[float], list[float]]:
+        disk = self._load_disk()
+        keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
+        if all(k in disk for k in keys):
+            return [disk[k][0] for k in keys], [disk[k][1] for k in keys]
+        import torch
+        from planner.partition import as_tuple, build_stages
+
+        L = self.graph.num_layers
+        print(f"measuring {L} layers on {device.name} at batch {batch}", file=sys.stderr)
+        stages = build_stages(self.workload, [(i, i + 1) for i in range(L)], batch)
+        old_threads = torch.get_num_threads()
+        dev = torch.device("cpu")
+        if device.kind == "cuda":
+            import copy
+            dev = torch.device(device.name.split("/")[-1])
+            stages = [copy.deepcopy(s).to(dev) for s in stages]
+        elif device.threads:
+            torch.set_num_threads(device.threads)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        fwd, bwd = [], []
+        try:
+            inputs, _ = self.workload.make_batch(batch, 0)
+            x = tuple(t.to(dev) for t in as_tuple(inputs))
+            for stage in stages:
+                x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+                f_s, b_s = self._time_layer(stage, x, sync)
+                fwd.append(f_s)
+                bwd.append(b_s)
+                with torch.no_grad():
+                    x = as_tuple(stage(*x))
+        finally:
+            torch.set_num_threads(old_threads)
+        self._save_disk({k: [f, b] for k, f, b in zip(keys, fwd, bwd)})
+        return fwd, bwd
+
+    def _time_layer(self, stage, x, sync) -> tuple[float, float]:
+        import torch
+
+        def timed(fn):
+            sync()
+            t0 = time.perf_counter()
+            out = fn()
+            sync()
+            return time.perf_counter() - t0, out
+
+        f_times, b_times = [], []
+        for rep in range(self.warmup + self.repeats):
+            stage.zero_grad(set_to_none=True)
+            f_s, out = timed(lambda: as_tuple_out(stage(*x)))
+            outs = [o for o in out if o.requires_grad]
+            b_s = 0.0
+            if outs:
+                grads = [torch.ones_like(o) for o in outs]
+                b_s, _ = timed(lambda: torch.autograd.backward(outs, grads))
+            if rep >= self.warmup:
+                f_times.append(f_s)
+                b_times.append(b_s)
+        return statistics.median(f_times), statistics.median(b_times)
+
+    def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
+        if device.kind == "cuda":
+            import torch
+            if not torch.cuda.is_available():   # profiled GPU absent now: fall back to roofline
+                return self._roofline.layer_times(device, batch)
+        if self.exact and float(batch).is_integer():
+            return self._measure(device, int(batch))
+        lo = 2 ** math.floor(math.log2(max(batch, 1)))
+        hi = lo if lo == batch else lo * 2
+        f0, b0 = self._measure(device, lo)
+        f1, b1 = self._measure(device, hi)
+        return ([interpolate(batch, lo, a, hi, b) for a, b in zip(f0, f1)],
+                [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
+
+
+def as_tuple_out(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+__all__ = ["MeasuredCost", "measured_here", "cache_path", "interpolate"]

@@ -1,0 +1,181 @@
+"""Exact-time tests of the simulator on hand-computable what-if cases (op overhead 0)."""
+from __future__ import annotations
+
+import pytest
+
+from planner.buckets import Bucket, grad_buckets
+from planner.memory import peak_memory
+from planner.simulator import Simulator, simulate
+from simhelpers import device, graph, layer, link, plan, topology
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-12, abs=1e-12)
+
+
+def chain(n, bw=1e30, lat=0.0, kind="cuda"):
+    devs = [device(f"{kind}:{i}") for i in range(n)]
+    return topology(devs, [link(f"{kind}:{i}", f"{kind}:{i + 1}", bw, lat) for i in range(n - 1)])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(4, 4), (2, 6), (3, 3)])
+def test_uniform_pipeline_takes_m_plus_p_minus_1_slots(schedule, p, m):
+    # one layer per stage, 1e9 FLOP/s: at a microbatch of 1 sample (graph batch 4):
+    # t_f = 1e9 / 4 / 1e9 = 0.25 s, t_b = 0.5 s; free links; no parameters -> no optimizer
+    g = graph([layer(i) for i in range(p)], batch=4)
+    pl = plan([(1.0, m, [(f"cuda:{i}", i, i + 1) for i in range(p)])], m, schedule=schedule)
+    r = simulate(pl, g, chain(p))
+    assert r.iteration_s == approx((m + p - 1) * (0.25 + 0.5))
+    assert r.per_device["cuda:0"]["busy_s"] == approx(m * 0.75)
+
+
+def test_coarse_data_parallel_is_compute_plus_ring_allreduce_plus_optimizer():
+    # 2 replicas x 1 sample; layer: 1e9 fwd / 2e9 bwd FLOPs at batch 2 -> 0.5 s + 1.0 s.
+    # all-reduce of 1e6 B over 2 devices, 1e6 B/s, 10 ms: 2*1*0.01 + 2*1/2*1e6/1e6 = 1.02 s.
+    # SGD on 1e6 B at 1e8 B/s: 3 * 1e6 / 1e8 = 0.03 s.
+    g = graph([layer(0, param_bytes=10**6)], batch=2)
+    t = topology([device("cuda:0", mem_bw=1e8), device("cuda:1", mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    pl = plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 2, granularity="coarse")
+    r = simulate(pl, g, t)
+    assert t.allreduce_s(["cuda:0", "cuda:1"], 1e6) == approx(1.02)
+    assert r.iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03)
+    assert r.per_device["cuda:1"]["comm_s"] == approx(1.02)
+    assert r.per_device["cuda:1"]["optimizer_s"] == approx(0.03)
+
+
+def _dp4(granularity):
+    # 4 layers of 1e6 B params, one bucket each (cap 1e6); t_f = 0.5 s, t_b = 1.0 s per layer;
+    # all-reduce per bucket 2*1/2*1e6/1e6 = 1.0 s; SGD 3*4e6/1e8 = 0.12 s
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=2)
+    t = topology([device("cuda:0", mem_bw=1e8), device("cuda:1", mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6)])
+    pl = plan([(0.5, 1, [("cuda:0", 0, 4)]), (0.5, 1, [("cuda:1", 0, 4)])], 2,
+              granularity=granularity, bucket_bytes=10**6)
+    return simulate(pl, g, t)
+
+
+def test_fine_sync_overlaps_backward_and_beats_coarse():
+    # fine: backward chunks end at 3, 4, 5, 6 s; the four all-reduces run 3-4, 4-5, 5-6, 6-7
+    # coarse: all four after backward: 6 + 4 = 10 s
+    assert _dp4("fine").iteration_s == approx(7.0 + 0.12)
+    assert _dp4("coarse").iteration_s == approx(10.0 + 0.12)
+
+
+def test_one_f_one_b_holds_less_activation_memory_than_gpipe():
+    # saved 100 B per layer at batch 4 -> 25 B per sample-microbatch; 2 layers per stage = 50 B;
+    # params 1000 B per layer, SGD: params + grads = 4000 B per stage
+    g = graph([layer(i, param_bytes=1000, saved_bytes=100) for i in range(4)], batch=4,
+              cut_bytes=[40, 40, 40, 40, 40])
+    t = chain(2)
+    stages = [("cuda:0", 0, 2), ("cuda:1", 2, 4)]
+    gp = peak_memory(plan([(1.0, 4, stages)], 4, schedule="gpipe"), g, t)
+    fb = peak_memory(plan([(1.0, 4, stages)], 4, schedule="1f1b"), g, t)
+    assert gp == {"cuda:0": 4000 + 4 * 50, "cuda:1": 4000 + 4 * 50}
+    assert fb == {"cuda:0": 4000 + 2 * 50, "cuda:1": 4000 + 1 * 50}
+    # recompute: stage input (40 B at batch 4 -> 10 B) per in-flight microbatch + one full
+    rc = peak_memory(plan([(1.0, 4, stages)], 4, schedule="1f1b", recompute=True), g, t)
+    assert rc == {"cuda:0": 4000 + 2 * 10 + 50, "cuda:1": 4000 + 1 * 10 + 50}
+    adam = peak_memory(plan([(1.0, 4, stages)], 4, optimizer="adam"), g, t)
+    assert adam["cuda:0"] == 4000 + 2 * 2000 + 2 * 50
+
+
+def test_recompute_adds_forward_to_backward():
+    g = graph([layer(0), layer(1)], batch=1)
+    pl = plan([(1.0, 2, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2, recompute=True)
+    # microbatch of 1 sample = graph batch: t_f = 1 s, t_b = 2 s + 1 s of recompute = 3 s
+    r = simulate(pl, g, chain(2))
+    assert r.iteration_s == approx((2 + 2 - 1) * (1.0 + 3.0))
+
+
+def test_cpu_optimizer_placement_moves_state_and_adds_copies():
+    # cuda:0: fwd 1e9/1e9 = 1 s, bwd 2 s; Adam on 1e6 B: 7e6 B moved.
+    g = graph([layer(0, param_bytes=10**6)], batch=1)
+    t = topology([device("cpu:0", mem_bw=1e7), device("cuda:0", mem_bw=1e9)],
+                 [link("cpu:0", "cuda:0", bw=1e6)])
+    on_dev = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam"), g, t)
+    on_cpu = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="cpu"), g, t)
+    assert on_dev.iteration_s == approx(3.0 + 7e6 / 1e9)
+    # grads 1e6 B down (1 s) + update on cpu:0 (7e6 / 1e7 = 0.7 s) + params back (1 s)
+    assert on_cpu.iteration_s == approx(3.0 + 1.0 + 0.7 + 1.0)
+    assert on_dev.peak_memory_bytes == {"cuda:0": 4e6}
+    assert on_cpu.peak_memory_bytes == {"cuda:0": 2e6, "cpu:0": 3e6}
+    assert on_cpu.per_device["cpu:0"]["optimizer_s"] == approx(0.7)
+    assert on_cpu.per_device["cuda:0"]["comm_s"] == approx(2.0)
+
+
+def test_transfer_routed_over_two_hops():
+    # cuda:0 - cpu:0 - cuda:1, no direct link; 1e6 B cut, 1e6 B/s, 0.1 s per hop -> 1.1 s per hop
+    g = graph([layer(0), layer(1)], batch=1, cut_bytes=[0, 10**6, 0])
+    t = topology([device("cuda:0"), device("cpu:0"), device("cuda:1")],
+                 [link("cuda:0", "cpu:0", 1e6, 0.1), link("cpu:0", "cuda:1", 1e6, 0.1)])
+    assert t.transfer_s("cuda:0", "cuda:1", 1e6) == approx(2.2)
+    r = simulate(plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 1), g, t, trace=True)
+    # F0 1 s, act 2.2 s, F1 1 s, B1 2 s, grad 2.2 s, B0 2 s
+    assert r.iteration_s == approx(1 + 2.2 + 1 + 2 + 2.2 + 2)
+    lanes = {x["lane"] for x in r.tasks if x["kind"] == "transfer"}
+    assert lanes == {"cuda:0->cpu:0", "cpu:0->cuda:1", "cuda:1->cpu:0", "cpu:0->cuda:0"}
+
+
+def test_unroutable_plan_is_rejected():
+    g = graph([layer(0), layer(1)], batch=1)
+    t = topology([device("cuda:0"), device("cuda:1")])
+    with pytest.raises(ValueError, match="no path"):
+        simulate(plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 1), g, t)
+
+
+def test_transfers_on_one_link_direction_queue():
+    # 2 stages, m=2, microbatch forward 0.5 s, activation transfer 2 s each on one link:
+    # act0 0.5-2.5, act1 2.5-4.5 (queued behind act0 although ready at 1.0)
+    g = graph([layer(0, bwd_flops=0), layer(1, bwd_flops=0)], batch=2, cut_bytes=[0, 4, 0])
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=1.0)])
+    r = simulate(plan([(1.0, 2, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2, schedule="gpipe"), g, t,
+                 trace=True)
+    acts = sorted((x["start_s"], x["end_s"]) for x in r.tasks if x["lane"] == "cuda:0->cuda:1")
+    assert acts == [(0.5, 2.5), (2.5, 4.5)]
+
+
+def test_buckets_follow_ddp_reverse_order_groups_and_cap():
+    g = graph([layer(i, param_bytes=b) for i, b in enumerate([10, 20, 30, 40, 0])], batch=2)
+    pl = plan([(0.5, 1, [("cuda:0", 0, 2), ("cuda:1", 2, 5)]), (0.5, 1, [("cpu:0", 0, 5)])], 2,
+              bucket_bytes=50)
+    assert grad_buckets(pl, g) == [Bucket((3,), ("cuda:1", "cpu:0"), 40),
+                                   Bucket((2,), ("cuda:1", "cpu:0"), 30),
+                                   Bucket((1, 0), ("cuda:0", "cpu:0"), 30)]
+    big = plan([(1.0, 1, [("cuda:0", 0, 5)])], 2, bucket_bytes=25)
+    assert [b.layers for b in grad_buckets(big, g)] == [(3,), (2,), (1,), (0,)]
+
+
+def _mixed():
+    g = graph([layer(i, fwd_flops=1e9 * (i + 1), param_bytes=10**5 * (i + 1), saved_bytes=1000)
+               for i in range(6)], batch=8, cut_bytes=[800] * 7)
+    t = topology([device("cpu:0", flops=2e8, mem_bw=1e9), device("cuda:0", mem_bw=1e10),
+                  device("cuda:1", mem_bw=1e10), device("cuda:2", flops=2e9, mem_bw=1e10)],
+                 [link("cpu:0", "cuda:0", 1e7, 1e-4), link("cpu:0", "cuda:1", 1e7, 1e-4),
+                  link("cuda:0", "cuda:1", 5e7, 1e-5), link("cpu:0", "cuda:2", 1e7, 1e-4)])
+    pl = plan([(0.25, 1, [("cpu:0", 0, 6)]),
+               (0.5, 2, [("cuda:0", 0, 2), ("cuda:1", 2, 6)]),
+               (0.25, 2, [("cuda:2", 0, 6)])], 8, optimizer="adam", placement="cpu", bucket_bytes=2 * 10**5)
+    return g, t, pl
+
+
+def test_deterministic_and_cached():
+    g, t, pl = _mixed()
+    a = simulate(pl, g, t, trace=True)
+    b = simulate(pl, g, t, trace=True)
+    assert a == b and a.tasks == b.tasks
+    sim = Simulator(g, t)
+    assert sim.simulate(pl) == a and sim.simulate(pl) is sim.simulate(pl)
+    assert a.iteration_s > 0 and set(a.per_device) == {"cpu:0", "cuda:0", "cuda:1", "cuda:2"}
+    # each device's compute queue runs one task at a time
+    for lane in a.per_device:
+        spans = sorted((x["start_s"], x["end_s"]) for x in a.tasks if x["lane"] == lane)
+        assert all(e0 <= s1 + 1e-15 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+
+
+def test_feasibility_follows_device_memory():
+    g = graph([layer(0, param_bytes=600)], batch=1)
+    t = topology([device("cuda:0", memory=1000)])
+    r = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1), g, t)   # SGD: 600 + 600 > 1000
+    assert r.peak_memory_bytes == {"cuda:0": 1200} and r.feasible is False
