@@ -24,6 +24,7 @@ beyond link latency, and all-reduce algorithms other than the ring.
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,11 @@ class SimResult:
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 
+@lru_cache(maxsize=1024)
+def _schedule(name: str, stages: int, microbatches: int):
+    return make_schedule(name, stages, microbatches)
+
+
 class _Graph:
     """The task graph under construction: parallel lists indexed by task id."""
 
@@ -63,6 +69,7 @@ class _Graph:
         self.meta: list[tuple[str, str, str]] | None = [] if trace else None  # (name, lane, kind)
 
     def add(self, dur: float, res: tuple[int, ...], deps=(), meta=None) -> int:
+        """meta: (name parts, lane, kind), kept only when tracing; names are formatted then."""
         t = len(self.dur)
         self.dur.append(dur)
         self.res.append(res)
@@ -157,7 +164,7 @@ class Simulator:
         for r, rep in enumerate(plan.replicas):
             p, m = len(rep.stages), rep.microbatches
             mb = batches[r] / m
-            sched = make_schedule(plan.schedule, p, m)
+            sched = _schedule(plan.schedule, p, m)
             fwd = [[None] * m for _ in range(p)]   # task id of F
             bwd_first = [[None] * m for _ in range(p)]
             bwd_last = [[None] * m for _ in range(p)]
@@ -181,7 +188,7 @@ class Simulator:
                 for act in sched[s]:
                     i = act.microbatch
                     if act.kind == "F":
-                        prev = fwd[s][i] = g.add(f_s, (rid,), (prev,), (f"{r}:{act}", dev, "forward"))
+                        prev = fwd[s][i] = g.add(f_s, (rid,), (prev,), ((r, act), dev, "forward"))
                         ds["fwd_s"] += f_s
                         continue
                     pieces = chunks if i == m - 1 else [(e, a, None)]
@@ -190,7 +197,7 @@ class Simulator:
                         d = cost.bwd_s(dev, lo, hi, mb) if len(pieces) > 1 else b_s
                         if rec and first is None:
                             d += f_s
-                        prev = g.add(d, (rid,), (prev,), (f"{r}:{act}", dev, "backward"))
+                        prev = g.add(d, (rid,), (prev,), ((r, act), dev, "backward"))
                         ds["bwd_s"] += d
                         if first is None:
                             first = prev
@@ -202,10 +209,10 @@ class Simulator:
                 src, dst = rep.stages[s - 1].device, rep.stages[s].device
                 n = graph.cut_bytes_at(rep.stages[s].start, mb)
                 for i in range(m):
-                    t = self._transfer(g, stats, src, dst, n, fwd[s - 1][i], f"{r}:act{s - 1}->{s}:{i}")
+                    t = self._transfer(g, stats, src, dst, n, fwd[s - 1][i], ("act", r, s - 1, s, i))
                     g.succ[t].append(fwd[s][i])
                     g.ndeps[fwd[s][i]] += 1
-                    t = self._transfer(g, stats, dst, src, n, bwd_last[s][i], f"{r}:grad{s}->{s - 1}:{i}")
+                    t = self._transfer(g, stats, dst, src, n, bwd_last[s][i], ("grad", r, s, s - 1, i))
                     g.succ[t].append(bwd_first[s - 1][i])
                     g.ndeps[bwd_first[s - 1][i]] += 1
         # Gradient all-reduce per shared bucket.
@@ -242,7 +249,11 @@ class Simulator:
     # --- the event loop ----------------------------------------------------------------------
     @staticmethod
     def _run(g: _Graph, n_res: int) -> tuple[list[float], list[float]]:
-        """Deterministic list scheduling over FIFO resources; returns start and end times."""
+        """Deterministic list scheduling over FIFO resources; returns start and end times.
+
+        Events are (end time, task id); all events at one time are applied before any task
+        starts. A queue serves its waiting tasks by (ready time, task id); a task holding
+        several resources (an all-reduce) starts when all of them are free."""
         dur, res, succ, ndeps = g.dur, g.res, g.succ, list(g.ndeps)
         n = len(dur)
         start, end = [0.0] * n, [0.0] * n
@@ -250,56 +261,59 @@ class Simulator:
         waiting: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
         started = [False] * n
         events: list[tuple[float, int]] = []
-        touched: set[int] = set()
-
-        def ready(t: int, now: float) -> None:
-            r = res[t]
-            if not r:   # a pure join: completes at once
-                start[t] = end[t] = now
-                heapq.heappush(events, (now, t))
-                started[t] = True
-                return
-            for x in r:
-                heapq.heappush(waiting[x], (now, t))
-                touched.add(x)
-
-        def dispatch(now: float) -> None:
-            for x in sorted(touched):
+        push, pop = heapq.heappush, heapq.heappop
+        touched: list[int] = []
+        newly = [t for t in range(n) if ndeps[t] == 0]
+        now = 0.0
+        while True:
+            for t in newly:                     # tasks that became ready at `now`
+                r = res[t]
+                if not r:                       # a pure join completes at once
+                    started[t] = True
+                    start[t] = end[t] = now
+                    push(events, (now, t))
+                    continue
+                for x in r:
+                    push(waiting[x], (now, t))
+                    touched.append(x)
+            if len(touched) > 1:
+                touched = sorted(set(touched))
+            for x in touched:                   # start what can start, lowest resource first
                 if busy[x]:
                     continue
                 w = waiting[x]
                 while w and started[w[0][1]]:
-                    heapq.heappop(w)
+                    pop(w)
                 if not w:
                     continue
                 t = w[0][1]
                 r = res[t]
-                if len(r) > 1 and any(busy[y] for y in r):
-                    continue
-                for y in r:
-                    busy[y] = True
+                if len(r) > 1:
+                    if any(busy[y] for y in r):
+                        continue
+                    for y in r:
+                        busy[y] = True
+                else:
+                    pop(w)
+                    busy[x] = True
                 started[t] = True
                 start[t] = now
-                end[t] = now + dur[t]
-                heapq.heappush(events, (end[t], t))
-            touched.clear()
-
-        for t in range(n):
-            if ndeps[t] == 0:
-                ready(t, 0.0)
-        dispatch(0.0)
-        while events:
+                e = end[t] = now + dur[t]
+                push(events, (e, t))
+            touched = []
+            newly = []
+            if not events:
+                break
             now = events[0][0]
             while events and events[0][0] == now:
-                _, t = heapq.heappop(events)
+                t = pop(events)[1]
                 for x in res[t]:
                     busy[x] = False
-                    touched.add(x)
-                for s in succ[t]:
-                    ndeps[s] -= 1
-                    if ndeps[s] == 0:
-                        ready(s, now)
-            dispatch(now)
+                    touched.append(x)
+                for v in succ[t]:
+                    ndeps[v] -= 1
+                    if ndeps[v] == 0:
+                        newly.append(v)
         if not all(started):
             raise RuntimeError("simulator deadlock: some tasks never became ready")
         return start, end
@@ -329,15 +343,25 @@ class Simulator:
             v["peak_memory_bytes"] = peaks.get(d, 0.0)
         tasks = None
         if trace:
-            tasks = tuple({"name": m[0], "lane": m[1], "kind": m[2], "start_s": s, "end_s": e}
+            tasks = tuple({"name": _name(m[0]), "lane": m[1], "kind": m[2], "start_s": s, "end_s": e}
                           for m, s, e in zip(g.meta, start, end) if m is not None and m[2] != "join")
         result = SimResult(iteration_s=iteration_s, peak_memory_bytes=peaks,
                            feasible=memory_feasible(peaks, self.topology), per_device=stats, tasks=tasks)
-        if not trace:
+        if not trace and self._cache_size > 0:
             if len(self._cache) >= self._cache_size:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = result
         return result
+
+
+def _name(parts: Any) -> str:
+    """(r, Action) -> "r:1F0"; ("act", r, s0, s1, i) -> "r:act s0->s1 mb i"; strings as they are."""
+    if isinstance(parts, str):
+        return parts
+    if len(parts) == 2:
+        return f"{parts[0]}:{parts[1]}"
+    what, r, a, b, i = parts
+    return f"{r}:{what} {a}->{b} mb{i}"
 
 
 def simulate(plan: Plan, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,

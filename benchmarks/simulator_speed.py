@@ -1,0 +1,76 @@
+"""Simulations per second of planner.simulator on synthetic graphs (roofline costs, fine sync).
+
+(a) 4 devices (2 replicas x 2 stages), 8 layers, 8 microbatches   target >= 2,000/s
+(b) 64 devices (8 replicas x 8 stages), 96 layers, 16 microbatches target >= 20/s
+
+The simulator's per-plan result cache is off (cache_size=0), so every call builds and runs the
+task graph; cost tables are warm, as in a search. Prints the median of
+`--runs` timed runs. Usage: python benchmarks/simulator_speed.py [--runs 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from planner.graph import Layer, ModelGraph
+from planner.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from planner.simulator import Simulator
+from planner.topology import Device, Link, Topology
+
+
+def synthetic(replicas: int, stages: int, layers: int):
+    ls = tuple(Layer(index=i, name=f"l{i}", fwd_flops=2e9, bwd_flops=4e9, param_bytes=4 * 2**20,
+                     activation_bytes=2**20, saved_bytes=4 * 2**20, fwd_bytes_moved=8e6,
+                     bwd_bytes_moved=16e6, n_ops=10, bwd_n_ops=20) for i in range(layers))
+    graph = ModelGraph(layers=ls, batch=8, cut_bytes=(2**20,) * (layers + 1))
+    names = [f"cuda:{i}" for i in range(replicas * stages)]
+    devices = tuple(Device(n, "cuda", 16e9, 1e13, 5e11, 5e-6) for n in names)
+    links = tuple(Link(a, b, 2e10, 5e-6) for i, a in enumerate(names) for b in names[i + 1:])
+    return graph, Topology("bench", devices, links)
+
+
+def plans(replicas: int, stages: int, layers: int, micro: int, n: int):
+    per = layers // stages
+    out = []
+    for k in range(n):
+        base = micro * 8
+        batches = [base] * replicas
+        batches[k % replicas] += micro * (k % 7)
+        batches[(k + 1) % replicas] -= micro * (k % 7) if replicas > 1 else 0
+        total = sum(batches)
+        reps = tuple(Replica(b / total, micro, tuple(
+            Stage(f"cuda:{r * stages + s}", (s * per, (s + 1) * per)) for s in range(stages)))
+            for r, b in enumerate(batches))
+        out.append(Plan(ModelRef("synthetic"), total, reps, schedule=("1f1b", "gpipe")[k % 2],
+                        sync=Sync("fine", 8 * 2**20), optimizer=Optimizer("adam")))
+    return out
+
+
+def rate(replicas, stages, layers, micro, n, runs):
+    graph, topo = synthetic(replicas, stages, layers)
+    sim = Simulator(graph, topo, cache_size=0)
+    for p in plans(replicas, stages, layers, micro, 14):   # warm the cost tables
+        sim.simulate(p)
+    rates = []
+    for run in range(runs):
+        ps = plans(replicas, stages, layers, micro, n)
+        t0 = time.perf_counter()
+        for p in ps:
+            sim.simulate(p)
+        rates.append(n / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    a = ap.parse_args()
+    ra = rate(2, 2, 8, 8, 400, a.runs)
+    print(f"(a) 4 devices, 8 layers, 8 microbatches:   {ra:8.0f} simulations/s (target 2000)")
+    rb = rate(8, 8, 96, 16, 10, a.runs)
+    print(f"(b) 64 devices, 96 layers, 16 microbatches: {rb:8.1f} simulations/s (target 20)")
+
+
+if __name__ == "__main__":
+    main()
