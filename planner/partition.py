@@ -164,7 +164,12 @@ def trace(workload, batch: int | None = None, *, dynamic: bool = True) -> Traced
     except Exception as e:  # noqa: BLE001 - any export failure falls back to fx
         print(f"hetplan: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
               "falling back to torch.fx.symbolic_trace", file=sys.stderr)
-        gm, dyn, out_spec, method = fx.symbolic_trace(model), True, None, "symbolic_trace"
+        try:
+            gm = fx.symbolic_trace(model)
+        except Exception as e2:  # noqa: BLE001
+            raise ValueError(f"cannot capture the model: torch.export: {str(e).splitlines()[0][:200]}; "
+                             f"symbolic_trace: {str(e2).splitlines()[0][:200]}") from None
+        dyn, out_spec, method = True, None, "symbolic_trace"
     traced_batch = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else b
     if method == "export" and not dyn and traced_batch != b:   # specialized at the wrong batch
         return trace(workload, b, dynamic=False)
@@ -306,6 +311,8 @@ def split(tr: Traced, model: nn.Module, ranges) -> list[StageModule]:
         m.layer_names = tr.names[a:b]
         m.input_names = tuple(v.name for v in (placeholders if k == 0 else live_in[k]))
         m.output_names = tuple(v.name for v in outs)
+        m.num_stages = S
+        m.node_origin = {new.name: old for old, new in env.items()}   # stage node -> traced node
         stages.append(m)
     return stages
 
@@ -318,6 +325,18 @@ def _unflatten(flat: list, tr: Traced, out_node: fx.Node):
     return out
 
 
+def traced_stages(workload, ranges=None, batch: int | None = None) -> tuple[Traced, list[StageModule]]:
+    """The traced graph and its stages (default ranges: one stage per layer)."""
+    tr = trace(workload, batch)
+    try:
+        return tr, split(tr, workload.model, ranges or [(i, i + 1) for i in range(tr.num_layers)])
+    except _NonTensorCut:
+        if not tr.dynamic_batch:
+            raise
+    tr = trace(workload, batch, dynamic=False)
+    return tr, split(tr, workload.model, ranges or [(i, i + 1) for i in range(tr.num_layers)])
+
+
 def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = None) -> list[StageModule]:
     """Executable stages for half-open layer `ranges` that cover [0, L) in order.
 
@@ -326,11 +345,4 @@ def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = No
     original model's (shared, same names). `batch` is the (micro)batch the stages will run at;
     it only matters when the model cannot be exported with a dynamic batch dimension.
     """
-    tr = trace(workload, batch)
-    try:
-        return split(tr, workload.model, ranges)
-    except _NonTensorCut:
-        if not tr.dynamic_batch:
-            raise
-    tr = trace(workload, batch, dynamic=False)
-    return split(tr, workload.model, ranges)
+    return traced_stages(workload, ranges, batch)[1]

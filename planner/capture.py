@@ -1,0 +1,160 @@
+"""The measuring run behind `planner.graph.capture_graph`: per-operator FLOPs and bytes.
+
+`Recorder.run_stage` runs one stage (one layer) forward through an `fx.Interpreter` and then
+backward, under a `TorchDispatchMode` that sees every ATen call:
+
+- forward calls are charged to the graph node being interpreted;
+- backward calls are charged to the graph node whose autograd function is running
+  (`torch._C._current_autograd_node()`, matched by sequence number to the autograd functions a
+  node created in forward); the rest (gradient accumulation into parameters) is charged to the
+  stage as a whole;
+- tensors saved for backward are seen by `saved_tensors_hooks` and charged to the node that
+  saved them, each tensor once per stage, parameters excluded.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from planner import flops as F
+
+_FIELDS = ("fwd_flops", "bwd_flops", "output_bytes", "saved_bytes", "fwd_bytes_moved",
+           "bwd_bytes_moved", "fwd_n_ops", "bwd_n_ops")
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, rec: "Recorder"):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.rec.charge(func, args, kwargs, out)
+        return out
+
+
+class Recorder:
+    def __init__(self, param_ptrs: set[int]):
+        self.param_ptrs = param_ptrs
+        self.ops: dict[str, dict] = {}
+        self.stage_extra: dict[int, dict] = defaultdict(lambda: defaultdict(float))
+        self.warnings: set[str] = set()
+        self.unattributed_bwd_flops = 0.0
+        self._current: str | None = None     # forward: traced node being interpreted
+        self._phase = "fwd"
+        self._stage = 0
+        self._by_seq: dict[int, str] = {}     # autograd sequence number -> traced node
+
+    @staticmethod
+    def empty() -> dict:
+        return {f: 0.0 for f in _FIELDS} | {"shapes": (), "param_bytes": 0}
+
+    def bytes_of(self, tree) -> int:
+        return F.tensor_bytes(tree)
+
+    def _entry(self, name: str) -> dict:
+        return self.ops.setdefault(name, self.empty())
+
+    # called by the dispatch mode for every ATen call
+    def charge(self, func, args, kwargs, out) -> None:
+        fl = F.op_flops(func, args, kwargs, out)
+        if fl is None:
+            fl = 0.0
+            if F.needs_warning(func):
+                self.warnings.add(f"{func}: no FLOP formula; costed by bytes moved only")
+        moved = 0 if F.is_view(func) else (F.tensor_bytes((args, kwargs), self.param_ptrs)
+                                            + F.tensor_bytes(out, self.param_ptrs))
+        n = 0 if F.is_view(func) else 1
+        if self._phase == "fwd":
+            e = self._entry(self._current) if self._current else self.stage_extra[self._stage]
+            e["fwd_flops"] += fl
+            e["fwd_bytes_moved"] += moved
+            e["fwd_n_ops"] += n
+            return
+        node = torch._C._current_autograd_node()
+        name = self._by_seq.get(node._sequence_nr()) if node is not None else None
+        e = self._entry(name) if name else self.stage_extra[self._stage]
+        if not name:
+            self.unattributed_bwd_flops += fl
+        e["bwd_flops"] += fl
+        e["bwd_bytes_moved"] += moved
+        e["bwd_n_ops"] += n
+
+    def _map_autograd(self, name: str, result) -> None:
+        """Every autograd function created by this node's forward: walk back to known ones."""
+        todo = [t.grad_fn for t in pytree.tree_leaves(result)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            fn = todo.pop()
+            seq = fn._sequence_nr()
+            if seq in self._by_seq or type(fn).__name__ == "AccumulateGrad":
+                continue
+            self._by_seq[seq] = name
+            todo.extend(f for f, _ in fn.next_functions if f is not None)
+
+    def run_stage(self, stage: fx.GraphModule, inputs: tuple, first: bool) -> tuple:
+        """Forward then backward of one stage; returns its outputs, detached."""
+        self._stage = stage.index
+        if not first:
+            inputs = tuple(x.detach().requires_grad_(x.is_floating_point())
+                           if isinstance(x, torch.Tensor) else x for x in inputs)
+        seen_saved: set[tuple] = set()
+        rec = self
+
+        def pack(t):
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if rec._current and t.data_ptr() not in rec.param_ptrs and key not in seen_saved:
+                seen_saved.add(key)
+                rec._entry(rec._current)["saved_bytes"] += t.numel() * t.element_size()
+            return t
+
+        class Interp(fx.Interpreter):
+            def run_node(self, n):
+                origin = stage.node_origin.get(n.name)
+                rec._current = origin.name if origin is not None and n.op == "call_function" else None
+                result = super().run_node(n)
+                if rec._current:
+                    e = rec._entry(rec._current)
+                    e["shapes"] = tuple(tuple(t.shape) for t in pytree.tree_leaves(result)
+                                        if isinstance(t, torch.Tensor))
+                    if not F.is_view(n.target):
+                        e["output_bytes"] += F.tensor_bytes(result, rec.param_ptrs)
+                    rec._map_autograd(rec._current, result)
+                elif n.op == "placeholder" and first and origin is not None:
+                    rec._entry(origin.name)["shapes"] = (tuple(result.shape),) \
+                        if isinstance(result, torch.Tensor) else ()
+                return result
+
+        self._phase = "fwd"
+        with _Mode(self), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outs = Interp(stage).run(*inputs)
+        self._current = None
+        leaves = [t for t in pytree.tree_leaves(outs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if leaves:
+            grads = [torch.ones_like(t) for t in leaves]
+            self._phase = "bwd"
+            with _Mode(self):
+                torch.autograd.backward(leaves, grads)
+            self._phase = "fwd"
+        return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outs)
+
+
+@contextlib.contextmanager
+def preserved(model: torch.nn.Module):
+    """Restore buffers and parameter gradients after a measuring run."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
