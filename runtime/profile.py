@@ -1,0 +1,286 @@
+"""`hetplan profile`: measure this machine's devices and links for real.
+
+One worker process per device: CPU worker groups `cpu:0..cpu:N-1` share the cores left after
+keeping one core per GPU to drive it (`torch.set_num_threads`), and every CUDA GPU gets its own
+process. All workers run the device benchmarks at the same time, as they will run during
+training: CPU workers compete for memory bandwidth and caches, so a figure measured alone would
+be too optimistic. Pairs of workers are then measured one pair at a time (uncontended links),
+then an all-reduce over all of them. Workers talk over gloo on 127.0.0.1.
+
+`profile_worker` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (env://), so the same
+function runs under `torchrun`; `measure` launches it with torch.multiprocessing spawn.
+
+Not modelled: NUMA placement and core pinning (workers are not pinned, like `run`'s workers),
+pinned host memory (copies use pageable memory), NCCL between GPUs (GPU workers exchange data
+through the host over gloo, the path of a CPU+GPU runtime).
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from planner.io import InputError, write_json_atomic
+from planner.topology import Device, Link, Topology
+from runtime import profile_bench as bench
+
+KiB, MiB = 1 << 10, 1 << 20
+FAIL_ENV = "HETPLAN_PROFILE_FAIL_RANK"  # fault injection for tests: that rank raises after init
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How thoroughly to measure; `quick()` targets ~20 s, `full()` ~2 min on 2 cores."""
+    cpu_matmul_sizes: tuple[int, ...]
+    cuda_matmul_sizes: tuple[int, ...]
+    comm_sizes: tuple[int, ...]       # bytes, ping-pong and all-reduce
+    cpu_copy_bytes: int               # memory-bandwidth tensor; larger than last-level caches
+    cuda_copy_bytes: int
+    repeats: int                      # samples per measurement (median + spread)
+    min_time_s: float                 # shortest sample
+
+    @staticmethod
+    def quick() -> "Settings":
+        return Settings(cpu_matmul_sizes=(64, 256, 1024), cuda_matmul_sizes=(256, 1024, 4096),
+                        comm_sizes=(4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB),
+                        cpu_copy_bytes=64 * MiB, cuda_copy_bytes=256 * MiB,
+                        repeats=3, min_time_s=0.02)
+
+    @staticmethod
+    def full() -> "Settings":
+        return Settings(cpu_matmul_sizes=(64, 128, 256, 512, 1024, 2048),
+                        cuda_matmul_sizes=(256, 512, 1024, 2048, 4096, 8192),
+                        comm_sizes=tuple(4 * KiB * 4 ** i for i in range(8)),  # 4 KiB .. 64 MiB
+                        cpu_copy_bytes=128 * MiB, cuda_copy_bytes=1024 * MiB,
+                        repeats=9, min_time_s=0.1)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str            # device name, "cpu:1" / "cuda:0"
+    kind: str
+    index: int
+    threads: int
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def plan_workers(cpu_workers: int, cores: int, gpus: int) -> list[WorkerSpec]:
+    """cpu:0..N-1 split the cores left after one per GPU (the first ones get the remainder);
+    each GPU worker gets one thread. Raises InputError when N does not fit."""
+    cpu_cores = max(1, cores - gpus)
+    if not 1 <= cpu_workers <= cpu_cores:
+        kept = f", {gpus} kept to drive GPUs" if gpus else ""
+        raise InputError(f"--cpu-workers: expected an integer from 1 to {cpu_cores} "
+                         f"(this machine has {cores} cores{kept}), got {cpu_workers}")
+    base, extra = divmod(cpu_cores, cpu_workers)
+    specs = [WorkerSpec(f"cpu:{i}", "cpu", i, base + (i < extra)) for i in range(cpu_workers)]
+    specs += [WorkerSpec(f"cuda:{g}", "cuda", g, 1) for g in range(gpus)]
+    return specs
+
+
+def _log(msg: str) -> None:
+    print(f"profile: {msg}", file=sys.stderr, flush=True)
+
+
+# --- the worker (env://) --------------------------------------------------------------------
+def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) -> None:
+    """Measure this rank's device, its pairs and the all-reduce; write `out_dir/rankR.json`."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    me = workers[rank]
+    torch.set_num_threads(me.threads)
+    device = torch.device("cuda", me.index) if me.kind == "cuda" else torch.device("cpu")
+    if me.kind == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        if os.environ.get(FAIL_ENV) == str(rank):
+            raise RuntimeError(f"injected failure ({FAIL_ENV}={rank})")
+        result = {"device": _measure_device(me, device, settings), "links": {}}
+        if rank == 0:
+            _log(f"point-to-point between {world * (world - 1) // 2} pair(s) of workers")
+        for first, second in itertools.combinations(range(world), 2):
+            dist.barrier()  # one pair at a time: an uncontended link
+            if rank in (first, second):
+                rows = bench.ping_pong(rank, first, second, list(settings.comm_sizes), device,
+                                       settings.repeats)
+                if rows is not None:
+                    result["links"][workers[second].name] = rows
+        if rank == 0 and world > 1:
+            _log(f"all-reduce over {world} workers")
+        result["allreduce"] = bench.allreduce_table(list(settings.comm_sizes), settings.repeats) \
+            if world > 1 else []
+        write_json_atomic(Path(out_dir) / f"rank{rank}.json", result)
+    except Exception as e:
+        # Recorded before this process group goes down: the peers then fail too ("connection
+        # closed"), and the launcher reports the earliest error, the cause.
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        write_json_atomic(Path(out_dir) / f"rank{rank}.error",
+                          {"time": time.time(), "error": f"{type(e).__name__}: {first_line}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_device(me: WorkerSpec, device: torch.device, s: Settings) -> dict:
+    sizes = s.cuda_matmul_sizes if me.kind == "cuda" else s.cpu_matmul_sizes
+    table = []
+    for n in sizes:
+        dist.barrier()  # every worker runs the same size at the same time
+        table.append(bench.matmul_row(n, device, s.min_time_s, s.repeats))
+    dist.barrier()
+    copy_bytes = s.cuda_copy_bytes if me.kind == "cuda" else s.cpu_copy_bytes
+    copy = bench.memory_copy(copy_bytes, device, s.min_time_s, s.repeats)
+    dist.barrier()
+    overhead = bench.op_overhead(device, s.min_time_s, s.repeats)
+    out = {"matmul_table": table, "memory_copy": copy, "op_overhead": overhead}
+    if me.kind == "cuda":
+        out["host_copy_table"] = bench.host_copy_table(device, list(s.comm_sizes), s.min_time_s,
+                                                       s.repeats)
+        out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        out["model"] = torch.cuda.get_device_name(device)
+    _log(f"[{me.name}] {me.threads} thread(s): matmul {table[-1]['flops_per_s'] / 1e9:.1f} GFLOP/s "
+         f"at n={table[-1]['n']}, copy {copy['bytes_per_s'] / 1e9:.1f} GB/s, "
+         f"op {overhead['s'] * 1e6:.1f} us")
+    return out
+
+
+def _spawn_entry(local_rank: int, workers: list[WorkerSpec], settings: Settings, out_dir: str) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                      WORLD_SIZE=str(len(workers)))
+    profile_worker(workers, settings, out_dir)
+
+
+# --- the launcher ---------------------------------------------------------------------------
+class ProfileError(RuntimeError):
+    """A worker failed; the message is one line naming the worker and its error."""
+
+
+def _root_cause(e: ProcessException, workers: list[WorkerSpec], out_dir: Path) -> str:
+    """One line: the earliest error a worker recorded, else what spawn saw (e.g. a signal)."""
+    errors = [(json.loads(p.read_text()), int(p.stem[4:])) for p in out_dir.glob("rank*.error")]
+    if errors:
+        (first, rank) = min(errors, key=lambda x: x[0]["time"])
+        return f"worker {rank} ({workers[rank].name}) failed: {first['error']}"
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    return f"worker {e.error_index} ({workers[e.error_index].name}) failed: {lines[-1]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _available_ram_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure(cpu_workers: int, quick: bool = False) -> Topology:
+    """Spawn the workers, collect their results, return the measured topology."""
+    t0 = time.perf_counter()
+    settings = Settings.quick() if quick else Settings.full()
+    cores, gpus = usable_cores(), torch.cuda.device_count()
+    workers = plan_workers(cpu_workers, cores, gpus)
+    ram_bytes = _available_ram_bytes()
+    _log(f"{len(workers)} worker(s): " + ", ".join(f"{w.name} ({w.threads} thr)" for w in workers)
+         + (" [quick]" if quick else ""))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as out_dir:
+        try:
+            mp.spawn(_spawn_entry, args=(workers, settings, out_dir), nprocs=len(workers), join=True)
+        except ProcessException as e:
+            raise ProfileError(_root_cause(e, workers, Path(out_dir))) from None
+        results = [json.loads((Path(out_dir) / f"rank{r}.json").read_text())
+                   for r in range(len(workers))]
+    host = {"hostname": socket.gethostname(), "cpu_model": _cpu_model(), "cores": cores,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "quick": quick, "duration_s": round(time.perf_counter() - t0, 2)}
+    return assemble(workers, results, settings, host, ram_bytes)
+
+
+def assemble(workers: list[WorkerSpec], results: list[dict], settings: Settings, host: dict,
+             ram_bytes: int) -> Topology:
+    """Workers' raw results -> Topology. Scalars: matmul_flops_per_s = the median at the
+    largest size (sustained), memory_bytes_per_s = the copy (read + write), op_overhead_s =
+    the tiny-op time, memory_bytes = the worker's share of available RAM (CPU) or the GPU's
+    total memory; each link's latency and bandwidth are fitted to its ping-pong table."""
+    n_cpu = sum(w.kind == "cpu" for w in workers)
+    devices, links = [], []
+    for w, res in zip(workers, results):
+        d = res["device"]
+        extra = {k: v for k, v in d.items() if k != "memory_bytes"}
+        if w.kind == "cpu":
+            extra["measured_concurrently_with"] = [x.name for x in workers if x is not w]
+        devices.append(Device(
+            name=w.name, kind=w.kind,
+            memory_bytes=float(d["memory_bytes"] if w.kind == "cuda" else ram_bytes // n_cpu),
+            matmul_flops_per_s=d["matmul_table"][-1]["flops_per_s"],
+            memory_bytes_per_s=d["memory_copy"]["bytes_per_s"],
+            op_overhead_s=d["op_overhead"]["s"],
+            threads=w.threads, measured=extra))
+        for peer, rows in res["links"].items():
+            latency_s, bandwidth = bench.fit_latency_bandwidth(rows)
+            links.append(Link(a=w.name, b=peer, bandwidth_bytes_per_s=bandwidth, latency_s=latency_s,
+                              measured={"p2p_table": rows,
+                                        "method": "gloo ping-pong, one-way = round trip / 2; "
+                                                  "fit latency + bytes/bandwidth, weights 1/time"}))
+    extra = {
+        "host": host,
+        "collectives": {"allreduce": results[0]["allreduce"],
+                        "allreduce_devices": [w.name for w in workers]},
+        "settings": asdict(settings),
+        "notes": ["all workers measured their device concurrently, as during training",
+                  "spread = (p75 - p25) / median over `samples` repeats",
+                  "memory bandwidth: a large tensor copy counted as read + write"],
+    }
+    return Topology(name=host["hostname"], devices=tuple(devices), links=tuple(links), measured=extra)
+
+
+def max_spread(t: Topology) -> float:
+    """The largest spread of any measurement in a measured topology (a noise summary)."""
+    spreads = []
+    for d in t.devices:
+        spreads += [r["spread"] for r in d.measured.get("matmul_table", [])]
+        spreads += [d.measured[k]["spread"] for k in ("memory_copy", "op_overhead") if k in d.measured]
+    for l in t.links:
+        spreads += [r["spread"] for r in l.measured.get("p2p_table", [])]
+    spreads += [r["spread"] for r in t.measured.get("collectives", {}).get("allreduce", [])]
+    return max(spreads, default=0.0)

@@ -1,0 +1,184 @@
+"""Microbenchmarks behind `hetplan profile`: one device (matmul, memory copy, per-op overhead,
+host<->device copies) and one pair or group of worker processes (ping-pong, all-reduce).
+
+Every measurement is repeated; a table row holds the median and its spread, the relative
+inter-quartile range `(p75 - p25) / median`. Timing uses `time.perf_counter` around a batch of
+calls, with a device synchronisation before and after on CUDA, so one sample is never shorter
+than `min_time_s` (short samples are dominated by timer and scheduler noise).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MAX_CALLS = 100_000  # cap on calls per sample (op-overhead timing of ~1 us ops)
+
+
+def stats(samples: list[float]) -> tuple[float, float]:
+    """(median, spread) where spread = (p75 - p25) / median, the relative IQR."""
+    a = np.asarray(samples, dtype=float)
+    med = float(np.median(a))
+    p25, p75 = np.percentile(a, [25, 75])
+    return med, float((p75 - p25) / med) if med > 0 else 0.0
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def time_per_call(fn: Callable[[], object], device: torch.device, min_time_s: float,
+                  repeats: int) -> list[float]:
+    """`repeats` samples of the seconds per call of `fn`; the call count per sample is
+    calibrated (after one warm-up call) so that each sample lasts at least `min_time_s`."""
+    sync = _sync_for(device)
+    fn()  # warm-up: allocations, kernel selection, thread-pool start
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    one_s = max(time.perf_counter() - t0, 1e-7)
+    calls = int(min(MAX_CALLS, max(1, min_time_s / one_s)))
+    out = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / calls)
+    return out
+
+
+def matmul_row(n: int, device: torch.device, min_time_s: float, repeats: int) -> dict:
+    """FP32 n x n @ n x n: 2 n^3 FLOPs (a multiply-add counts 2, as torch.utils.flop_counter)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
+    samples = time_per_call(lambda: torch.matmul(a, b, out=out), device, min_time_s, repeats)
+    med, spread = stats([2 * n ** 3 / s for s in samples])
+    return {"n": n, "flops_per_s": med, "spread": spread, "samples": repeats}
+
+
+def memory_copy(n_bytes: int, device: torch.device, min_time_s: float, repeats: int) -> dict:
+    """dst.copy_(src) of n_bytes: counted as 2 n_bytes moved (read + write), as STREAM copy."""
+    src = torch.ones(n_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    samples = time_per_call(lambda: dst.copy_(src), device, min_time_s, repeats)
+    med, spread = stats([2 * src.numel() * 4 / s for s in samples])
+    return {"bytes": src.numel() * 4, "bytes_per_s": med, "spread": spread, "samples": repeats}
+
+
+def op_overhead(device: torch.device, min_time_s: float, repeats: int) -> dict:
+    """Time of one tiny eager op (torch.add on 1-element tensors, allocating its result):
+    dispatch + allocation + launch; on CUDA, launches are timed back to back (throughput)."""
+    x = torch.ones(1, device=device)
+    samples = time_per_call(lambda: torch.add(x, x), device, min_time_s, repeats)
+    med, spread = stats(samples)
+    return {"s": med, "spread": spread, "samples": repeats}
+
+
+def host_copy_table(device: torch.device, sizes: list[int], min_time_s: float,
+                    repeats: int) -> list[dict]:
+    """Pageable host memory <-> `device` copies (`.to()`, what a plain runtime does);
+    one row per size with the median seconds of each direction."""
+    rows = []
+    for n in sizes:
+        host = torch.ones(n // 4)
+        dev = host.to(device)
+        h2d, h2d_spread = stats(time_per_call(lambda: host.to(device), device, min_time_s, repeats))
+        d2h, d2h_spread = stats(time_per_call(lambda: dev.cpu(), device, min_time_s, repeats))
+        rows.append({"bytes": n, "h2d_s": h2d, "h2d_spread": h2d_spread,
+                     "d2h_s": d2h, "d2h_spread": d2h_spread})
+    return rows
+
+
+# --- between worker processes ---------------------------------------------------------------
+def round_trips(n_bytes: int) -> int:
+    """Round trips per sample: enough to move ~4 MiB, 1..50. A pure function of the size, so
+    both ends of a ping-pong agree on it without talking."""
+    return int(min(50, max(1, (4 << 20) // n_bytes)))
+
+
+def _send(buf: torch.Tensor, peer: int) -> None:
+    # gloo moves host memory: a GPU worker stages through the host, as the runtime does
+    dist.send(buf.cpu() if buf.is_cuda else buf, peer)
+
+
+def _recv(buf: torch.Tensor, host: torch.Tensor, peer: int) -> None:
+    dist.recv(host, peer)
+    if buf.is_cuda:
+        buf.copy_(host)
+
+
+def ping_pong(rank: int, first: int, second: int, sizes: list[int], device: torch.device,
+              repeats: int) -> list[dict] | None:
+    """One-way time between ranks `first` and `second` = half a round trip (send n bytes,
+    get n bytes back), over `sizes`. Returns the table on `first`, None on `second`."""
+    peer = second if rank == first else first
+    sync = _sync_for(device)
+    rows = []
+    for n in sizes:
+        host = torch.zeros(n, dtype=torch.uint8)
+        buf = host.to(device)
+        trips = round_trips(n)
+        samples = []
+        for rep in range(repeats + 1):  # the first one is a warm-up
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(trips):
+                if rank == first:
+                    _send(buf, peer)
+                    _recv(buf, host, peer)
+                else:
+                    _recv(buf, host, peer)
+                    _send(buf, peer)
+            sync()
+            if rep:
+                samples.append((time.perf_counter() - t0) / trips / 2)
+        med, spread = stats(samples)
+        rows.append({"bytes": n, "s": med, "spread": spread, "samples": repeats})
+    return rows if rank == first else None
+
+
+def allreduce_table(sizes: list[int], repeats: int) -> list[dict]:
+    """Sum all-reduce of n bytes (float32, host memory) over the default group; every rank
+    times it, the caller keeps rank 0's table. A barrier starts each size together."""
+    rows = []
+    for n in sizes:
+        t = torch.ones(n // 4)
+        trips = round_trips(n)
+        samples = []
+        for rep in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(trips):
+                dist.all_reduce(t)
+            if rep:
+                samples.append((time.perf_counter() - t0) / trips)
+        med, spread = stats(samples)
+        rows.append({"bytes": n, "s": med, "spread": spread, "samples": repeats})
+    return rows
+
+
+def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
+    """Fit time = latency_s + bytes / bandwidth_bytes_per_s by least squares on the medians,
+    weighted by 1/time so that small and large sizes count alike (relative residuals).
+
+    A negative intercept (noise at small sizes) is replaced by the smallest measured time,
+    an upper bound of the latency; a non-positive slope by the best measured bytes/s.
+    """
+    x = np.array([r["bytes"] for r in rows], dtype=float)
+    y = np.array([r["s"] for r in rows], dtype=float)
+    if len(rows) >= 2:
+        slope, intercept = np.polyfit(x, y, 1, w=1.0 / y)
+    else:
+        slope, intercept = y[0] / x[0], 0.0
+    bandwidth = 1.0 / slope if slope > 0 else float(np.max(x / y))
+    latency = float(intercept) if intercept > 0 else float(np.min(y))
+    return latency, float(bandwidth)

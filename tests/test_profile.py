@@ -1,0 +1,148 @@
+"""`hetplan profile`: worker planning, the fit, assembly, and the real command end to end."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from planner.io import InputError
+from planner.topology import load_topology
+from runtime import profile
+from runtime.profile_bench import fit_latency_bandwidth, stats
+
+
+def _hetplan(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hetplan", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+# --- pure parts -------------------------------------------------------------------------------
+def test_plan_workers_splits_cores_and_keeps_one_per_gpu():
+    specs = profile.plan_workers(4, cores=7, gpus=1)
+    assert [(s.name, s.threads) for s in specs] == [
+        ("cpu:0", 2), ("cpu:1", 2), ("cpu:2", 1), ("cpu:3", 1), ("cuda:0", 1)]
+    assert [(s.name, s.threads) for s in profile.plan_workers(1, cores=2, gpus=0)] == [("cpu:0", 2)]
+
+
+@pytest.mark.parametrize("n,cores,gpus", [(0, 2, 0), (-1, 2, 0), (3, 2, 0), (2, 2, 1)])
+def test_plan_workers_rejects_what_does_not_fit(n, cores, gpus):
+    with pytest.raises(InputError, match=rf"--cpu-workers: expected an integer from 1 to {max(1, cores - gpus)} "):
+        profile.plan_workers(n, cores=cores, gpus=gpus)
+
+
+def test_stats_median_and_relative_iqr():
+    assert stats([5.0, 1.0, 3.0, 2.0, 4.0]) == (3.0, (4.0 - 2.0) / 3.0)
+    assert stats([2.0, 2.0, 2.0]) == (2.0, 0.0)
+
+
+def test_fit_recovers_latency_and_bandwidth_exactly():
+    rows = [{"bytes": b, "s": 2e-5 + b / 3e9} for b in (4096, 65536, 1 << 20, 1 << 26)]
+    latency_s, bandwidth = fit_latency_bandwidth(rows)
+    assert latency_s == pytest.approx(2e-5, rel=1e-6)
+    assert bandwidth == pytest.approx(3e9, rel=1e-6)
+
+
+def test_fit_clamps_a_negative_intercept_to_the_smallest_time():
+    rows = [{"bytes": 1000, "s": 1e-7}, {"bytes": 2000, "s": 1e-6}, {"bytes": 4000, "s": 3e-6}]
+    latency_s, bandwidth = fit_latency_bandwidth(rows)
+    assert latency_s == 1e-7 and bandwidth > 0
+
+
+def test_assemble_takes_scalars_from_the_tables():
+    workers = profile.plan_workers(2, cores=2, gpus=0)
+    dev = lambda f: {"matmul_table": [{"n": 64, "flops_per_s": 1e9, "spread": 0.1},  # noqa: E731
+                                      {"n": 1024, "flops_per_s": f, "spread": 0.2}],
+                     "memory_copy": {"bytes": 1 << 26, "bytes_per_s": 5e9, "spread": 0.3},
+                     "op_overhead": {"s": 3e-6, "spread": 0.05}}
+    rows = [{"bytes": b, "s": 1e-4 + b / 2e9, "spread": 0.4} for b in (4096, 1 << 20)]
+    results = [{"device": dev(4e10), "links": {"cpu:1": rows}, "allreduce": [{"bytes": 4096, "s": 1e-4, "spread": 0.6}]},
+               {"device": dev(5e10), "links": {}, "allreduce": []}]
+    t = profile.assemble(workers, results, profile.Settings.quick(), {"hostname": "h"}, ram_bytes=10_000)
+    a, b = t.device("cpu:0"), t.device("cpu:1")
+    assert (a.matmul_flops_per_s, b.matmul_flops_per_s) == (4e10, 5e10)
+    assert (a.memory_bytes_per_s, a.op_overhead_s, a.memory_bytes, a.threads) == (5e9, 3e-6, 5000.0, 1)
+    assert a.measured["measured_concurrently_with"] == ["cpu:1"]
+    (link,) = t.links
+    assert (link.a, link.b) == ("cpu:0", "cpu:1")
+    assert link.latency_s == pytest.approx(1e-4) and link.bandwidth_bytes_per_s == pytest.approx(2e9)
+    assert t.measured["host"] == {"hostname": "h"}
+    assert profile.max_spread(t) == 0.6
+
+
+# --- the real command ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "x.json"
+    r = _hetplan("profile", "--quick", "--cpu-workers", "2", "-o", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
+    out, r = quick_profile
+    t = load_topology(out)
+    summary = json.loads(r.stdout)
+    assert summary["path"] == str(out) and summary["duration_s"] < 60
+    cpus = [d for d in t.devices if d.kind == "cpu"]
+    assert [d.name for d in cpus] == ["cpu:0", "cpu:1"]
+    assert sum(d.threads for d in cpus) == max(2, profile.usable_cores() - torch.cuda.device_count())
+    for d in cpus:
+        table = d.measured["matmul_table"]
+        assert [row["n"] for row in table] == [64, 256, 1024]
+        assert all(row["flops_per_s"] > 1e8 and row["spread"] >= 0 for row in table)
+        assert d.matmul_flops_per_s == table[-1]["flops_per_s"]
+        assert d.memory_bytes_per_s > 1e8 and 0 < d.op_overhead_s < 1e-3 and d.memory_bytes > 1e8
+    link = next(l for l in t.links if {l.a, l.b} == {"cpu:0", "cpu:1"})
+    assert link.bandwidth_bytes_per_s > 1e6 and link.latency_s > 0
+    assert [row["bytes"] for row in link.measured["p2p_table"]] == [4096, 65536, 1 << 20, 1 << 24, 1 << 26]
+    assert len(t.measured["collectives"]["allreduce"]) == 5
+    host = t.measured["host"]
+    assert host["hostname"] == socket.gethostname() and host["quick"] is True
+    assert host["torch"] == torch.__version__ and host["cores"] >= 1 and host["cpu_model"]
+    assert {"python", "profiled_at", "duration_s"} <= set(host)
+
+
+def test_progress_goes_to_stderr(quick_profile):
+    _, r = quick_profile
+    assert "profile: 2 worker(s)" in r.stderr and "all-reduce over 2 workers" in r.stderr
+
+
+@pytest.mark.parametrize("flag,expected", [
+    ("0", "--cpu-workers: expected an integer from 1 to"),
+    ("100000", "--cpu-workers: expected an integer from 1 to"),
+    ("two", "argument --cpu-workers: invalid int value"),
+])
+def test_bad_cpu_workers_exit_2_with_one_line(flag, expected, tmp_path):
+    out = tmp_path / "x.json"
+    r = _hetplan("profile", "--quick", "--cpu-workers", flag, "-o", str(out))
+    assert r.returncode == 2
+    assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_failing_worker_fails_the_profile_and_writes_nothing(tmp_path):
+    out = tmp_path / "x.json"
+    r = _hetplan("profile", "--quick", "--cpu-workers", "2", "-o", str(out),
+                 env={profile.FAIL_ENV: "1"})
+    assert r.returncode == 1
+    assert "worker 1 (cpu:1) failed: RuntimeError: injected failure" in r.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpus_are_profiled_with_host_copies(tmp_path):
+    out = tmp_path / "g.json"
+    r = _hetplan("profile", "--quick", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    t = load_topology(out)
+    gpus = [d for d in t.devices if d.kind == "cuda"]
+    assert len(gpus) == torch.cuda.device_count()
+    for g in gpus:
+        assert g.measured["host_copy_table"] and g.memory_bytes > 1e9
+        assert any({l.a, l.b} == {"cpu:0", g.name} for l in t.links)
