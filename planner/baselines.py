@@ -7,6 +7,7 @@ than data parallelism):
 - fastest single device: the whole model on one device;
 - data parallel over all devices with equal shares of the batch;
 - data parallel with shares proportional to each device's single-device throughput;
+- data parallel over the GPUs only, equal shares (when there are GPUs and CPUs);
 - a balanced pipeline over all devices: stage boundaries from a dynamic-programming partition
   that minimises the slowest stage (PipeDream, Narayanan et al. 2019, section 3.1), devices in
   `device_order` (GPUs first, grouped by node, so neighbouring stages share fast links).
@@ -130,9 +131,32 @@ def baseline_strategies(space: Space, single_s: dict[str, float], shares: dict[s
         out.append(("data parallel, equal shares", dp, proportional_batches(B, [1.0] * len(devs), [1] * len(devs))))
         speed = [1.0 / single_s[d] for d in devs]
         out.append(("data parallel, proportional shares", dp, proportional_batches(B, speed, [1] * len(devs))))
+    gpus = [d for d in space.devices if space.kinds[d] == "cuda"][:B]
+    if 1 < len(gpus) < len(space.devices):
+        # what most users run on a GPU server: DDP over the GPUs, CPUs idle
+        out.append(("data parallel over GPUs", Strategy(tuple(Pipeline((d,), ()) for d in gpus)),
+                    proportional_batches(B, [1.0] * len(gpus), [1] * len(gpus))))
     pipe_devs = space.devices[:min(space.num_layers, B)]
     if len(pipe_devs) > 1:
         p = balanced_pipeline(space, pipe_devs, single_s, shares, cut_s)
         m = realise_microbatches(p.microbatches, B, len(p.devices), "1f1b")
         out.append(("balanced pipeline", Strategy((Pipeline(p.devices, p.cuts, m),)), (B,)))
+    return out
+
+
+def hybrid_seeds(space: Space, single_s: dict[str, float], shares: dict[str, tuple[float, ...]],
+                 cut_s: Callable[[str, str, int], float] | None = None) -> list[Strategy]:
+    """Starting points for the walk (not baselines): k identical-width pipelines over
+    consecutive devices in `device_order`, for every k dividing the device count (the DP x PP
+    grids of Megatron-LM / PipeDream). On a large cluster random rewrites of one choice at a
+    time take long to reach such regular structures; starting there costs a few simulations."""
+    n = len(space.devices)
+    out = []
+    for k in range(2, n):
+        width = n // k
+        if n % k or width > space.num_layers or k * width > space.global_batch:
+            continue
+        pipes = tuple(balanced_pipeline(space, space.devices[i * width:(i + 1) * width], single_s, shares, cut_s)
+                      for i in range(k))
+        out.append(Strategy(tuple(Pipeline(p.devices, p.cuts, 2 * width) for p in pipes)))
     return out

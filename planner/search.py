@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from planner.baselines import baseline_strategies
+from planner.baselines import baseline_strategies, hybrid_seeds
 from planner.plan import Plan, plan_key
 from planner.space import Pipeline, Space, Strategy, min_batch, propose, to_plan
 
@@ -164,7 +164,7 @@ class Searcher:
         space = self.p.space
         singles = [self.evaluate(to_plan(space, Strategy((Pipeline((d,), ()),)), (space.global_batch,)),
                                  name=f"single device {d}") for d in space.devices]
-        single_s = {c.plan.devices[0]: c.iteration_s for c in singles}
+        single_s = self._single_s = {c.plan.devices[0]: c.iteration_s for c in singles}
         feasible = [c for c in singles if c.feasible]
         pool = min(feasible or singles, key=lambda c: (c.cost, c.memory_ratio))
         out = [replace(pool, name=f"fastest single device ({pool.plan.devices[0]})")]
@@ -176,7 +176,9 @@ class Searcher:
         t0 = time.monotonic()
         space, cfg, rng = self.p.space, self.cfg, self.rng
         bases = self.baselines()
-        start = min(bases, key=lambda c: (not c.feasible, c.cost))
+        seeds = [self.evaluate(to_plan(space, s, self.solve_batches(s)))
+                 for s in hybrid_seeds(space, self._single_s, self.p.shares, self.p.cut_s)]
+        start = min([*bases, *seeds], key=lambda c: (not c.feasible, c.cost))
         cur = best = start
         history = [(time.monotonic() - t0, best.iteration_s)]
         last_gain = last_restart = 0
@@ -250,3 +252,45 @@ def memory_error(result: SearchResult, memory_bytes: dict[str, float]) -> str:
     dev = max(devs, key=lambda d: c.peak_memory_bytes[d] / memory_bytes[d])
     return (f"no plan fits in memory: the least memory-hungry plan found needs "
             f"{c.peak_memory_bytes[dev]:.4g} bytes on {dev}, which has {memory_bytes[dev]:.4g}")
+
+
+# --- wiring to the real simulator ---------------------------------------------------------------
+@dataclass(frozen=True)
+class _Rejected:
+    """What `evaluate` returns for a plan the simulator refuses (no route, no host CPU)."""
+    iteration_s: float = math.inf
+    feasible: bool = False
+    peak_memory_bytes: dict = field(default_factory=dict)
+
+
+def make_space(topology, num_layers: int, global_batch: int, model, optimizer_name: str,
+               lr: float) -> Space:
+    from planner.baselines import device_order
+    kinds = {d.name: d.kind for d in topology.devices}
+    return Space(devices=device_order(list(kinds), kinds), kinds=kinds, num_layers=num_layers,
+                 global_batch=global_batch, model=model, optimizer_name=optimizer_name, lr=lr)
+
+
+def simulator_problem(simulator, space: Space) -> Problem:
+    """A Problem over planner.simulator.Simulator: its cost model gives the layer shares (at
+    the global batch), the topology the activation transfer at each cut (forward + backward)."""
+    graph, topology, cost = simulator.graph, simulator.topology, simulator.cost
+    B = space.global_batch
+    shares = {}
+    for d in space.devices:
+        times = [sum(cost.layer_s(d, i, B)) for i in range(graph.num_layers)]
+        total = sum(times)
+        shares[d] = tuple(t / total if total > 0 else 1 / len(times) for t in times)
+
+    def evaluate(plan: Plan):
+        try:
+            return simulator.simulate(plan)
+        except ValueError:        # no path of links between two stages, no host CPU to offload to
+            return _Rejected()
+
+    def cut_s(a: str, b: str, i: int) -> float:
+        try:
+            return 2 * topology.transfer_s(a, b, graph.cut_bytes_at(i, B))
+        except ValueError:
+            return math.inf
+    return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s)

@@ -1,10 +1,122 @@
-"""`hetplan plan` (to be written)."""
-HELP = "plan (not yet available)"
+"""`hetplan plan`: search the strategy space with the simulator and write the best plan.
+
+The search is deterministic for a given seed and iteration budget; `--time-limit` is a safety
+cap (when it stops the search, a warning says the plan may then depend on machine speed).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = "search the strategy space with the simulator; write the best plan and compare it with the baselines"
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("--model", required=True, metavar="M", help="built-in name or package.module:function")
+    p.add_argument("--model-arg", action="append", default=[], metavar="K=V",
+                   help="argument of the model factory (repeatable)")
+    p.add_argument("--batch", required=True, type=int, metavar="B", help="global batch size (samples)")
+    p.add_argument("--topology", required=True, metavar="T", help="topology file (hetplan.topology/1)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the search (default 0)")
+    p.add_argument("--iterations", type=int, default=2000,
+                   help="proposals to try; the deterministic budget (default 2000)")
+    p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
+                   help="wall-clock cap in seconds (default 10); a safety net, not the usual stop")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), help="default: the workload's optimizer")
+    p.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
+    p.add_argument("-o", "--output", default="plan.json", metavar="PLAN", help="plan file to write (default plan.json)")
+
+
+def _check_flags(args) -> None:
+    from planner.io import InputError
+    if args.batch <= 0:
+        raise InputError(f"--batch: expected a positive integer, got {args.batch}")
+    if not args.time_limit > 0:
+        raise InputError(f"--time-limit: expected a positive number of seconds, got {args.time_limit}")
+    if args.iterations < 1:
+        raise InputError(f"--iterations: expected a positive integer, got {args.iterations}")
+    if args.lr is not None and not args.lr > 0:
+        raise InputError(f"--lr: expected a positive number, got {args.lr}")
+
+
+def _cost_model(graph, topology, workload):
+    """The measured cost model on a topology profiled on this machine, else roofline."""
+    try:
+        from hetplan.commands.simulate import cost_model
+        return cost_model(graph, topology, workload)
+    except ModuleNotFoundError:   # planner.layer_timing not present: what-if costs only
+        from planner.cost import RooflineCost
+        return RooflineCost(graph, topology)
+
+
+def describe(plan) -> str:
+    """'cuda:0[0:6] | cpu:0[0:4]+cuda:1[4:6]' with batches and microbatches."""
+    parts = []
+    for r, b in zip(plan.replicas, plan.replica_batches()):
+        stages = " -> ".join(f"{s.device}[{s.start}:{s.end}]" for s in r.stages)
+        parts.append(f"{stages} (batch {b}, {r.microbatches} microbatch{'es' if r.microbatches > 1 else ''})")
+    return "; ".join(parts)
+
+
+def _table(best, baselines):
+    import pandas as pd
+    df = pd.DataFrame([{"plan": c.name, "predicted ms": c.iteration_s * 1e3,
+                        "chosen is x faster": c.iteration_s / best.iteration_s,
+                        "peak memory MB": max(c.peak_memory_bytes.values(), default=0.0) / 1e6,
+                        "fits": "yes" if c.feasible else "NO"} for c in [best, *baselines]])
+    return df.to_string(index=False, float_format=lambda v: f"{v:.3f}")
 
 
 def main(args) -> int:
-    raise SystemExit("hetplan plan: not yet available")
+    import random
+    from dataclasses import replace
+
+    from planner.graph import capture_graph
+    from planner.io import InputError
+    from planner.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
+    from planner.search import SearchConfig, make_space, memory_error, search, simulator_problem
+    from planner.simulator import Simulator
+    from planner.topology import load_topology
+    from planner.workload import load_workload, parse_model_args
+
+    _check_flags(args)
+    model_args = parse_model_args(args.model_arg)
+    topology = load_topology(args.topology)
+    workload = load_workload(args.model, model_args)
+    print(f"hetplan plan: capturing {args.model} at batch {args.batch}", file=sys.stderr)
+    graph = capture_graph(workload, args.batch)
+    space = make_space(topology, graph.num_layers, args.batch, ModelRef(args.model, model_args),
+                       args.optimizer or workload.optimizer, args.lr if args.lr is not None else workload.lr)
+    problem = simulator_problem(Simulator(graph, topology, _cost_model(graph, topology, workload)), space)
+    config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit)
+    print(f"hetplan plan: searching {len(space.devices)} devices x {graph.num_layers} layers "
+          f"(seed {args.seed}, {args.iterations} iterations, cap {args.time_limit:g} s)", file=sys.stderr)
+    result = search(problem, random.Random(args.seed), config,
+                    progress=lambda msg: print(f"hetplan plan: {msg}", file=sys.stderr))
+    if result.best is None:
+        raise InputError(f"{args.topology}: devices: {memory_error(result, problem.memory_bytes)}")
+    if result.stopped_by == "time limit":
+        print(f"hetplan plan: warning: stopped by --time-limit after {result.iterations} of {args.iterations} "
+              "iterations; the plan may differ on a faster or slower machine", file=sys.stderr)
+    best = replace(result.best, name="chosen")
+    baselines = [{"name": c.name, "iteration_s": c.iteration_s, "feasible": c.feasible,
+                  "peak_memory_bytes": c.peak_memory_bytes} for c in result.baselines]
+    plan = replace(best.plan, topology=TopologyRef(topology.name, topology.sha256),
+                   predicted=Predicted(best.iteration_s, best.peak_memory_bytes, extra={
+                       "baselines": baselines,
+                       "search": {"seed": args.seed, "iterations": result.iterations,
+                                  "simulations": result.evaluations, "stopped_by": result.stopped_by,
+                                  "elapsed_s": round(result.elapsed_s, 3)}}))
+    validate_plan(plan, args.output, graph.num_layers, {d.name for d in topology.devices})
+    save_plan(plan, args.output)
+    if args.json:
+        print(json.dumps({"plan": plan_to_dict(plan), "iteration_s": best.iteration_s,
+                          "baselines": baselines, "output": str(args.output)}))
+        return 0
+    print(f"chosen plan: {describe(plan)}")
+    print(f"  schedule {plan.schedule}, sync {plan.sync.granularity} ({plan.sync.bucket_bytes / 2**20:g} MiB buckets), "
+          f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}, recompute {'on' if plan.recompute else 'off'}")
+    print(_table(best, result.baselines))
+    print(f"searched {result.iterations} iterations, {result.evaluations} simulations in "
+          f"{result.elapsed_s:.1f} s (stopped by {result.stopped_by}); wrote {args.output}")
+    return 0
