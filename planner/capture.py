@@ -40,8 +40,12 @@ class _Mode(TorchDispatchMode):
 
 
 class Recorder:
-    def __init__(self, param_ptrs: set[int]):
-        self.param_ptrs = param_ptrs
+    def __init__(self, params: list[torch.Tensor]):
+        self.param_ptrs = {p.data_ptr() for p in params}
+        # parameter-shaped tensors (weights, their transposes and gradients) are left out of
+        # bytes moved so that it scales with the batch; an activation of exactly a parameter's
+        # shape would be left out too (rare; not modelled)
+        self.param_shapes = {tuple(p.shape) for p in params} | {tuple(p.shape)[::-1] for p in params}
         self.ops: dict[str, dict] = {}
         self.stage_extra: dict[int, dict] = defaultdict(lambda: defaultdict(float))
         self.warnings: set[str] = set()
@@ -68,8 +72,8 @@ class Recorder:
             fl = 0.0
             if F.needs_warning(func):
                 self.warnings.add(f"{func}: no FLOP formula; costed by bytes moved only")
-        moved = 0 if F.is_view(func) else (F.tensor_bytes((args, kwargs), self.param_ptrs)
-                                            + F.tensor_bytes(out, self.param_ptrs))
+        moved = 0 if F.is_view(func) else F.tensor_bytes((args, kwargs, out), self.param_ptrs,
+                                                          self.param_shapes)
         n = 0 if F.is_view(func) else 1
         if self._phase == "fwd":
             e = self._entry(self._current) if self._current else self.stage_extra[self._stage]

@@ -104,11 +104,14 @@ def needs_warning(func) -> bool:
     return torch.Tag.pointwise not in tags
 
 
-def tensor_bytes(tree, exclude: set[int] | frozenset = frozenset()) -> int:
-    """Bytes of the tensors in a pytree, skipping those whose data_ptr is in `exclude`."""
+def tensor_bytes(tree, exclude: set[int] | frozenset = frozenset(),
+                 exclude_shapes: set[tuple] | frozenset = frozenset()) -> int:
+    """Bytes of the tensors in a pytree, skipping those whose data_ptr is in `exclude` or whose
+    shape is in `exclude_shapes`."""
     total = 0
     for x in pytree.tree_leaves(tree):
-        if isinstance(x, torch.Tensor) and x.data_ptr() not in exclude:
+        if (isinstance(x, torch.Tensor) and x.data_ptr() not in exclude
+                and tuple(x.shape) not in exclude_shapes):
             total += x.numel() * x.element_size()
     return total
 

@@ -92,7 +92,7 @@ def capture_graph(workload, batch: int) -> ModelGraph:
     model = workload.model
     tr, stages = partition.traced_stages(workload, None, batch)
     inputs = partition.example_inputs(workload, batch)
-    rec = Recorder({p.data_ptr() for p in model.parameters()})
+    rec = Recorder(list(model.parameters()))
     with preserved(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         cut_bytes = [rec.bytes_of(inputs)]

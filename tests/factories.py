@@ -103,3 +103,21 @@ def two_outputs(n: int = 8) -> Workload:
 def tiny(width: int = 8) -> Workload:
     """The user-factory example: two bias-free square layers."""
     return square(n=width, depth=2)
+
+
+class NoFormula(nn.Module):
+    """A Linear followed by cumprod, an operator with no FLOP formula (and not memory-bound)."""
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        return self.fc(x).cumprod(dim=1)
+
+
+def no_formula(n: int = 8) -> Workload:
+    return Workload(model=NoFormula(n), make_batch=_batch((n,)), loss_fn=F.mse_loss)
+
+
+def not_a_workload():
+    return object()

@@ -1,0 +1,149 @@
+"""capture_graph: exact FLOPs on hand-computable models, layers, cuts, warnings; `hetplan graph`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.graph import capture_graph
+from planner.io import InputError
+from planner.workload import load_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_square_linear_layers_exact():
+    n, B = 16, 4
+    g = capture_graph(load_workload("tests.factories:square", {"n": n, "depth": 3}), B)
+    assert [l.name for l in g.layers] == ["layers.0", "layers.1", "layers.2"]
+    assert [l.fwd_flops for l in g.layers] == [2 * B * n * n] * 3
+    # backward: weight grad 2·B·n² always, input grad 2·B·n² except for the first layer, whose
+    # input (the model input) does not require grad
+    assert [l.bwd_flops for l in g.layers] == [2 * B * n * n, 4 * B * n * n, 4 * B * n * n]
+    assert [l.param_bytes for l in g.layers] == [n * n * 4] * 3
+    assert [l.activation_bytes for l in g.layers] == [B * n * 4] * 3
+    assert [l.saved_bytes for l in g.layers] == [B * n * 4] * 3      # each layer saves its input
+    assert g.cut_bytes == (B * n * 4,) * 4
+    assert [l.param_names for l in g.layers] == [(f"layers.{i}.weight",) for i in range(3)]
+    assert len({l.signature for l in g.layers}) == 1                 # identical layers, one key
+    assert g.info["warnings"] == []
+    # at batch 2B every activation-like quantity doubles, parameters do not
+    g2 = capture_graph(load_workload("tests.factories:square", {"n": n, "depth": 3}), 2 * B)
+    from dataclasses import replace
+    assert replace(g2.layers[1], signature="") == replace(g.layers[1].scaled(2.0), signature="")
+    assert g2.cut_bytes_at(2, B) == g.cut_bytes[2]
+
+
+def test_gpt_against_analytic_count():
+    L, H, d, V, T, B = 2, 2, 32, 64, 8, 3
+    w = load_workload("gpt", {"layers": L, "heads": H, "d_model": d, "vocab": V, "context": T})
+    g = capture_graph(w, B)
+    assert [l.name for l in g.layers] == ["emb", "blocks.0", "blocks.1", "head"]
+    linear = 2 * B * T * (3 * d * d + d * d + 4 * d * d + 4 * d * d)   # qkv, proj, fc, fc_out
+    attention = 4 * B * T * T * d      # QKᵀ and PV over all heads (causal mask not discounted)
+    for blk in g.layers[1:3]:
+        assert blk.fwd_flops == linear + attention
+        # linear backward = 2x forward; attention backward = 2.5x (recomputes QKᵀ)
+        assert blk.bwd_flops == 2 * linear + 2.5 * attention
+    assert g.layers[3].fwd_flops == 2 * B * T * d * V
+    assert g.layers[0].fwd_flops == 0 and g.layers[0].bwd_flops == 0
+    assert g.cut_bytes[1:4] == (B * T * d * 4,) * 3 and g.cut_bytes[0] == B * T * 8
+    assert g.param_bytes == sum(p.numel() * 4 for p in w.model.parameters())
+    # torch's own counter agrees on everything but CPU attention, which it counts as 0
+    from torch.utils.flop_counter import FlopCounterMode
+    x, _ = w.make_batch(B, 0)
+    with FlopCounterMode(display=False) as fc:
+        w.model(x)
+    assert fc.get_total_flops() == sum(l.fwd_flops for l in g.layers) - L * attention
+
+
+def test_residual_cnn_conv_flops_and_skip_cut():
+    B, c, hw = 2, 4, 8
+    w = load_workload("tests.factories:rescnn", {"c": c, "hw": hw})
+    running = w.model.a.bn.running_mean.clone()
+    g = capture_graph(w, B)
+    assert [l.name for l in g.layers] == ["stem", "a", "b", "head"]
+    conv = lambda cout, cin, k: 2 * cout * cin * k * k * hw * hw * B   # 2·Cout·Cin·k²·Hout·Wout·B
+    assert [l.fwd_flops for l in g.layers] == [conv(c, 1, 3), conv(c, c, 3), conv(c, c, 3),
+                                               2 * B * c * hw * hw * 10]
+    assert [l.bwd_flops for l in g.layers] == [conv(c, 1, 3), 2 * conv(c, c, 3), 2 * conv(c, c, 3),
+                                               2 * 2 * B * c * hw * hw * 10]
+    act = B * c * hw * hw * 4
+    # the stem output s is live across a|b (beside a's output): the skip connection is counted
+    assert g.cut_bytes == (B * hw * hw * 4, act, 2 * act, act, B * 10 * 4)
+    # capturing does not change the model: BatchNorm statistics and gradients are restored
+    assert torch.equal(w.model.a.bn.running_mean, running)
+    assert all(p.grad is None for p in w.model.parameters())
+
+
+def test_shape_dependent_model_not_traceable_by_fx():
+    w = load_workload("tests.factories:shape_dependent", {"n": 8})
+    with pytest.raises(Exception):
+        torch.fx.symbolic_trace(w.model)
+    g = capture_graph(w, 5)
+    assert [l.name for l in g.layers] == ["wide", "out"]
+    assert [l.fwd_flops for l in g.layers] == [2 * 5 * 64, 2 * 5 * 64]
+    g = capture_graph(load_workload("tests.factories:shape_dependent", {"n": 4}), 5)
+    assert [l.name for l in g.layers] == ["narrow", "out"]            # the other branch
+    assert [l.fwd_flops for l in g.layers] == [2 * 5 * 4 * 2, 2 * 5 * 16]
+
+
+def test_op_without_formula_warns_not_aborts(capsys):
+    g = capture_graph(load_workload("tests.factories:no_formula", {"n": 8}), 4)
+    assert any("cumprod" in w for w in g.info["warnings"])
+    assert g.layers[0].fwd_flops == 2 * 4 * 64                         # the Linear only
+    cum = [d for _, d in g.ops.nodes(data=True) if "cumprod" in d["target"]]
+    assert len(cum) == 1 and cum[0]["fwd_flops"] == 0 and cum[0]["fwd_bytes_moved"] == 2 * 4 * 8 * 4
+
+
+def test_op_graph_nodes_and_edges():
+    g = capture_graph(load_workload("cnn"), 2)
+    ops = [d for _, d in g.ops.nodes(data=True) if d["kind"] == "op"]
+    for i, layer in enumerate(g.layers):
+        assert sum(d["fwd_flops"] for d in ops if d["layer"] == i) == layer.fwd_flops
+        assert sum(d["bwd_flops"] for d in ops if d["layer"] == i) == layer.bwd_flops
+    conv1 = next(n for n, d in g.ops.nodes(data=True) if d["target"] == "aten.conv2d.default")
+    assert g.ops.nodes[conv1]["shapes"] == ((2, 10, 24, 24),)
+    assert list(g.ops.predecessors(conv1)) == ["x"]
+    import networkx as nx
+    assert nx.is_directed_acyclic_graph(g.ops)
+
+
+def test_bad_batch():
+    with pytest.raises(InputError):
+        capture_graph(load_workload("mlp", {"hidden": 8, "depth": 1}), 0)
+
+
+def _hetplan(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "hetplan", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+def test_cli_graph_json_user_factory():
+    r = _hetplan("graph", "--model", "tests.factories:tiny", "--model-arg", "width=8",
+                 "--batch", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [(l["index"], l["name"]) for l in data["layers"]] == [(0, "layers.0"), (1, "layers.1")]
+    assert [l["fwd_flops"] for l in data["layers"]] == [512, 512]
+    assert [l["activation_bytes"] for l in data["layers"]] == [128, 128]
+    assert data["total"] == {**data["total"], "fwd_flops": 1024, "bwd_flops": 512 + 1024,
+                             "param_bytes": 2 * 64 * 4}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "nosuch", "--batch", "2"], "unknown model"),
+    (["--model", "nosuch.module:f", "--batch", "2"], "cannot import"),
+    (["--model", "mlp", "--batch", "0"], "--batch"),
+    (["--model", "mlp", "--model-arg", "depth=0", "--batch", "2"], "depth"),
+])
+def test_cli_bad_input_one_line_exit_2(args, needle):
+    r = _hetplan("graph", *args)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr and "Traceback" not in r.stderr
