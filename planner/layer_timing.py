@@ -51,7 +51,6 @@ class MeasuredCost(CostModel):
         super().__init__(graph, topology)
         self.workload, self.exact, self.warmup, self.repeats = workload, exact, warmup, repeats
         self._roofline = RooflineCost(graph, topology)
-        self._stages: dict[int, list] = {}
         self._disk: dict[str, list[float]] | None = None
 
     # --- disk cache ----------------------------------------------------------------------

@@ -179,3 +179,74 @@ def test_feasibility_follows_device_memory():
     t = topology([device("cuda:0", memory=1000)])
     r = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1), g, t)   # SGD: 600 + 600 > 1000
     assert r.peak_memory_bytes == {"cuda:0": 1200} and r.feasible is False
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+WORKSTATION = Path(__file__).resolve().parent.parent / "profiles" / "examples" / "workstation-gtx1650.json"
+CLI_PLAN = {
+    "schema": "hetplan.plan/1", "model": {"spec": "mlp", "args": {"hidden": 32, "depth": 2}},
+    "global_batch": 8,
+    "replicas": [
+        {"batch_fraction": 0.25, "microbatches": 1, "stages": [{"device": "cpu:0", "layers": [0, 3]}]},
+        {"batch_fraction": 0.75, "microbatches": 2, "stages": [{"device": "cuda:0", "layers": [0, 3]}]}],
+    "schedule": "gpipe", "sync": {"granularity": "fine", "bucket_bytes": 4096},
+    "optimizer": {"name": "adam", "lr": 0.001, "placement": "device"},
+}
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hetplan", "simulate", *map(str, args)],
+                          capture_output=True, text=True, timeout=180, cwd=cwd)
+
+
+def test_cli_json_and_trace(tmp_path):
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(CLI_PLAN))
+    out = _cli(p, "--topology", WORKSTATION, "--json", "--trace", tmp_path / "trace.json")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert set(res) == {"iteration_s", "peak_memory_bytes", "feasible", "per_device"}
+    assert set(res["per_device"]) == {"cpu:0", "cuda:0"} and res["feasible"] is True
+    assert res["iteration_s"] > 0 and all(v["busy_s"] > 0 for v in res["per_device"].values())
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert lanes == {"cpu:0", "cuda:0", "cpu:0+cuda:0"}
+    assert any(e.get("cat") == "allreduce" for e in trace["traceEvents"])
+
+
+def test_cli_finds_topology_by_sha256_and_prints_grid(tmp_path):
+    from planner.topology import file_sha256
+    (tmp_path / "profiles" / "x").mkdir(parents=True)
+    (tmp_path / "profiles" / "x" / "ws.json").write_bytes(WORKSTATION.read_bytes())
+    plan = {**CLI_PLAN, "topology": {"name": "ws", "sha256": file_sha256(WORKSTATION)}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = _cli("plan.json", "--grid", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "iteration:" in out.stdout and "step cuda:0" in out.stdout and "0F1" in out.stdout
+    plan["topology"]["sha256"] = "0" * 64
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = _cli("plan.json", cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "pass --topology FILE" in out.stderr
+    out = _cli("plan.json", "--topology", WORKSTATION, "--json", cwd=tmp_path)
+    assert out.returncode == 0 and "warning" in out.stderr
+
+
+def test_cli_rejects_plan_that_does_not_fit_graph_or_topology(tmp_path):
+    bad = json.loads(json.dumps(CLI_PLAN))
+    bad["replicas"][1]["stages"][0]["device"] = "cuda:7"
+    (tmp_path / "plan.json").write_text(json.dumps(bad))
+    out = _cli(tmp_path / "plan.json", "--topology", WORKSTATION)
+    assert out.returncode == 2 and "replicas[1].stages[0].device: expected a device of the topology" in out.stderr
+    bad = json.loads(json.dumps(CLI_PLAN))
+    for r in bad["replicas"]:
+        r["stages"][0]["layers"] = [0, 5]
+    (tmp_path / "plan.json").write_text(json.dumps(bad))
+    out = _cli(tmp_path / "plan.json", "--topology", WORKSTATION)
+    assert out.returncode == 2 and "the model has 3 layers" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

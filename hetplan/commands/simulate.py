@@ -68,9 +68,9 @@ def main(args) -> int:
 
     plan = load_plan(args.plan)
     topology = _find_topology(args, plan)
+    validate_plan(plan, args.plan, None, {d.name for d in topology.devices})  # before the capture
     workload = load_workload(plan.model.spec, plan.model.args)
     batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
-    print(f"hetplan simulate: capturing {plan.model.spec} at batch {batch}", file=sys.stderr)
     graph = capture_graph(workload, batch)
     validate_plan(plan, args.plan, graph.num_layers, {d.name for d in topology.devices})
     cost = cost_model(graph, topology, workload)

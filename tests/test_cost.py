@@ -1,0 +1,68 @@
+"""Cost formulas with hand-computed values."""
+from __future__ import annotations
+
+import pytest
+
+from planner.cost import RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s
+from planner.layer_timing import interpolate, measured_here
+from planner.topology import Topology
+from simhelpers import device, graph, layer, link, topology
+
+
+def test_roofline_takes_the_bound_plus_overheads():
+    d = device("cuda:0", flops=1e12, mem_bw=1e11, overhead=1e-5)
+    assert roofline_s(2e9, 1e8, 3, d) == pytest.approx(2e-3 + 3e-5)      # compute-bound
+    assert roofline_s(1e6, 1e9, 0, d) == pytest.approx(1e-2)             # memory-bound
+
+
+def test_layer_bytes_count_parameters_once_forward_twice_backward():
+    d = device("cpu:0", flops=1e30, mem_bw=1e9, overhead=1e-3)
+    l = layer(0, fwd_flops=0, bwd_flops=0, param_bytes=10**6)
+    # forward: (0 activation + 1e6 param bytes) / 1e9 + 1 op * 1e-3
+    assert layer_fwd_s(l, d) == pytest.approx(1e-3 + 1e-3)
+    # backward: (0 + 2 * 1e6) / 1e9 + 2 ops * 1e-3
+    assert layer_bwd_s(l, d) == pytest.approx(2e-3 + 2e-3)
+
+
+def test_optimizer_bytes():
+    d = device("cuda:0", mem_bw=1e9)
+    assert optimizer_s(1e6, "sgd", d) == pytest.approx(3e-3)
+    assert optimizer_s(1e6, "adam", d) == pytest.approx(7e-3)
+
+
+def test_cost_model_scales_to_the_microbatch_and_sums_ranges():
+    g = graph([layer(i, fwd_flops=4e9 * (i + 1), bwd_flops=8e9) for i in range(3)], batch=4)
+    t = topology([device("cuda:0", flops=1e9)])
+    c = RooflineCost(g, t)
+    # at 1 sample: fwd 1, 2, 3 s; bwd 2 s each
+    assert c.fwd_s("cuda:0", 0, 3, 1) == pytest.approx(6.0)
+    assert c.fwd_s("cuda:0", 1, 3, 2) == pytest.approx(10.0)
+    assert c.bwd_s("cuda:0", 0, 2, 1) == pytest.approx(4.0)
+    assert c.layer_s("cuda:0", 2, 1) == pytest.approx((3.0, 2.0))
+
+
+def test_host_cpu_is_a_linked_cpu_on_the_same_node():
+    t = topology([device("cpu:0"), device("cpu:1"), device("cuda:0"), device("n1/cpu:0"), device("n1/cuda:0")],
+                 [link("cpu:1", "cuda:0"), link("cpu:0", "cpu:1"), link("n1/cpu:0", "n1/cuda:0")])
+    assert host_cpu(t, "cuda:0") == "cpu:1"
+    assert host_cpu(t, "n1/cuda:0") == "n1/cpu:0"
+    assert host_cpu(t, "cpu:0") == "cpu:0"
+    with pytest.raises(ValueError, match="needs a CPU device"):
+        host_cpu(topology([device("cuda:0")]), "cuda:0")
+
+
+def test_ring_allreduce_uses_slowest_link():
+    t = topology([device(f"cuda:{i}") for i in range(3)],
+                 [link("cuda:0", "cuda:1", 2e9, 1e-5), link("cuda:1", "cuda:2", 1e9, 1e-5),
+                  link("cuda:2", "cuda:0", 4e9, 1e-5)])
+    # 2(k-1) lat + 2(k-1)/k n/bw = 4 * 1e-5 + 4/3 * 3e9 / 1e9
+    assert t.allreduce_s(["cuda:0", "cuda:1", "cuda:2"], 3e9) == pytest.approx(4e-5 + 4.0)
+
+
+def test_interpolation_and_host_check():
+    assert interpolate(6, 4, 1.0, 8, 3.0) == pytest.approx(2.0)
+    assert interpolate(4, 4, 1.0, 4, 1.0) == 1.0
+    assert not measured_here(topology([device("cpu:0")]))
+    import socket
+    here = Topology("h", (device("cpu:0"),), (), {"host": {"hostname": socket.gethostname()}})
+    assert measured_here(here)
