@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from planner.baselines import baseline_strategies, hybrid_seeds
+from planner.baselines import baseline_strategies, hybrid_seeds, proportional_batches
 from planner.plan import Plan, plan_key
 from planner.space import Pipeline, Space, Strategy, min_batch, propose, to_plan
 
@@ -125,6 +125,8 @@ class Searcher:
         for p, lo in zip(s.pipelines, lows):
             b1 = max(lo, B // 8)
             t1, t2 = self.replica_time_s(s, p, b1), self.replica_time_s(s, p, B)
+            if not (math.isfinite(t1) and math.isfinite(t2)):   # the simulator rejects this replica
+                return proportional_batches(B, [1.0] * len(lows), lows)
             slope = (t2 - t1) / (B - b1) if B > b1 else t2 / B
             slope = max(slope, 1e-12 * max(t2, 1e-12))  # time never falls with more samples
             models.append((t1 - slope * b1, slope))

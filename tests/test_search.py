@@ -188,3 +188,98 @@ def test_nothing_fits_reports_least_memory():
     msg = memory_error(result, problem.memory_bytes)
     assert "cuda:" in msg and "bytes" in msg
     assert result.least_memory.memory_ratio > 1
+
+
+# --- with the real simulator -------------------------------------------------------------------
+from planner.graph import Layer, ModelGraph  # noqa: E402
+from planner.plan import load_plan  # noqa: E402
+from planner.search import make_space, simulator_problem  # noqa: E402
+from planner.simulator import Simulator  # noqa: E402
+from planner.topology import Device, Link, Topology, save_topology  # noqa: E402
+
+
+def uniform_graph(num_layers=6, batch=64, flops_per_sample=1e9, param_bytes=4e5, act_per_sample=1e4):
+    layers = tuple(Layer(i, f"blocks.{i}", flops_per_sample * batch, 2 * flops_per_sample * batch,
+                         int(param_bytes), int(act_per_sample * batch), int(2 * act_per_sample * batch),
+                         3.0 * act_per_sample * batch, 6.0 * act_per_sample * batch, 4, 8, (f"blocks.{i}.w",))
+                   for i in range(num_layers))
+    return ModelGraph(layers=layers, batch=batch, cut_bytes=(int(act_per_sample * batch),) * (num_layers + 1))
+
+
+def two_gpus(speed_ratio=3.0, memory_bytes=1e12, bandwidth=1e18):
+    devs = (Device("cuda:0", "cuda", memory_bytes, 1e12, 1e12),
+            Device("cuda:1", "cuda", memory_bytes, speed_ratio * 1e12, speed_ratio * 1e12))
+    return Topology("two-gpus", devs, (Link("cuda:0", "cuda:1", bandwidth, 0.0),))
+
+
+def sim_search(graph, topo, iterations=300, seed=0):
+    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "sgd", 0.1)
+    problem = simulator_problem(Simulator(graph, topo), space)
+    return problem, search(problem, random.Random(seed), SearchConfig(iterations=iterations, time_limit_s=60))
+
+
+def test_speeds_1_to_3_with_free_links_reach_the_ideal():
+    graph, topo = uniform_graph(), two_gpus(3.0)
+    problem, result = sim_search(graph, topo)
+    single = {c.plan.devices[0]: c.iteration_s for c in result.baselines if c.name.startswith("fastest")}
+    sim = Simulator(graph, topo)
+    t0 = sim.simulate(to_plan(problem.space, Strategy((Pipeline(("cuda:0",), ()),)), (64,))).iteration_s
+    t1 = sim.simulate(to_plan(problem.space, Strategy((Pipeline(("cuda:1",), ()),)), (64,))).iteration_s
+    assert t0 == pytest.approx(3 * t1, rel=1e-6) and single == {"cuda:1": pytest.approx(t1)}
+    ideal = 1 / (1 / t0 + 1 / t1)        # total work / total speed
+    assert result.best.iteration_s <= 1.05 * ideal
+    assert sorted(result.best.plan.replica_batches()) == [16, 48]
+
+
+def test_memory_tight_topology_gives_a_feasible_plan():
+    # 6 layers of 40 MB of parameters with SGD (param + grad per layer = 80 MB each): one
+    # device of 300 MB cannot hold the model (480 MB), two can hold it as a pipeline.
+    graph = uniform_graph(param_bytes=4e7)
+    topo = two_gpus(1.0, memory_bytes=3e8, bandwidth=1e10)
+    problem, result = sim_search(graph, topo)
+    assert not any(c.feasible for c in result.baselines if c.name.startswith("fastest"))
+    best = result.best
+    assert best is not None and best.feasible
+    check = Simulator(graph, topo).simulate(best.plan)
+    assert check.feasible and all(v <= 3e8 for v in check.peak_memory_bytes.values())
+
+
+# --- CLI end to end ---------------------------------------------------------------------------------
+def _write_topology(path: Path, memory_bytes: float) -> None:
+    save_topology(Topology("what-if", (
+        Device("cpu:0", "cpu", memory_bytes, 2e11, 2e10, 1e-5, threads=4),
+        Device("cuda:0", "cuda", memory_bytes, 3e12, 1.5e11, 1e-5)),
+        (Link("cpu:0", "cuda:0", 1.2e10, 1e-5),)), path)
+
+
+def _hetplan(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "hetplan", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_writes_a_plan_that_loads_back(tmp_path):
+    _write_topology(tmp_path / "t.json", 64e9)
+    r = _hetplan("plan", "--model", "mlp", "--model-arg", "hidden=256", "--batch", "16", "--topology", "t.json",
+                 "--iterations", "200", "--seed", "3", "-o", "p.json", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    plan = load_plan(tmp_path / "p.json")
+    assert plan.predicted.iteration_s == out["iteration_s"]
+    assert plan.topology.name == "what-if" and len(plan.topology.sha256) == 64
+    names = {b["name"] for b in plan.predicted.extra["baselines"]}
+    assert "balanced pipeline" in names and "data parallel, equal shares" in names
+    assert out["iteration_s"] <= min(b["iteration_s"] for b in out["baselines"] if b["feasible"])
+    assert "search:" in r.stderr or "searching" in r.stderr
+
+
+def test_cli_too_small_topology_and_bad_flags_exit_2(tmp_path):
+    _write_topology(tmp_path / "tiny.json", 1e5)
+    r = _hetplan("plan", "--model", "mlp", "--model-arg", "hidden=256", "--batch", "16", "--topology", "tiny.json",
+                 "--iterations", "50", "-o", "p.json", cwd=tmp_path)
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert "needs" in line and "bytes on" in line and ("cuda:0" in line or "cpu:0" in line)
+    assert not (tmp_path / "p.json").exists()
+    for flags in (["--batch", "0"], ["--batch", "4", "--time-limit", "0"]):
+        r = _hetplan("plan", "--model", "mlp", "--topology", "tiny.json", *flags, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
