@@ -66,3 +66,23 @@ def test_interpolation_and_host_check():
     import socket
     here = Topology("h", (device("cpu:0"),), (), {"host": {"hostname": socket.gethostname()}})
     assert measured_here(here)
+
+
+def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
+    import socket
+    from planner.graph import capture_graph
+    from planner.layer_timing import MeasuredCost, cache_path
+    from planner.topology import Device
+    from planner.workload import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 1})
+    g = capture_graph(w, 4)
+    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
+                 {"host": {"hostname": socket.gethostname()}})
+    a = MeasuredCost(g, t, w, repeats=2)
+    f, b = a.layer_times(t.device("cpu:0"), 4)
+    assert len(f) == g.num_layers and all(x > 0 for x in f + b)
+    assert len(__import__("json").loads(cache_path().read_text())) == g.num_layers
+    again = MeasuredCost(g, t, w, repeats=2)
+    monkeypatch.setattr(again, "_time_layer", lambda *a: pytest.fail("re-measured a cached layer"))
+    assert again.layer_times(t.device("cpu:0"), 4) == (f, b)
