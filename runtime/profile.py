@@ -145,8 +145,12 @@ def _measure_device(me: WorkerSpec, device: torch.device, s: Settings) -> dict:
     sizes = s.cuda_matmul_sizes if me.kind == "cuda" else s.cpu_matmul_sizes
     table = []
     for n in sizes:
+        if dist.get_rank() == 0:
+            _log(f"matmul n={n} on {dist.get_world_size()} worker(s) at once")
         dist.barrier()  # every worker runs the same size at the same time
         table.append(bench.matmul_row(n, device, s.min_time_s, s.repeats))
+    if dist.get_rank() == 0:
+        _log("memory copy and per-op overhead")
     dist.barrier()
     copy_bytes = s.cuda_copy_bytes if me.kind == "cuda" else s.cpu_copy_bytes
     copy = bench.memory_copy(copy_bytes, device, s.min_time_s, s.repeats)

@@ -4,7 +4,9 @@ host<->device copies) and one pair or group of worker processes (ping-pong, all-
 Every measurement is repeated; a table row holds the median and its spread, the relative
 inter-quartile range `(p75 - p25) / median`. Timing uses `time.perf_counter` around a batch of
 calls, with a device synchronisation before and after on CUDA, so one sample is never shorter
-than `min_time_s` (short samples are dominated by timer and scheduler noise).
+than `min_time_s` (short samples are dominated by timer and scheduler noise). Rows also keep
+the best sample (`best_s`, `best_flops_per_s`): on a loaded machine the median is what training
+will see, the best is what the hardware can do.
 """
 from __future__ import annotations
 
@@ -61,8 +63,10 @@ def matmul_row(n: int, device: torch.device, min_time_s: float, repeats: int) ->
     b = torch.randn(n, n, device=device)
     out = torch.empty(n, n, device=device)
     samples = time_per_call(lambda: torch.matmul(a, b, out=out), device, min_time_s, repeats)
-    med, spread = stats([2 * n ** 3 / s for s in samples])
-    return {"n": n, "flops_per_s": med, "spread": spread, "samples": repeats}
+    rates = [2 * n ** 3 / s for s in samples]
+    med, spread = stats(rates)
+    return {"n": n, "flops_per_s": med, "spread": spread, "best_flops_per_s": max(rates),
+            "samples": repeats}
 
 
 def memory_copy(n_bytes: int, device: torch.device, min_time_s: float, repeats: int) -> dict:
@@ -142,7 +146,7 @@ def ping_pong(rank: int, first: int, second: int, sizes: list[int], device: torc
             if rep:
                 samples.append((time.perf_counter() - t0) / trips / 2)
         med, spread = stats(samples)
-        rows.append({"bytes": n, "s": med, "spread": spread, "samples": repeats})
+        rows.append({"bytes": n, "s": med, "spread": spread, "best_s": min(samples), "samples": repeats})
     return rows if rank == first else None
 
 
@@ -162,7 +166,7 @@ def allreduce_table(sizes: list[int], repeats: int) -> list[dict]:
             if rep:
                 samples.append((time.perf_counter() - t0) / trips)
         med, spread = stats(samples)
-        rows.append({"bytes": n, "s": med, "spread": spread, "samples": repeats})
+        rows.append({"bytes": n, "s": med, "spread": spread, "best_s": min(samples), "samples": repeats})
     return rows
 
 

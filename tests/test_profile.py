@@ -74,6 +74,17 @@ def test_assemble_takes_scalars_from_the_tables():
     assert profile.max_spread(t) == 0.6
 
 
+def test_default_path_is_profiles_hostname():
+    from hetplan.commands.profile import default_path
+    assert str(default_path()) == f"profiles/{socket.gethostname()}.json"
+
+
+def test_output_that_is_a_directory_exits_2(tmp_path):
+    r = _hetplan("profile", "--quick", "-o", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"hetplan profile: error: {tmp_path}: -o: expected a file path, got a directory")
+
+
 # --- the real command ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
@@ -94,7 +105,8 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     for d in cpus:
         table = d.measured["matmul_table"]
         assert [row["n"] for row in table] == [64, 256, 1024]
-        assert all(row["flops_per_s"] > 1e8 and row["spread"] >= 0 for row in table)
+        assert all(row["best_flops_per_s"] >= row["flops_per_s"] > 1e8 and row["spread"] >= 0
+                   for row in table)
         assert d.matmul_flops_per_s == table[-1]["flops_per_s"]
         assert d.memory_bytes_per_s > 1e8 and 0 < d.op_overhead_s < 1e-3 and d.memory_bytes > 1e8
     link = next(l for l in t.links if {l.a, l.b} == {"cpu:0", "cpu:1"})
@@ -110,6 +122,7 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
 def test_progress_goes_to_stderr(quick_profile):
     _, r = quick_profile
     assert "profile: 2 worker(s)" in r.stderr and "all-reduce over 2 workers" in r.stderr
+    assert "profile: matmul n=1024 on 2 worker(s) at once" in r.stderr
 
 
 @pytest.mark.parametrize("flag,expected", [

@@ -45,8 +45,13 @@ def _print_table(s: dict) -> None:
           f"measurement {s['max_spread']:.1%}")
 
 
+def default_path() -> Path:
+    """profiles/<hostname>.json, relative to the working directory (the contract's default)."""
+    return Path("profiles") / f"{socket.gethostname()}.json"
+
+
 def main(args) -> int:
-    path = Path(args.output) if args.output else Path("profiles") / f"{socket.gethostname()}.json"
+    path = Path(args.output) if args.output else default_path()
     if path.is_dir():
         raise InputError(f"{path}: -o: expected a file path, got a directory")
     from runtime import profile  # heavy (torch): only when the command runs
