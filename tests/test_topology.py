@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,18 @@ def test_allreduce_matches_contract_formula_by_hand():
     # the slowest hop sets the pace: a ring through the host uses PCIe (2.4e10, 10 us)
     assert dgx.allreduce_s(["cuda:0", "cuda:1", "cpu:0"], 3e8) == pytest.approx(
         4 * 1e-5 + 4 / 3 * 3e8 / 2.4e10, rel=1e-12)
+
+
+@pytest.mark.parametrize("case", ["negative_bandwidth", "unknown_link_endpoint", "wrong_schema"])
+def test_cli_with_malformed_topology_exits_2_with_one_line(case, tmp_path):
+    mutate, expected = MALFORMED[case]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_broken(mutate)))
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "hetplan", "plan", "--model", "mlp", "--batch", "8",
+                        "--topology", str(bad), "-o", str(out)],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hetplan plan: error: {bad}: ")
+    assert expected in lines[0] and not out.exists()
