@@ -88,8 +88,10 @@ def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:
     return out
 
 
-def _child(rank: int, world: int, addr: str, port: int, cfg_json: str) -> None:
-    """Spawned process: set the env:// variables and run the worker."""
+def _child(rank: int, world: int, addr: str, port: int, cfg_json: str, env: dict) -> None:
+    """Worker process: take the launcher's environment (a forkserver child would otherwise
+    see the server's, from when it started), set the env:// variables and run the worker."""
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR=addr,
                       MASTER_PORT=str(port))
@@ -114,34 +116,37 @@ def _context(mp):
     return ctx
 
 
-def launch(cfg: RunConfig, world: int, master_addr: str = "127.0.0.1",
+def launch(cfg: RunConfig, devices: tuple[str, ...], master_addr: str = "127.0.0.1",
            master_port: int | None = None) -> dict:
-    """Run the plan on `world` local processes; return the measured file's dict."""
+    """Run the plan on one local process per device (rank r = devices[r]); return the
+    measured file's dict."""
     import multiprocessing as mp
 
     run_dir = tempfile.mkdtemp(prefix="hetplan-run-")
     try:
         wcfg = replace(cfg, out=str(Path(run_dir) / "measured.json"), error_dir=run_dir)
+        world = len(devices)
         port = master_port or free_port()
         ctx = _context(mp)
-        procs = [ctx.Process(target=_child, args=(r, world, master_addr, port, wcfg.to_json()),
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_child, args=(r, world, master_addr, port, wcfg.to_json(), env),
                              name=f"hetplan-rank{r}") for r in range(world)]
         for p in procs:
             p.start()
-        _watch(procs, run_dir)
+        _watch(procs, devices, run_dir)
         return json.loads(Path(wcfg.out).read_text())
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _watch(procs, run_dir: str) -> None:
+def _watch(procs, devices, run_dir: str) -> None:
     """Wait for all; on the first non-zero exit, stop the rest and raise RunError."""
     while True:
         failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
             # peers of a dead rank fail too, with a broken-connection error, often within the
             # same poll: name the rank whose failure is not such an echo
-            lines = [_failure_line(r, p.exitcode, run_dir) for r, p in failed]
+            lines = [_failure_line(r, devices[r], p.exitcode, run_dir) for r, p in failed]
             primary = [l for l in lines if not _is_echo(l)] or lines
             _stop(procs)
             raise RunError(primary[0])
@@ -168,9 +173,9 @@ def _is_echo(line: str) -> bool:
                                   "timed out", "gloo"))
 
 
-def _failure_line(rank: int, code: int, run_dir: str) -> str:
+def _failure_line(rank: int, device: str, code: int, run_dir: str) -> str:
     err = Path(run_dir, f"rank{rank}.txt")
     if err.exists():
         return f"worker failed: {err.read_text().strip()}"
     how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    return f"worker failed: rank {rank} {how} without an error message"
+    return f"worker failed: rank {rank} ({device}) {how} without an error message"

@@ -54,8 +54,8 @@ def run_plan(tmp_path, p: dict, iters: int = ITERS):
     params = tmp_path / "params.pt"
     cfg = RunConfig(plan=str(path), iters=iters, warmup=1, save_params=str(params),
                     threads={}, timeout_s=30)
-    world = sum(len(r["stages"]) for r in p["replicas"])
-    result = launch(cfg, world)
+    devices = tuple(s["device"] for r in p["replicas"] for s in r["stages"])
+    result = launch(cfg, devices)
     return result, torch.load(params)
 
 

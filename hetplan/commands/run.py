@@ -62,7 +62,7 @@ def main(args) -> int:
     print(f"hetplan run: {len(plan.devices)} worker(s) on {', '.join(plan.devices)}; "
           f"{args.iters} iterations", file=sys.stderr)
     try:
-        result = launch(cfg, len(plan.devices), args.master_addr, args.master_port)
+        result = launch(cfg, plan.devices, args.master_addr, args.master_port)
     except RunError as e:
         print(f"hetplan run: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,113 @@
+"""`hetplan run` end to end: bad input, faults, the measured file, torchrun on two nodes."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetplan.cli import main as cli_main
+from runtime.launch import free_port
+from test_runtime import plan, reference
+
+ROOT = Path(__file__).resolve().parent.parent
+DP2 = plan([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])])
+
+
+def write(tmp_path, p, name="plan.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(p))
+    return path
+
+
+def hetplan(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "hetplan", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+@pytest.mark.parametrize("make,expect", [
+    (lambda d: ["run", str(d / "missing.json")], "missing.json: plan file not found"),
+    (lambda d: ["run", str(write(d, {"schema": "hetplan.plan/1"}))], "plan.json: model: missing"),
+    (lambda d: ["run", str(write(d, DP2)), "--iters", "0"], "--iters: expected a positive integer"),
+    (lambda d: ["run", str(write(d, DP2)), "--iters", "2", "--warmup", "2"], "--warmup"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, capsys, make, expect):
+    assert cli_main(make(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expect in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU case")
+def test_cuda_device_not_present(tmp_path, capsys):
+    p = write(tmp_path, plan([(1.0, 1, [("cuda:0", (0, 4))])]))
+    assert cli_main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "replicas[0].stages[0].device: 'cuda:0' is not on this machine" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind,expect", [("exit", "rank 1 (cpu:1) exited with code 17"),
+                                         ("raise", "rank 1 (cpu:1): RuntimeError: injected fault")])
+def test_worker_fault_stops_the_run(tmp_path, kind, expect):
+    p = write(tmp_path, DP2)
+    out = tmp_path / "measured.json"
+    t0 = time.monotonic()
+    r = hetplan("run", str(p), "--iters", "6", "-o", str(out), env={"HETPLAN_TEST_FAULT": f"1:2:{kind}"})
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 1, r.stderr
+    assert expect in r.stderr
+    assert not out.exists()
+
+
+def test_cli_writes_measured_file(tmp_path):
+    p = write(tmp_path, DP2)
+    r = hetplan("run", str(p), "--iters", "3", "--warmup", "1", "--json", "--trace", str(tmp_path / "tr"))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "plan.measured.json"          # default: next to the plan
+    summary = json.loads(r.stdout)
+    assert summary["measured"] == str(out)
+    from planner.measured import load_measured
+    from planner.plan import plan_sha256
+    m = load_measured(out)
+    assert m.plan_sha256 == plan_sha256(p)
+    assert len(m.iterations_s) == 3 and len(m.losses) == 3
+    assert m.iteration_s == pytest.approx(statistics.median(m.iterations_s[1:]))   # after warm-up
+    assert set(m.per_device) == {"cpu:0", "cpu:1"}
+    for d in m.per_device.values():
+        assert 0 < d["busy_s"] <= max(m.iterations_s)
+        assert d["peak_memory_bytes"] >= 0
+    assert m.losses == pytest.approx(reference(DP2["model"], 12, 3)[0], rel=1e-4)
+    assert sorted(os.listdir(tmp_path / "tr")) == ["rank0.json", "rank1.json"]
+    assert "iteration 3/3" in r.stderr
+
+
+def test_torchrun_two_nodes(tmp_path):
+    p = write(tmp_path, plan([(0.25, 1, [("node0/cpu:0", (0, 4))]),
+                              (0.75, 3, [("node1/cpu:0", (0, 2)), ("node1/cpu:1", (2, 4))])],
+                             sync="fine", bucket_bytes=1024))
+    out, params = tmp_path / "m.json", tmp_path / "params.pt"
+    port = free_port()
+    agents = []
+    for node, nproc in ((0, 1), (1, 2)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+               "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
+               "-m", "runtime.worker", str(p), "-o", str(out), "--iters", "3", "--warmup", "1",
+               "--threads", "1", "--save-params", str(params)]
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True))
+    for a in agents:
+        _, err = a.communicate(timeout=120)
+        assert a.returncode == 0, err[-2000:]
+    m = json.loads(out.read_text())
+    assert set(m["per_device"]) == {"node0/cpu:0", "node1/cpu:0", "node1/cpu:1"}
+    ref_losses, ref_params = reference(DP2["model"], 12, 3)
+    assert m["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    got = torch.load(params)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5)
