@@ -16,32 +16,15 @@ def add_arguments(p):
 
 
 def _find_topology(args, plan):
-    from planner.io import InputError
-    from planner.topology import find_topology_by_sha256, load_topology
-
-    if args.topology:
-        topo = load_topology(args.topology)
-        if plan.topology is not None and topo.sha256 != plan.topology.sha256:
-            print(f"hetplan simulate: warning: {args.topology} is not the topology the plan was made "
-                  f"for ({plan.topology.name}, sha256 {plan.topology.sha256[:12]}...)", file=sys.stderr)
-        return topo
-    if plan.topology is None:
-        raise InputError(f"{args.plan}: topology: the plan names no topology; pass --topology FILE")
-    path = find_topology_by_sha256(plan.topology.sha256)
-    if path is None:
-        raise InputError(f"{args.plan}: topology: no file under profiles/ has sha256 "
-                         f"{plan.topology.sha256[:12]}... ({plan.topology.name}); pass --topology FILE")
-    return load_topology(path)
+    from planner.prediction import find_topology
+    return find_topology(plan, args.plan, args.topology, "hetplan simulate")
 
 
 def cost_model(graph, topology, workload):
-    """The measured model on a topology profiled on this machine, else the roofline model."""
-    from planner.cost import RooflineCost
-    from planner.layer_timing import MeasuredCost, measured_here
-
-    if measured_here(topology):
-        return MeasuredCost(graph, topology, workload)
-    return RooflineCost(graph, topology)
+    """The measured model on a topology profiled on this machine, else the roofline model
+    (planner.prediction.cost_model; kept here for the commands that import it from here)."""
+    from planner.prediction import cost_model as choose
+    return choose(graph, topology, workload)
 
 
 def _summary(result, topology) -> str:
@@ -58,26 +41,14 @@ def _summary(result, topology) -> str:
 
 
 def main(args) -> int:
-    from planner.graph import capture_graph
-    from planner.io import InputError
-    from planner.plan import load_plan, validate_plan
+    from planner.plan import load_plan
+    from planner.prediction import simulate_plan_file
     from planner.schedule import grid, make_schedule
-    from planner.simulator import Simulator
     from planner.trace import write_chrome_trace
-    from planner.workload import load_workload
 
     plan = load_plan(args.plan)
     topology = _find_topology(args, plan)
-    validate_plan(plan, args.plan, None, {d.name for d in topology.devices})  # before the capture
-    workload = load_workload(plan.model.spec, plan.model.args)
-    batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
-    graph = capture_graph(workload, batch)
-    validate_plan(plan, args.plan, graph.num_layers, {d.name for d in topology.devices})
-    cost = cost_model(graph, topology, workload)
-    try:
-        result = Simulator(graph, topology, cost).simulate(plan, trace=bool(args.trace))
-    except (ValueError, KeyError) as e:
-        raise InputError(f"{args.plan}: replicas: {str(e).strip(chr(39))}") from None
+    result = simulate_plan_file(plan, args.plan, topology, trace=bool(args.trace))
     if args.trace:
         write_chrome_trace(result, args.trace)
         print(f"hetplan simulate: wrote trace {args.trace}", file=sys.stderr)

@@ -1,0 +1,69 @@
+"""What the simulator predicts for a plan file: find its topology, choose the cost model, simulate.
+
+Shared by `hetplan simulate` and `hetplan compare`, so that both predict the same numbers for the
+same files: the topology is `--topology` when given (a warning when it is not the file the plan
+was made for), else the file under profiles/ whose sha256 the plan records; the cost model is the
+measured one on a topology profiled on this machine, else the roofline model of the contract.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from planner.io import InputError
+from planner.plan import Plan
+from planner.topology import Topology, find_topology_by_sha256, load_topology
+
+
+def find_topology(plan: Plan, plan_path: str | Path, topology_path: str | Path | None,
+                  command: str = "hetplan") -> Topology:
+    """The topology to simulate `plan` on (see the module docstring); warnings go to stderr."""
+    if topology_path:
+        topo = load_topology(topology_path)
+        if plan.topology is not None and topo.sha256 != plan.topology.sha256:
+            print(f"{command}: warning: {topology_path} is not the topology the plan was made "
+                  f"for ({plan.topology.name}, sha256 {plan.topology.sha256[:12]}...)", file=sys.stderr)
+        return topo
+    if plan.topology is None:
+        raise InputError(f"{plan_path}: topology: the plan names no topology; pass --topology FILE")
+    path = find_topology_by_sha256(plan.topology.sha256)
+    if path is None:
+        raise InputError(f"{plan_path}: topology: no file under profiles/ has sha256 "
+                         f"{plan.topology.sha256[:12]}... ({plan.topology.name}); pass --topology FILE")
+    return load_topology(path)
+
+
+def cost_model(graph, topology: Topology, workload):
+    """The measured model on a topology profiled on this machine, else the roofline model."""
+    from planner.cost import RooflineCost
+    from planner.layer_timing import MeasuredCost, measured_here
+
+    if measured_here(topology):
+        return MeasuredCost(graph, topology, workload)
+    return RooflineCost(graph, topology)
+
+
+def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, trace: bool = False):
+    """Validate `plan` against `topology` and its model's graph, and simulate one iteration.
+
+    The graph is captured at the largest microbatch of the plan (activation quantities scale
+    linearly with the batch from there). Returns planner.simulator.SimResult."""
+    from planner.graph import capture_graph
+    from planner.plan import validate_plan
+    from planner.simulator import Simulator
+    from planner.workload import load_workload
+
+    names = {d.name for d in topology.devices}
+    validate_plan(plan, str(plan_path), None, names)   # before the (slower) capture
+    workload = load_workload(plan.model.spec, plan.model.args)
+    batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
+    graph = capture_graph(workload, batch)
+    validate_plan(plan, str(plan_path), graph.num_layers, names)
+    cost = cost_model(graph, topology, workload)
+    try:
+        return Simulator(graph, topology, cost).simulate(plan, trace=trace)
+    except (ValueError, KeyError) as e:
+        raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
+
+
+__all__ = ["find_topology", "cost_model", "simulate_plan_file"]
