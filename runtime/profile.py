@@ -116,7 +116,7 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
         if os.environ.get(FAIL_ENV) == str(rank):
             raise RuntimeError(f"injected failure ({FAIL_ENV}={rank})")
         result = {"device": _measure_device(me, device, settings), "links": {}}
-        if rank == 0:
+        if rank == 0 and world > 1:
             _log(f"point-to-point between {world * (world - 1) // 2} pair(s) of workers")
         for first, second in itertools.combinations(range(world), 2):
             dist.barrier()  # one pair at a time: an uncontended link
