@@ -59,19 +59,42 @@ def _schedule(name: str, stages: int, microbatches: int):
 
 
 class _Graph:
-    """The task graph under construction: parallel lists indexed by task id."""
+    """A plan shape's task graph without durations: parallel lists indexed by task id.
+
+    A task's duration is `values[dkey[t]]`, where `values` are evaluated per plan from the
+    few distinct `recipes` (see `_evaluate`): plans that differ only in batch sizes share the
+    structure, so a search that moves batch fractions rebuilds nothing. `stat_seq` keeps, per
+    (device, statistic), the value indices in the order they are added, so the per-device sums
+    come out bit for bit as if accumulated while building.
+    """
 
     def __init__(self, trace: bool):
-        self.dur: list[float] = []
+        self.dkey: list[int] = []
         self.res: list[tuple[int, ...]] = []
         self.succ: list[list[int]] = []
         self.ndeps: list[int] = []
         self.meta: list[tuple[str, str, str]] | None = [] if trace else None  # (name, lane, kind)
+        self.recipes: list[tuple] = []
+        self._recipe_id: dict[tuple, int] = {}
+        self.stat_seq: dict[tuple[str, str], list[int]] = {}
+        self.devices: tuple[str, ...] = ()
 
-    def add(self, dur: float, res: tuple[int, ...], deps=(), meta=None) -> int:
-        """meta: (name parts, lane, kind), kept only when tracing; names are formatted then."""
-        t = len(self.dur)
-        self.dur.append(dur)
+    def value(self, recipe: tuple) -> int:
+        """Index of a duration recipe: ("const", s), ("fwd"|"bwd", replica, device, start, end),
+        ("bwd+fwd", replica, device, lo, hi, start, end), ("hop", replica, cut, latency_s, bandwidth)."""
+        k = self._recipe_id.get(recipe)
+        if k is None:
+            k = self._recipe_id[recipe] = len(self.recipes)
+            self.recipes.append(recipe)
+        return k
+
+    def count(self, device: str, stat: str, k: int) -> None:
+        self.stat_seq[(device, stat)].append(k)
+
+    def add(self, k: int, res: tuple[int, ...], deps=(), meta=None) -> int:
+        """k: value index of the duration; meta: (name parts, lane, kind), kept only when tracing."""
+        t = len(self.dkey)
+        self.dkey.append(k)
         self.res.append(res)
         self.succ.append([])
         self.ndeps.append(0)
@@ -85,10 +108,10 @@ class _Graph:
 
 
 class Simulator:
-    """Simulates plans of one graph on one topology; costs and routes are cached across calls."""
+    """Simulates plans of one graph on one topology; costs, routes and task graphs are cached."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
-                 cache_size: int = 4096):
+                 cache_size: int = 4096, shape_cache_size: int = 64):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -99,6 +122,8 @@ class Simulator:
         self._ar: dict[tuple[tuple[str, ...], float], tuple[tuple[int, ...], float]] = {}
         self._cache: dict[Any, SimResult] = {}
         self._cache_size = cache_size
+        self._shapes: dict[Any, _Graph] = {}
+        self._shape_cache_size = shape_cache_size
 
     # --- resources and routes ----------------------------------------------------------------
     def _resource(self, key: Any) -> int:
@@ -135,20 +160,32 @@ class Simulator:
             self._ar[key] = (tuple(res), self.topology.allreduce_s(devices, n_bytes))
         return self._ar[key]
 
-    # --- building the task graph -------------------------------------------------------------
-    def _transfer(self, g: _Graph, stats, src: str, dst: str, n_bytes: float, after: int,
-                  label: str) -> int:
-        """Chain one task per hop from `after`; returns the last hop's task id."""
+    # --- building the task graph of a plan shape ---------------------------------------------
+    def _transfer(self, g: _Graph, src: str, dst: str, after: int, label, size: tuple) -> int:
+        """Chain one task per hop from `after`; returns the last hop's task id.
+        size: (replica, cut) for activations at the replica's microbatch, or ("const", bytes)."""
         t = after
         for rid, lat, bw, lane in self.hops(src, dst):
-            d = lat + n_bytes / bw
-            t = g.add(d, (rid,), (t,), (label, lane, "transfer"))
-            stats[src]["comm_s"] += d
-            stats[dst]["comm_s"] += d
+            if size[0] == "const":
+                k = g.value(("const", lat + size[1] / bw))
+            else:
+                k = g.value(("hop", size[0], size[1], lat, bw))
+            t = g.add(k, (rid,), (t,), (label, lane, "transfer"))
+            g.count(src, "comm_s", k)
+            g.count(dst, "comm_s", k)
         return t
 
-    def _build(self, plan: Plan, g: _Graph, stats) -> None:
-        cost, graph = self.cost, self.graph
+    def _build(self, plan: Plan, g: _Graph) -> None:
+        """Everything of `plan` but its batch sizes becomes tasks of `g`."""
+        graph = self.graph
+        devices = list(plan.devices)
+        if plan.optimizer.placement == "cpu":
+            devices += [h for h in (host_cpu(self.topology, d) for d in plan.devices) if h not in devices]
+        for d in devices:
+            self.topology.device(d)   # raises KeyError naming the device
+            for s in _STATS[:3] + _STATS[4:]:
+                g.stat_seq[(d, s)] = []
+        g.devices = tuple(devices)
         fine = plan.sync.granularity == "fine"
         buckets = grad_buckets(plan, graph)
         # Buckets that need an exchange, indexed by the device holding them in each replica.
@@ -159,11 +196,9 @@ class Simulator:
                 by_device.setdefault(d, []).append(k)
         chunk_of: dict[tuple[str, int], int] = {}   # (device, bucket) -> task making it final
         last_b: dict[str, int] = {}                 # device -> its last backward task
-        batches = plan.replica_batches()
         rec = plan.recompute
         for r, rep in enumerate(plan.replicas):
             p, m = len(rep.stages), rep.microbatches
-            mb = batches[r] / m
             sched = _schedule(plan.schedule, p, m)
             fwd = [[None] * m for _ in range(p)]   # task id of F
             bwd_first = [[None] * m for _ in range(p)]
@@ -172,9 +207,7 @@ class Simulator:
             # are wired afterwards.
             for s, st in enumerate(rep.stages):
                 dev, rid, a, e = st.device, self._rid[st.device], st.start, st.end
-                f_s = cost.fwd_s(dev, a, e, mb)
-                b_s = cost.bwd_s(dev, a, e, mb)
-                ds = stats[dev]
+                f_k = g.value(("fwd", r, dev, a, e))
                 # Chunks of the last microbatch's backward at bucket boundaries (fine sync).
                 chunks = [(e, a, None)]
                 if fine and dev in by_device:
@@ -188,17 +221,19 @@ class Simulator:
                 for act in sched[s]:
                     i = act.microbatch
                     if act.kind == "F":
-                        prev = fwd[s][i] = g.add(f_s, (rid,), (prev,), ((r, act), dev, "forward"))
-                        ds["fwd_s"] += f_s
+                        prev = fwd[s][i] = g.add(f_k, (rid,), (prev,), ((r, act), dev, "forward"))
+                        g.count(dev, "fwd_s", f_k)
                         continue
                     pieces = chunks if i == m - 1 else [(e, a, None)]
                     first = None
                     for hi, lo, k in pieces:
-                        d = cost.bwd_s(dev, lo, hi, mb) if len(pieces) > 1 else b_s
+                        lo_hi = (lo, hi) if len(pieces) > 1 else (a, e)
                         if rec and first is None:
-                            d += f_s
-                        prev = g.add(d, (rid,), (prev,), ((r, act), dev, "backward"))
-                        ds["bwd_s"] += d
+                            d_k = g.value(("bwd+fwd", r, dev, *lo_hi, a, e))
+                        else:
+                            d_k = g.value(("bwd", r, dev, *lo_hi))
+                        prev = g.add(d_k, (rid,), (prev,), ((r, act), dev, "backward"))
+                        g.count(dev, "bwd_s", d_k)
                         if first is None:
                             first = prev
                         if k is not None:
@@ -207,22 +242,23 @@ class Simulator:
                 last_b[dev] = prev
             for s in range(1, p):
                 src, dst = rep.stages[s - 1].device, rep.stages[s].device
-                n = graph.cut_bytes_at(rep.stages[s].start, mb)
+                size = (r, rep.stages[s].start)
                 for i in range(m):
-                    t = self._transfer(g, stats, src, dst, n, fwd[s - 1][i], ("act", r, s - 1, s, i))
+                    t = self._transfer(g, src, dst, fwd[s - 1][i], ("act", r, s - 1, s, i), size)
                     g.succ[t].append(fwd[s][i])
                     g.ndeps[fwd[s][i]] += 1
-                    t = self._transfer(g, stats, dst, src, n, bwd_last[s][i], ("grad", r, s, s - 1, i))
+                    t = self._transfer(g, dst, src, bwd_last[s][i], ("grad", r, s, s - 1, i), size)
                     g.succ[t].append(bwd_first[s - 1][i])
                     g.ndeps[bwd_first[s - 1][i]] += 1
         # Gradient all-reduce per shared bucket.
         synced: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
             res, d = self._allreduce(b.devices, b.bytes)
+            d_k = g.value(("const", d))
             deps = [chunk_of[(dev, k)] if fine else last_b[dev] for dev in b.devices]
-            t = g.add(d, res, deps, (f"allreduce b{k} {b.bytes}B", "+".join(b.devices), "allreduce"))
+            t = g.add(d_k, res, deps, (f"allreduce b{k} {b.bytes}B", "+".join(b.devices), "allreduce"))
             for dev in b.devices:
-                stats[dev]["comm_s"] += d
+                g.count(dev, "comm_s", d_k)
                 synced.setdefault(dev, []).append(t)
         # Optimizer step per device holding parameters.
         opt, offload = plan.optimizer.name, plan.optimizer.placement == "cpu"
@@ -235,36 +271,76 @@ class Simulator:
                 deps = synced.get(dev) or [last_b[dev]]
                 host = host_cpu(self.topology, dev) if offload else dev
                 if host == dev:
-                    d = cost.optimizer_s(dev, n, opt)
-                    g.add(d, (self._rid[dev],), deps, (f"{opt} step", dev, "optimizer"))
-                    stats[dev]["optimizer_s"] += d
+                    d_k = g.value(("const", self.cost.optimizer_s(dev, n, opt)))
+                    g.add(d_k, (self._rid[dev],), deps, (f"{opt} step", dev, "optimizer"))
+                    g.count(dev, "optimizer_s", d_k)
                     continue
-                join = g.add(0.0, (), deps, None if g.meta is None else ("sync", dev, "join"))
-                t = self._transfer(g, stats, dev, host, n, join, f"grads {dev}->{host}")
-                d = cost.optimizer_s(host, n, opt)
-                t = g.add(d, (self._rid[host],), (t,), (f"{opt} step for {dev}", host, "optimizer"))
-                stats[host]["optimizer_s"] += d
-                self._transfer(g, stats, host, dev, n, t, f"params {host}->{dev}")
+                join = g.add(g.value(("const", 0.0)), (), deps,
+                             None if g.meta is None else ("sync", dev, "join"))
+                t = self._transfer(g, dev, host, join, f"grads {dev}->{host}", ("const", n))
+                d_k = g.value(("const", self.cost.optimizer_s(host, n, opt)))
+                t = g.add(d_k, (self._rid[host],), (t,), (f"{opt} step for {dev}", host, "optimizer"))
+                g.count(host, "optimizer_s", d_k)
+                self._transfer(g, host, dev, t, f"params {host}->{dev}", ("const", n))
+
+    def _shape(self, plan: Plan, trace: bool) -> _Graph:
+        """The cached task graph of plan's shape (everything but batch sizes); built when tracing."""
+        key = (tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
+               plan.sync, plan.optimizer.name, plan.optimizer.placement, plan.recompute)
+        g = None if trace else self._shapes.get(key)
+        if g is None:
+            g = _Graph(trace)
+            self._build(plan, g)
+            if not trace and self._shape_cache_size > 0:
+                if len(self._shapes) >= self._shape_cache_size:
+                    self._shapes.pop(next(iter(self._shapes)))
+                self._shapes[key] = g
+        return g
+
+    def _evaluate(self, plan: Plan, g: _Graph) -> list[float]:
+        """The values of g's duration recipes for plan's batch sizes (microbatch mb = batch / m):
+        fwd/bwd: cost of the layer range at mb; bwd+fwd: backward chunk plus the stage's forward
+        (recompute); hop: latency_s + cut_bytes_at(cut, mb) / bandwidth."""
+        cost, graph = self.cost, self.graph
+        mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
+        out = []
+        for rc in g.recipes:
+            kind = rc[0]
+            if kind == "const":
+                out.append(rc[1])
+            elif kind == "fwd":
+                out.append(cost.fwd_s(rc[2], rc[3], rc[4], mbs[rc[1]]))
+            elif kind == "bwd":
+                out.append(cost.bwd_s(rc[2], rc[3], rc[4], mbs[rc[1]]))
+            elif kind == "bwd+fwd":
+                mb = mbs[rc[1]]
+                out.append(cost.bwd_s(rc[2], rc[3], rc[4], mb) + cost.fwd_s(rc[2], rc[5], rc[6], mb))
+            else:   # "hop"
+                out.append(rc[3] + graph.cut_bytes_at(rc[2], mbs[rc[1]]) / rc[4])
+        return out
 
     # --- the event loop ----------------------------------------------------------------------
     @staticmethod
-    def _run(g: _Graph, n_res: int) -> tuple[list[float], list[float]]:
+    def _run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], ndeps: list[int],
+             n_res: int) -> tuple[list[float], list[float]]:
         """Deterministic list scheduling over FIFO resources; returns start and end times.
 
         Events are (end time, task id); all events at one time are applied before any task
         starts. A queue serves its waiting tasks by (ready time, task id); a task holding
-        several resources (an all-reduce) starts when all of them are free."""
-        dur, res, succ, ndeps = g.dur, g.res, g.succ, list(g.ndeps)
+        several resources (an all-reduce) starts when all of them are free. `ndeps` is consumed.
+
+        A waiting entry is the int `rank * n + t`, where rank counts the distinct event times so
+        far: it orders exactly as (ready time, task id) without allocating a tuple."""
         n = len(dur)
         start, end = [0.0] * n, [0.0] * n
         busy = [False] * n_res
-        waiting: list[list[tuple[float, int]]] = [[] for _ in range(n_res)]
+        waiting: list[list[int]] = [[] for _ in range(n_res)]
         started = [False] * n
         events: list[tuple[float, int]] = []
         push, pop = heapq.heappush, heapq.heappop
         touched: list[int] = []
         newly = [t for t in range(n) if ndeps[t] == 0]
-        now = 0.0
+        now, base = 0.0, 0
         while True:
             for t in newly:                     # tasks that became ready at `now`
                 r = res[t]
@@ -274,7 +350,7 @@ class Simulator:
                     push(events, (now, t))
                     continue
                 for x in r:
-                    push(waiting[x], (now, t))
+                    push(waiting[x], base + t)
                     touched.append(x)
             if len(touched) > 1:
                 touched = sorted(set(touched))
@@ -282,11 +358,11 @@ class Simulator:
                 if busy[x]:
                     continue
                 w = waiting[x]
-                while w and started[w[0][1]]:
+                while w and started[w[0] % n]:   # an all-reduce started through another resource
                     pop(w)
                 if not w:
                     continue
-                t = w[0][1]
+                t = w[0] % n
                 r = res[t]
                 if len(r) > 1:
                     if any(busy[y] for y in r):
@@ -304,7 +380,9 @@ class Simulator:
             newly = []
             if not events:
                 break
-            now = events[0][0]
+            if events[0][0] != now:
+                now = events[0][0]
+                base += n
             while events and events[0][0] == now:
                 t = pop(events)[1]
                 for x in res[t]:
@@ -324,19 +402,23 @@ class Simulator:
                plan.recompute)
         if not trace and key in self._cache:
             return self._cache[key]
-        g = _Graph(trace)
-        stats: dict[str, dict[str, float]] = {}
-        devices = list(plan.devices)
-        if plan.optimizer.placement == "cpu":
-            devices += [h for h in (host_cpu(self.topology, d) for d in plan.devices) if h not in devices]
-        for d in devices:
-            self.topology.device(d)   # raises KeyError naming the device
-            stats[d] = dict.fromkeys(_STATS, 0.0)
-        self._build(plan, g, stats)
-        start, end = self._run(g, len(self._lanes))
+        g = self._shape(plan, trace)
+        values = self._evaluate(plan, g)
+        start, end = self._run(list(map(values.__getitem__, g.dkey)), g.res, g.succ, list(g.ndeps),
+                               len(self._lanes))
         iteration_s = max(end) if end else 0.0
         peaks = peak_memory(plan, self.graph, self.topology)
-        for d, v in stats.items():
+        stats: dict[str, dict[str, float]] = {}
+        for d in g.devices:
+            v = stats[d] = {}
+            for s in _STATS:
+                if s != "compute_s":
+                    acc = 0.0
+                    for k in g.stat_seq[(d, s)]:   # in build order, so sums are reproducible
+                        acc += values[k]
+                    v[s] = acc
+                else:
+                    v[s] = 0.0
             v["compute_s"] = v["fwd_s"] + v["bwd_s"] + v["optimizer_s"]
             v["busy_s"] = v["compute_s"]
             v["idle_s"] = iteration_s - v["busy_s"]
