@@ -8,6 +8,9 @@
 - Busy time per device: compute only — forward, loss, backward and optimizer calls (not sends,
   receives or waits for the gradient all-reduce). CPU: perf_counter around the calls; CUDA: CUDA
   events around them, summed after the iteration. Reported as the median per iteration.
+- Timeline: the spans of the last iteration on each device (forward / backward per microbatch,
+  optimizer; and, not counted as busy, waits for received tensors and for the gradient sync),
+  start and end in seconds from that rank's iteration start, under `per_device[dev]["events"]`.
 - Peak memory: CUDA: torch.cuda.max_memory_allocated. CPU: growth of the process's peak RSS
   (ru_maxrss) over its RSS when training started, so model weights built before are excluded
   but optimizer state, activations and gradients are included; with several CPU workers each is
@@ -42,25 +45,48 @@ def peak_rss_bytes() -> int:
 
 
 class BusyTimer:
-    """Sums compute time of the calls wrapped in `timer()` over one iteration."""
+    """Sums compute time of the calls wrapped in `timer()` over one iteration.
+
+    While recording (one iteration after `start_recording()`), it also keeps each wrapped call
+    as a span (name, kind, start_s, end_s relative to the iteration start) for `compare --plot`;
+    spans with busy=False (waits for receives and for the gradient sync) are kept but not summed.
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.total_s = 0.0
         self._events: list[tuple[Any, Any]] = []
+        self._recording = False
+        self._origin: Any = None                         # perf_counter seconds or a CUDA event
+        self._spans: list[tuple[str, str, Any, Any]] = []
+
+    def start_recording(self) -> None:
+        """Record spans from now (the iteration start) until `take_spans()`."""
+        self._recording, self._spans = True, []
+        if self.cuda:
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+        else:
+            self._origin = time.perf_counter()
 
     @contextlib.contextmanager
-    def timer(self):
+    def timer(self, name: str = "compute", kind: str = "compute", busy: bool = True):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            self._events.append((start, end))
+            if busy:
+                self._events.append((start, end))
         else:
             t0 = time.perf_counter()
             yield
-            self.total_s += time.perf_counter() - t0
+            end = time.perf_counter()
+            if busy:
+                self.total_s += end - t0
+            start = t0
+        if self._recording:
+            self._spans.append((name, kind, start, end))
 
     def take(self) -> float:
         """Busy seconds since the last take (synchronizes CUDA)."""
@@ -69,6 +95,16 @@ class BusyTimer:
             self.total_s += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
             self._events.clear()
         out, self.total_s = self.total_s, 0.0
+        return out
+
+    def take_spans(self) -> list[dict[str, Any]]:
+        """The recorded spans as {"name", "kind", "start_s", "end_s"}; stops recording."""
+        if self.cuda and self._spans:
+            torch.cuda.synchronize()
+        rel = ((lambda e: self._origin.elapsed_time(e) / 1e3) if self.cuda
+               else (lambda t: t - self._origin))
+        out = [{"name": n, "kind": k, "start_s": rel(a), "end_s": rel(b)} for n, k, a, b in self._spans]
+        self._recording, self._spans = False, []
         return out
 
 
@@ -109,6 +145,9 @@ def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int
             "busy_s": statistics.median(busy), "peak_memory_bytes": r["peak_memory_bytes"],
             "rank": r["rank"], "threads": r.get("threads"), "param_bytes": r["param_bytes"],
             "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"]}
+        if r.get("events") is not None:   # one iteration's spans on this device (compare --plot)
+            per_device[r["device"]]["events"] = r["events"]
+            per_device[r["device"]]["events_iteration"] = r["events_iteration"]
     return {"plan_sha256": plan_sha256, "iterations_s": iterations,
             "iteration_s": statistics.median(kept), "losses": losses, "per_device": per_device,
             "host": host_info(), "torch": torch.__version__, **extra}

@@ -104,7 +104,7 @@ class StageRunner:
                  busy: Callable[[], Any]):
         self.module, self.device, self.loss_fn = module, device, loss_fn
         self.prev, self.next, self.scale = prev, next, scale
-        self.busy = busy            # context manager factory timing compute only
+        self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
 
     def run(self, actions: list[Action], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
@@ -116,9 +116,10 @@ class StageRunner:
                 self._forward(mb, inputs, targets, saved, losses)
             else:
                 self._backward(mb, saved, losses)
-        for link in (self.prev, self.next):
-            if link is not None:
-                link.drain()
+        with self.busy("send wait", "transfer", busy=False):
+            for link in (self.prev, self.next):
+                if link is not None:
+                    link.drain()
         if self.next is None:
             return sum(l.detach() for l in losses.values())
         return None
@@ -127,10 +128,11 @@ class StageRunner:
         if self.prev is None:
             args = [a.to(self.device, non_blocking=True) for a in inputs[mb]]
         else:
-            args = self.prev.recv("act")
+            with self.busy(f"recv act {mb}", "transfer", busy=False):
+                args = self.prev.recv("act")
             args = [a.requires_grad_(rg) if a.is_floating_point() else a
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
-        with self.busy():
+        with self.busy(f"F{mb}", "forward"):
             out = self.module(*args)
             if self.next is None:
                 target = targets[mb].to(self.device, non_blocking=True)
@@ -144,11 +146,12 @@ class StageRunner:
     def _backward(self, mb, saved, losses) -> None:
         args, outs = saved.pop(mb)
         if self.next is None:
-            with self.busy():
+            with self.busy(f"B{mb}", "backward"):
                 losses[mb].backward()
         else:
-            grads = self.next.recv("grad")
-            with self.busy():
+            with self.busy(f"recv grad {mb}", "transfer", busy=False):
+                grads = self.next.recv("grad")
+            with self.busy(f"B{mb}", "backward"):
                 if outs:
                     torch.autograd.backward(outs, grads)
         if self.prev is not None:

@@ -71,8 +71,9 @@ class Built:
 
     def step(self, batch) -> torch.Tensor | None:
         loss = self.runner.run(self.actions, *batch)
-        self.sync.finish()
-        with self.timer.timer():
+        with self.timer.timer("grad sync wait", "allreduce", busy=False):
+            self.sync.finish()
+        with self.timer.timer("optimizer", "optimizer"):
             self.optimizer.step()
         return loss
 

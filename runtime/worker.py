@@ -126,7 +126,7 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
     from runtime import measure
     timer, mem = built.timer, measure.MemoryTracker(device)
     fault = os.environ.get(FAULT_ENV, "")
-    iter_s, busy_s, losses = [], [], []
+    iter_s, busy_s, losses, events = [], [], [], None
     prof = _profiler(cfg, device)
     with prof:
         for i in range(cfg.iters):
@@ -137,12 +137,16 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
             built.groups.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            if i == cfg.iters - 1:          # the last (post-warm-up) iteration's timeline
+                timer.start_recording()
             t0 = time.perf_counter()
             loss = built.step(batch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             iter_s.append(time.perf_counter() - t0)
             busy_s.append(timer.take())
+            if i == cfg.iters - 1:
+                events = timer.take_spans()
             losses.append(float(loss) if loss is not None else 0.0)
             if rank == 0:
                 print(f"hetplan run: iteration {i + 1}/{cfg.iters}: {iter_s[-1] * 1e3:.2f} ms (rank 0)",
@@ -153,7 +157,8 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
     return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
             "peak_memory_bytes": mem.peak_bytes(), "threads": torch.get_num_threads(),
             "param_bytes": sum(p.numel() * p.element_size() for p in built.params),
-            "optimizer_state_bytes": built.optimizer.state_bytes()}
+            "optimizer_state_bytes": built.optimizer.state_bytes(),
+            "events": events, "events_iteration": cfg.iters - 1}
 
 
 def _profiler(cfg, device):

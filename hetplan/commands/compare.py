@@ -1,10 +1,81 @@
-"""`hetplan compare` (to be written)."""
-HELP = "compare (not yet available)"
+"""`hetplan compare PLAN MEASURED`: predicted vs measured, per iteration and per device.
+
+The prediction is the plan's recorded `predicted.iteration_s` (what the planner chose on) when
+present, else the simulator's; per-device figures come from simulating the plan again on its
+topology (found as `hetplan simulate` finds it: planner.prediction). See planner/report.py for
+what each side measures and planner/plot.py for the timeline of `--plot`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = "predicted vs measured: iteration time, per-device busy time and peak memory, error in percent"
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("plan", metavar="PLAN", help="plan file (hetplan.plan/1)")
+    p.add_argument("measured", metavar="MEASURED", help="measured file written by `hetplan run` (hetplan.measured/1)")
+    p.add_argument("--topology", metavar="T",
+                   help="topology file; default: the file under profiles/ whose sha256 the plan records")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write a timeline: simulated lanes above measured lanes, one per device")
+
+
+def compare_files(plan_path: str, measured_path: str, topology_path: str | None = None,
+                  plot_path: str | None = None, command: str = "hetplan compare"):
+    """Load, simulate and compare; optionally write the plot. Returns planner.report.Comparison."""
+    from planner.io import InputError
+    from planner.measured import load_measured
+    from planner.plan import load_plan, plan_sha256
+    from planner.prediction import find_topology, simulate_plan_file
+    from planner.report import compare
+
+    if plot_path is not None and not str(plot_path).lower().endswith(".png"):
+        raise InputError(f"--plot: expected a file name ending in .png, got {plot_path!r}")
+    plan = load_plan(plan_path)
+    measured = load_measured(measured_path)
+    matches = measured.plan_sha256 == plan_sha256(plan_path)
+    if not matches:
+        print(f"{command}: warning: {measured_path} was measured for another plan file "
+              f"(sha256 {measured.plan_sha256[:12]}...), not {plan_path}", file=sys.stderr)
+    topology = find_topology(plan, plan_path, topology_path, command)
+    result = simulate_plan_file(plan, plan_path, topology, trace=plot_path is not None)
+    recorded = plan.predicted.iteration_s if plan.predicted is not None else None
+    comparison = compare(recorded, result.to_json(), measured, matches)
+    if plot_path is not None:
+        from planner.plot import plot_timeline
+        events = {d: v.get("events") or [] for d, v in measured.per_device.items()}
+        it = next((v["events_iteration"] for v in measured.per_device.values()
+                   if isinstance(v.get("events_iteration"), int)), None)
+        meas_s = measured.iterations_s[it] if it is not None and 0 <= it < len(measured.iterations_s) else None
+        plot_timeline(list(result.tasks), result.iteration_s, list(dict.fromkeys(plan.devices)), events,
+                      meas_s, plot_path, title=f"{plan.model.spec} batch {plan.global_batch}: "
+                                               f"{plan_path}")
+        print(f"{command}: wrote {plot_path}", file=sys.stderr)
+    return comparison
+
+
+def format_table(comparison) -> str:
+    import pandas as pd
+
+    from planner.report import table_rows
+    df = pd.DataFrame(table_rows(comparison))
+    return df.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3f}")
+
+
+def summary_line(comparison) -> str:
+    src = "recorded in the plan" if comparison.prediction_source == "plan" else "simulated"
+    err = comparison.error_pct
+    return (f"iteration: predicted {comparison.predicted_s * 1e3:.3f} ms ({src}), measured "
+            f"{comparison.measured_s * 1e3:.3f} ms, error {err:+.1f}%")
 
 
 def main(args) -> int:
-    raise SystemExit("hetplan compare: not yet available")
+    comparison = compare_files(args.plan, args.measured, args.topology, args.plot)
+    if args.json:
+        print(json.dumps(comparison.to_json()))
+        return 0
+    print(summary_line(comparison))
+    print(format_table(comparison))
+    return 0
