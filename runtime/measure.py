@@ -11,10 +11,7 @@
 - Timeline: the spans of the last iteration on each device (forward / backward per microbatch,
   optimizer; and, not counted as busy, waits for received tensors and for the gradient sync),
   start and end in seconds from that rank's iteration start, under `per_device[dev]["events"]`.
-- Peak memory: CUDA: torch.cuda.max_memory_allocated. CPU: growth of the process's peak RSS
-  (ru_maxrss) over its RSS when training started, so model weights built before are excluded
-  but optimizer state, activations and gradients are included; with several CPU workers each is
-  its own process, so the growth is per device. Allocator caching makes this an upper bound.
+- Peak memory: see MemoryTracker (CUDA allocator peak; CPU: stage weights + peak RSS growth).
 """
 from __future__ import annotations
 
@@ -30,18 +27,25 @@ from typing import Any
 import torch
 
 
-def rss_bytes() -> int:
-    """Current resident set size of this process (Linux /proc; else peak RSS)."""
+def _status_kib(field: str) -> int | None:
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except OSError:
-        return peak_rss_bytes()
+        pass
+    return None
 
 
-def peak_rss_bytes() -> int:
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib * 1024 if platform.system() == "Linux" else kib  # macOS reports bytes
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak RSS (VmHWM) of this process; Linux >= 4.0."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class BusyTimer:
@@ -109,16 +113,29 @@ class BusyTimer:
 
 
 class MemoryTracker:
-    def __init__(self, device: torch.device):
-        self.device = device
+    """Peak memory of one device over the training loop.
+
+    CUDA: torch.cuda.max_memory_allocated (stage weights included: they are on the GPU).
+    CPU: the stage's parameter bytes plus the growth of the process's peak RSS during training
+    over its RSS when training started (peak reset through /proc/self/clear_refs, so tracing and
+    model building before do not count). Every worker builds the whole model before cutting its
+    stage, so RSS itself would count other stages' weights; hence params + growth. Allocator
+    caching makes the growth an upper bound of live tensors. Without /proc: ru_maxrss growth.
+    """
+
+    def __init__(self, device: torch.device, stage_param_bytes: int):
+        self.device, self.param_bytes = device, stage_param_bytes
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self.base_rss = rss_bytes()
+            return
+        self.hwm = _reset_peak_rss() and _status_kib("VmHWM") is not None
+        self.base_kib = _status_kib("VmRSS") if self.hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        return max(0, peak_rss_bytes() - self.base_rss)
+        peak = _status_kib("VmHWM") if self.hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return self.param_bytes + max(0, peak - self.base_kib) * 1024
 
 
 def host_info() -> dict[str, Any]:

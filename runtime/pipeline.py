@@ -10,6 +10,10 @@ schedules cannot deadlock. Over gloo, CUDA tensors are staged through host memor
 CUDA send/recv); two CUDA stages talk over an NCCL pair group. The first exchange on a link
 carries a small header (count, dtypes, shapes, requires_grad), cached afterwards: shapes are
 fixed after the first iteration because every microbatch has the same size.
+
+Recompute (plan.recompute): the stage's forward runs under non-reentrant activation
+checkpointing, so only its inputs are kept per in-flight microbatch and the forward runs again
+inside backward — the stage-level recompute the simulator and memory model assume.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 Action = tuple[str, int]   # ("F", microbatch) or ("B", microbatch)
 
@@ -101,8 +106,9 @@ class StageRunner:
 
     def __init__(self, module: torch.nn.Module, device: torch.device, loss_fn: Callable,
                  prev: Link | None, next: Link | None, scale: float,
-                 busy: Callable[[], Any]):
+                 busy: Callable[[], Any], recompute: bool = False):
         self.module, self.device, self.loss_fn = module, device, loss_fn
+        self.recompute = recompute  # keep only the stage input; rerun forward in backward
         self.prev, self.next, self.scale = prev, next, scale
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
 
@@ -133,7 +139,10 @@ class StageRunner:
             args = [a.requires_grad_(rg) if a.is_floating_point() else a
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
         with self.busy(f"F{mb}", "forward"):
-            out = self.module(*args)
+            if self.recompute:
+                out = checkpoint(self.module, *args, use_reentrant=False)
+            else:
+                out = self.module(*args)
             if self.next is None:
                 target = targets[mb].to(self.device, non_blocking=True)
                 losses[mb] = self.loss_fn(out[0], target) * self.scale

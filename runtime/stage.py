@@ -149,7 +149,8 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device) -> Buil
     nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
     timer = BusyTimer(device)
     runner = StageRunner(module, device, workload.loss_fn, prev, nxt,
-                         scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer)
+                         scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
+                         recompute=plan.recompute)
     sync = GradSync(groups, rank, params_by_layer, ranks_by_bucket_layer, buckets,
                     plan.sync.granularity, rep.microbatches)
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)

@@ -124,9 +124,11 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
     import torch
 
     from runtime import measure
-    timer, mem = built.timer, measure.MemoryTracker(device)
+    param_bytes = sum(p.numel() * p.element_size() for p in built.params)
+    timer, mem = built.timer, measure.MemoryTracker(device, param_bytes)
     fault = os.environ.get(FAULT_ENV, "")
     iter_s, busy_s, losses, events = [], [], [], None
+    shown = -1e9                                   # progress on stderr at most once a second
     prof = _profiler(cfg, device)
     with prof:
         for i in range(cfg.iters):
@@ -148,7 +150,8 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
             if i == cfg.iters - 1:
                 events = timer.take_spans()
             losses.append(float(loss) if loss is not None else 0.0)
-            if rank == 0:
+            if rank == 0 and (time.monotonic() - shown > 1.0 or i + 1 == cfg.iters):
+                shown = time.monotonic()
                 print(f"hetplan run: iteration {i + 1}/{cfg.iters}: {iter_s[-1] * 1e3:.2f} ms (rank 0)",
                       file=sys.stderr, flush=True)
     if cfg.trace_dir:
@@ -156,7 +159,7 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
         prof.export_chrome_trace(str(Path(cfg.trace_dir) / f"rank{rank}.json"))
     return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
             "peak_memory_bytes": mem.peak_bytes(), "threads": torch.get_num_threads(),
-            "param_bytes": sum(p.numel() * p.element_size() for p in built.params),
+            "param_bytes": param_bytes,
             "optimizer_state_bytes": built.optimizer.state_bytes(),
             "events": events, "events_iteration": cfg.iters - 1}
 

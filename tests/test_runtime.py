@@ -36,7 +36,7 @@ def reference(model: dict, global_batch: int, iters: int, opt: str = "adam", lr:
 
 
 def plan(replicas, model=MLP, global_batch=12, schedule="1f1b", sync="coarse", bucket_bytes=None,
-         opt="adam", placement="device", lr=0.01):
+         opt="adam", placement="device", lr=0.01, recompute=False):
     reps = [{"batch_fraction": f, "microbatches": m,
              "stages": [{"device": d, "layers": list(r)} for d, r in stages]}
             for f, m, stages in replicas]
@@ -44,7 +44,7 @@ def plan(replicas, model=MLP, global_batch=12, schedule="1f1b", sync="coarse", b
     if bucket_bytes:
         s["bucket_bytes"] = bucket_bytes
     return {"schema": "hetplan.plan/1", "model": model, "global_batch": global_batch, "replicas": reps,
-            "schedule": schedule, "sync": s,
+            "schedule": schedule, "sync": s, "recompute": recompute,
             "optimizer": {"name": opt, "lr": lr, "placement": placement}}
 
 
@@ -74,7 +74,12 @@ def check_equivalent(tmp_path, p: dict):
 def test_single_device(tmp_path):
     r = check_equivalent(tmp_path, plan([(1.0, 2, [("cpu:0", (0, 4))])]))
     assert set(r["per_device"]) == {"cpu:0"}
-    assert r["per_device"]["cpu:0"]["busy_s"] > 0
+    dev = r["per_device"]["cpu:0"]
+    assert dev["busy_s"] > 0
+    # the mlp's 784*16+16 + 2*(16*16+16) + 16*10+10 = 13274 float32 parameters
+    assert dev["param_bytes"] == 13274 * 4
+    assert dev["optimizer_state_bytes"] >= 2 * 13274 * 4            # Adam's two moments
+    assert dev["peak_memory_bytes"] >= dev["param_bytes"]
 
 
 def test_dp_even_coarse_cpu_optimizer(tmp_path):
@@ -88,8 +93,9 @@ def test_dp_uneven_fine(tmp_path):
                                     sync="fine", bucket_bytes=1024))
 
 
-def test_pipeline_gpipe(tmp_path):
-    check_equivalent(tmp_path, plan([(1.0, 3, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))])], schedule="gpipe"))
+def test_pipeline_gpipe_recompute(tmp_path):
+    check_equivalent(tmp_path, plan([(1.0, 3, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))])], schedule="gpipe",
+                                    recompute=True))
 
 
 def test_pipeline_1f1b_skip_connection(tmp_path):
