@@ -250,3 +250,46 @@ def test_cli_rejects_plan_that_does_not_fit_graph_or_topology(tmp_path):
     out = _cli(tmp_path / "plan.json", "--topology", WORKSTATION)
     assert out.returncode == 2 and "the model has 3 layers" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+# --- the fast paths change no result ----------------------------------------------------------
+import random  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from simreference import random_case, reference_run  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_event_loop_starts_tasks_exactly_as_the_reference_loop(seed):
+    # random plans with all-reduces sharing links with transfers, zero-length tasks, offload
+    rng = random.Random(seed)
+    for _ in range(120):
+        g, t, pl = random_case(rng)
+        sim = Simulator(g, t, cache_size=0)
+        shape = sim._shape(pl, trace=False)
+        values = sim._evaluate(pl, shape)
+        dur = [values[k] for k in shape.dkey]
+        fast = sim._run(dur, shape.res, shape.succ, list(shape.ndeps), shape.shared_res,
+                        len(sim._lanes))
+        assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim._lanes))
+
+
+def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(monkeypatch):
+    g, t, pl = _mixed()
+    builds = []
+    build = Simulator._build
+    monkeypatch.setattr(Simulator, "_build", lambda self, *a: builds.append(1) or build(self, *a))
+    sim = Simulator(g, t, cache_size=0)
+    variants = [pl, replace(pl, global_batch=16),
+                replace(pl, replicas=tuple(replace(r, batch_fraction=f) for r, f in
+                                           zip(pl.replicas, (0.125, 0.625, 0.25))))]
+    for p in variants:
+        shared = sim.simulate(p)
+        fresh = Simulator(g, t, cache_size=0, shape_cache_size=0).simulate(p)
+        traced = Simulator(g, t).simulate(p, trace=True)
+        assert repr(shared) == repr(fresh) == repr(traced)
+        assert max(x["end_s"] for x in traced.tasks) == shared.iteration_s
+    assert len(builds) == 1 + 3 + 3   # one shared build; fresh and traced simulators build their own
+    other = replace(pl, schedule="gpipe", recompute=True)   # another shape: built anew
+    assert repr(sim.simulate(other)) == repr(Simulator(g, t).simulate(other))
+    assert len(builds) == 9

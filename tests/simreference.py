@@ -1,0 +1,95 @@
+"""The simulator's event loop as first written, and random plans, for equivalence tests.
+
+`reference_run` is the plain version of `Simulator._run` (tuple heaps, no fast paths): the
+order of task starts that the fast loop must reproduce exactly. Not a test file.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+
+from simhelpers import device, graph, layer, link, plan, topology
+
+
+def reference_run(dur, res, succ, ndeps, n_res):
+    """Events (end, id), all applied before any start; queues by (ready time, id), served in
+    resource id order; a multi-resource task starts when all its resources are free."""
+    ndeps = list(ndeps)
+    n = len(dur)
+    start, end = [0.0] * n, [0.0] * n
+    busy, started = [False] * n_res, [False] * n
+    waiting = [[] for _ in range(n_res)]
+    events, touched = [], []
+    newly = [t for t in range(n) if ndeps[t] == 0]
+    now = 0.0
+    while True:
+        for t in newly:
+            if not res[t]:
+                started[t] = True
+                start[t] = end[t] = now
+                heapq.heappush(events, (now, t))
+            for x in res[t]:
+                heapq.heappush(waiting[x], (now, t))
+                touched.append(x)
+        for x in sorted(set(touched)):
+            w = waiting[x]
+            while w and started[w[0][1]]:
+                heapq.heappop(w)
+            if busy[x] or not w:
+                continue
+            t = w[0][1]
+            if any(busy[y] for y in res[t]):
+                continue
+            if len(res[t]) == 1:
+                heapq.heappop(w)
+            for y in res[t]:
+                busy[y] = True
+            started[t], start[t], end[t] = True, now, now + dur[t]
+            heapq.heappush(events, (end[t], t))
+        touched, newly = [], []
+        if not events:
+            return start, end
+        now = events[0][0]
+        while events and events[0][0] == now:
+            t = heapq.heappop(events)[1]
+            for x in res[t]:
+                busy[x] = False
+                touched.append(x)
+            for v in succ[t]:
+                ndeps[v] -= 1
+                if ndeps[v] == 0:
+                    newly.append(v)
+
+
+def random_case(rng: random.Random):
+    """(graph, topology, plan): 1-7 layers (some with zero FLOPs, zero cut bytes), cpu:0 linked
+    to four GPUs (some GPU-GPU links, zero latencies), 1-3 replicas of 1-4 stages, every
+    schedule, sync granularity, optimizer placement and recompute setting."""
+    nl = rng.randint(1, 7)
+    g = graph([layer(i, fwd_flops=rng.choice([0, 1e9, 3e9]), bwd_flops=rng.choice([0, 2e9, 5e9]),
+                     param_bytes=rng.choice([0, 10**5, 3 * 10**5, 10**6]), saved_bytes=100)
+               for i in range(nl)], batch=rng.choice([1, 4, 8]),
+              cut_bytes=[rng.choice([0, 800, 10**6]) for _ in range(nl + 1)])
+    names = ["cpu:0", "cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    devs = [device(d, flops=rng.choice([2e8, 1e9, 2e9]), mem_bw=rng.choice([1e8, 1e9, 1e10]))
+            for d in names]
+    links = [link("cpu:0", d, rng.choice([1e6, 1e7]), rng.choice([0.0, 1e-4])) for d in names[1:]]
+    if rng.random() < 0.5:
+        links += [link(a, b, rng.choice([1e6, 5e7]), rng.choice([0.0, 1e-5]))
+                  for a, b in [("cuda:0", "cuda:1"), ("cuda:2", "cuda:3"), ("cuda:1", "cuda:2")]
+                  if rng.random() < 0.7]
+    free = names[:]
+    rng.shuffle(free)
+    n_rep = rng.randint(1, 3)
+    reps = []
+    for r in range(n_rep):
+        k = rng.randint(1, min(nl, len(free) - (n_rep - r - 1)))
+        bounds = [0, *sorted(rng.sample(range(1, nl), k - 1)), nl]
+        reps.append((rng.randint(1, 5), rng.randint(1, 4),
+                     [(free.pop(), bounds[i], bounds[i + 1]) for i in range(k)]))
+    total = sum(w for w, _, _ in reps)
+    pl = plan([(w / total, m, st) for w, m, st in reps], 24, schedule=rng.choice(["gpipe", "1f1b"]),
+              granularity=rng.choice(["fine", "coarse"]),
+              bucket_bytes=rng.choice([10**5, 4 * 10**5, 1 << 40]), optimizer=rng.choice(["sgd", "adam"]),
+              placement=rng.choice(["device", "cpu"]), recompute=rng.random() < 0.3)
+    return g, topology(devs, links), pl
