@@ -141,11 +141,11 @@ def main(args) -> int:
     base_c = results.get("baseline", results["plan"])[0]
     speedup = base_c.measured_s / plan_c.measured_s
     predicted_speedup = base_c.predicted_s / plan_c.predicted_s
-    summary = {"profile": str(topo), "out": str(out), "baseline": base_name,
+    summary = {"profile": str(topo), "out": str(out), "baseline_name": base_name,
                "baseline_is_plan": base is None,
                "measured_speedup": speedup, "predicted_speedup": predicted_speedup,
-               **{label: {"plan": str(p), "measured": str(m), "plot": str(png), **c.to_json()}
-                  for label, (c, p, m, png) in results.items()}}
+               "runs": {label: {"plan": str(p), "measured": str(m), "plot": str(png), **c.to_json()}
+                        for label, (c, p, m, png) in results.items()}}
     write_summary(out / "summary.json", summary)
     if args.json:
         print(json.dumps(summary))
