@@ -35,6 +35,10 @@ def hetplan(*args, env=None, timeout=60):
     (lambda d: ["run", str(d / "missing.json")], "missing.json: plan file not found"),
     (lambda d: ["run", str(write(d, {"schema": "hetplan.plan/1"}))], "plan.json: model: missing"),
     (lambda d: ["run", str(write(d, DP2)), "--iters", "0"], "--iters: expected a positive integer"),
+    (lambda d: ["run", str(write(d, plan([(1.0, 1, [("cpu:0", (0, 6))])])))],
+     "replicas[0].stages[0].layers: expected the last stage to end at layer 4"),
+    (lambda d: ["run", str(write(d, plan([(1.0, 1, [("cpu:0", (0, 4))])], model={"spec": "nope"})))],
+     "plan.json: model.spec: unknown model 'nope'"),
     (lambda d: ["run", str(write(d, DP2)), "--iters", "2", "--warmup", "2"], "--warmup"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, make, expect):

@@ -39,6 +39,22 @@ def default_output(plan_path: str) -> str:
     return str(p.with_name(f"{p.stem}.measured.json"))
 
 
+def check_model(plan, file: str) -> None:
+    """The plan's model must load and have the layers the plan's stages cover (exit 2, not a
+    worker error). Costs one trace of the model in this process."""
+    from planner.partition import num_layers
+    from planner.plan import validate_plan
+    from planner.io import InputError
+    from planner.workload import load_workload
+    try:
+        workload = load_workload(plan.model.spec, plan.model.args)
+    except InputError as e:   # phrased for the --model flags; here the plan's fields are meant
+        msg = str(e).replace("--model-arg", "model.args", 1).replace("--model:", "model.spec:", 1)
+        raise InputError(f"{file}: {msg}") from None
+    b = plan.global_batch // max(r.microbatches for r in plan.replicas)
+    validate_plan(plan, file, num_layers=num_layers(workload, max(1, b)))
+
+
 def main(args) -> int:
     from planner.io import InputError, write_json_atomic
     from planner.plan import load_plan
@@ -53,6 +69,7 @@ def main(args) -> int:
         raise InputError(f"--timeout: expected a positive number, got {args.timeout}")
     plan = load_plan(args.plan)
     check_devices(plan, args.plan)
+    check_model(plan, args.plan)
     topology = find_topology(plan, args.topology)
     out = args.output or default_output(args.plan)
     extra = {"topology": topology.name if topology is not None else None}
