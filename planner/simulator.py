@@ -79,6 +79,43 @@ class _Graph:
         self.stat_seq: dict[tuple[str, str], list[int]] = {}
         self.devices: tuple[str, ...] = ()
         self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
+        # Per replica (see Simulator._like): its task ids; its structure, duration recipes and
+        # each task's recipe as an index into them; the resources its tasks use.
+        self.replica_tasks: list[list[int]] = []
+        self.replica_shape: list[tuple] = []
+        self.replica_recipes: list[list[int]] = []
+        self.replica_pattern: list[tuple[int, ...]] = []
+        self.replica_res: list[set[int]] = []
+        self.sync_res: set[int] = set()          # resources of the gradient all-reduces
+        self.collapsible = False
+        self._ghost: list[int] | None = None
+
+    def begin_replica(self, shape: tuple, like: list[int] | None) -> None:
+        """Tasks added until `end_replica` are this replica's; with `like` (the task ids of an
+        identical, independent replica) no task is created: `add` hands back like's ids in
+        order, `wire` does nothing, and only the statistics are counted."""
+        self._ghost, self._ghost_pos, self._first = like, 0, len(self.dkey)
+        self.replica_shape.append(shape)
+
+    def end_replica(self) -> None:
+        if self._ghost is not None:
+            self.replica_tasks.append(self._ghost)
+            self._ghost = None
+            return
+        block = range(self._first, len(self.dkey))
+        local: dict[int, int] = {}
+        for t in block:
+            local.setdefault(self.dkey[t], len(local))
+        self.replica_tasks.append(list(block))
+        self.replica_recipes.append(list(local))
+        self.replica_pattern.append(tuple(local[self.dkey[t]] for t in block))
+        self.replica_res.append({x for t in block for x in self.res[t]})
+
+    def wire(self, t: int, v: int) -> None:
+        """Task v also waits for task t."""
+        if self._ghost is None:
+            self.succ[t].append(v)
+            self.ndeps[v] += 1
 
     def value(self, recipe: tuple) -> int:
         """Index of a duration recipe: ("const", s), ("fwd"|"bwd", replica, device, start, end),
@@ -94,6 +131,9 @@ class _Graph:
 
     def add(self, k: int, res: tuple[int, ...], deps=(), meta=None) -> int:
         """k: value index of the duration; meta: (name parts, lane, kind), kept only when tracing."""
+        if self._ghost is not None:
+            self._ghost_pos += 1
+            return self._ghost[self._ghost_pos - 1]
         t = len(self.dkey)
         self.dkey.append(k)
         self.res.append(res)
@@ -112,7 +152,7 @@ class Simulator:
     """Simulates plans of one graph on one topology; costs, routes and task graphs are cached."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
-                 cache_size: int = 4096, shape_cache_size: int = 64):
+                 cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -125,6 +165,7 @@ class Simulator:
         self._cache_size = cache_size
         self._shapes: dict[Any, _Graph] = {}
         self._shape_cache_size = shape_cache_size
+        self._collapse = collapse
 
     # --- resources and routes ----------------------------------------------------------------
     def _resource(self, key: Any) -> int:
@@ -176,8 +217,9 @@ class Simulator:
             g.count(dst, "comm_s", k)
         return t
 
-    def _build(self, plan: Plan, g: _Graph) -> None:
-        """Everything of `plan` but its batch sizes becomes tasks of `g`."""
+    def _build(self, plan: Plan, g: _Graph, like: tuple[int, ...] | None = None) -> None:
+        """Everything of `plan` but its batch sizes becomes tasks of `g`; replica r is simulated
+        by replica like[r] where that differs from r (see `_like`)."""
         graph = self.graph
         devices = list(plan.devices)
         if plan.optimizer.placement == "cpu":
@@ -201,6 +243,10 @@ class Simulator:
         for r, rep in enumerate(plan.replicas):
             p, m = len(rep.stages), rep.microbatches
             sched = _schedule(plan.schedule, p, m)
+            pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
+            g.begin_replica((m, tuple(st.layers for st in rep.stages),
+                             tuple((len(self.hops(a, b)), len(self.hops(b, a))) for a, b in pairs)),
+                            g.replica_tasks[like[r]] if like and like[r] != r else None)
             fwd = [[None] * m for _ in range(p)]   # task id of F
             bwd_first = [[None] * m for _ in range(p)]
             bwd_last = [[None] * m for _ in range(p)]
@@ -246,11 +292,10 @@ class Simulator:
                 size = (r, rep.stages[s].start)
                 for i in range(m):
                     t = self._transfer(g, src, dst, fwd[s - 1][i], ("act", r, s - 1, s, i), size)
-                    g.succ[t].append(fwd[s][i])
-                    g.ndeps[fwd[s][i]] += 1
+                    g.wire(t, fwd[s][i])
                     t = self._transfer(g, dst, src, bwd_last[s][i], ("grad", r, s, s - 1, i), size)
-                    g.succ[t].append(bwd_first[s - 1][i])
-                    g.ndeps[bwd_first[s - 1][i]] += 1
+                    g.wire(t, bwd_first[s - 1][i])
+            g.end_replica()
         # Gradient all-reduce per shared bucket.
         synced: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
@@ -258,6 +303,7 @@ class Simulator:
             d_k = g.value(("const", d))
             deps = [chunk_of[(dev, k)] if fine else last_b[dev] for dev in b.devices]
             t = g.add(d_k, res, deps, (f"allreduce b{k} {b.bytes}B", "+".join(b.devices), "allreduce"))
+            g.sync_res.update(res)
             for dev in b.devices:
                 g.count(dev, "comm_s", d_k)
                 synced.setdefault(dev, []).append(t)
@@ -284,20 +330,44 @@ class Simulator:
                 g.count(host, "optimizer_s", d_k)
                 self._transfer(g, host, dev, t, f"params {host}->{dev}", ("const", n))
 
-    def _shape(self, plan: Plan, trace: bool) -> _Graph:
-        """The cached task graph of plan's shape (everything but batch sizes); built when tracing."""
+    def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> _Graph:
+        """The cached task graph of plan's shape (everything but batch sizes) with replicas
+        collapsed as `like` says; built afresh when tracing."""
         key = (tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
-               plan.sync, plan.optimizer.name, plan.optimizer.placement, plan.recompute)
+               plan.sync, plan.optimizer.name, plan.optimizer.placement, plan.recompute, like)
         g = None if trace else self._shapes.get(key)
         if g is None:
             g = _Graph(trace)
-            self._build(plan, g)
+            self._build(plan, g, like)
             g.shared_res = tuple(sorted({x for r in g.res if len(r) > 1 for x in r}))
+            # Replicas are independent when nothing else queues on their devices and links:
+            # every device holds one stage, optimizers run on their devices (after the
+            # device's last backward, which they wait for through the all-reduces), and no two
+            # replicas or all-reduces share a link direction.
+            seen: set[int] = set()
+            g.collapsible = (like is None and plan.optimizer.placement == "device"
+                             and len(set(plan.devices)) == len(plan.devices))
+            for used in g.replica_res if g.collapsible else ():
+                if used & seen or used & g.sync_res:
+                    g.collapsible = False
+                    break
+                seen |= used
             if not trace and self._shape_cache_size > 0:
                 if len(self._shapes) >= self._shape_cache_size:
                     self._shapes.pop(next(iter(self._shapes)))
                 self._shapes[key] = g
         return g
+
+    @staticmethod
+    def _like(g: _Graph, values: list[float]) -> tuple[int, ...]:
+        """For each replica, the first replica it is identical to: the same structure (microbatches,
+        layer ranges, hops between stages), the same task-to-recipe pattern and the same
+        duration values. In a collapsible graph such a replica's tasks run at the same times as
+        its twin's, so it is simulated by reference and only its statistics are counted."""
+        first: dict[tuple, int] = {}
+        return tuple(first.setdefault((g.replica_shape[r], g.replica_pattern[r],
+                                       tuple(values[k] for k in g.replica_recipes[r])), r)
+                     for r in range(len(g.replica_shape)))
 
     def _evaluate(self, plan: Plan, g: _Graph) -> list[float]:
         """The values of g's duration recipes for plan's batch sizes (microbatch mb = batch / m):
@@ -436,6 +506,11 @@ class Simulator:
             return self._cache[key]
         g = self._shape(plan, trace)
         values = self._evaluate(plan, g)
+        if self._collapse and g.collapsible and not trace:
+            like = self._like(g, values)
+            if like != tuple(range(len(like))):
+                g = self._shape(plan, trace, like)
+                values = self._evaluate(plan, g)
         start, end = self._run(list(map(values.__getitem__, g.dkey)), g.res, g.succ, list(g.ndeps),
                                g.shared_res, len(self._lanes))
         iteration_s = max(end) if end else 0.0

@@ -93,3 +93,28 @@ def random_case(rng: random.Random):
               bucket_bytes=rng.choice([10**5, 4 * 10**5, 1 << 40]), optimizer=rng.choice(["sgd", "adam"]),
               placement=rng.choice(["device", "cpu"]), recompute=rng.random() < 0.3)
     return g, topology(devs, links), pl
+
+
+def random_twin_case(rng: random.Random):
+    """(graph, topology, plan) with 2-3 replicas cut alike, most with equal batches and
+    microbatches (so they can be collapsed), on cpu:0 plus six GPUs with random direct links."""
+    nl = rng.randint(2, 6)
+    g = graph([layer(i, fwd_flops=rng.choice([0, 1e9]), bwd_flops=rng.choice([0, 2e9]),
+                     param_bytes=rng.choice([0, 10**5, 10**6]), saved_bytes=100) for i in range(nl)],
+              batch=4, cut_bytes=[rng.choice([0, 10**6]) for _ in range(nl + 1)])
+    names = ["cpu:0"] + [f"cuda:{i}" for i in range(6)]
+    links = [link("cpu:0", d, 1e7, rng.choice([0.0, 1e-4])) for d in names[1:]]
+    links += [link(a, b, rng.choice([1e7, 5e7]), 1e-5) for i, a in enumerate(names[1:])
+              for b in names[i + 2:] if rng.random() < 0.6]
+    k, n_rep = rng.randint(1, 2), rng.randint(2, 3)
+    bounds = [0, *sorted(rng.sample(range(1, nl), k - 1)), nl]
+    free = names[:]
+    rng.shuffle(free)
+    weights = [rng.choice([1, 1, 2]) for _ in range(n_rep)]
+    m = rng.choice([2, 2, 3])
+    reps = [(w / sum(weights), m if rng.random() < 0.8 else 1,
+             [(free.pop(), bounds[i], bounds[i + 1]) for i in range(k)]) for w in weights]
+    pl = plan(reps, 24, schedule=rng.choice(["gpipe", "1f1b"]), granularity=rng.choice(["fine", "coarse"]),
+              bucket_bytes=rng.choice([10**5, 10**6, 1 << 40]), optimizer=rng.choice(["sgd", "adam"]),
+              placement=rng.choice(["device", "device", "cpu"]), recompute=rng.random() < 0.3)
+    return g, topology([device(d, mem_bw=1e9) for d in names], links), pl

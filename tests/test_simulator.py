@@ -256,7 +256,7 @@ def test_cli_rejects_plan_that_does_not_fit_graph_or_topology(tmp_path):
 import random  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
-from simreference import random_case, reference_run  # noqa: E402
+from simreference import random_case, random_twin_case, reference_run  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -293,3 +293,55 @@ def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(mon
     other = replace(pl, schedule="gpipe", recompute=True)   # another shape: built anew
     assert repr(sim.simulate(other)) == repr(Simulator(g, t).simulate(other))
     assert len(builds) == 9
+
+
+def _mesh(n):
+    names = [f"cuda:{i}" for i in range(n)]
+    return topology([device(d, mem_bw=1e9) for d in names],
+                    [link(a, b, 1e7, 1e-4) for i, a in enumerate(names) for b in names[i + 1:]])
+
+
+@pytest.mark.parametrize("schedule,granularity,recompute", [
+    ("1f1b", "fine", False), ("gpipe", "fine", True), ("1f1b", "coarse", False)])
+def test_identical_replicas_are_simulated_once_with_identical_results(schedule, granularity, recompute):
+    # 4 replicas x 2 stages on a full mesh: replicas 0, 1, 2 alike, 3 has a larger batch
+    g = graph([layer(i, param_bytes=10**6 * (1 + i % 2), saved_bytes=100) for i in range(4)], batch=4,
+              cut_bytes=[4 * 10**6] * 5)
+    reps = [(f, 3, [(f"cuda:{2 * r}", 0, 1), (f"cuda:{2 * r + 1}", 1, 4)])
+            for r, f in enumerate((0.2, 0.2, 0.2, 0.4))]
+    pl = plan(reps, 30, schedule=schedule, granularity=granularity, bucket_bytes=10**6,
+              optimizer="adam", recompute=recompute)
+    sim = Simulator(g, _mesh(8))
+    collapsed = sim.simulate(pl)
+    assert repr(collapsed) == repr(Simulator(g, _mesh(8), collapse=False).simulate(pl))
+    assert repr(collapsed) == repr(sim.simulate(pl, trace=True))
+    (whole, like), (part, used) = [(len(s.dkey), k[-1]) for k, s in sim._shapes.items()]
+    assert like is None and used == (0, 0, 0, 3) and part < whole * 0.6
+
+
+def test_replicas_sharing_links_with_all_reduces_are_not_collapsed():
+    # chain cuda:0 - cuda:1 - cuda:2 - cuda:3: the ring cuda:0 <-> cuda:2 runs over the link
+    # cuda:0 -> cuda:1 that replica 0's activations use. Collapsing would be wrong here
+    # (9.5066 s instead of the exact 9.607 s), so the simulator must not do it.
+    g = graph([layer(i, param_bytes=10**6, saved_bytes=100) for i in range(4)], batch=4,
+              cut_bytes=[4 * 10**6] * 5)
+    names = [f"cuda:{i}" for i in range(4)]
+    t = topology([device(d, mem_bw=1e9) for d in names],
+                 [link(a, b, 1e7, 1e-4) for a, b in zip(names, names[1:])])
+    pl = plan([(0.5, 2, [("cuda:0", 0, 2), ("cuda:1", 2, 4)]),
+               (0.5, 2, [("cuda:2", 0, 2), ("cuda:3", 2, 4)])], 8, bucket_bytes=10**6)
+    sim = Simulator(g, t)
+    assert sim.simulate(pl).iteration_s == approx(9.607)
+    assert [k[-1] for k in sim._shapes] == [None] and not sim._shape(pl, False).collapsible
+    assert repr(sim.simulate(pl)) == repr(Simulator(g, t, collapse=False).simulate(pl))
+
+
+def test_collapsing_random_twin_replicas_changes_no_result():
+    rng = random.Random(0)
+    collapsed = 0
+    for _ in range(150):
+        g, t, pl = random_twin_case(rng)
+        sim = Simulator(g, t, cache_size=0)
+        assert repr(sim.simulate(pl)) == repr(Simulator(g, t, collapse=False).simulate(pl))
+        collapsed += any(k[-1] is not None for k in sim._shapes)
+    assert collapsed >= 20
