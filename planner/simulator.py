@@ -20,20 +20,27 @@ work of every device in its group. Recompute adds the stage's forward to its bac
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.
+
+Speed (none of it changes a result, bit for bit): the task graph (planner.taskgraph) is built
+once per plan shape (everything but batch sizes) and its durations are evaluated per plan;
+replicas that are identical and provably independent are simulated once (`Simulator._like`);
+the event loop (planner.eventloop) avoids per-task allocations. A per-plan result cache sits
+on top; benchmarks/simulator_speed.py measures with it off.
 """
 from __future__ import annotations
 
-import heapq
 from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any
 
 from planner.buckets import grad_buckets
 from planner.cost import CostModel, RooflineCost, host_cpu
+from planner.eventloop import run as run_tasks
 from planner.graph import ModelGraph
 from planner.memory import feasible as memory_feasible, peak_memory
 from planner.plan import Plan
 from planner.schedule import make_schedule
+from planner.taskgraph import TaskGraph
 from planner.topology import Topology
 
 
@@ -58,96 +65,6 @@ def _schedule(name: str, stages: int, microbatches: int):
     return make_schedule(name, stages, microbatches)
 
 
-class _Graph:
-    """A plan shape's task graph without durations: parallel lists indexed by task id.
-
-    A task's duration is `values[dkey[t]]`, where `values` are evaluated per plan from the
-    few distinct `recipes` (see `_evaluate`): plans that differ only in batch sizes share the
-    structure, so a search that moves batch fractions rebuilds nothing. `stat_seq` keeps, per
-    (device, statistic), the value indices in the order they are added, so the per-device sums
-    come out bit for bit as if accumulated while building.
-    """
-
-    def __init__(self, trace: bool):
-        self.dkey: list[int] = []
-        self.res: list[tuple[int, ...]] = []
-        self.succ: list[list[int]] = []
-        self.ndeps: list[int] = []
-        self.meta: list[tuple[str, str, str]] | None = [] if trace else None  # (name, lane, kind)
-        self.recipes: list[tuple] = []
-        self._recipe_id: dict[tuple, int] = {}
-        self.stat_seq: dict[tuple[str, str], list[int]] = {}
-        self.devices: tuple[str, ...] = ()
-        self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
-        # Per replica (see Simulator._like): its task ids; its structure, duration recipes and
-        # each task's recipe as an index into them; the resources its tasks use.
-        self.replica_tasks: list[list[int]] = []
-        self.replica_shape: list[tuple] = []
-        self.replica_recipes: list[list[int]] = []
-        self.replica_pattern: list[tuple[int, ...]] = []
-        self.replica_res: list[set[int]] = []
-        self.sync_res: set[int] = set()          # resources of the gradient all-reduces
-        self.collapsible = False
-        self._ghost: list[int] | None = None
-
-    def begin_replica(self, shape: tuple, like: list[int] | None) -> None:
-        """Tasks added until `end_replica` are this replica's; with `like` (the task ids of an
-        identical, independent replica) no task is created: `add` hands back like's ids in
-        order, `wire` does nothing, and only the statistics are counted."""
-        self._ghost, self._ghost_pos, self._first = like, 0, len(self.dkey)
-        self.replica_shape.append(shape)
-
-    def end_replica(self) -> None:
-        if self._ghost is not None:
-            self.replica_tasks.append(self._ghost)
-            self._ghost = None
-            return
-        block = range(self._first, len(self.dkey))
-        local: dict[int, int] = {}
-        for t in block:
-            local.setdefault(self.dkey[t], len(local))
-        self.replica_tasks.append(list(block))
-        self.replica_recipes.append(list(local))
-        self.replica_pattern.append(tuple(local[self.dkey[t]] for t in block))
-        self.replica_res.append({x for t in block for x in self.res[t]})
-
-    def wire(self, t: int, v: int) -> None:
-        """Task v also waits for task t."""
-        if self._ghost is None:
-            self.succ[t].append(v)
-            self.ndeps[v] += 1
-
-    def value(self, recipe: tuple) -> int:
-        """Index of a duration recipe: ("const", s), ("fwd"|"bwd", replica, device, start, end),
-        ("bwd+fwd", replica, device, lo, hi, start, end), ("hop", replica, cut, latency_s, bandwidth)."""
-        k = self._recipe_id.get(recipe)
-        if k is None:
-            k = self._recipe_id[recipe] = len(self.recipes)
-            self.recipes.append(recipe)
-        return k
-
-    def count(self, device: str, stat: str, k: int) -> None:
-        self.stat_seq[(device, stat)].append(k)
-
-    def add(self, k: int, res: tuple[int, ...], deps=(), meta=None) -> int:
-        """k: value index of the duration; meta: (name parts, lane, kind), kept only when tracing."""
-        if self._ghost is not None:
-            self._ghost_pos += 1
-            return self._ghost[self._ghost_pos - 1]
-        t = len(self.dkey)
-        self.dkey.append(k)
-        self.res.append(res)
-        self.succ.append([])
-        self.ndeps.append(0)
-        for d in deps:
-            if d is not None:
-                self.succ[d].append(t)
-                self.ndeps[t] += 1
-        if self.meta is not None:
-            self.meta.append(meta)
-        return t
-
-
 class Simulator:
     """Simulates plans of one graph on one topology; costs, routes and task graphs are cached."""
 
@@ -163,7 +80,7 @@ class Simulator:
         self._ar: dict[tuple[tuple[str, ...], float], tuple[tuple[int, ...], float]] = {}
         self._cache: dict[Any, SimResult] = {}
         self._cache_size = cache_size
-        self._shapes: dict[Any, _Graph] = {}
+        self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
 
@@ -203,7 +120,7 @@ class Simulator:
         return self._ar[key]
 
     # --- building the task graph of a plan shape ---------------------------------------------
-    def _transfer(self, g: _Graph, src: str, dst: str, after: int, label, size: tuple) -> int:
+    def _transfer(self, g: TaskGraph, src: str, dst: str, after: int, label, size: tuple) -> int:
         """Chain one task per hop from `after`; returns the last hop's task id.
         size: (replica, cut) for activations at the replica's microbatch, or ("const", bytes)."""
         t = after
@@ -217,7 +134,7 @@ class Simulator:
             g.count(dst, "comm_s", k)
         return t
 
-    def _build(self, plan: Plan, g: _Graph, like: tuple[int, ...] | None = None) -> None:
+    def _build(self, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None = None) -> None:
         """Everything of `plan` but its batch sizes becomes tasks of `g`; replica r is simulated
         by replica like[r] where that differs from r (see `_like`)."""
         graph = self.graph
@@ -330,14 +247,14 @@ class Simulator:
                 g.count(host, "optimizer_s", d_k)
                 self._transfer(g, host, dev, t, f"params {host}->{dev}", ("const", n))
 
-    def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> _Graph:
+    def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
         collapsed as `like` says; built afresh when tracing."""
         key = (tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
                plan.sync, plan.optimizer.name, plan.optimizer.placement, plan.recompute, like)
         g = None if trace else self._shapes.get(key)
         if g is None:
-            g = _Graph(trace)
+            g = TaskGraph(trace)
             self._build(plan, g, like)
             g.shared_res = tuple(sorted({x for r in g.res if len(r) > 1 for x in r}))
             # Replicas are independent when nothing else queues on their devices and links:
@@ -359,7 +276,7 @@ class Simulator:
         return g
 
     @staticmethod
-    def _like(g: _Graph, values: list[float]) -> tuple[int, ...]:
+    def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
         """For each replica, the first replica it is identical to: the same structure (microbatches,
         layer ranges, hops between stages), the same task-to-recipe pattern and the same
         duration values. In a collapsible graph such a replica's tasks run at the same times as
@@ -369,7 +286,7 @@ class Simulator:
                                        tuple(values[k] for k in g.replica_recipes[r])), r)
                      for r in range(len(g.replica_shape)))
 
-    def _evaluate(self, plan: Plan, g: _Graph) -> list[float]:
+    def _evaluate(self, plan: Plan, g: TaskGraph) -> list[float]:
         """The values of g's duration recipes for plan's batch sizes (microbatch mb = batch / m):
         fwd/bwd: cost of the layer range at mb; bwd+fwd: backward chunk plus the stage's forward
         (recompute); hop: latency_s + cut_bytes_at(cut, mb) / bandwidth."""
@@ -391,113 +308,6 @@ class Simulator:
                 out.append(rc[3] + graph.cut_bytes_at(rc[2], mbs[rc[1]]) / rc[4])
         return out
 
-    # --- the event loop ----------------------------------------------------------------------
-    @staticmethod
-    def _run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], ndeps: list[int],
-             shared_res: tuple[int, ...], n_res: int) -> tuple[list[float], list[float]]:
-        """Deterministic list scheduling over FIFO resources; returns start and end times.
-
-        All events (task ends) at one time are applied before any task starts. A queue serves
-        its waiting tasks by (ready time, task id); a task holding several resources (an
-        all-reduce) starts when all of them are free; queues are served in resource id order,
-        so such a task may take a free resource before a single-resource task of a later id.
-        `ndeps` is consumed; `shared_res` are the resources of multi-resource tasks.
-
-        Speed without changing the order: a waiting entry is the int `rank * n + t` (rank
-        counts distinct event times), which orders exactly as (ready time, task id); the tasks
-        ending at one time are a list under that time (the order among them does not matter);
-        a task whose resource is free, unshared and has an empty queue starts at once, taking
-        the newly ready tasks in id order."""
-        n = len(dur)
-        start: list[float | None] = [None] * n
-        end = [0.0] * n
-        busy = [False] * n_res
-        solo = [True] * n_res
-        for x in shared_res:
-            solo[x] = False
-        waiting: list[list[int]] = [[] for _ in range(n_res)]
-        ends: dict[float, list[int]] = {}   # end time -> tasks ending then
-        times: list[float] = []             # heap of the keys of `ends`
-        push, pop = heapq.heappush, heapq.heappop
-        touched: list[int] = []
-        newly = [t for t in range(n) if ndeps[t] == 0]
-        now, base = 0.0, 0
-        while True:
-            if len(newly) > 1:
-                newly.sort()
-            for t in newly:                     # tasks that became ready at `now`
-                r = res[t]
-                if len(r) == 1:
-                    x = r[0]
-                    if solo[x] and not busy[x] and not waiting[x]:
-                        busy[x] = True
-                        start[t] = now
-                        e = end[t] = now + dur[t]
-                        if e in ends:
-                            ends[e].append(t)
-                        else:
-                            ends[e] = [t]
-                            push(times, e)
-                        continue
-                elif not r:                     # a pure join completes at once
-                    start[t] = end[t] = now
-                    if now in ends:
-                        ends[now].append(t)
-                    else:
-                        ends[now] = [t]
-                        push(times, now)
-                    continue
-                for x in r:
-                    push(waiting[x], base + t)
-                    touched.append(x)
-            if len(touched) > 1:
-                touched = sorted(set(touched))
-            for x in touched:                   # start what can start, lowest resource first
-                if busy[x]:
-                    continue
-                w = waiting[x]
-                while w and start[w[0] % n] is not None:   # started through another resource
-                    pop(w)
-                if not w:
-                    continue
-                t = w[0] % n
-                r = res[t]
-                if len(r) > 1:
-                    if any(busy[y] for y in r):
-                        continue
-                    for y in r:
-                        busy[y] = True
-                else:
-                    pop(w)
-                    busy[x] = True
-                start[t] = now
-                e = end[t] = now + dur[t]
-                if e in ends:
-                    ends[e].append(t)
-                else:
-                    ends[e] = [t]
-                    push(times, e)
-            touched = []
-            newly = []
-            if not times:
-                break
-            e = pop(times)
-            if e != now:
-                now = e
-                base += n
-            for t in ends.pop(e):
-                for x in res[t]:
-                    busy[x] = False
-                    if waiting[x]:
-                        touched.append(x)
-                for v in succ[t]:
-                    ndeps[v] -= 1
-                    if ndeps[v] == 0:
-                        newly.append(v)
-        if None in start:
-            raise RuntimeError("simulator deadlock: some tasks never became ready")
-        return start, end
-
     # --- entry point -------------------------------------------------------------------------
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
         key = (plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
@@ -511,7 +321,7 @@ class Simulator:
             if like != tuple(range(len(like))):
                 g = self._shape(plan, trace, like)
                 values = self._evaluate(plan, g)
-        start, end = self._run(list(map(values.__getitem__, g.dkey)), g.res, g.succ, list(g.ndeps),
+        start, end = run_tasks(list(map(values.__getitem__, g.dkey)), g.res, g.succ, list(g.ndeps),
                                g.shared_res, len(self._lanes))
         iteration_s = max(end) if end else 0.0
         peaks = peak_memory(plan, self.graph, self.topology)

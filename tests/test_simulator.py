@@ -256,6 +256,7 @@ def test_cli_rejects_plan_that_does_not_fit_graph_or_topology(tmp_path):
 import random  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
+from planner.eventloop import run as run_tasks  # noqa: E402
 from simreference import random_case, random_twin_case, reference_run  # noqa: E402
 
 
@@ -269,8 +270,8 @@ def test_event_loop_starts_tasks_exactly_as_the_reference_loop(seed):
         shape = sim._shape(pl, trace=False)
         values = sim._evaluate(pl, shape)
         dur = [values[k] for k in shape.dkey]
-        fast = sim._run(dur, shape.res, shape.succ, list(shape.ndeps), shape.shared_res,
-                        len(sim._lanes))
+        fast = run_tasks(dur, shape.res, shape.succ, list(shape.ndeps), shape.shared_res,
+                         len(sim._lanes))
         assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim._lanes))
 
 
