@@ -31,6 +31,9 @@ from runtime.launch import free_port, launch  # noqa: E402
 from runtime.worker import RunConfig  # noqa: E402
 
 
+BUCKET_BYTES = 5 * 2**20   # same gradient bucket cap on both sides (DDP's bucket_cap_mb)
+
+
 def _plain_step(w, opt, x, y):
     opt.zero_grad(set_to_none=True)
     w.loss_fn(w.model(x), y).backward()
@@ -46,7 +49,7 @@ def plain_rank(rank, world, port, model, batch, iters, threads, out):
     w = load_workload(model["spec"], model["args"])
     net = w.model
     if world > 1:
-        w.model = torch.nn.parallel.DistributedDataParallel(net)
+        w.model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=BUCKET_BYTES / 2**20)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     times = []
     per = batch // world
@@ -77,7 +80,7 @@ def ours(model, batch, iters, warmup, world, threads) -> float:
     p = {"schema": "hetplan.plan/1", "model": model, "global_batch": batch, "schedule": "gpipe",
          "replicas": [{"batch_fraction": 1 / world, "microbatches": 1,
                        "stages": [{"device": d, "layers": [0, model["args"]["depth"] + 1]}]} for d in devices],
-         "sync": {"granularity": "fine"}, "optimizer": {"name": "adam", "lr": 1e-3}}
+         "sync": {"granularity": "fine", "bucket_bytes": BUCKET_BYTES}, "optimizer": {"name": "adam", "lr": 1e-3}}
     with tempfile.TemporaryDirectory() as d:
         path = Path(d, "plan.json")
         path.write_text(json.dumps(p))

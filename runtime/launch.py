@@ -22,7 +22,7 @@ from pathlib import Path
 from planner.io import InputError
 from planner.plan import Plan
 from planner.topology import Topology, load_topology, parse_device_name
-from runtime.worker import RunConfig, node_of, report_error, run_worker
+from runtime.worker import RunConfig, default_threads, node_of, report_error, run_worker
 
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 5.0
@@ -78,13 +78,12 @@ def find_topology(plan: Plan, path: str | None) -> Topology | None:
 
 
 def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:
-    """Intra-op threads of each CPU worker: the topology's `threads`, else cores // CPU workers."""
-    cpus = [d for d in plan.devices if parse_device_name(d)[1] == "cpu"]
-    default = max(1, (os.cpu_count() or 1) // max(1, len(cpus)))
+    """Intra-op threads of each worker: the topology's `threads` of the device when it has one,
+    else worker.default_threads (cores // CPU workers; GPU workers 1 beside CPU workers)."""
     out = {}
-    for d in cpus:
+    for d in plan.devices:
         t = topology.device(d).threads if topology is not None and topology.has_device(d) else None
-        out[d] = t or default
+        out[d] = t or default_threads(plan.devices, d)
     return out
 
 

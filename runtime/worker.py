@@ -29,7 +29,7 @@ class RunConfig:
     out: str = "measured.json"                # rank 0 writes the measured file here
     trace_dir: str | None = None              # torch.profiler Chrome trace per rank
     save_params: str | None = None            # rank 0 saves the final parameters (torch.save)
-    threads: dict[str, int] = field(default_factory=dict)   # CPU device -> intra-op threads
+    threads: dict[str, int] = field(default_factory=dict)   # device -> intra-op threads
     timeout_s: float = 60.0                   # collective timeout (a dead peer ends a wait)
     error_dir: str | None = None              # each failing rank writes rank<R>.txt here
     extra: dict = field(default_factory=dict)  # copied into the measured file (e.g. topology)
@@ -69,6 +69,18 @@ def my_device(devices: tuple[str, ...], env) -> str:
     return local[int(env.get("LOCAL_RANK", env.get("RANK", "0")))]
 
 
+def default_threads(devices: tuple[str, ...], name: str, cores: int | None = None) -> int:
+    """Intra-op threads of a worker when no topology says: the node's cores are split evenly
+    among its CPU workers; a GPU worker gets 1 when CPU workers share its node (it mostly
+    launches kernels; more would steal their cores), else an even split among GPU workers."""
+    cores = cores or os.cpu_count() or 1
+    local = [d for d in devices if node_of(d) == node_of(name)]
+    cpus = [d for d in local if "cpu:" in d]
+    if "cpu:" in name:
+        return max(1, cores // len(cpus))
+    return 1 if cpus else max(1, cores // len(local))
+
+
 def torch_device(name: str):
     import torch
     local = name.split("/", 1)[-1]
@@ -90,10 +102,8 @@ def run_worker(cfg: RunConfig) -> None:
         raise ValueError(f"WORLD_SIZE is {world} but the plan has {len(plan.devices)} devices")
     name = my_device(plan.devices, env)
     device = torch_device(name)
-    if device.type == "cpu":
-        n_cpu = sum(1 for d in plan.devices if node_of(d) == node_of(name) and "cpu:" in d)
-        torch.set_num_threads(cfg.threads.get(name) or max(1, (os.cpu_count() or 1) // n_cpu))
-    else:
+    torch.set_num_threads(cfg.threads.get(name) or default_threads(plan.devices, name))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.timeout_s))
@@ -231,7 +241,7 @@ def _cli(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--trace", default=None)
     p.add_argument("--save-params", default=None)
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads of a CPU worker")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads of every worker (default: see default_threads)")
     p.add_argument("--timeout", type=float, default=60.0)
     a = p.parse_args(argv)
     threads = {}

@@ -1,0 +1,76 @@
+"""Single-process unit tests of the runtime's pure parts: device mapping, thread shares,
+layer ownership and bucket order, schedules, and how the measured file is assembled."""
+from __future__ import annotations
+
+import pytest
+
+from planner.plan import plan_from_dict
+from planner.topology import topology_from_dict
+from runtime.launch import thread_shares
+from runtime.measure import build_measured
+from runtime.pipeline import stage_actions
+from runtime.sync import _split_by_ranks, layer_ranks
+from runtime.worker import default_threads, my_device
+
+
+def test_default_threads():
+    devs = ("cpu:0", "cpu:1", "cuda:0")
+    assert default_threads(devs, "cpu:1", cores=16) == 8
+    assert default_threads(devs, "cuda:0", cores=16) == 1
+    assert default_threads(("cuda:0", "cuda:1"), "cuda:1", cores=16) == 8
+    assert default_threads(("node0/cpu:0", "node1/cpu:0", "node1/cpu:1"), "node0/cpu:0", cores=16) == 16
+    assert default_threads(("cpu:0", "cpu:1", "cpu:2"), "cpu:0", cores=2) == 1
+
+
+def test_thread_shares_from_topology():
+    plan = plan_from_dict({"model": {"spec": "mlp"}, "global_batch": 4, "replicas": [
+        {"batch_fraction": 0.5, "stages": [{"device": "cpu:0", "layers": [0, 5]}]},
+        {"batch_fraction": 0.5, "stages": [{"device": "cpu:1", "layers": [0, 5]}]}]})
+    dev = {"memory_bytes": 1e9, "matmul_flops_per_s": 1e11, "memory_bytes_per_s": 1e10}
+    topo = topology_from_dict({"devices": [{"name": "cpu:0", "threads": 3, **dev}, {"name": "cpu:1", **dev}]})
+    shares = thread_shares(plan, topo)
+    assert shares["cpu:0"] == 3                                  # from the topology
+    assert shares["cpu:1"] == default_threads(plan.devices, "cpu:1")   # no threads there
+
+
+def test_my_device_multi_node():
+    devs = ("node1/cpu:0", "node0/cpu:0", "node1/cpu:1", "node10/cpu:0")
+    env = {"GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert my_device(devs, env) == "node1/cpu:1"                 # nodes in natural order: 0, 1, 10
+    assert my_device(devs, {"GROUP_RANK": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) == "node10/cpu:0"
+    with pytest.raises(ValueError, match="runs 1 processes but the plan has 2"):
+        my_device(devs, {"GROUP_RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    assert my_device(("cpu:0", "cpu:1"), {"RANK": "1"}) == "cpu:1"
+
+
+def test_layer_ranks_and_bucket_order_of_a_hybrid():
+    # replica 0: rank 0 holds [0, 4); replica 1: rank 1 holds [0, 2), rank 2 holds [2, 4)
+    ranks = layer_ranks([[(0, 4)], [(0, 2), (2, 4)]], [[0], [1, 2]], 4)
+    assert ranks == [(0, 1), (0, 1), (0, 2), (0, 2)]
+    # a bucket spanning both rank sets is split; order: last layer first
+    assert _split_by_ranks([(3, 2, 1), (0,)], ranks) == [(3, 2), (1,), (0,)]
+
+
+@pytest.mark.parametrize("schedule,stage,expect", [
+    ("gpipe", 0, [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]),
+    ("1f1b", 0, [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]),
+    ("1f1b", 1, [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]),
+])
+def test_stage_actions(schedule, stage, expect):
+    assert stage_actions(schedule, stage, 2, 3) == expect
+
+
+def test_build_measured():
+    recs = [{"rank": 0, "device": "cpu:0", "iter_s": [0.5, 0.2, 0.3, 0.1], "busy_s": [0.4, 0.1, 0.2, 0.05],
+             "loss": [0.25, 0.5, 0.75, 1.0], "peak_memory_bytes": 10, "param_bytes": 4,
+             "optimizer_state_bytes": 8},
+            {"rank": 1, "device": "cpu:1", "iter_s": [0.4, 0.3, 0.1, 0.2], "busy_s": [0.3, 0.2, 0.1, 0.1],
+             "loss": [0.5, 0.5, 0.5, 0.5], "peak_memory_bytes": 20, "param_bytes": 4,
+             "optimizer_state_bytes": 8}]
+    m = build_measured("abc", recs, warmup=1, extra={"iters": 4})
+    assert m["iterations_s"] == [0.5, 0.3, 0.3, 0.2]             # max over ranks
+    assert m["iteration_s"] == 0.3                               # median of [0.3, 0.3, 0.2]
+    assert m["losses"] == [0.75, 1.0, 1.25, 1.5]                 # weighted losses summed
+    assert m["per_device"]["cpu:0"]["busy_s"] == 0.1             # median of [0.1, 0.2, 0.05]
+    assert m["per_device"]["cpu:1"]["peak_memory_bytes"] == 20
+    assert m["iters"] == 4 and m["plan_sha256"] == "abc"
