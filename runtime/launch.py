@@ -130,9 +130,13 @@ def launch(cfg: RunConfig, devices: tuple[str, ...], master_addr: str = "127.0.0
         env = dict(os.environ)
         procs = [ctx.Process(target=_child, args=(r, world, master_addr, port, wcfg.to_json(), env),
                              name=f"hetplan-rank{r}") for r in range(world)]
-        for p in procs:
-            p.start()
-        _watch(procs, devices, run_dir)
+        try:
+            for p in procs:
+                p.start()
+            _watch(procs, devices, run_dir)
+        except BaseException:      # RunError, Ctrl-C: leave no worker behind
+            _stop(procs)
+            raise
         return json.loads(Path(wcfg.out).read_text())
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -156,10 +160,12 @@ def _watch(procs, devices, run_dir: str) -> None:
 
 def _stop(procs) -> None:
     for p in procs:
-        if p.exitcode is None:
+        if p.pid is not None and p.exitcode is None:
             p.terminate()
     deadline = time.monotonic() + _TERMINATE_GRACE_S
     for p in procs:
+        if p.pid is None:          # never started
+            continue
         p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
             p.kill()

@@ -102,6 +102,21 @@ def _buckets(plan: Plan, names_by_layer, named: dict) -> list[tuple[int, ...]]:
     return [b.layers for b in grad_buckets(plan, graph)]
 
 
+def _check_ownership(named: dict, names_by_layer) -> None:
+    """Every parameter of the stage must belong to exactly one layer, or its gradient would be
+    left out of (or counted twice in) the sync. Weight tying across layers is not supported."""
+    owners: dict[str, int] = {}
+    for layer, names in enumerate(names_by_layer):
+        for n in names:
+            if n in owners:
+                raise ValueError(f"parameter {n!r} is used by layers {owners[n]} and {layer}; "
+                                 "tied weights across layers are not supported by the runtime")
+            owners[n] = layer
+    missing = [n for n in named if n not in owners]
+    if missing:
+        raise ValueError(f"parameters {missing[:3]} belong to no layer of the partition")
+
+
 def build(plan: Plan, names: list[str], rank: int, device: torch.device) -> Built:
     from planner.workload import load_workload
 
@@ -132,6 +147,7 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device) -> Buil
         full = dict(workload.model.named_parameters())
         names_by_layer = _layer_params(workload, plan.num_layers, micro)
         params_by_layer = {l: [named[n] for n in ns if n in named] for l, ns in enumerate(names_by_layer)}
+        _check_ownership(named, names_by_layer)
         ranks_by_bucket_layer = ranks_of_layer
         buckets = _buckets(plan, names_by_layer, full)
 
