@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def layer_ranks(replica_ranges: list[list[tuple[int, int]]], replica_ranks: list[list[int]],
@@ -76,7 +75,7 @@ class _Bucket:
     needed: int                       # accumulations until final: len(params) * microbatches
     seen: int = 0
     work: Any = None
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # persistent flat buffer (host memory when staged)
 
 
 class GradSync:
@@ -108,7 +107,7 @@ class GradSync:
 
     def begin(self) -> None:
         for b in self.buckets:
-            b.seen, b.work, b.flat = 0, None, None
+            b.seen, b.work = 0, None
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         self._owner[p].seen += 1
@@ -126,12 +125,22 @@ class GradSync:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        flat = _flatten_dense_tensors(grads)
-        if self.groups.host_staged(b.ranks):
-            flat = flat.cpu()
-        b.flat = flat
-        b.work = dist.all_reduce(flat, group=self.groups.sync[b.ranks], async_op=True)
+        """Copy the bucket's gradients into its persistent flat buffer and all-reduce it.
+        The buffer is allocated once: a fresh multi-MB tensor every iteration costs page faults
+        (like DDP's bucket buffers)."""
+        if b.flat is None:
+            ref = b.params[0]
+            dev = torch.device("cpu") if self.groups.host_staged(b.ranks) else ref.device
+            b.flat = torch.empty(sum(p.numel() for p in b.params), dtype=ref.dtype, device=dev)
+        off = 0
+        for p in b.params:
+            n = p.numel()
+            if p.grad is None:        # unused in this iteration: contributes zeros
+                b.flat[off:off + n].zero_()
+            else:
+                b.flat[off:off + n].copy_(p.grad.reshape(-1))
+            off += n
+        b.work = dist.all_reduce(b.flat, group=self.groups.sync[b.ranks], async_op=True)
 
     def finish(self) -> None:
         """Launch what is left (all of it for coarse), wait, and write the sums back."""
@@ -140,13 +149,15 @@ class GradSync:
                 self._launch(b)
         for b in self.buckets:
             b.work.wait()
-            ref = b.params[0]
-            flat = b.flat.to(ref.device) if b.flat.device != ref.device else b.flat
-            for p, g in zip(b.params, _unflatten_dense_tensors(flat, b.params)):
+            off = 0
+            for p in b.params:
+                n = p.numel()
+                g = b.flat[off:off + n].view_as(p)
                 if p.grad is None:
-                    p.grad = g.clone()
+                    p.grad = g.to(p.device, copy=True)
                 else:
                     p.grad.copy_(g)
+                off += n
 
 
 def _split_by_ranks(buckets: list[tuple[int, ...]], ranks_of_layer) -> list[tuple[int, ...]]:
