@@ -117,7 +117,7 @@ def _check_ownership(named: dict, names_by_layer) -> None:
         raise ValueError(f"parameters {missing[:3]} belong to no layer of the partition")
 
 
-def build(plan: Plan, names: list[str], rank: int, device: torch.device) -> Built:
+def build(plan: Plan, names: list[str], rank: int, device: torch.device, timeout=None) -> Built:
     from planner.workload import load_workload
 
     rank_of = {d: r for r, d in enumerate(names)}
@@ -153,7 +153,7 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device) -> Buil
 
     kinds = [torch_kind(d) for d in names]
     pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
-    groups = Groups(kinds, pairs, list(set(ranks_of_layer)))
+    groups = Groups(kinds, pairs, list(set(ranks_of_layer)), timeout)
     my_ranks = replica_ranks[rep_i]
 
     def link(peer: int) -> Link:

@@ -41,23 +41,24 @@ class Groups:
     each group in the same order everywhere.
     """
 
-    def __init__(self, kinds: list[str], pairs: list[tuple[int, int]], sync_sets: list[tuple[int, ...]]):
+    def __init__(self, kinds: list[str], pairs: list[tuple[int, int]], sync_sets: list[tuple[int, ...]],
+                 timeout=None):
         self.kinds = kinds                                  # rank -> "cpu" / "cuda"
         self.world = dist.group.WORLD                       # gloo: barriers, result gathering
         self.pair: dict[frozenset, Any] = {}
         self.sync: dict[tuple[int, ...], Any] = {}
         for a, b in sorted(set(pairs)):
             cuda = kinds[a] == kinds[b] == "cuda"
-            self.pair[frozenset((a, b))] = dist.new_group([a, b], backend="nccl") if cuda else self.world
+            self.pair[frozenset((a, b))] = dist.new_group([a, b], backend="nccl", timeout=timeout) if cuda else self.world
         for ranks in sorted(set(sync_sets)):
             if len(ranks) < 2:
                 continue
             if all(kinds[r] == "cuda" for r in ranks):
-                self.sync[ranks] = dist.new_group(list(ranks), backend="nccl")
+                self.sync[ranks] = dist.new_group(list(ranks), backend="nccl", timeout=timeout)
             elif len(ranks) == len(kinds):
                 self.sync[ranks] = self.world
             else:
-                self.sync[ranks] = dist.new_group(list(ranks), backend="gloo")
+                self.sync[ranks] = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
 
     def barrier(self) -> None:
         dist.barrier(group=self.world)

@@ -105,14 +105,14 @@ def run_worker(cfg: RunConfig) -> None:
     torch.set_num_threads(cfg.threads.get(name) or default_threads(plan.devices, name))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.timeout_s))
+    timeout = timedelta(seconds=cfg.timeout_s)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
     try:
         names: list = [None] * world
         dist.all_gather_object(names, name)
         if sorted(names) != sorted(plan.devices):
             raise ValueError(f"ranks map to devices {names}; expected each plan device once")
-        built = stage.build(plan, names, rank, device)
+        built = stage.build(plan, names, rank, device, timeout)
         record = _train(cfg, plan, built, rank, device, name)
         records: list = [None] * world if rank == 0 else None
         dist.gather_object(record, records, dst=0)

@@ -115,3 +115,12 @@ def test_hybrid_fine(tmp_path):
 def test_hybrid_coarse_sgd(tmp_path):
     check_equivalent(tmp_path, plan([(0.5, 2, [("cpu:0", (0, 1)), ("cpu:1", (1, 4))]),
                                      (0.5, 1, [("cpu:2", (0, 4))])], model=SKIP, opt="sgd", lr=0.1))
+
+
+GPT = {"spec": "gpt", "args": {"layers": 2, "heads": 2, "d_model": 16, "vocab": 32, "context": 8}}  # 4 layers
+
+
+def test_gpt_three_stage_pipeline(tmp_path):
+    # a middle stage receives and sends in both directions; the built-in transformer
+    check_equivalent(tmp_path, plan([(1.0, 3, [("cpu:0", (0, 1)), ("cpu:1", (1, 3)), ("cpu:2", (3, 4))])],
+                                    model=GPT, schedule="1f1b", lr=0.003))
