@@ -1,0 +1,236 @@
+"""Prediction accuracy: the simulator's iteration time vs `hetplan run` on this machine.
+
+For a fixed set of hand-written plans over three workloads (mlp, gpt, cnn) on this machine's
+CPU workers, predict one iteration with the simulator and the measured cost model (what
+`hetplan simulate` does on a topology profiled here), run the plan for real (`hetplan run`,
+median after warm-up), and report MAPE, the worst error and Kendall's tau of the two rankings.
+
+    python benchmarks/accuracy.py [--topology profiles/<host>.json] [--csv out/accuracy.csv]
+                                  [--iters 12] [--warmup 3] [--only mlp,gpt] [--check]
+
+The topology is profiled (`hetplan profile --cpu-workers 2`) when missing. `--check` exits 1
+when a target is missed: MAPE <= 5 %, worst <= 10 %, tau >= 0.8. The machine load (1-minute
+average) is printed before and after: the figures are only meaningful on a quiet machine.
+
+Plans need at least two CPU workers; a hybrid (replicas of different pipeline depth) needs
+three distinct devices and is added only when the topology has them.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
+
+# Sized so one iteration takes tens of milliseconds on one core of this 2-core machine.
+WORKLOADS = {
+    "mlp": {"spec": "mlp", "args": {"hidden": 512, "depth": 4}, "batch": 128},
+    "gpt": {"spec": "gpt", "args": {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048,
+                                    "context": 64}, "batch": 16},
+    "cnn": {"spec": "cnn", "args": {}, "batch": 64},
+}
+
+
+def _plan(w: str, replicas, schedule="1f1b", sync="coarse", opt="adam", placement="device",
+          bucket_bytes=1 << 20, lr=1e-3) -> dict:
+    spec = WORKLOADS[w]
+    return {"schema": "hetplan.plan/1", "model": {"spec": spec["spec"], "args": spec["args"]},
+            "global_batch": spec["batch"],
+            "replicas": [{"batch_fraction": f, "microbatches": m,
+                          "stages": [{"device": d, "layers": list(r)} for d, r in stages]}
+                         for f, m, stages in replicas],
+            "schedule": schedule, "sync": {"granularity": sync, "bucket_bytes": bucket_bytes},
+            "optimizer": {"name": opt, "lr": lr, "placement": placement}, "recompute": False}
+
+
+def plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
+    """name -> plan dict. Covers single device, even/uneven DP, coarse/fine sync, GPipe and
+    1F1B, CPU optimizer placement, SGD and Adam; a hybrid when there are three devices."""
+    a, b = devices[0], devices[1]
+    out = {}
+    for w, L in num_layers.items():
+        half = L // 2
+        full = [(a, (0, L))]
+        pipe = [(a, (0, half)), (b, (half, L))]
+        out[f"{w}/single"] = _plan(w, [(1.0, 1, full)])
+        out[f"{w}/dp-even-coarse"] = _plan(w, [(0.5, 1, full), (0.5, 1, [(b, (0, L))])])
+        out[f"{w}/dp-even-fine"] = _plan(w, [(0.5, 1, full), (0.5, 1, [(b, (0, L))])], sync="fine",
+                                         bucket_bytes=256 << 10)
+        out[f"{w}/dp-uneven-sgd"] = _plan(w, [(0.75, 1, full), (0.25, 1, [(b, (0, L))])], opt="sgd",
+                                          lr=0.01)
+        out[f"{w}/gpipe-4mb"] = _plan(w, [(1.0, 4, pipe)], schedule="gpipe")
+        out[f"{w}/1f1b-4mb"] = _plan(w, [(1.0, 4, pipe)], schedule="1f1b")
+    out["mlp/single-2mb"] = _plan("mlp", [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
+    out["gpt/dp-even-cpu-opt"] = _plan("gpt", [(0.5, 1, [(a, (0, num_layers["gpt"]))]),
+                                              (0.5, 1, [(b, (0, num_layers["gpt"]))])],
+                                       placement="cpu", sync="fine", bucket_bytes=256 << 10)
+    if len(devices) >= 3:
+        c, L = devices[2], num_layers["mlp"]
+        out["mlp/hybrid"] = _plan("mlp", [(0.5, 1, [(a, (0, L))]),
+                                          (0.5, 2, [(b, (0, L // 2)), (c, (L // 2, L))])],
+                                  sync="fine", bucket_bytes=256 << 10)
+    return out
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def ensure_topology(path: Path, cpu_workers: int) -> None:
+    if path.exists():
+        return
+    print(f"accuracy: profiling this machine into {path} (hetplan profile --cpu-workers "
+          f"{cpu_workers})", file=sys.stderr)
+    subprocess.run(["hetplan", "profile", "--cpu-workers", str(cpu_workers), "-o", str(path)],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def predict(plan_path: Path, topology) -> float:
+    from planner.plan import load_plan
+    from planner.prediction import simulate_plan_file
+    return simulate_plan_file(load_plan(plan_path), plan_path, topology).iteration_s
+
+
+def measure(plan_path: Path, topology_path: Path, iters: int, warmup: int, out_dir: Path) -> dict:
+    out = out_dir / f"{plan_path.stem}.measured.json"
+    proc = subprocess.run(["hetplan", "run", str(plan_path), "--iters", str(iters), "--warmup",
+                           str(warmup), "--topology", str(topology_path), "-o", str(out), "--json"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hetplan run {plan_path.name} failed: {proc.stderr.strip()[-400:]}")
+    return json.loads(out.read_text())
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    from scipy.stats import kendalltau
+    return float(kendalltau(xs, ys).statistic) if len(xs) > 1 else 1.0
+
+
+def summarise(rows: list[dict]) -> dict:
+    errs = [abs(r["error_pct"]) for r in rows]
+    return {"plans": len(rows), "mape_pct": statistics.fmean(errs), "worst_pct": max(errs),
+            "worst_plan": rows[errs.index(max(errs))]["plan"],
+            "tau": kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+            "mean_signed_pct": statistics.fmean(r["error_pct"] for r in rows)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
+    p.add_argument("--csv", default="out/accuracy.csv")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--only", default=None, help="comma-separated workloads or plan names")
+    p.add_argument("--predict-only", action="store_true", help="skip the runs (prediction only)")
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.iters <= a.warmup or a.warmup < 0:
+        p.error("--iters must exceed --warmup >= 0")
+
+    from planner.graph import capture_graph
+    from planner.io import write_json_atomic
+    from planner.topology import load_topology
+    from planner.workload import load_workload
+
+    topo_path = Path(a.topology) if a.topology else ROOT / "profiles" / f"{socket.gethostname()}.json"
+    ensure_topology(topo_path, 2)
+    topology = load_topology(topo_path)
+    cpus = [d.name for d in topology.devices if d.kind == "cpu"]
+    if len(cpus) < 2:
+        p.error(f"{topo_path}: needs at least two CPU workers (hetplan profile --cpu-workers 2)")
+    layers = {w: capture_graph(load_workload(s["spec"], s["args"]), 1).num_layers
+              for w, s in WORKLOADS.items()}
+    plans = plan_set(layers, cpus)
+    if a.only:
+        keep = a.only.split(",")
+        plans = {k: v for k, v in plans.items() if k in keep or k.split("/")[0] in keep}
+    load_before = load_avg()
+    print(f"accuracy: {len(plans)} plans on {topo_path.name}; load average {load_before:.2f}",
+          file=sys.stderr)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hetplan-accuracy-") as tmp:
+        tmp = Path(tmp)
+        for name, plan in plans.items():
+            plan["topology"] = {"name": topology.name, "sha256": topology.sha256}
+            path = tmp / (name.replace("/", "__") + ".json")
+            write_json_atomic(path, plan)
+            pred = predict(path, topology)
+            row = {"plan": name, "workload": name.split("/")[0], "predicted_s": pred}
+            if not a.predict_only:
+                t0 = time.perf_counter()
+                m = measure(path, topo_path, a.iters, a.warmup, tmp)
+                row.update(measured_s=m["iteration_s"],
+                           error_pct=100.0 * (pred - m["iteration_s"]) / m["iteration_s"],
+                           spread_pct=100.0 * _spread(m["iterations_s"][a.warmup:]),
+                           run_s=time.perf_counter() - t0)
+                print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms  measured "
+                      f"{m['iteration_s'] * 1e3:8.2f} ms  error {row['error_pct']:+6.1f} %",
+                      file=sys.stderr)
+            else:
+                print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms", file=sys.stderr)
+            rows.append(row)
+    if a.predict_only:
+        return 0
+    load_after = load_avg()
+    summary = summarise(rows)
+    summary.update(load_before=load_before, load_after=load_after, topology=str(topo_path),
+                   per_workload={w: summarise([r for r in rows if r["workload"] == w])
+                                 for w in sorted({r["workload"] for r in rows})})
+    _write_csv(Path(a.csv), rows)
+    missed = [k for k, v in (("mape_pct", summary["mape_pct"] > TARGETS["mape_pct"]),
+                             ("worst_pct", summary["worst_pct"] > TARGETS["worst_pct"]),
+                             ("tau", summary["tau"] < TARGETS["tau"])) if v]
+    summary["missed"] = missed
+    if a.json:
+        print(json.dumps({"summary": summary, "rows": rows}))
+    else:
+        print(f"{'plan':<24}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}{'spread %':>10}")
+        for r in rows:
+            print(f"{r['plan']:<24}{r['predicted_s'] * 1e3:>14.2f}{r['measured_s'] * 1e3:>13.2f}"
+                  f"{r['error_pct']:>+9.1f}{r['spread_pct']:>10.1f}")
+        for w, s in summary["per_workload"].items():
+            print(f"  {w}: MAPE {s['mape_pct']:.1f} %, worst {s['worst_pct']:.1f} %, tau {s['tau']:.2f}")
+        print(f"MAPE {summary['mape_pct']:.1f} % (target <= {TARGETS['mape_pct']:g}), worst "
+              f"{summary['worst_pct']:.1f} % ({summary['worst_plan']}; target <= "
+              f"{TARGETS['worst_pct']:g}), Kendall tau {summary['tau']:.3f} (target >= "
+              f"{TARGETS['tau']:g}), mean signed error {summary['mean_signed_pct']:+.1f} %")
+        print(f"load average {load_before:.2f} before, {load_after:.2f} after; wrote {a.csv}")
+    if a.check and missed:
+        print(f"accuracy: missed target(s): {', '.join(missed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _spread(xs: list[float]) -> float:
+    """(p75 - p25) / median of the post-warm-up iterations."""
+    import numpy as np
+    med = float(np.median(xs))
+    p25, p75 = np.percentile(xs, [25, 75])
+    return float((p75 - p25) / med) if med > 0 else 0.0
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
