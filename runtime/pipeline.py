@@ -7,7 +7,7 @@ predicted. `StageRunner.run` executes one iteration's actions.
 Transfers between stages: activations go forward, gradients of the activations go backward.
 Sends are asynchronous (`isend`, waited at the end of the iteration) and receives block, so the
 schedules cannot deadlock. Over gloo, CUDA tensors are staged through host memory (gloo has no
-CUDA send/recv); two CUDA stages talk over an NCCL pair group. The first exchange on a link
+CUDA send/recv); two CUDA stages talk over NCCL, one communicator per direction. The first exchange on a link
 carries a small header (count, dtypes, shapes, requires_grad), cached afterwards: shapes are
 fixed after the first iteration because every microbatch has the same size.
 
@@ -42,7 +42,8 @@ def stage_actions(schedule: str, stage: int, n_stages: int, n_micro: int) -> lis
 class Link:
     """One direction-agnostic pipeline link between this rank and a peer rank."""
     peer: int                          # global rank of the peer stage
-    group: Any                         # process group holding both ranks
+    send_group: Any                    # process group for this rank -> peer
+    recv_group: Any                    # process group for peer -> this rank
     device: torch.device               # where tensors live on this rank
     host_staged: bool                  # gloo with a CUDA device: copy through host memory
     headers: dict[str, list] = field(default_factory=dict)   # direction -> [(dtype, shape, rg)]
@@ -60,10 +61,10 @@ class Link:
             hdr = torch.tensor(meta, dtype=torch.int64)
             n = torch.tensor([hdr.numel()], dtype=torch.int64)
             for x in (n, hdr):
-                self.pending.append(dist.isend(self._hdr(x), self.peer, group=self.group))
+                self.pending.append(dist.isend(self._hdr(x), self.peer, group=self.send_group))
             self.headers[key] = [(t.dtype, tuple(t.shape), t.requires_grad) for t in tensors]
         for t in tensors:
-            self.pending.append(dist.isend(self._wire(t), self.peer, group=self.group))
+            self.pending.append(dist.isend(self._wire(t), self.peer, group=self.send_group))
 
     def _hdr(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.host_staged or self.device.type == "cpu" else x.to(self.device)
@@ -71,9 +72,9 @@ class Link:
     def recv(self, key: str) -> list[torch.Tensor]:
         if key not in self.headers:
             n = self._hdr(torch.zeros(1, dtype=torch.int64))
-            dist.recv(n, self.peer, group=self.group)
+            dist.recv(n, self.peer, group=self.recv_group)
             hdr = self._hdr(torch.zeros(int(n.item()), dtype=torch.int64))
-            dist.recv(hdr, self.peer, group=self.group)
+            dist.recv(hdr, self.peer, group=self.recv_group)
             meta, i, spec = hdr.tolist(), 1, []
             for _ in range(meta[0]):
                 dtype, rg, nd = _DTYPES[meta[i]], bool(meta[i + 1]), meta[i + 2]
@@ -84,7 +85,7 @@ class Link:
         wire_dev = torch.device("cpu") if self.host_staged else self.device
         for dtype, shape, rg in self.headers[key]:
             buf = torch.empty(shape, dtype=dtype, device=wire_dev)
-            dist.recv(buf, self.peer, group=self.group)
+            dist.recv(buf, self.peer, group=self.recv_group)
             out.append(buf.to(self.device) if self.host_staged else buf)
         return out
 

@@ -157,9 +157,9 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device, timeout
     my_ranks = replica_ranks[rep_i]
 
     def link(peer: int) -> Link:
-        group = groups.pair[frozenset((rank, peer))]
-        return Link(peer=peer, group=group, device=device,
-                    host_staged=device.type == "cuda" and group is groups.world)
+        send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
+        return Link(peer=peer, send_group=send, recv_group=recv, device=device,
+                    host_staged=device.type == "cuda" and send is groups.world)
 
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
     nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None

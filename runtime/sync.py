@@ -45,11 +45,16 @@ class Groups:
                  timeout=None):
         self.kinds = kinds                                  # rank -> "cpu" / "cuda"
         self.world = dist.group.WORLD                       # gloo: barriers, result gathering
-        self.pair: dict[frozenset, Any] = {}
         self.sync: dict[tuple[int, ...], Any] = {}
+        # pipeline traffic per direction (src, dst). Two CUDA ranks get one NCCL communicator
+        # per direction: NCCL serializes the p2p ops of one communicator on one stream, so a
+        # pending activation send could otherwise block the gradient coming back (1F1B).
+        self.p2p: dict[tuple[int, int], Any] = {}
         for a, b in sorted(set(pairs)):
-            cuda = kinds[a] == kinds[b] == "cuda"
-            self.pair[frozenset((a, b))] = dist.new_group([a, b], backend="nccl", timeout=timeout) if cuda else self.world
+            for src, dst in ((a, b), (b, a)):
+                cuda = kinds[src] == kinds[dst] == "cuda"
+                self.p2p[(src, dst)] = (dist.new_group([a, b], backend="nccl", timeout=timeout)
+                                        if cuda else self.world)
         for ranks in sorted(set(sync_sets)):
             if len(ranks) < 2:
                 continue
