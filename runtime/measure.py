@@ -11,7 +11,11 @@
 - Timeline: the spans of the last iteration on each device (forward / backward per microbatch,
   optimizer; and, not counted as busy, waits for received tensors and for the gradient sync),
   start and end in seconds from that rank's iteration start, under `per_device[dev]["events"]`.
-- Peak memory: see MemoryTracker (CUDA allocator peak; CPU: stage weights + peak RSS growth).
+- Peak memory: CUDA: torch.cuda.max_memory_allocated. CPU: a tracked-tensor estimate —
+  parameters + gradients + optimizer state + the peak of saved activations in flight, counted
+  with saved_tensors_hooks in the recorded (last) iteration (SavedTracker); the measured peak
+  RSS growth (MemoryTracker) is reported beside it as `rss_growth_bytes`: allocator caching
+  and library state make it much larger than the tensors for small models.
 """
 from __future__ import annotations
 
@@ -138,6 +142,50 @@ class MemoryTracker:
         return self.param_bytes + max(0, peak - self.base_kib) * 1024
 
 
+class SavedTracker:
+    """Bytes autograd saves for backward per in-flight microbatch (a tracked-tensor estimate).
+
+    While a microbatch's forward runs under `hooks(mb)`, every saved tensor is counted once by
+    its own bytes (parameters and views of them are not counted); `release(mb)` after its
+    backward. `peak_bytes` is the most held at once: the memory model's "saved activations in
+    flight". Not counted: temporaries inside an op, gradients of activations during backward.
+    """
+
+    def __init__(self, params):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[int, int] = {}
+        self.peak_bytes = 0
+
+    def reset(self) -> None:
+        self.live.clear()
+        self.peak_bytes = 0
+
+    def hooks(self, mb: int):
+        seen: set[int] = set()
+
+        def pack(t):
+            # a view counts its own elements, once: microbatches are slices of one batch
+            # tensor, so counting whole storages would count the batch in every microbatch
+            try:
+                key = (t.data_ptr(), t.numel())
+                st_ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):   # tensors without a plain storage
+                return t
+            if st_ptr not in self.param_ptrs and key not in seen:
+                seen.add(key)
+                self.add_bytes(mb, t.numel() * t.element_size())
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def add_bytes(self, mb: int, n: int) -> None:
+        self.live[mb] = self.live.get(mb, 0) + n
+        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+
+    def release(self, mb: int) -> None:
+        self.live.pop(mb, None)
+
+
 def host_info() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "platform": platform.platform(),
             "python": platform.python_version(), "cpu_count": os.cpu_count()}
@@ -162,6 +210,9 @@ def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int
             "busy_s": statistics.median(busy), "peak_memory_bytes": r["peak_memory_bytes"],
             "rank": r["rank"], "threads": r.get("threads"), "param_bytes": r["param_bytes"],
             "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"]}
+        for k in ("saved_activation_peak_bytes", "rss_growth_bytes"):
+            if r.get(k) is not None:
+                per_device[r["device"]][k] = r[k]
         if r.get("events") is not None:   # one iteration's spans on this device (compare --plot)
             per_device[r["device"]]["events"] = r["events"]
             per_device[r["device"]]["events_iteration"] = r["events_iteration"]

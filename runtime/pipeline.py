@@ -17,6 +17,8 @@ inside backward — the stage-level recompute the simulator and memory model ass
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -112,6 +114,8 @@ class StageRunner:
         self.recompute = recompute  # keep only the stage input; rerun forward in backward
         self.prev, self.next, self.scale = prev, next, scale
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
+        self.saved_tracker = None   # measure.SavedTracker, used while `track` is True
+        self.track = False
 
     def run(self, actions: list[Action], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
@@ -139,7 +143,10 @@ class StageRunner:
                 args = self.prev.recv("act")
             args = [a.requires_grad_(rg) if a.is_floating_point() else a
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
-        with self.busy(f"F{mb}", "forward"):
+        track = self.saved_tracker if self.track else None
+        with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()):
+            if track is not None and self.recompute:   # checkpoint keeps just the stage input
+                track.add_bytes(mb, sum(a.numel() * a.element_size() for a in args))
             if self.recompute:
                 out = checkpoint(self.module, *args, use_reentrant=False)
             else:
@@ -164,6 +171,8 @@ class StageRunner:
             with self.busy(f"B{mb}", "backward"):
                 if outs:
                     torch.autograd.backward(outs, grads)
+        if self.track:
+            self.saved_tracker.release(mb)
         if self.prev is not None:
             need = [a for a in args if a.requires_grad]
             self.prev.send("grad", [a.grad if a.grad is not None else torch.zeros_like(a)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from planner.plan import Plan
-from runtime.measure import BusyTimer
+from runtime.measure import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import Link, StageRunner, WholeModel, stage_actions
 from runtime.sync import GradSync, Groups, layer_ranks
@@ -167,6 +167,7 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device, timeout
     runner = StageRunner(module, device, workload.loss_fn, prev, nxt,
                          scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute)
+    runner.saved_tracker = SavedTracker(named.values())
     sync = GradSync(groups, rank, params_by_layer, ranks_by_bucket_layer, buckets,
                     plan.sync.granularity, rep.microbatches)
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)

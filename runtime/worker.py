@@ -150,7 +150,9 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i == cfg.iters - 1:          # the last (post-warm-up) iteration's timeline
-                timer.start_recording()
+                timer.start_recording()     # and its saved activations
+                built.runner.track = True
+                built.runner.saved_tracker.reset()
             t0 = time.perf_counter()
             loss = built.step(batch)
             if device.type == "cuda":
@@ -167,8 +169,13 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
     if cfg.trace_dir:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(cfg.trace_dir) / f"rank{rank}.json"))
+    saved = built.runner.saved_tracker.peak_bytes
+    grad_bytes = sum(p.numel() * p.element_size() for p in built.params if p.requires_grad)
+    peak = (mem.peak_bytes() if device.type == "cuda" else
+            param_bytes + grad_bytes + built.optimizer.state_bytes() + saved)
     return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
-            "peak_memory_bytes": mem.peak_bytes(), "threads": torch.get_num_threads(),
+            "peak_memory_bytes": peak, "rss_growth_bytes": (mem.peak_bytes() - param_bytes) if device.type == "cpu" else None,
+            "saved_activation_peak_bytes": saved, "threads": torch.get_num_threads(),
             "param_bytes": param_bytes,
             "optimizer_state_bytes": built.optimizer.state_bytes(),
             "events": events, "events_iteration": cfg.iters - 1}

@@ -79,7 +79,11 @@ def test_single_device(tmp_path):
     # the mlp's 784*16+16 + 2*(16*16+16) + 16*10+10 = 13274 float32 parameters
     assert dev["param_bytes"] == 13274 * 4
     assert dev["optimizer_state_bytes"] >= 2 * 13274 * 4            # Adam's two moments
-    assert dev["peak_memory_bytes"] >= dev["param_bytes"]
+    # saved for backward per microbatch of 6 (1 in flight): the input 6*784*4, three ReLU outputs
+    # 3*6*16*4, log_softmax 6*10*4, the int64 target 6*8, nll_loss's scalar total weight 4
+    assert dev["saved_activation_peak_bytes"] == 18816 + 1152 + 240 + 48 + 4
+    assert dev["peak_memory_bytes"] == (2 * dev["param_bytes"] + dev["optimizer_state_bytes"]
+                                        + dev["saved_activation_peak_bytes"])
 
 
 def test_dp_even_coarse_cpu_optimizer(tmp_path):
@@ -94,8 +98,10 @@ def test_dp_uneven_fine(tmp_path):
 
 
 def test_pipeline_gpipe_recompute(tmp_path):
-    check_equivalent(tmp_path, plan([(1.0, 3, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))])], schedule="gpipe",
+    r = check_equivalent(tmp_path, plan([(1.0, 3, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))])], schedule="gpipe",
                                     recompute=True))
+    # recompute keeps only each stage's input per microbatch; GPipe holds all 3 microbatches
+    assert r["per_device"]["cpu:0"]["saved_activation_peak_bytes"] >= 3 * 4 * 784 * 4
 
 
 def test_pipeline_1f1b_skip_connection(tmp_path):
