@@ -6,12 +6,19 @@ subtraction of prefix sums. `RooflineCost` is the contract's what-if model; the 
 model (`planner.layer_timing.MeasuredCost`) replaces the per-layer times by timings taken on
 this machine and keeps everything else.
 
+Calibration (planner.calibration): when the topology carries a `calibration` object (written by
+`hetplan profile`), the optimizer step and the all-reduce of CPU groups use the figures fitted on
+this machine, and the measured model slows CPU compute by the measured contention factor when
+several CPU workers of a host compute at once. Without one (what-if files) every figure is the
+contract's formula.
+
 Not modelled: kernel fusion across layers, cache effects between consecutive layers, overlap
 of compute and communication on the same device (a transfer does not slow the compute queue),
 mixed precision (all bytes are as captured).
 """
 from __future__ import annotations
 
+from planner.calibration import topology_calibration
 from planner.graph import Layer, ModelGraph
 from planner.topology import Device, Topology, parse_device_name
 
@@ -77,6 +84,7 @@ class CostModel:
 
     def __init__(self, graph: ModelGraph, topology: Topology):
         self.graph, self.topology = graph, topology
+        self.calibration = topology_calibration(topology)
         self._prefix: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._layer: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._opt: dict[tuple[str, str, float], float] = {}
@@ -96,26 +104,62 @@ class CostModel:
             self._prefix[key] = (pf, pb)
         return self._prefix[key]
 
-    def fwd_s(self, device: str, start: int, end: int, batch: float) -> float:
-        """Forward time of layers [start, end) on `device` at a microbatch of `batch` samples."""
-        pf = self._tables(device, batch)[0]
-        return pf[end] - pf[start]
+    def contention(self, device: str, busy: float) -> float:
+        """Slowdown of `device`'s compute when `busy` CPU workers of its host (itself included)
+        compute at once. 1 here; the measured model uses the calibration (its layer times are
+        taken alone, while the roofline's scalars were profiled with all workers busy)."""
+        return 1.0
 
-    def bwd_s(self, device: str, start: int, end: int, batch: float) -> float:
-        """Backward time of layers [start, end) on `device` at a microbatch of `batch` samples."""
+    def fwd_s(self, device: str, start: int, end: int, batch: float, busy: float = 1) -> float:
+        """Forward time of layers [start, end) on `device` at a microbatch of `batch` samples,
+        times `contention(device, busy)`."""
+        pf = self._tables(device, batch)[0]
+        t = pf[end] - pf[start]
+        return t if busy <= 1 else t * self.contention(device, busy)
+
+    def bwd_s(self, device: str, start: int, end: int, batch: float, busy: float = 1) -> float:
+        """Backward time of layers [start, end) on `device` at a microbatch of `batch` samples,
+        times `contention(device, busy)`."""
         pb = self._tables(device, batch)[1]
-        return pb[end] - pb[start]
+        t = pb[end] - pb[start]
+        return t if busy <= 1 else t * self.contention(device, busy)
 
     def layer_s(self, device: str, index: int, batch: float) -> tuple[float, float]:
         self._tables(device, batch)
         fwd, bwd = self._layer[(device, batch)]
         return fwd[index], bwd[index]
 
-    def optimizer_s(self, device: str, param_bytes: float, optimizer: str) -> float:
-        key = (device, optimizer, param_bytes)
+    def optimizer_s(self, device: str, param_bytes: float, optimizer: str, n_tensors: int = 0,
+                    busy: int = 1) -> float:
+        """One optimizer step on `device`: with a calibration fit for `optimizer` on a CPU device,
+        (n_tensors * s_per_tensor + param_bytes * s_per_byte) * contention(device, busy);
+        else the memory-bound formula `optimizer_s` (the contract's what-if semantics)."""
+        key = (device, optimizer, param_bytes, n_tensors, busy)
         if key not in self._opt:
-            self._opt[key] = optimizer_s(param_bytes, optimizer, self.topology.device(device))
+            dev = self.topology.device(device)
+            fit = self.calibration.optimizer.get(optimizer) if self.calibration else None
+            if fit is not None and dev.kind == "cpu":
+                self._opt[key] = fit.step_s(n_tensors, param_bytes) * self.contention(device, busy)
+            else:
+                self._opt[key] = optimizer_s(param_bytes, optimizer, dev)
         return self._opt[key]
+
+    def allreduce_s(self, devices: tuple[str, ...], n_bytes: float) -> float:
+        """All-reduce of n bytes over `devices`: the calibrated gloo fit when every device is a
+        CPU worker of one host and the topology has a fit (Calibration.allreduce_s); else the
+        contract's ring formula (Topology.allreduce_s)."""
+        c = self.calibration
+        if c is not None and len(devices) > 1:
+            parsed = [parse_device_name(d) for d in devices]
+            if all(kind == "cpu" for _, kind, _ in parsed) and len({n for n, _, _ in parsed}) == 1:
+                t = c.allreduce_s(len(devices), n_bytes)
+                if t is not None:
+                    return t
+        return self.topology.allreduce_s(devices, n_bytes)
+
+    def iteration_overhead_s(self) -> float:
+        """Fixed cost per iteration (calibration.iteration_overhead_s; 0 without calibration)."""
+        return self.calibration.iteration_overhead_s if self.calibration else 0.0
 
 
 class RooflineCost(CostModel):

@@ -12,8 +12,10 @@ linearly (what a search that asks for many sizes wants). Results are cached on d
 `$HETPLAN_CACHE_DIR/layer_costs.json` (default `.hetplan-cache/`), keyed by host, layer
 signature, device kind, threads and batch size.
 
-Not modelled: interference between devices running at once (each layer is timed alone), and
-the optimizer (memory-bound formula of planner.cost, with the profiled memory bandwidth).
+Each layer is timed alone; when several CPU workers of a host compute at once, the times are
+multiplied by the topology's measured contention factor (planner.calibration), so a plan that
+keeps both workers of a 2-core machine busy is predicted as it runs. Without a calibration
+(an older profile) the times are used as measured, alone.
 """
 from __future__ import annotations
 
@@ -52,6 +54,12 @@ class MeasuredCost(CostModel):
         self.workload, self.exact, self.warmup, self.repeats = workload, exact, warmup, repeats
         self._roofline = RooflineCost(graph, topology)
         self._disk: dict[str, list[float]] | None = None
+
+    def contention(self, device: str, busy: float) -> float:
+        """calibration.contention(busy) on CPU devices of a calibrated topology, else 1."""
+        if self.calibration is None or self.topology.device(device).kind != "cpu":
+            return 1.0
+        return self.calibration.contention(busy)
 
     # --- disk cache ----------------------------------------------------------------------
     def _key(self, i: int, device: Device, batch: int) -> str:

@@ -29,6 +29,7 @@ on top; benchmarks/simulator_speed.py measures with it off.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,10 @@ class SimResult:
                 "feasible": self.feasible, "per_device": {d: dict(v) for d, v in self.per_device.items()}}
 
 
+# Contention (CostModel.contention): simulate alone, then this many times with each CPU worker's
+# compute slowed by the overlap measured on the previous timeline (a fixed point; 2 is within
+# 1 % of 5 on the accuracy benchmark's plans).
+CONTENTION_PASSES = 2
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 
@@ -116,7 +121,7 @@ class Simulator:
                 for h in self.hops(devices[i], devices[(i + 1) % k]):
                     if h[0] not in res:
                         res.append(h[0])
-            self._ar[key] = (tuple(res), self.topology.allreduce_s(devices, n_bytes))
+            self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes))
         return self._ar[key]
 
     # --- building the task graph of a plan shape ---------------------------------------------
@@ -232,20 +237,67 @@ class Simulator:
                 n = sum(graph.layers[i].param_bytes for i in range(st.start, st.end))
                 if n <= 0:
                     continue
+                n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
                 deps = synced.get(dev) or [last_b[dev]]
                 host = host_cpu(self.topology, dev) if offload else dev
                 if host == dev:
-                    d_k = g.value(("const", self.cost.optimizer_s(dev, n, opt)))
+                    d_k = g.value(("const", self.cost.optimizer_s(dev, n, opt, n_t)))
                     g.add(d_k, (self._rid[dev],), deps, (f"{opt} step", dev, "optimizer"))
                     g.count(dev, "optimizer_s", d_k)
                     continue
                 join = g.add(g.value(("const", 0.0)), (), deps,
                              None if g.meta is None else ("sync", dev, "join"))
                 t = self._transfer(g, dev, host, join, f"grads {dev}->{host}", ("const", n))
-                d_k = g.value(("const", self.cost.optimizer_s(host, n, opt)))
+                d_k = g.value(("const", self.cost.optimizer_s(host, n, opt, n_t)))
                 t = g.add(d_k, (self._rid[host],), (t,), (f"{opt} step for {dev}", host, "optimizer"))
                 g.count(host, "optimizer_s", d_k)
                 self._transfer(g, host, dev, t, f"params {host}->{dev}", ("const", n))
+
+    def _busy(self, plan: Plan) -> dict[str, int]:
+        """Per plan device, how many of the plan's CPU devices share its node (itself included)
+        when it is a CPU, else 1: the workers that compete for the host's cores and memory
+        (CostModel.contention)."""
+        kinds = {d: self.topology.device(d).kind for d in plan.devices}
+        nodes = {d: self.topology.device(d).node for d in plan.devices}
+        out = {}
+        for d in plan.devices:
+            out[d] = (sum(1 for e in plan.devices if kinds[e] == "cpu" and nodes[e] == nodes[d])
+                      if kinds[d] == "cpu" else 1)
+        return out
+
+    def _contended(self, plan: Plan) -> dict[str, list[str]]:
+        """Per CPU device of the plan whose compute the cost model slows when other CPU workers
+        of its node compute at once: those other workers. Empty when nothing is contended."""
+        out = {}
+        for d, k in self._busy(plan).items():
+            if k > 1 and self.cost.contention(d, k) != 1.0:
+                node = self.topology.device(d).node
+                out[d] = [e for e in plan.devices if e != d and self.topology.device(e).kind == "cpu"
+                          and self.topology.device(e).node == node]
+        return out
+
+    def _contend(self, contended: dict[str, list[str]], g: TaskGraph, base: list[float],
+                 start: list[float], end: list[float]) -> list[float]:
+        """Task durations slowed by contention, from a simulated timeline (processor sharing
+        approximated by a fixed point: simulate, measure overlaps, slow, simulate again).
+        A compute task t of a contended device d takes base[t] * contention(d, k_t) with
+        k_t = 1 + sum over d's competing workers o of |[start_t, end_t) ∩ compute(o)| / (end_t - start_t)."""
+        spans: dict[int, list[tuple[float, float]]] = {}
+        for t, r in enumerate(g.res):
+            if len(r) == 1 and end[t] > start[t]:
+                spans.setdefault(r[0], []).append((start[t], end[t]))
+        for v in spans.values():
+            v.sort()
+        dur = list(base)
+        for d, others in contended.items():
+            rid = self._rid[d]
+            theirs = [(o, [a for a, _ in o]) for o in (spans.get(self._rid[x], []) for x in others)]
+            for t, r in enumerate(g.res):
+                if r == (rid,) and end[t] > start[t]:
+                    s, e = start[t], end[t]
+                    k = 1.0 + sum(_overlap(s, e, o, starts) for o, starts in theirs) / (e - s)
+                    dur[t] = base[t] * self.cost.contention(d, k)
+        return dur
 
     def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
@@ -289,7 +341,8 @@ class Simulator:
     def _evaluate(self, plan: Plan, g: TaskGraph) -> list[float]:
         """The values of g's duration recipes for plan's batch sizes (microbatch mb = batch / m):
         fwd/bwd: cost of the layer range at mb; bwd+fwd: backward chunk plus the stage's forward
-        (recompute); hop: latency_s + cut_bytes_at(cut, mb) / bandwidth."""
+        (recompute); hop: latency_s + cut_bytes_at(cut, mb) / bandwidth. Compute is timed alone;
+        contention is applied per task by `_contend`."""
         cost, graph = self.cost, self.graph
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
         out = []
@@ -316,14 +369,24 @@ class Simulator:
             return self._cache[key]
         g = self._shape(plan, trace)
         values = self._evaluate(plan, g)
-        if self._collapse and g.collapsible and not trace:
+        contended = self._contended(plan)
+        if self._collapse and g.collapsible and not trace and not contended:
             like = self._like(g, values)
             if like != tuple(range(len(like))):
                 g = self._shape(plan, trace, like)
                 values = self._evaluate(plan, g)
-        start, end = run_tasks(list(map(values.__getitem__, g.dkey)), g.res, g.succ, list(g.ndeps),
-                               g.shared_res, len(self._lanes))
-        iteration_s = max(end) if end else 0.0
+        base = list(map(values.__getitem__, g.dkey))
+        start, end = run_tasks(base, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes))
+        dur = base
+        for _ in range(CONTENTION_PASSES if contended else 0):
+            dur = self._contend(contended, g, base, start, end)
+            start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes))
+        iteration_s = (max(end) if end else 0.0) + self.cost.iteration_overhead_s()
+        slowed = {}   # device -> contended / alone compute time (scales its statistics)
+        for d in contended:
+            rid = self._rid[d]
+            alone = sum(base[t] for t, r in enumerate(g.res) if r == (rid,))
+            slowed[d] = sum(dur[t] for t, r in enumerate(g.res) if r == (rid,)) / alone if alone else 1.0
         peaks = peak_memory(plan, self.graph, self.topology)
         stats: dict[str, dict[str, float]] = {}
         for d in g.devices:
@@ -336,6 +399,9 @@ class Simulator:
                     v[s] = acc
                 else:
                     v[s] = 0.0
+            if d in slowed:
+                for s in _STATS[:3]:
+                    v[s] *= slowed[d]
             v["compute_s"] = v["fwd_s"] + v["bwd_s"] + v["optimizer_s"]
             v["busy_s"] = v["compute_s"]
             v["idle_s"] = iteration_s - v["busy_s"]
@@ -351,6 +417,18 @@ class Simulator:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = result
         return result
+
+
+def _overlap(s: float, e: float, spans: list[tuple[float, float]], starts: list[float]) -> float:
+    """Length of [s, e) ∩ the union of `spans` (sorted, disjoint; `starts` their start times)."""
+    i = max(0, bisect_right(starts, s) - 1)
+    out = 0.0
+    while i < len(spans) and spans[i][0] < e:
+        lo, hi = max(s, spans[i][0]), min(e, spans[i][1])
+        if hi > lo:
+            out += hi - lo
+        i += 1
+    return out
 
 
 def _name(parts: Any) -> str:

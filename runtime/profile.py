@@ -116,6 +116,7 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
         if os.environ.get(FAIL_ENV) == str(rank):
             raise RuntimeError(f"injected failure ({FAIL_ENV}={rank})")
         result = {"device": _measure_device(me, device, settings), "links": {}}
+        result["calibration"] = _measure_calibration(workers, settings)
         if rank == 0 and world > 1:
             _log(f"point-to-point between {world * (world - 1) // 2} pair(s) of workers")
         for first, second in itertools.combinations(range(world), 2):
@@ -166,6 +167,50 @@ def _measure_device(me: WorkerSpec, device: torch.device, s: Settings) -> dict:
          f"at n={table[-1]['n']}, copy {copy['bytes_per_s'] / 1e9:.1f} GB/s, "
          f"op {overhead['s'] * 1e6:.1f} us")
     return out
+
+
+def _measure_calibration(workers: list[WorkerSpec], s: Settings) -> dict:
+    """What planner.calibration fits (CPU workers only): a reference training step timed alone
+    (one worker at a time, the others waiting in a barrier) and with every worker running it at
+    once; rank 0 also times torch.optim steps alone (planner.calibration.fit_optimizer)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me, out = workers[rank], {}
+    cpu = torch.device("cpu")
+    step = bench.reference_step() if me.kind == "cpu" else None
+    if rank == 0:
+        _log("calibration: reference step alone and with all workers busy; optimizer steps")
+    for r in range(world):
+        dist.barrier()   # one worker at a time
+        if r == rank and step is not None:
+            out["reference_alone_s"] = bench.stats(bench.time_per_call(step, cpu, s.min_time_s, s.repeats))[0]
+    dist.barrier()       # every worker at once, as during training
+    if step is not None:
+        out["reference_together_s"] = bench.stats(bench.time_per_call(step, cpu, s.min_time_s, s.repeats))[0]
+    dist.barrier()
+    if rank == 0 and me.kind == "cpu":
+        out["optimizer"] = bench.optimizer_table(s.repeats, s.min_time_s)
+    dist.barrier()
+    return out
+
+
+def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[dict]) -> dict:
+    """The topology's "calibration" object (planner.calibration) from the workers' raw results."""
+    from planner.calibration import (Calibration, calibration_to_dict, contention_factor,
+                                     fit_latency_bandwidth, fit_optimizer)
+    cpus = [(w, r.get("calibration", {})) for w, r in zip(workers, results) if w.kind == "cpu"]
+    timed = [c for _, c in cpus if "reference_alone_s" in c and "reference_together_s" in c]
+    factor = contention_factor([c["reference_alone_s"] for c in timed],
+                               [c["reference_together_s"] for c in timed]) if len(cpus) > 1 and timed else 1.0
+    lat = bw = None
+    if allreduce and all(w.kind == "cpu" for w in workers):
+        lat, bw = fit_latency_bandwidth(allreduce)
+    opt_rows = results[0].get("calibration", {}).get("optimizer", {})
+    c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
+                    allreduce_bytes_per_s=bw,
+                    optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
+    raw = {"reference": [{"device": w.name, **{k: v for k, v in r.items() if k != "optimizer"}}
+                         for w, r in cpus], "optimizer": opt_rows}
+    return {**calibration_to_dict(c), "raw": raw}
 
 
 def _spawn_entry(local_rank: int, workers: list[WorkerSpec], settings: Settings, out_dir: str) -> None:
@@ -270,6 +315,7 @@ def assemble(workers: list[WorkerSpec], results: list[dict], settings: Settings,
         "host": host,
         "collectives": {"allreduce": results[0]["allreduce"],
                         "allreduce_devices": [w.name for w in workers]},
+        "calibration": calibration(workers, results, results[0]["allreduce"]),
         "settings": asdict(settings),
         "notes": ["all workers measured their device concurrently, as during training",
                   "spread = (p75 - p25) / median over `samples` repeats",

@@ -186,3 +186,37 @@ def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
     bandwidth = 1.0 / slope if slope > 0 else float(np.max(x / y))
     latency = float(intercept) if intercept > 0 else float(np.min(y))
     return latency, float(bandwidth)
+
+
+# --- calibration (planner/calibration.py) ----------------------------------------------------
+def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
+    """A small training step shaped like the built-in workloads' layers (linear layers with a
+    GELU and a LayerNorm, forward + backward on a 256-sample batch): what the contention factor
+    is measured with. Returns the step as a closure."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256),
+                              torch.nn.LayerNorm(256), torch.nn.Linear(256, 256))
+    x = torch.randn(256, 256)
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        net(x).square().mean().backward()
+    return step
+
+
+def optimizer_table(repeats: int, min_time_s: float) -> dict[str, list[dict]]:
+    """torch.optim Adam and SGD (as runtime.optim builds them) over parameter sets of different
+    tensor counts and sizes: rows {"tensors", "bytes", "s"} (median seconds per step)."""
+    shapes = [(1, 1 << 20), (4, 1 << 18), (16, 1 << 16), (64, 1 << 12), (64, 1 << 14), (8, 1 << 20)]
+    out: dict[str, list[dict]] = {}
+    for name in ("adam", "sgd"):
+        rows = []
+        for n, numel in shapes:
+            params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
+            for p in params:
+                p.grad = torch.randn(numel)
+            opt = torch.optim.Adam(params, lr=1e-3) if name == "adam" else torch.optim.SGD(params, lr=1e-2)
+            med, spread = stats(time_per_call(opt.step, torch.device("cpu"), min_time_s, repeats))
+            rows.append({"tensors": n, "bytes": n * numel * 4, "s": med, "spread": spread})
+        out[name] = rows
+    return out

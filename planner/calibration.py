@@ -1,0 +1,162 @@
+"""Calibration: figures fitted from this machine's measurements, stored in the topology file.
+
+`hetplan profile` measures, besides the contract's scalars, how training actually behaves on this
+machine and writes the fitted figures as a top-level `"calibration"` object of the topology file
+(units in the names, SI):
+
+```json
+"calibration": {
+  "cpu_workers": 2,                       # CPU worker processes the figures were measured with
+  "cpu_contention_factor": 1.7,           # a step's time with all CPU workers busy / alone
+  "allreduce_latency_s": 2.1e-4,          # gloo all-reduce over the CPU workers:
+  "allreduce_bytes_per_s": 1.4e9,         #   latency_s + bytes / bytes_per_s (fitted)
+  "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 2e-10},   # one step:
+                "sgd":  {"s_per_tensor": 5e-6, "s_per_byte": 8e-11}},   #   n * s_per_tensor + bytes * s_per_byte
+  "iteration_overhead_s": 3e-4            # fixed cost per iteration per worker (schedule, sync
+}                                         #   bookkeeping, zero_grad), measured on the runtime's path
+```
+
+Each figure is optional; the cost model uses what is present (planner.cost.CostModel) and the
+contract's formulas otherwise, so a what-if file (no calibration) keeps roofline semantics.
+Why these figures (measured on a 2-vCPU VM, see docs/guide.md): two CPU workers running at once
+each run ~1.7x slower than alone (shared cores / memory system), gloo's all-reduce costs ~3x the
+ring formula on the ping-pong link, and torch.optim's per-tensor Python overhead dominates the
+memory-bound formula for small tensors.
+
+The fits are pure functions, tested on synthetic tables (tests/test_calibration.py).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from planner.io import Reader
+
+
+@dataclass(frozen=True)
+class OptimizerFit:
+    s_per_tensor: float      # Python/launch overhead per parameter tensor
+    s_per_byte: float        # per parameter byte (memory traffic of the update)
+
+    def step_s(self, n_tensors: int, param_bytes: float) -> float:
+        """n_tensors * s_per_tensor + param_bytes * s_per_byte."""
+        return n_tensors * self.s_per_tensor + param_bytes * self.s_per_byte
+
+
+@dataclass(frozen=True)
+class Calibration:
+    cpu_workers: int = 1
+    cpu_contention_factor: float = 1.0
+    allreduce_latency_s: float | None = None
+    allreduce_bytes_per_s: float | None = None
+    optimizer: dict[str, OptimizerFit] = field(default_factory=dict)
+    iteration_overhead_s: float = 0.0
+
+    def contention(self, busy_workers: float) -> float:
+        """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
+        included) compute at once (a mean over time, so fractional): 1 + (F - 1) * (k - 1) / (N - 1),
+        linear between alone (1) and all N measured workers (F); capped at F beyond N."""
+        n, k = self.cpu_workers, max(1.0, busy_workers)
+        if n <= 1 or k <= 1:
+            return 1.0
+        return 1.0 + (self.cpu_contention_factor - 1.0) * min(k - 1, n - 1) / (n - 1)
+
+    def allreduce_s(self, k: int, n_bytes: float) -> float | None:
+        """gloo all-reduce of n bytes over k CPU workers, scaled from the fit over N workers by
+        the ring's step counts: latency_s * (k-1)/(N-1) + n / bytes_per_s * [(k-1)/k] / [(N-1)/N].
+        None without a fit (the caller uses the ring formula)."""
+        if self.allreduce_latency_s is None or self.allreduce_bytes_per_s is None or k <= 1:
+            return None if k > 1 else 0.0
+        n = max(2, self.cpu_workers)
+        steps = (k - 1) / (n - 1)
+        volume = ((k - 1) / k) / ((n - 1) / n)
+        return self.allreduce_latency_s * steps + n_bytes / self.allreduce_bytes_per_s * volume
+
+
+# --- fits (pure) ------------------------------------------------------------------------------
+def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
+    """Fit s = latency_s + bytes / bytes_per_s to rows {"bytes", "s"} by least squares weighted
+    by 1/s (relative residuals, so small and large sizes count alike). A negative intercept
+    becomes 0; a non-positive slope the best measured bytes/s. Returns (latency_s, bytes_per_s)."""
+    if not rows:
+        raise ValueError("no rows to fit")
+    x = np.array([r["bytes"] for r in rows], dtype=float)
+    y = np.array([r["s"] for r in rows], dtype=float)
+    if len(rows) == 1:
+        return 0.0, float(x[0] / y[0])
+    w = 1.0 / y
+    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (intercept, slope), *_ = np.linalg.lstsq(a, y * w, rcond=None)
+    bandwidth = 1.0 / slope if slope > 0 else float(np.max(x / y))
+    return max(0.0, float(intercept)), float(bandwidth)
+
+
+def fit_optimizer(rows: list[dict]) -> OptimizerFit:
+    """Fit s = n_tensors * s_per_tensor + bytes * s_per_byte to rows {"tensors", "bytes", "s"}
+    (non-negative least squares with relative residuals, weights 1/s)."""
+    from scipy.optimize import nnls
+    if len(rows) < 2:
+        raise ValueError("need at least two rows to fit the optimizer step")
+    n = np.array([r["tensors"] for r in rows], dtype=float)
+    b = np.array([r["bytes"] for r in rows], dtype=float)
+    y = np.array([r["s"] for r in rows], dtype=float)
+    w = 1.0 / y
+    coef, _ = nnls(np.stack([n, b], axis=1) * w[:, None], y * w)
+    return OptimizerFit(s_per_tensor=float(coef[0]), s_per_byte=float(coef[1]))
+
+
+def contention_factor(alone_s: list[float], together_s: list[float]) -> float:
+    """Median over workers of (time with all workers busy) / (time alone), at least 1."""
+    if not alone_s or len(alone_s) != len(together_s):
+        raise ValueError("need one alone and one together time per worker")
+    return max(1.0, statistics.median(t / a for a, t in zip(alone_s, together_s)))
+
+
+# --- file format ------------------------------------------------------------------------------
+def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
+    r = Reader(data, file, "calibration")
+    pos = dict(check=lambda v: v > 0, expected="a positive number")
+    opt = {}
+    for name, v in r.get("optimizer", dict, default={}).items():
+        o = Reader(v, file, f"calibration.optimizer.{name}")
+        nonneg = dict(check=lambda x: x >= 0, expected="a non-negative number")
+        opt[name] = OptimizerFit(o.get("s_per_tensor", float, **nonneg), o.get("s_per_byte", float, **nonneg))
+    return Calibration(
+        cpu_workers=r.get("cpu_workers", int, default=1, check=lambda v: v >= 1, expected="a positive integer"),
+        cpu_contention_factor=r.get("cpu_contention_factor", float, default=1.0,
+                                    check=lambda v: v >= 1, expected="a number >= 1"),
+        allreduce_latency_s=r.get("allreduce_latency_s", float, default=None,
+                                  check=lambda v: v >= 0, expected="a non-negative number"),
+        allreduce_bytes_per_s=r.get("allreduce_bytes_per_s", float, default=None, **pos),
+        optimizer=opt,
+        iteration_overhead_s=r.get("iteration_overhead_s", float, default=0.0,
+                                   check=lambda v: v >= 0, expected="a non-negative number"))
+
+
+def calibration_to_dict(c: Calibration) -> dict[str, Any]:
+    out: dict[str, Any] = {"cpu_workers": c.cpu_workers, "cpu_contention_factor": c.cpu_contention_factor}
+    if c.allreduce_latency_s is not None and c.allreduce_bytes_per_s is not None:
+        out.update(allreduce_latency_s=c.allreduce_latency_s, allreduce_bytes_per_s=c.allreduce_bytes_per_s)
+    if c.optimizer:
+        out["optimizer"] = {k: {"s_per_tensor": v.s_per_tensor, "s_per_byte": v.s_per_byte}
+                            for k, v in sorted(c.optimizer.items())}
+    out["iteration_overhead_s"] = c.iteration_overhead_s
+    return out
+
+
+def topology_calibration(topology) -> Calibration | None:
+    """The topology's calibration (validated), or None for a what-if file without one."""
+    data = topology.measured.get("calibration")
+    if data is None:
+        return None
+    cache = topology.__dict__.setdefault("_calibration_cache", {})
+    if "c" not in cache:
+        cache["c"] = calibration_from_dict(data, topology.name)
+    return cache["c"]
+
+
+__all__ = ["Calibration", "OptimizerFit", "fit_latency_bandwidth", "fit_optimizer",
+           "contention_factor", "calibration_from_dict", "calibration_to_dict", "topology_calibration"]

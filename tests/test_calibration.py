@@ -1,0 +1,169 @@
+"""Calibration: fits on synthetic tables, the topology file round trip, and the cost model and
+simulator using the figures when present and the contract's formulas when absent (exact values)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from planner.calibration import (Calibration, OptimizerFit, calibration_from_dict,
+                                 calibration_to_dict, contention_factor, fit_latency_bandwidth,
+                                 fit_optimizer, topology_calibration)
+from planner.cost import RooflineCost
+from planner.io import InputError
+from planner.layer_timing import MeasuredCost
+from planner.simulator import Simulator
+from planner.topology import load_topology, save_topology
+from simhelpers import device, graph, layer, link, plan, topology
+
+CAL = {"cpu_workers": 2, "cpu_contention_factor": 2.0, "allreduce_latency_s": 1e-4,
+       "allreduce_bytes_per_s": 1e9,
+       "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 5e-10},
+                     "sgd": {"s_per_tensor": 1e-6, "s_per_byte": 1e-10}},
+       "iteration_overhead_s": 0.0}
+
+
+def _topo(cal=None, bw=1e9, lat=1e-5):
+    t = topology([device("cpu:0", flops=1e9, mem_bw=1e9), device("cpu:1", flops=1e9, mem_bw=1e9)],
+                 [link("cpu:0", "cpu:1", bw=bw, lat=lat)])
+    return replace(t, measured={"calibration": cal}) if cal is not None else t
+
+
+# --- fits ---------------------------------------------------------------------------------------
+def test_latency_bandwidth_fit_recovers_an_exact_line():
+    rows = [{"bytes": n, "s": 2e-4 + n / 5e8} for n in (1e3, 1e5, 1e6, 1e7)]
+    lat, bw = fit_latency_bandwidth(rows)
+    assert lat == pytest.approx(2e-4, rel=1e-6)
+    assert bw == pytest.approx(5e8, rel=1e-6)
+
+
+def test_latency_bandwidth_fit_clamps_a_negative_intercept_to_zero():
+    rows = [{"bytes": 1e6, "s": 1e-3}, {"bytes": 2e6, "s": 2.2e-3}]   # line through -2e-4
+    lat, bw = fit_latency_bandwidth(rows)
+    assert lat == 0.0
+    assert bw == pytest.approx(1 / 1.2e-9, rel=1e-6)
+
+
+def test_optimizer_fit_separates_per_tensor_and_per_byte_costs():
+    rows = [{"tensors": n, "bytes": b, "s": n * 2e-5 + b * 5e-10}
+            for n, b in ((1, 4e6), (16, 4e6), (64, 1e6), (8, 3.2e7))]
+    fit = fit_optimizer(rows)
+    assert fit.s_per_tensor == pytest.approx(2e-5, rel=1e-6)
+    assert fit.s_per_byte == pytest.approx(5e-10, rel=1e-6)
+    assert fit.step_s(10, 1e6) == pytest.approx(10 * 2e-5 + 1e6 * 5e-10)
+
+
+def test_contention_factor_is_the_median_ratio_and_never_below_one():
+    assert contention_factor([10.0, 10.0, 10.0], [20.0, 24.0, 30.0]) == pytest.approx(2.4)
+    assert contention_factor([10.0], [9.0]) == 1.0
+    with pytest.raises(ValueError):
+        contention_factor([1.0], [])
+
+
+def test_contention_interpolates_between_alone_and_all_workers():
+    c = Calibration(cpu_workers=2, cpu_contention_factor=2.2)
+    assert c.contention(1) == 1.0
+    assert c.contention(2) == pytest.approx(2.2)
+    assert c.contention(1.5) == pytest.approx(1.6)
+    assert c.contention(5) == pytest.approx(2.2)          # capped at the measured group
+    c4 = Calibration(cpu_workers=4, cpu_contention_factor=2.5)
+    assert c4.contention(2) == pytest.approx(1.5)        # 1 + 1.5 * 1/3
+
+
+def test_allreduce_scales_the_fit_by_ring_steps_and_volume():
+    c = calibration_from_dict(CAL)
+    assert c.allreduce_s(2, 1e6) == pytest.approx(1e-4 + 1e-3)
+    # k = 4 from a fit over 2: latency x 3/1, volume x (3/4)/(1/2) = 1.5
+    assert c.allreduce_s(4, 1e6) == pytest.approx(3e-4 + 1.5e-3)
+    assert Calibration().allreduce_s(2, 1e6) is None
+
+
+# --- file format ----------------------------------------------------------------------------------
+def test_calibration_dict_round_trips():
+    assert calibration_to_dict(calibration_from_dict(CAL)) == CAL
+
+
+def test_calibrated_topology_file_round_trips(tmp_path):
+    t = _topo({**CAL, "raw": {"reference": []}})
+    save_topology(t, tmp_path / "t.json")
+    back = load_topology(tmp_path / "t.json")
+    assert back == t
+    assert topology_calibration(back) == calibration_from_dict(CAL)
+    assert json.loads((tmp_path / "t.json").read_text())["calibration"]["cpu_contention_factor"] == 2.0
+
+
+def test_bad_calibration_field_is_named(tmp_path):
+    t = _topo({**CAL, "cpu_contention_factor": 0.5})
+    with pytest.raises(InputError, match=r"calibration\.cpu_contention_factor: expected a number >= 1"):
+        topology_calibration(t)
+    t = _topo({**CAL, "optimizer": {"adam": {"s_per_tensor": -1, "s_per_byte": 0}}})
+    with pytest.raises(InputError, match=r"calibration\.optimizer\.adam\.s_per_tensor"):
+        RooflineCost(graph([layer(0)]), t)
+
+
+# --- the cost model ---------------------------------------------------------------------------------
+def test_without_calibration_the_cost_model_is_the_roofline_formula():
+    g = graph([layer(0, param_bytes=10**6)])
+    c = RooflineCost(g, _topo())
+    assert c.calibration is None
+    assert c.optimizer_s("cpu:0", 1e6, "adam", 10) == pytest.approx(7e6 / 1e9)
+    # ring: 2(k-1) * latency + 2(k-1)/k * n / bandwidth
+    assert c.allreduce_s(("cpu:0", "cpu:1"), 1e6) == pytest.approx(2e-5 + 1e6 / 1e9)
+    assert c.contention("cpu:0", 2) == 1.0
+    assert c.iteration_overhead_s() == 0.0
+
+
+def test_with_calibration_the_cost_model_uses_the_fitted_figures():
+    g = graph([layer(0, param_bytes=10**6)])
+    c = RooflineCost(g, _topo({**CAL, "iteration_overhead_s": 3e-4}))
+    assert c.optimizer_s("cpu:0", 1e6, "adam", 10) == pytest.approx(10 * 2e-5 + 1e6 * 5e-10)
+    assert c.optimizer_s("cpu:0", 1e6, "sgd", 1) == pytest.approx(1e-6 + 1e-4)
+    assert c.allreduce_s(("cpu:0", "cpu:1"), 1e6) == pytest.approx(1e-4 + 1e-3)
+    assert c.iteration_overhead_s() == 3e-4
+    # the roofline's scalars were profiled with all workers busy: no contention on top
+    assert c.fwd_s("cpu:0", 0, 1, 1, busy=2) == c.fwd_s("cpu:0", 0, 1, 1)
+
+
+def test_measured_model_slows_cpu_layers_by_the_contention_factor():
+    g = graph([layer(0)])
+    m = MeasuredCost(g, _topo(CAL), workload=None)
+    assert m.contention("cpu:0", 2) == pytest.approx(2.0)
+    assert m.contention("cpu:0", 1.25) == pytest.approx(1.25)
+    assert MeasuredCost(g, _topo(), workload=None).contention("cpu:0", 2) == 1.0
+
+
+# --- the simulator: contention only while other workers compute ------------------------------------
+class _Contended(RooflineCost):
+    """Roofline layer times, contention from the calibration (as MeasuredCost does)."""
+
+    def contention(self, device, busy):
+        return self.calibration.contention(busy) if self.calibration else 1.0
+
+
+def _sim(cal):
+    # 2 layers: forward 1 s, backward 2 s per sample each on a 1 GFLOP/s device; no parameters
+    g = graph([layer(0), layer(1)])
+    t = _topo(cal, bw=1e30, lat=0.0)
+    return Simulator(g, t, _Contended(g, t))
+
+
+def test_even_data_parallel_runs_both_workers_at_the_contended_speed():
+    p = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2)
+    # alone: 2 s forward + 4 s backward per replica; fully overlapped -> x2.0
+    assert _sim(CAL).simulate(p).iteration_s == pytest.approx(12.0)
+    assert _sim(None).simulate(p).iteration_s == pytest.approx(6.0)
+
+
+def test_uneven_data_parallel_is_slowed_only_while_both_compute():
+    p = plan([(0.75, 1, [("cpu:0", 0, 2)]), (0.25, 1, [("cpu:1", 0, 2)])], 4)
+    r = _sim(CAL).simulate(p)
+    # alone: cpu:0 forward [0, 6) backward [6, 18); cpu:1 forward [0, 2) backward [2, 6).
+    # pass 1: cpu:0's forward overlaps fully (x2 -> 12 s), its backward not (12 s); cpu:1 x2.
+    # pass 2: cpu:0 forward [0, 12) vs cpu:1 [0, 12): the same. Processor sharing gives 24 s.
+    assert r.iteration_s == pytest.approx(24.0)
+    assert r.per_device["cpu:1"]["busy_s"] == pytest.approx(12.0)
+    assert r.per_device["cpu:0"]["busy_s"] == pytest.approx(24.0)
+    # a single device is never contended
+    single = plan([(1.0, 1, [("cpu:0", 0, 2)])], 4)
+    assert _sim(CAL).simulate(single).iteration_s == pytest.approx(24.0)
