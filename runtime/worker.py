@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise" makes that rank fail
+FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise|hang" makes that rank fail
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,8 @@ def _maybe_fail(fault: str, rank: int, iteration: int) -> None:
     if int(r) == rank and int(it) == iteration:
         if kind == "exit":
             os._exit(17)   # a crash: no cleanup, no error message
+        if kind == "hang":
+            time.sleep(3600)  # a stuck rank: its peers' collectives must time out
         raise RuntimeError(f"injected fault at iteration {iteration}")
 
 

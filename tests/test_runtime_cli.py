@@ -69,6 +69,18 @@ def test_worker_fault_stops_the_run(tmp_path, kind, expect):
     assert not out.exists()
 
 
+def test_stuck_worker_times_out(tmp_path):
+    # rank 1 hangs before iteration 1: rank 0's barrier times out after --timeout seconds
+    p = write(tmp_path, DP2)
+    out = tmp_path / "measured.json"
+    t0 = time.monotonic()
+    r = hetplan("run", str(p), "--iters", "4", "--timeout", "3", "-o", str(out),
+                env={"HETPLAN_TEST_FAULT": "1:1:hang"})
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 1 and "worker failed: rank 0 (cpu:0)" in r.stderr, r.stderr
+    assert not out.exists()
+
+
 def test_cli_writes_measured_file(tmp_path):
     p = write(tmp_path, DP2)
     r = hetplan("run", str(p), "--iters", "3", "--warmup", "1", "--json", "--trace", str(tmp_path / "tr"))
