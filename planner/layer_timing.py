@@ -12,6 +12,9 @@ linearly (what a search that asks for many sizes wants). Results are cached on d
 `$HETPLAN_CACHE_DIR/layer_costs.json` (default `.hetplan-cache/`), keyed by host, layer
 signature, device kind, threads and batch size.
 
+The loss (workload.loss_fn on the last layer's output, forward and backward) is timed as a
+pseudo-layer and added to the last layer: the runtime computes it in the last stage.
+
 Each layer is timed alone; when several CPU workers of a host compute at once, the times are
 multiplied by the topology's measured contention factor (planner.calibration), so a plan that
 keeps both workers of a 2-core machine busy is predicted as it runs. Without a calibration
@@ -85,8 +88,11 @@ class MeasuredCost(CostModel):
     def _measure(self, device: Device, batch: int) -> tuple[list[float], list[float]]:
         disk = self._load_disk()
         keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
-        if all(k in disk for k in keys):
-            return [disk[k][0] for k in keys], [disk[k][1] for k in keys]
+        # The last layer's entry also holds the loss's times: [fwd, bwd, loss fwd, loss bwd].
+        if all(k in disk for k in keys) and len(disk[keys[-1]]) == 4:
+            last = disk[keys[-1]]
+            return ([disk[k][0] for k in keys[:-1]] + [last[0] + last[2]],
+                    [disk[k][1] for k in keys[:-1]] + [last[1] + last[3]])
         import torch
         from planner.partition import as_tuple, build_stages
 
@@ -104,9 +110,9 @@ class MeasuredCost(CostModel):
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         fwd, bwd = [], []
         try:
-            inputs, _ = self.workload.make_batch(batch, 0)
+            inputs, target = self.workload.make_batch(batch, 0)
             x = tuple(t.to(dev) for t in as_tuple(inputs))
-            for stage in stages:
+            for stage in stages + [_Loss(self.workload.loss_fn, target.to(dev))]:
                 x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
                 f_s, b_s = self._time_layer(stage, x, sync)
                 fwd.append(f_s)
@@ -115,8 +121,10 @@ class MeasuredCost(CostModel):
                     x = as_tuple(stage(*x))
         finally:
             torch.set_num_threads(old_threads)
-        self._save_disk({k: [f, b] for k, f, b in zip(keys, fwd, bwd)})
-        return fwd, bwd
+        entries = {k: [f, b] for k, f, b in zip(keys, fwd, bwd)}
+        entries[keys[-1]] += [fwd[-1], bwd[-1]]
+        self._save_disk(entries)
+        return _with_loss(fwd, bwd)
 
     def _time_layer(self, stage, x, sync) -> tuple[float, float]:
         import torch
@@ -155,6 +163,25 @@ class MeasuredCost(CostModel):
         f1, b1 = self._measure(device, hi)
         return ([interpolate(batch, lo, a, hi, b) for a, b in zip(f0, f1)],
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
+
+
+class _Loss:
+    """The loss as a last pseudo-layer: (loss_fn(output, target),). The runtime computes it in
+    the last stage's forward and starts backward from it; its times are added to the last layer."""
+
+    def __init__(self, loss_fn, target):
+        self.loss_fn, self.target = loss_fn, target
+
+    def __call__(self, out, *rest):
+        return (self.loss_fn(out, self.target),)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def _with_loss(fwd: list[float], bwd: list[float]) -> tuple[list[float], list[float]]:
+    """Per-layer times with the loss pseudo-layer (the last entry) folded into the last layer."""
+    return fwd[:-2] + [fwd[-2] + fwd[-1]], bwd[:-2] + [bwd[-2] + bwd[-1]]
 
 
 def as_tuple_out(out) -> tuple:

@@ -179,14 +179,20 @@ def _measure_calibration(workers: list[WorkerSpec], s: Settings) -> dict:
     step = bench.reference_step() if me.kind == "cpu" else None
     if rank == 0:
         _log("calibration: reference step alone and with all workers busy; optimizer steps")
-    for r in range(world):
-        dist.barrier()   # one worker at a time
-        if r == rank and step is not None:
-            out["reference_alone_s"] = bench.stats(bench.time_per_call(step, cpu, s.min_time_s, s.repeats))[0]
-    dist.barrier()       # every worker at once, as during training
-    if step is not None:
-        out["reference_together_s"] = bench.stats(bench.time_per_call(step, cpu, s.min_time_s, s.repeats))[0]
+    window_s = 2 * s.min_time_s
+    alone, together = [], []
+    for _ in range(s.repeats):   # alternate, so slow drift of the machine hits both alike
+        for r in range(world):
+            dist.barrier()       # one worker at a time
+            if r == rank and step is not None:
+                alone.append(bench.per_call_in_window(step, window_s))
+        dist.barrier()           # every worker at once, as during training
+        if step is not None:
+            together.append(bench.per_call_in_window(step, window_s))
     dist.barrier()
+    if step is not None:
+        out["reference_alone_s"] = bench.stats(alone)[0]
+        out["reference_together_s"] = bench.stats(together)[0]
     if rank == 0 and me.kind == "cpu":
         out["optimizer"] = bench.optimizer_table(s.repeats, s.min_time_s)
     dist.barrier()

@@ -204,6 +204,20 @@ def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
     return step
 
 
+def per_call_in_window(fn: Callable[[], None], window_s: float) -> float:
+    """Seconds per call of `fn` called back to back for `window_s` (after one warm-up call).
+    Workers that start a window together (after a barrier) overlap for all of it, which
+    `time_per_call`'s calibrated batches do not guarantee."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= window_s:
+            return elapsed / n
+
+
 def optimizer_table(repeats: int, min_time_s: float) -> dict[str, list[dict]]:
     """torch.optim Adam and SGD (as runtime.optim builds them) over parameter sets of different
     tensor counts and sizes: rows {"tensors", "bytes", "s"} (median seconds per step)."""

@@ -1,0 +1,161 @@
+"""Plan quality: the planner's plan vs the plans a user would try, all measured for real.
+
+For each workload (mlp, gpt, cnn, sized as in benchmarks/accuracy.py): `hetplan plan` on this
+machine's profile, then every baseline of planner/baselines.py regenerated as the search does
+(`Searcher.baselines`), then each distinct plan predicted and run (`hetplan run`, median after
+warm-up, on a quiet machine). Reports the measured speedup of the chosen plan over the best
+measured baseline (target >= 1.0 within noise) and every pair of plans whose predicted and
+measured order disagree (Kendall tau per workload).
+
+    python benchmarks/plan_quality.py [--topology profiles/<host>.json] [--only gpt]
+                                      [--iters 12] [--warmup 3] [--csv out/plan_quality.csv]
+                                      [--check]
+
+`--check` exits 1 when the chosen plan is measured slower than the best baseline by more than
+`--noise` (default 5 %).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from accuracy import (WORKLOADS, _write_csv, ensure_topology, kendall_tau, load_avg,  # noqa: E402
+                      measure, predict, wait_quiet)
+
+
+def plan_workload(w: str, topo_path: Path, out: Path) -> Path:
+    spec = WORKLOADS[w]
+    path = out / f"{w}.plan.json"
+    cmd = ["hetplan", "plan", "--model", spec["spec"], "--batch", str(spec["batch"]),
+           "--topology", str(topo_path), "-o", str(path), "--json"]
+    for k, v in spec["args"].items():
+        cmd += ["--model-arg", f"{k}={v}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hetplan plan {w} failed: {proc.stderr.strip()[-400:]}")
+    return path
+
+
+def baseline_plans(plan_path: Path, topology, out: Path) -> dict[str, Path]:
+    """Every baseline of the search for the plan's workload, saved as plan files (name -> path);
+    the ones identical to the chosen plan are left out (they would be measured twice)."""
+    from planner.graph import capture_graph
+    from planner.plan import Predicted, TopologyRef, load_plan, plan_key, save_plan
+    from planner.prediction import cost_model
+    from planner.search import Searcher, make_space, simulator_problem
+    from planner.simulator import Simulator
+    from planner.workload import load_workload
+
+    plan = load_plan(plan_path)
+    workload = load_workload(plan.model.spec, plan.model.args)
+    graph = capture_graph(workload, plan.global_batch)
+    space = make_space(topology, graph.num_layers, plan.global_batch, plan.model,
+                       plan.optimizer.name, plan.optimizer.lr)
+    sim = Simulator(graph, topology, cost_model(graph, topology, workload))
+    seen = {plan_key(plan): "chosen"}
+    paths = {}
+    for c in Searcher(simulator_problem(sim, space), random.Random(0)).baselines():
+        key = plan_key(c.plan)
+        if key in seen or not c.feasible:
+            continue
+        seen[key] = c.name
+        path = out / f"{plan_path.stem.split('.')[0]}.{c.name}.json"
+        save_plan(replace(c.plan, topology=TopologyRef(topology.name, topology.sha256),
+                          predicted=Predicted(c.iteration_s, c.peak_memory_bytes,
+                                              extra={"baseline": c.name})), path)
+        paths[c.name] = path
+    return paths
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
+    p.add_argument("--only", default=None, help="comma-separated workloads")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--noise", type=float, default=0.05, help="slowdown tolerated by --check")
+    p.add_argument("--csv", default="out/plan_quality.csv")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    from planner.topology import load_topology
+
+    topo_path = Path(a.topology) if a.topology else HERE.parent / "profiles" / f"{socket.gethostname()}.json"
+    ensure_topology(topo_path, 2)
+    topology = load_topology(topo_path)
+    workloads = a.only.split(",") if a.only else list(WORKLOADS)
+    load_before = load_avg()
+    rows, summary = [], {}
+    with tempfile.TemporaryDirectory(prefix="hetplan-quality-") as tmp:
+        tmp = Path(tmp)
+        for w in workloads:
+            wait_quiet()
+            print(f"plan_quality: {w}: hetplan plan", file=sys.stderr)
+            chosen = plan_workload(w, topo_path, tmp)
+            plans = {"chosen": chosen, **baseline_plans(chosen, topology, tmp)}
+            res = []
+            for name, path in plans.items():
+                busy = wait_quiet()
+                pred = predict(path, topology)
+                m = measure(path, topo_path, a.iters, a.warmup, tmp)
+                res.append({"workload": w, "plan": name, "predicted_s": pred,
+                            "measured_s": m["iteration_s"], "busy_before": busy,
+                            "error_pct": 100 * (pred - m["iteration_s"]) / m["iteration_s"]})
+                print(f"plan_quality: {w}/{name:<22} predicted {pred * 1e3:8.2f} ms  measured "
+                      f"{m['iteration_s'] * 1e3:8.2f} ms", file=sys.stderr)
+            rows += res
+            summary[w] = _judge(res)
+    _write_csv(Path(a.csv), rows)
+    failed = [w for w, s in summary.items() if s["speedup"] is not None and s["speedup"] < 1 - a.noise]
+    if a.json:
+        print(json.dumps({"per_workload": summary, "rows": rows, "load_before": load_before,
+                          "load_after": load_avg(), "failed": failed}))
+    else:
+        for w, s in summary.items():
+            sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "n/a (no distinct baseline)"
+            print(f"{w}: chosen {s['chosen_ms']:.2f} ms measured; best baseline {s['best_baseline']} "
+                  f"{s['best_baseline_ms']:.2f} ms; measured speedup {sp}; rank tau {s['tau']:.2f}")
+            for d in s["disagree"]:
+                print(f"  disagree: {d}")
+        print(f"load average {load_before:.2f} before, {load_avg():.2f} after; wrote {a.csv}")
+    if a.check and failed:
+        print(f"plan_quality: chosen plan measured slower than the best baseline: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _judge(res: list[dict]) -> dict:
+    """Speedup of the chosen plan over the best measured baseline, and the pairs of plans whose
+    predicted order differs from the measured order."""
+    chosen = next(r for r in res if r["plan"] == "chosen")
+    bases = [r for r in res if r["plan"] != "chosen"]
+    best = min(bases, key=lambda r: r["measured_s"]) if bases else None
+    disagree = []
+    for i, x in enumerate(res):
+        for y in res[i + 1:]:
+            if (x["predicted_s"] - y["predicted_s"]) * (x["measured_s"] - y["measured_s"]) < 0:
+                fast_p, slow_p = (x, y) if x["predicted_s"] < y["predicted_s"] else (y, x)
+                disagree.append(f"predicted {fast_p['plan']} faster than {slow_p['plan']} "
+                                f"({fast_p['predicted_s'] * 1e3:.1f} vs {slow_p['predicted_s'] * 1e3:.1f} ms), "
+                                f"measured {fast_p['measured_s'] * 1e3:.1f} vs {slow_p['measured_s'] * 1e3:.1f} ms")
+    return {"chosen_ms": chosen["measured_s"] * 1e3,
+            "best_baseline": best["plan"] if best else None,
+            "best_baseline_ms": best["measured_s"] * 1e3 if best else float("nan"),
+            "speedup": best["measured_s"] / chosen["measured_s"] if best else None,
+            "tau": kendall_tau([r["predicted_s"] for r in res], [r["measured_s"] for r in res]),
+            "disagree": disagree}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
