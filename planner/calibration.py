@@ -12,8 +12,9 @@ machine and writes the fitted figures as a top-level `"calibration"` object of t
   "allreduce_bytes_per_s": 1.4e9,         #   latency_s + bytes / bytes_per_s (fitted)
   "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 2e-10},   # one step:
                 "sgd":  {"s_per_tensor": 5e-6, "s_per_byte": 8e-11}},   #   n * s_per_tensor + bytes * s_per_byte
-  "iteration_overhead_s": 3e-4            # fixed cost per iteration per worker (schedule, sync
-}                                         #   bookkeeping, zero_grad), measured on the runtime's path
+  "iteration_overhead_s": 0.0,            # fixed cost per iteration (not measured yet: 0)
+  "barrier_skew_s": 3e-4                  # added to iterations of 2+ workers: `hetplan run` times
+}                                         #   each rank from its own barrier exit, takes the max
 ```
 
 Each figure is optional; the cost model uses what is present (planner.cost.CostModel) and the
@@ -54,6 +55,7 @@ class Calibration:
     allreduce_bytes_per_s: float | None = None
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)
     iteration_overhead_s: float = 0.0
+    barrier_skew_s: float = 0.0
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -133,7 +135,9 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         allreduce_bytes_per_s=r.get("allreduce_bytes_per_s", float, default=None, **pos),
         optimizer=opt,
         iteration_overhead_s=r.get("iteration_overhead_s", float, default=0.0,
-                                   check=lambda v: v >= 0, expected="a non-negative number"))
+                                   check=lambda v: v >= 0, expected="a non-negative number"),
+        barrier_skew_s=r.get("barrier_skew_s", float, default=0.0,
+                             check=lambda v: v >= 0, expected="a non-negative number"))
 
 
 def calibration_to_dict(c: Calibration) -> dict[str, Any]:
@@ -144,6 +148,7 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
         out["optimizer"] = {k: {"s_per_tensor": v.s_per_tensor, "s_per_byte": v.s_per_byte}
                             for k, v in sorted(c.optimizer.items())}
     out["iteration_overhead_s"] = c.iteration_overhead_s
+    out["barrier_skew_s"] = c.barrier_skew_s
     return out
 
 

@@ -157,9 +157,14 @@ class CostModel:
                     return t
         return self.topology.allreduce_s(devices, n_bytes)
 
-    def iteration_overhead_s(self) -> float:
-        """Fixed cost per iteration (calibration.iteration_overhead_s; 0 without calibration)."""
-        return self.calibration.iteration_overhead_s if self.calibration else 0.0
+    def iteration_overhead_s(self, n_devices: int = 1) -> float:
+        """Fixed cost per iteration of a plan on `n_devices` workers: calibration's
+        iteration_overhead_s, plus barrier_skew_s when n_devices > 1 (`hetplan run` times each
+        rank from its own barrier exit and reports the max); 0 without calibration."""
+        c = self.calibration
+        if c is None:
+            return 0.0
+        return c.iteration_overhead_s + (c.barrier_skew_s if n_devices > 1 else 0.0)
 
 
 class RooflineCost(CostModel):

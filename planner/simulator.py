@@ -15,7 +15,8 @@ the same time are all applied before any task starts, so a run is deterministic.
 Sync: "fine" splits the last microbatch's backward of a stage at bucket boundaries, so a
 bucket's all-reduce starts when its layers' gradients are final on every device of its group,
 overlapping the remaining backward; "coarse" starts a bucket's all-reduce after all backward
-work of every device in its group. Recompute adds the stage's forward to its backward.
+work of every device in its group, one flat all-reduce per device set (buckets of one set
+merged, as the runtime does). Recompute adds the stage's forward to its backward.
 
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
@@ -155,6 +156,8 @@ class Simulator:
         buckets = grad_buckets(plan, graph)
         # Buckets that need an exchange, indexed by the device holding them in each replica.
         shared = [b for b in buckets if len(b.devices) > 1]
+        if not fine:
+            shared = _coarse_buckets(shared)
         by_device: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
             for d in b.devices:
@@ -381,7 +384,7 @@ class Simulator:
         for _ in range(CONTENTION_PASSES if contended else 0):
             dur = self._contend(contended, g, base, start, end)
             start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes))
-        iteration_s = (max(end) if end else 0.0) + self.cost.iteration_overhead_s()
+        iteration_s = (max(end) if end else 0.0) + self.cost.iteration_overhead_s(len(plan.devices))
         slowed = {}   # device -> contended / alone compute time (scales its statistics)
         for d in contended:
             rid = self._rid[d]
@@ -417,6 +420,17 @@ class Simulator:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = result
         return result
+
+
+def _coarse_buckets(buckets: list) -> list:
+    """Coarse sync exchanges each set of devices' gradients in one flat all-reduce, whatever
+    the bucket cap (as runtime/sync.py does): buckets merged per device set, in first-ready order."""
+    from planner.buckets import Bucket
+    merged: dict[tuple[str, ...], list] = {}
+    for b in buckets:
+        merged.setdefault(tuple(sorted(b.devices)), []).append(b)
+    return [Bucket(tuple(l for b in bs for l in b.layers), bs[0].devices, sum(b.bytes for b in bs))
+            for bs in merged.values()]
 
 
 def _overlap(s: float, e: float, spans: list[tuple[float, float]], starts: list[float]) -> float:

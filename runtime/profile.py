@@ -196,7 +196,27 @@ def _measure_calibration(workers: list[WorkerSpec], s: Settings) -> dict:
     if rank == 0 and me.kind == "cpu":
         out["optimizer"] = bench.optimizer_table(s.repeats, s.min_time_s)
     dist.barrier()
+    out["barrier_skew_s"] = _barrier_skew(max(20, 4 * s.repeats)) if world > 1 else 0.0
     return out
+
+
+def _barrier_skew(repeats: int) -> float:
+    """The runtime's timing pattern with an empty step: barrier, t0, a 4-byte all-reduce (the
+    ranks meet again), t1; its iteration is the max over ranks of t1 - t0. Returns the median
+    over repeats of (max - min) over ranks: how much later than the others the last rank leaves
+    a gloo barrier, which every multi-worker iteration of `hetplan run` includes."""
+    t = torch.zeros(1)
+    spans = torch.zeros(2)
+    skews = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        dt = time.perf_counter() - t0
+        spans[0], spans[1] = dt, -dt
+        dist.all_reduce(spans, op=dist.ReduceOp.MAX)   # (max, -min)
+        skews.append(float(spans[0] + spans[1]))
+    return bench.stats(skews[1:])[0]
 
 
 def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[dict]) -> dict:
@@ -211,8 +231,9 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     if allreduce and all(w.kind == "cpu" for w in workers):
         lat, bw = fit_latency_bandwidth(allreduce)
     opt_rows = results[0].get("calibration", {}).get("optimizer", {})
+    skew = results[0].get("calibration", {}).get("barrier_skew_s", 0.0)
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
-                    allreduce_bytes_per_s=bw,
+                    allreduce_bytes_per_s=bw, barrier_skew_s=skew,
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
     raw = {"reference": [{"device": w.name, **{k: v for k, v in r.items() if k != "optimizer"}}
                          for w, r in cpus], "optimizer": opt_rows}

@@ -21,7 +21,7 @@ CAL = {"cpu_workers": 2, "cpu_contention_factor": 2.0, "allreduce_latency_s": 1e
        "allreduce_bytes_per_s": 1e9,
        "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 5e-10},
                      "sgd": {"s_per_tensor": 1e-6, "s_per_byte": 1e-10}},
-       "iteration_overhead_s": 0.0}
+       "iteration_overhead_s": 0.0, "barrier_skew_s": 0.0}
 
 
 def _topo(cal=None, bw=1e9, lat=1e-5):
