@@ -191,17 +191,19 @@ def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
 # --- calibration (planner/calibration.py) ----------------------------------------------------
 def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
     """A small training step shaped like the built-in workloads' layers (linear layers with a
-    GELU and a LayerNorm, forward + backward on a 64-sample batch, ~17 MB of weights and
-    gradients, more than a core's private caches, as in training): what the contention factor
-    is measured with. Returns the step as a closure."""
+    GELU and a LayerNorm, forward + backward + Adam on a 64-sample batch, ~34 MB of weights,
+    gradients and moments: workers compete for the shared L3 cache and memory as in training):
+    what the contention factor is measured with. Returns the step as a closure."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
                               torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 10))
     x = torch.randn(64, 1024)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-6)
 
-    def step():
+    def step():   # a whole training step: with Adam's moments, ~34 MB per worker, as in training
         net.zero_grad(set_to_none=True)
         net(x).square().mean().backward()
+        opt.step()
     return step
 
 

@@ -167,3 +167,20 @@ def test_uneven_data_parallel_is_slowed_only_while_both_compute():
     # a single device is never contended
     single = plan([(1.0, 1, [("cpu:0", 0, 2)])], 4)
     assert _sim(CAL).simulate(single).iteration_s == pytest.approx(24.0)
+
+
+def test_coarse_sync_is_one_flat_allreduce_per_device_set_plus_the_barrier_skew():
+    # 2 layers of 1 MB parameters, forward 1 s + backward 2 s per sample each; no contention
+    g = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6)])
+    cal = {**CAL, "cpu_contention_factor": 1.0, "barrier_skew_s": 5e-5}
+    t = _topo(cal, bw=1e30, lat=0.0)
+    sim = Simulator(g, t, _Contended(g, t))
+    p = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2, granularity="coarse",
+             bucket_bytes=10**6)   # two buckets by the cap, merged into one exchange
+    r = sim.simulate(p)
+    compute = 2.0 + 4.0
+    allreduce = 1e-4 + 2e6 / 1e9                   # one 2 MB all-reduce, one latency
+    sgd = 2 * 1e-6 + 2e6 * 1e-10                     # 2 tensors, 2 MB
+    assert r.iteration_s == pytest.approx(compute + allreduce + sgd + 5e-5, rel=1e-12)
+    single = plan([(1.0, 1, [("cpu:0", 0, 2)])], 1, granularity="coarse")
+    assert sim.simulate(single).iteration_s == pytest.approx(compute / 2 + sgd, rel=1e-12)
