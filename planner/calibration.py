@@ -13,8 +13,8 @@ machine and writes the fitted figures as a top-level `"calibration"` object of t
   "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 2e-10},   # one step:
                 "sgd":  {"s_per_tensor": 5e-6, "s_per_byte": 8e-11}},   #   n * s_per_tensor + bytes * s_per_byte
   "iteration_overhead_s": 0.0,            # fixed cost per iteration (not measured yet: 0)
-  "barrier_skew_s": 3e-4                  # added to iterations of 2+ workers: `hetplan run` times
-}                                         #   each rank from its own barrier exit, takes the max
+  "multi_worker_overhead_s": 3e-3         # added to iterations of 2+ workers: barrier exit skew
+}                                         #   and late wake-ups from blocking waits (runtime pattern)
 ```
 
 Each figure is optional; the cost model uses what is present (planner.cost.CostModel) and the
@@ -55,7 +55,7 @@ class Calibration:
     allreduce_bytes_per_s: float | None = None
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)
     iteration_overhead_s: float = 0.0
-    barrier_skew_s: float = 0.0
+    multi_worker_overhead_s: float = 0.0
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -136,7 +136,7 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         optimizer=opt,
         iteration_overhead_s=r.get("iteration_overhead_s", float, default=0.0,
                                    check=lambda v: v >= 0, expected="a non-negative number"),
-        barrier_skew_s=r.get("barrier_skew_s", float, default=0.0,
+        multi_worker_overhead_s=r.get("multi_worker_overhead_s", float, default=0.0,
                              check=lambda v: v >= 0, expected="a non-negative number"))
 
 
@@ -148,7 +148,7 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
         out["optimizer"] = {k: {"s_per_tensor": v.s_per_tensor, "s_per_byte": v.s_per_byte}
                             for k, v in sorted(c.optimizer.items())}
     out["iteration_overhead_s"] = c.iteration_overhead_s
-    out["barrier_skew_s"] = c.barrier_skew_s
+    out["multi_worker_overhead_s"] = c.multi_worker_overhead_s
     return out
 
 

@@ -159,12 +159,12 @@ class CostModel:
 
     def iteration_overhead_s(self, n_devices: int = 1) -> float:
         """Fixed cost per iteration of a plan on `n_devices` workers: calibration's
-        iteration_overhead_s, plus barrier_skew_s when n_devices > 1 (`hetplan run` times each
-        rank from its own barrier exit and reports the max); 0 without calibration."""
+        iteration_overhead_s, plus multi_worker_overhead_s when n_devices > 1 (barrier skew and late
+        wake-ups from blocking waits, measured in the runtime's pattern); 0 without calibration."""
         c = self.calibration
         if c is None:
             return 0.0
-        return c.iteration_overhead_s + (c.barrier_skew_s if n_devices > 1 else 0.0)
+        return c.iteration_overhead_s + (c.multi_worker_overhead_s if n_devices > 1 else 0.0)
 
 
 class RooflineCost(CostModel):

@@ -21,7 +21,7 @@ CAL = {"cpu_workers": 2, "cpu_contention_factor": 2.0, "allreduce_latency_s": 1e
        "allreduce_bytes_per_s": 1e9,
        "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 5e-10},
                      "sgd": {"s_per_tensor": 1e-6, "s_per_byte": 1e-10}},
-       "iteration_overhead_s": 0.0, "barrier_skew_s": 0.0}
+       "iteration_overhead_s": 0.0, "multi_worker_overhead_s": 0.0}
 
 
 def _topo(cal=None, bw=1e9, lat=1e-5):
@@ -172,7 +172,7 @@ def test_uneven_data_parallel_is_slowed_only_while_both_compute():
 def test_coarse_sync_is_one_flat_allreduce_per_device_set_plus_the_barrier_skew():
     # 2 layers of 1 MB parameters, forward 1 s + backward 2 s per sample each; no contention
     g = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6)])
-    cal = {**CAL, "cpu_contention_factor": 1.0, "barrier_skew_s": 5e-5}
+    cal = {**CAL, "cpu_contention_factor": 1.0, "multi_worker_overhead_s": 5e-5}
     t = _topo(cal, bw=1e30, lat=0.0)
     sim = Simulator(g, t, _Contended(g, t))
     p = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2, granularity="coarse",
@@ -185,3 +185,24 @@ def test_coarse_sync_is_one_flat_allreduce_per_device_set_plus_the_barrier_skew(
     single = plan([(1.0, 1, [("cpu:0", 0, 2)])], 1, granularity="coarse")
     # one sample on one device: the same compute, no all-reduce, no barrier skew
     assert sim.simulate(single).iteration_s == pytest.approx(compute + sgd, rel=1e-12)
+
+
+# --- the accuracy benchmark's check ------------------------------------------------------------------
+def test_accuracy_check_fails_when_an_error_exceeds_its_bound():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy.py"
+    spec = importlib.util.spec_from_file_location("accuracy_bench", path)
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    rows = [{"plan": f"p{i}", "predicted_s": p, "measured_s": m, "error_pct": 100 * (p - m) / m}
+            for i, (p, m) in enumerate([(1.0, 1.0), (2.1, 2.0), (2.9, 3.0), (4.0, 4.0)])]
+    s = acc.summarise(rows)
+    assert s["mape_pct"] == pytest.approx((0 + 5 + 100 / 30 + 0) / 4)
+    assert s["worst_pct"] == pytest.approx(5.0) and s["worst_plan"] == "p1"
+    assert s["tau"] == pytest.approx(1.0)
+    assert acc.missed_targets(s) == []
+    rows[3]["predicted_s"], rows[3]["error_pct"] = 4.44, 11.0      # 11 % > the 10 % bound; MAPE 4.8 %
+    assert acc.missed_targets(acc.summarise(rows)) == ["worst_pct"]
+    swapped = [dict(r, predicted_s=5 - r["predicted_s"]) for r in rows]   # ranking reversed
+    assert "tau" in acc.missed_targets(acc.summarise(swapped))
