@@ -167,20 +167,25 @@ class ForeignCPU:
         k, v = self.tag.decode().split("=")
         return {**os.environ, k: v}
 
-    def _is_mine(self, pid: int) -> bool:
-        if pid == os.getpid():
+    def _is_mine(self, pid: int, ppid: int) -> bool | None:
+        """True: this process or one carrying the tag or a child of one of ours; False: not;
+        None: undecided (its environment is not readable yet, e.g. in the middle of exec)."""
+        if pid == os.getpid() or self.mine.get(ppid):
             return True
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                return self.tag in f.read().split(b"\0")
+                env = f.read()
         except OSError:
-            return False
+            return None
+        return (self.tag in env.split(b"\0")) if env else None
 
     def _sample(self) -> None:
-        for pid, (_, cpu) in self._procs().items():
-            if pid not in self.mine:
-                self.mine[pid] = self._is_mine(pid)
-            if not self.mine[pid]:
+        procs = self._procs()
+        for pid in sorted(procs, key=lambda p: (procs[p][0] != os.getpid(), p)):
+            ppid, cpu = procs[pid]
+            if self.mine.get(pid) is None:
+                self.mine[pid] = self._is_mine(pid, ppid)
+            if self.mine[pid] is False:
                 self.first.setdefault(pid, cpu)
                 self.last[pid] = cpu
 
@@ -273,6 +278,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated workloads or plan names")
     p.add_argument("--predict-only", action="store_true", help="skip the runs (prediction only)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--reuse", metavar="CSV", default=None,
+                   help="take the measured times from this earlier CSV instead of running")
+    p.add_argument("--without-calibration", action="store_true",
+                   help="predict on the topology minus its 'calibration' object (the contract's "
+                        "formulas for all-reduce, optimizer; no contention or overheads)")
     p.add_argument("--cache-dir", default="out/accuracy-cache",
                    help="layer-timing cache of this run (HETPLAN_CACHE_DIR); emptied first unless "
                         "--keep-cache, so layers are timed now, on a quiet machine")
@@ -295,6 +305,14 @@ def main(argv=None) -> int:
     topo_path = Path(a.topology) if a.topology else ROOT / "profiles" / f"{socket.gethostname()}.json"
     ensure_topology(topo_path, 2, again=a.reprofile)
     topology = load_topology(topo_path)
+    if a.without_calibration:
+        from dataclasses import replace
+        topology = replace(topology, measured={k: v for k, v in topology.measured.items()
+                                                if k != "calibration"})
+    reused = {}
+    if a.reuse:
+        with open(a.reuse) as f:
+            reused = {r["plan"]: r for r in csv.DictReader(f)}
     cpus = [d.name for d in topology.devices if d.kind == "cpu"]
     if len(cpus) < 2:
         p.error(f"{topo_path}: needs at least two CPU workers (hetplan profile --cpu-workers 2)")
@@ -315,10 +333,17 @@ def main(argv=None) -> int:
             plan["topology"] = {"name": topology.name, "sha256": topology.sha256}
             path = tmp / (name.replace("/", "__") + ".json")
             write_json_atomic(path, plan)
-            busy = wait_quiet() if on_linux and not a.predict_only else 0.0
+            busy = wait_quiet() if on_linux and not (a.predict_only or a.reuse) else 0.0
             pred = predict(path, topology)   # may time layers (MeasuredCost): on a quiet machine
             row = {"plan": name, "workload": name.split("/")[0], "predicted_s": pred}
-            if not a.predict_only:
+            if a.reuse:
+                if name not in reused:
+                    p.error(f"{a.reuse}: no row for plan {name}")
+                old = reused[name]
+                m_s = float(old["measured_s"])
+                row.update(measured_s=m_s, error_pct=100.0 * (pred - m_s) / m_s,
+                           spread_pct=float(old["spread_pct"]), reused=a.reuse)
+            elif not a.predict_only:
                 row["busy_before"] = busy
                 t0 = time.perf_counter()
                 m = measure(path, topo_path, a.iters, a.warmup, tmp)

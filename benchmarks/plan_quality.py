@@ -22,7 +22,6 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -85,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--noise", type=float, default=0.05, help="slowdown tolerated by --check")
     p.add_argument("--csv", default="out/plan_quality.csv")
+    p.add_argument("--out", default="out/plan_quality", help="plan and measured files go here")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -96,12 +96,16 @@ def main(argv=None) -> int:
     workloads = a.only.split(",") if a.only else list(WORKLOADS)
     load_before = load_avg()
     rows, summary = [], {}
-    with tempfile.TemporaryDirectory(prefix="hetplan-quality-") as tmp:
-        tmp = Path(tmp)
+    tmp = Path(a.out)
+    tmp.mkdir(parents=True, exist_ok=True)
+    if True:   # (the plans stay in --out for `hetplan compare`)
         for w in workloads:
             wait_quiet()
             print(f"plan_quality: {w}: hetplan plan", file=sys.stderr)
             chosen = plan_workload(w, topo_path, tmp)
+            from hetplan.commands.plan import describe
+            from planner.plan import load_plan
+            print(f"plan_quality: {w}: chosen {describe(load_plan(chosen))}", file=sys.stderr)
             plans = {"chosen": chosen, **baseline_plans(chosen, topology, tmp)}
             res = []
             for name, path in plans.items():

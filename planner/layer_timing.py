@@ -15,6 +15,11 @@ signature, device kind, threads and batch size.
 The loss (workload.loss_fn on the last layer's output, forward and backward) is timed as a
 pseudo-layer and added to the last layer: the runtime computes it in the last stage.
 
+Layers are timed warm (the same layer back to back). Evicting the caches before each timed
+pass was tried on the 2-vCPU VM: evicting L2 (4 MiB) or everything (64 MiB) before each pass
+over-predicted the cnn by 35-95 % and the mlp's single device by 8-33 %, while warm timing is
+within 10 % on single-device runs; measured figures in docs/guide.md.
+
 Each layer is timed alone; when several CPU workers of a host compute at once, the times are
 multiplied by the topology's measured contention factor (planner.calibration), so a plan that
 keeps both workers of a 2-core machine busy is predicted as it runs. Without a calibration
@@ -36,13 +41,6 @@ from planner.io import write_json_atomic
 from planner.topology import Device, Topology
 
 
-# Copied before each timed pass: twice a core's L2 (1 MiB on the profiled VM), not the shared L3
-# (32 MiB): in training the other layers run between a layer's passes and push its weights out
-# of L2, while the working set of these models mostly stays in L3. (A 64 MiB eviction over-
-# predicted the mlp by 33 %; none under-predicted its microbatched plans by 25 %.)
-EVICT_BYTES = 4 << 20
-
-
 def measured_here(topology: Topology) -> bool:
     host = topology.measured.get("host")
     return isinstance(host, dict) and host.get("hostname") == socket.gethostname()
@@ -61,7 +59,6 @@ class MeasuredCost(CostModel):
     def __init__(self, graph, topology: Topology, workload, exact: bool = True,
                  warmup: int = 2, repeats: int = 5):
         super().__init__(graph, topology)
-        self._evict = lambda: None
         self.workload, self.exact, self.warmup, self.repeats = workload, exact, warmup, repeats
         self._roofline = RooflineCost(graph, topology)
         self._disk: dict[str, list[float]] | None = None
@@ -76,7 +73,7 @@ class MeasuredCost(CostModel):
     def _key(self, i: int, device: Device, batch: int) -> str:
         layer = self.graph.layers[i]
         sig = layer.signature or f"{layer.name}/{layer.param_bytes}/{layer.fwd_flops / self.graph.batch:.6g}"
-        return f"{socket.gethostname()}|{sig}|{device.kind}|{device.threads}|{batch}|evict{EVICT_BYTES >> 20}"
+        return f"{socket.gethostname()}|{sig}|{device.kind}|{device.threads}|{batch}|loss"
 
     def _load_disk(self) -> dict[str, list[float]]:
         if self._disk is None:
@@ -116,13 +113,6 @@ class MeasuredCost(CostModel):
         elif device.threads:
             torch.set_num_threads(device.threads)
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        evict = lambda: None  # noqa: E731
-        if dev.type == "cpu":
-            # Caches as in training: between a layer's forward and its backward, and between
-            # two iterations, the other layers and the optimizer run (see EVICT_BYTES).
-            junk = torch.ones(EVICT_BYTES // 4), torch.empty(EVICT_BYTES // 4)
-            evict = lambda: junk[1].copy_(junk[0])  # noqa: E731
-        self._evict = evict
         fwd, bwd = [], []
         try:
             inputs, target = self.workload.make_batch(batch, 0)
@@ -154,13 +144,11 @@ class MeasuredCost(CostModel):
         f_times, b_times = [], []
         for rep in range(self.warmup + self.repeats):
             stage.zero_grad(set_to_none=True)
-            self._evict()
             f_s, out = timed(lambda: as_tuple_out(stage(*x)))
             outs = [o for o in out if o.requires_grad]
             b_s = 0.0
             if outs:
                 grads = [torch.ones_like(o) for o in outs]
-                self._evict()
                 b_s, _ = timed(lambda: torch.autograd.backward(outs, grads))
             if rep >= self.warmup:
                 f_times.append(f_s)
