@@ -95,9 +95,7 @@ class MeasuredCost(CostModel):
         keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
         # The last layer's entry also holds the loss's times: [fwd, bwd, loss fwd, loss bwd].
         if all(k in disk for k in keys) and len(disk[keys[-1]]) == 4:
-            last = disk[keys[-1]]
-            return ([disk[k][0] for k in keys[:-1]] + [last[0] + last[2]],
-                    [disk[k][1] for k in keys[:-1]] + [last[1] + last[3]])
+            return _from_entries(keys, disk)
         import torch
         from planner.partition import as_tuple, build_stages
 
@@ -126,10 +124,17 @@ class MeasuredCost(CostModel):
                     x = as_tuple(stage(*x))
         finally:
             torch.set_num_threads(old_threads)
-        entries = {k: [f, b] for k, f, b in zip(keys, fwd, bwd)}
-        entries[keys[-1]] += [fwd[-1], bwd[-1]]
+        # Layers with the same signature share one entry (the median of their times), and the
+        # times are returned from the entries: measured now or read from the cache, every device
+        # of the same kind and threads gets the same figures (the search's ties stay ties).
+        shared: dict[str, list[tuple[float, float]]] = {}
+        for k, f, b in zip(keys, fwd, bwd):
+            shared.setdefault(k, []).append((f, b))
+        entries = {k: [statistics.median(f for f, _ in v), statistics.median(b for _, b in v)]
+                   for k, v in shared.items()}
+        entries[keys[-1]] = entries[keys[-1]][:2] + [fwd[-1], bwd[-1]]
         self._save_disk(entries)
-        return _with_loss(fwd, bwd)
+        return _from_entries(keys, entries)
 
     def _time_layer(self, stage, x, sync) -> tuple[float, float]:
         import torch
@@ -184,9 +189,12 @@ class _Loss:
         pass
 
 
-def _with_loss(fwd: list[float], bwd: list[float]) -> tuple[list[float], list[float]]:
-    """Per-layer times with the loss pseudo-layer (the last entry) folded into the last layer."""
-    return fwd[:-2] + [fwd[-2] + fwd[-1]], bwd[:-2] + [bwd[-2] + bwd[-1]]
+def _from_entries(keys: list[str], entries: dict) -> tuple[list[float], list[float]]:
+    """Per-layer (fwd, bwd) from cache entries; the last layer's entry also holds the loss's
+    times ([fwd, bwd, loss fwd, loss bwd]), added to the last layer."""
+    last = entries[keys[-1]]
+    return ([entries[k][0] for k in keys[:-1]] + [last[0] + last[2]],
+            [entries[k][1] for k in keys[:-1]] + [last[1] + last[3]])
 
 
 def as_tuple_out(out) -> tuple:
