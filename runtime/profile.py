@@ -131,6 +131,9 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
         result["allreduce"] = bench.allreduce_table(list(settings.comm_sizes), settings.repeats) \
             if world > 1 else []
         write_json_atomic(Path(out_dir) / f"rank{rank}.json", result)
+        # Tear down together: a rank that destroys its gloo group while a peer is still inside
+        # the last collective can abort the peer ("terminate called without an active exception").
+        dist.barrier()
     except Exception as e:
         # Recorded before this process group goes down: the peers then fail too ("connection
         # closed"), and the launcher reports the earliest error, the cause.
