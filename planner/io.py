@@ -36,21 +36,44 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write `obj` as JSON to `path` via a temporary file and an atomic rename."""
+    """Write `obj` as JSON to `path` via a temporary file and an atomic rename.
+
+    A path that cannot be written (a folder, no permission) raises InputError naming it; NaN
+    and infinity are refused (JSON has no such numbers, and our loaders would reject the file)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        text = json.dumps(obj, indent=2, allow_nan=False) + "\n"
+    except ValueError:
+        raise InputError(f"{p}: not written: a value is NaN or infinite") from None
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as e:
+        raise InputError(f"{p}: cannot write: {e.strerror}") from None
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, p)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise InputError(f"{p}: cannot write: {e.strerror}") from None
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quietly(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _type_name(kind: Any) -> str:

@@ -26,9 +26,11 @@ def find_topology(plan: Plan, plan_path: str | Path, topology_path: str | Path |
         return topo
     if plan.topology is None:
         raise InputError(f"{plan_path}: topology: the plan names no topology; pass --topology FILE")
-    path = find_topology_by_sha256(plan.topology.sha256)
+    plan_dir = Path(plan_path).resolve().parent
+    roots = [Path("profiles"), plan_dir, plan_dir / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
+    path = find_topology_by_sha256(plan.topology.sha256, roots)
     if path is None:
-        raise InputError(f"{plan_path}: topology: no file under profiles/ has sha256 "
+        raise InputError(f"{plan_path}: topology: no file under profiles/ or beside the plan has sha256 "
                          f"{plan.topology.sha256[:12]}... ({plan.topology.name}); pass --topology FILE")
     return load_topology(path)
 
@@ -51,11 +53,11 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     from planner.graph import capture_graph
     from planner.plan import validate_plan
     from planner.simulator import Simulator
-    from planner.workload import load_workload
+    from planner.workload import load_plan_workload
 
     names = {d.name for d in topology.devices}
     validate_plan(plan, str(plan_path), None, names)   # before the (slower) capture
-    workload = load_workload(plan.model.spec, plan.model.args)
+    workload = load_plan_workload(plan.model, str(plan_path))
     batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
     graph = capture_graph(workload, batch)
     validate_plan(plan, str(plan_path), graph.num_layers, names)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,6 +59,8 @@ def _resolve(spec: str) -> Callable[..., Any]:
         raise InputError(f"--model: unknown model {spec!r}; expected one of "
                          f"{', '.join(sorted(models.BUILTINS))} or package.module:function")
     modname, _, fname = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())   # `pkg.mod:fn` from the working directory, as `python -m` finds it
     try:
         mod = importlib.import_module(modname)
     except ImportError as e:
@@ -100,3 +104,13 @@ def load_workload(spec: str, args: dict[str, Any] | None = None) -> Workload:
         w = Workload(model=w.model, make_batch=w.make_batch, loss_fn=w.loss_fn,
                      optimizer=getattr(w, "optimizer", "adam"), lr=getattr(w, "lr", 1e-3))
     return w
+
+
+def load_plan_workload(model, file: str) -> Workload:
+    """`load_workload` for a plan file's `model` (a planner.plan.ModelRef): errors name the
+    file and its model.spec / model.args fields instead of the --model flags."""
+    try:
+        return load_workload(model.spec, model.args)
+    except InputError as e:
+        msg = str(e).replace("--model-arg", "model.args", 1).replace("--model:", "model.spec:", 1)
+        raise InputError(f"{file}: {msg}") from None

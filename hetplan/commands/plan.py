@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
+CAPTURE_BATCH = 8   # the operator graph is captured at min(--batch, this) samples and scaled
+
 HELP = "search the strategy space with the simulator; write the best plan and compare it with the baselines"
 
 
@@ -31,22 +33,12 @@ def _check_flags(args) -> None:
     from planner.io import InputError
     if args.batch <= 0:
         raise InputError(f"--batch: expected a positive integer, got {args.batch}")
-    if not args.time_limit > 0:
+    if not 0 < args.time_limit < float("inf"):
         raise InputError(f"--time-limit: expected a positive number of seconds, got {args.time_limit}")
     if args.iterations < 1:
         raise InputError(f"--iterations: expected a positive integer, got {args.iterations}")
-    if args.lr is not None and not args.lr > 0:
+    if args.lr is not None and not 0 < args.lr < float("inf"):
         raise InputError(f"--lr: expected a positive number, got {args.lr}")
-
-
-def _cost_model(graph, topology, workload):
-    """The measured cost model on a topology profiled on this machine, else roofline."""
-    try:
-        from hetplan.commands.simulate import cost_model
-        return cost_model(graph, topology, workload)
-    except ModuleNotFoundError:   # planner.layer_timing not present: what-if costs only
-        from planner.cost import RooflineCost
-        return RooflineCost(graph, topology)
 
 
 def describe(plan) -> str:
@@ -73,6 +65,7 @@ def main(args) -> int:
 
     from planner.graph import capture_graph
     from planner.io import InputError
+    from planner.prediction import cost_model
     from planner.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
     from planner.search import SearchConfig, make_space, memory_error, search, simulator_problem
     from planner.simulator import Simulator
@@ -83,11 +76,14 @@ def main(args) -> int:
     model_args = parse_model_args(args.model_arg)
     topology = load_topology(args.topology)
     workload = load_workload(args.model, model_args)
-    print(f"hetplan plan: capturing {args.model} at batch {args.batch}", file=sys.stderr)
-    graph = capture_graph(workload, args.batch)
+    # FLOPs and activation bytes scale linearly with the batch (planner.graph): capture at a
+    # small batch, so planning a large batch for a what-if cluster does not run it here.
+    capture_batch = min(args.batch, CAPTURE_BATCH)
+    print(f"hetplan plan: capturing {args.model} at batch {capture_batch}", file=sys.stderr)
+    graph = capture_graph(workload, capture_batch)
     space = make_space(topology, graph.num_layers, args.batch, ModelRef(args.model, model_args),
                        args.optimizer or workload.optimizer, args.lr if args.lr is not None else workload.lr)
-    problem = simulator_problem(Simulator(graph, topology, _cost_model(graph, topology, workload)), space)
+    problem = simulator_problem(Simulator(graph, topology, cost_model(graph, topology, workload)), space)
     config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit)
     print(f"hetplan plan: searching {len(space.devices)} devices x {graph.num_layers} layers "
           f"(seed {args.seed}, {args.iterations} iterations, cap {args.time_limit:g} s)", file=sys.stderr)
@@ -105,8 +101,7 @@ def main(args) -> int:
                    predicted=Predicted(best.iteration_s, best.peak_memory_bytes, extra={
                        "baselines": baselines,
                        "search": {"seed": args.seed, "iterations": result.iterations,
-                                  "simulations": result.evaluations, "stopped_by": result.stopped_by,
-                                  "elapsed_s": round(result.elapsed_s, 3)}}))
+                                  "simulations": result.evaluations, "stopped_by": result.stopped_by}}))
     validate_plan(plan, args.output, graph.num_layers, {d.name for d in topology.devices})
     save_plan(plan, args.output)
     if args.json:

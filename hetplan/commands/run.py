@@ -45,12 +45,8 @@ def check_model(plan, file: str) -> None:
     from planner.partition import num_layers
     from planner.plan import validate_plan
     from planner.io import InputError
-    from planner.workload import load_workload
-    try:
-        workload = load_workload(plan.model.spec, plan.model.args)
-    except InputError as e:   # phrased for the --model flags; here the plan's fields are meant
-        msg = str(e).replace("--model-arg", "model.args", 1).replace("--model:", "model.spec:", 1)
-        raise InputError(f"{file}: {msg}") from None
+    from planner.workload import load_plan_workload
+    workload = load_plan_workload(plan.model, file)
     b = plan.global_batch // max(r.microbatches for r in plan.replicas)
     validate_plan(plan, file, num_layers=num_layers(workload, max(1, b)))
 
@@ -65,7 +61,7 @@ def main(args) -> int:
         raise InputError(f"--iters: expected a positive integer, got {args.iters}")
     if not 0 <= args.warmup < args.iters:
         raise InputError(f"--warmup: expected an integer in [0, --iters), got {args.warmup}")
-    if args.timeout <= 0:
+    if not args.timeout > 0 or args.timeout == float("inf"):
         raise InputError(f"--timeout: expected a positive number, got {args.timeout}")
     plan = load_plan(args.plan)
     check_devices(plan, args.plan)

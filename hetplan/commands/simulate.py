@@ -20,13 +20,6 @@ def _find_topology(args, plan):
     return find_topology(plan, args.plan, args.topology, "hetplan simulate")
 
 
-def cost_model(graph, topology, workload):
-    """The measured model on a topology profiled on this machine, else the roofline model
-    (planner.prediction.cost_model; kept here for the commands that import it from here)."""
-    from planner.prediction import cost_model as choose
-    return choose(graph, topology, workload)
-
-
 def _summary(result, topology) -> str:
     lines = [f"iteration: {result.iteration_s * 1e3:.3f} ms   feasible: {'yes' if result.feasible else 'NO'}",
              f"{'device':<16} {'busy ms':>10} {'fwd ms':>9} {'bwd ms':>9} {'optim ms':>9} "

@@ -1,0 +1,76 @@
+"""Bad input at the command line: one line naming the file or flag, exit 2, nothing written."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from planner.io import InputError, write_json_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKSTATION = ROOT / "profiles" / "examples" / "workstation-gtx1650.json"
+
+
+def _hetplan(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "hetplan", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=120)
+
+
+def _one_error_line(r, *needles):
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if "error" in l]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_write_json_atomic_refuses_nan_and_unwritable_paths(tmp_path):
+    for obj, path, needle in (({"x": float("nan")}, tmp_path / "a.json", "NaN"),
+                              ({"x": 1}, tmp_path, "cannot write")):   # a folder
+        try:
+            write_json_atomic(path, obj)
+        except InputError as e:
+            assert needle in str(e) and str(path) in str(e)
+        else:
+            raise AssertionError("expected InputError")
+    assert not list(tmp_path.glob("*"))          # nothing half-written
+    write_json_atomic(tmp_path / "ok.json", {"x": 1})
+    assert (tmp_path / "ok.json").stat().st_mode & 0o044   # readable by others, not 0600
+
+
+def test_plan_rejects_infinite_lr_and_unwritable_output(tmp_path):
+    base = ["plan", "--model", "mlp", "--model-arg", "hidden=16", "--model-arg", "depth=1",
+            "--batch", "8", "--topology", WORKSTATION, "--iterations", "5"]
+    _one_error_line(_hetplan(*base, "--lr", "inf", "-o", tmp_path / "p.json"), "--lr")
+    _one_error_line(_hetplan(*base, "--time-limit", "nan", "-o", tmp_path / "p.json"), "--time-limit")
+    _one_error_line(_hetplan(*base, "-o", tmp_path), str(tmp_path), "cannot write")
+    assert not list(tmp_path.glob("*"))
+
+
+def test_plan_file_model_errors_name_the_plan_field(tmp_path):
+    plan = {"model": {"spec": "nosuchmodel"}, "global_batch": 4,
+            "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:0", "layers": [0, 3]}]}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(plan))
+    _one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "model.spec")
+    plan["model"] = {"spec": "mlp", "args": {"nosucharg": 1}}
+    path.write_text(json.dumps(plan))
+    _one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "model.args")
+
+
+def test_user_factory_in_the_working_directory(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "from planner.workload import Workload\n"
+        "def tiny(width=4):\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 2))\n"
+        "    def make_batch(b, seed):\n"
+        "        g = torch.Generator().manual_seed(seed)\n"
+        "        return torch.randn(b, width, generator=g), torch.randint(0, 2, (b,), generator=g)\n"
+        "    return Workload(model, make_batch, torch.nn.functional.cross_entropy)\n")
+    r = _hetplan("graph", "--model", "mymodels:tiny", "--model-arg", "width=8", "--batch", "2", "--json",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    layers = json.loads(r.stdout)["layers"]
+    assert [l["fwd_flops"] for l in layers] == [2 * 2 * 8 * 8, 2 * 2 * 8 * 2]   # 2·B·in·out; bias adds not counted
