@@ -13,8 +13,10 @@ machine and writes the fitted figures as a top-level `"calibration"` object of t
   "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 2e-10},   # one step:
                 "sgd":  {"s_per_tensor": 5e-6, "s_per_byte": 8e-11}},   #   n * s_per_tensor + bytes * s_per_byte
   "iteration_overhead_s": 0.0,            # fixed cost per iteration (not measured yet: 0)
-  "multi_worker_overhead_s": 3e-3         # added to iterations of 2+ workers: barrier exit skew
-}                                         #   and late wake-ups from blocking waits (runtime pattern)
+  "multi_worker_overhead_s": 3e-3,        # added to iterations of 2+ workers: barrier exit skew
+                                          #   and late wake-ups from blocking waits (runtime pattern)
+  "memory_contention_factor": 1.6         # an optimizer step with all CPU workers stepping / alone
+}                                         #   (memory-bound; default: cpu_contention_factor)
 ```
 
 Each figure is optional; the cost model uses what is present (planner.cost.CostModel) and the
@@ -56,6 +58,7 @@ class Calibration:
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)
     iteration_overhead_s: float = 0.0
     multi_worker_overhead_s: float = 0.0
+    memory_contention_factor: float | None = None
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -65,6 +68,18 @@ class Calibration:
         if n <= 1 or k <= 1:
             return 1.0
         return 1.0 + (self.cpu_contention_factor - 1.0) * min(k - 1, n - 1) / (n - 1)
+
+    def memory_contention(self, busy_workers: float) -> float:
+        """Slowdown of a memory-bound step (the optimizer's) when `busy_workers` CPU workers run
+        at once: as `contention` with memory_contention_factor (cpu_contention_factor when not
+        measured)."""
+        f = self.memory_contention_factor
+        n, k = self.cpu_workers, max(1.0, busy_workers)
+        if f is None:
+            return self.contention(busy_workers)
+        if n <= 1 or k <= 1:
+            return 1.0
+        return 1.0 + (f - 1.0) * min(k - 1, n - 1) / (n - 1)
 
     def allreduce_s(self, k: int, n_bytes: float) -> float | None:
         """gloo all-reduce of n bytes over k CPU workers, scaled from the fit over N workers by
@@ -110,6 +125,15 @@ def fit_optimizer(rows: list[dict]) -> OptimizerFit:
     return OptimizerFit(s_per_tensor=float(coef[0]), s_per_byte=float(coef[1]))
 
 
+def memory_contention_factor(alone_rows: list[dict], together_rows: list[dict]) -> float | None:
+    """Median over rows (matched by tensors and bytes) of together s / alone s, at least 1;
+    None without matching rows."""
+    alone = {(r["tensors"], r["bytes"]): r["s"] for r in alone_rows}
+    ratios = [r["s"] / alone[(r["tensors"], r["bytes"])] for r in together_rows
+              if (r["tensors"], r["bytes"]) in alone and alone[(r["tensors"], r["bytes"])] > 0]
+    return max(1.0, statistics.median(ratios)) if ratios else None
+
+
 def contention_factor(alone_s: list[float], together_s: list[float]) -> float:
     """Median over workers of (time with all workers busy) / (time alone), at least 1."""
     if not alone_s or len(alone_s) != len(together_s):
@@ -137,7 +161,9 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         iteration_overhead_s=r.get("iteration_overhead_s", float, default=0.0,
                                    check=lambda v: v >= 0, expected="a non-negative number"),
         multi_worker_overhead_s=r.get("multi_worker_overhead_s", float, default=0.0,
-                             check=lambda v: v >= 0, expected="a non-negative number"))
+                             check=lambda v: v >= 0, expected="a non-negative number"),
+        memory_contention_factor=r.get("memory_contention_factor", float, default=None,
+                                       check=lambda v: v >= 1, expected="a number >= 1"))
 
 
 def calibration_to_dict(c: Calibration) -> dict[str, Any]:
@@ -149,6 +175,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
                             for k, v in sorted(c.optimizer.items())}
     out["iteration_overhead_s"] = c.iteration_overhead_s
     out["multi_worker_overhead_s"] = c.multi_worker_overhead_s
+    if c.memory_contention_factor is not None:
+        out["memory_contention_factor"] = c.memory_contention_factor
     return out
 
 
@@ -164,4 +192,4 @@ def topology_calibration(topology) -> Calibration | None:
 
 
 __all__ = ["Calibration", "OptimizerFit", "fit_latency_bandwidth", "fit_optimizer",
-           "contention_factor", "calibration_from_dict", "calibration_to_dict", "topology_calibration"]
+           "contention_factor", "memory_contention_factor", "calibration_from_dict", "calibration_to_dict", "topology_calibration"]

@@ -110,6 +110,15 @@ class CostModel:
         taken alone, while the roofline's scalars were profiled with all workers busy)."""
         return 1.0
 
+    def memory_contention(self, device: str, busy: float) -> float:
+        """Slowdown of `device`'s optimizer step when `busy` CPU workers of its host run at once:
+        the calibration's memory_contention on a CPU device of a calibrated topology whose
+        compute the model slows (contention != 1), else contention(device, busy)."""
+        c = self.calibration
+        if c is None or c.memory_contention_factor is None or self.contention(device, 2) == 1.0:
+            return self.contention(device, busy)
+        return c.memory_contention(busy)
+
     def fwd_s(self, device: str, start: int, end: int, batch: float, busy: float = 1) -> float:
         """Forward time of layers [start, end) on `device` at a microbatch of `batch` samples,
         times `contention(device, busy)`."""

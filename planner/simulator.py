@@ -245,7 +245,8 @@ class Simulator:
                 host = host_cpu(self.topology, dev) if offload else dev
                 if host == dev:
                     d_k = g.value(("const", self.cost.optimizer_s(dev, n, opt, n_t)))
-                    g.add(d_k, (self._rid[dev],), deps, (f"{opt} step", dev, "optimizer"))
+                    t = g.add(d_k, (self._rid[dev],), deps, (f"{opt} step", dev, "optimizer"))
+                    g.memory_bound.add(t)
                     g.count(dev, "optimizer_s", d_k)
                     continue
                 join = g.add(g.value(("const", 0.0)), (), deps,
@@ -253,6 +254,7 @@ class Simulator:
                 t = self._transfer(g, dev, host, join, f"grads {dev}->{host}", ("const", n))
                 d_k = g.value(("const", self.cost.optimizer_s(host, n, opt, n_t)))
                 t = g.add(d_k, (self._rid[host],), (t,), (f"{opt} step for {dev}", host, "optimizer"))
+                g.memory_bound.add(t)
                 g.count(host, "optimizer_s", d_k)
                 self._transfer(g, host, dev, t, f"params {host}->{dev}", ("const", n))
 
@@ -284,7 +286,8 @@ class Simulator:
         """Task durations slowed by contention, from a simulated timeline (processor sharing
         approximated by a fixed point: simulate, measure overlaps, slow, simulate again).
         A compute task t of a contended device d takes base[t] * contention(d, k_t) with
-        k_t = 1 + sum over d's competing workers o of |[start_t, end_t) ∩ compute(o)| / (end_t - start_t)."""
+        k_t = 1 + sum over d's competing workers o of |[start_t, end_t) ∩ compute(o)| / (end_t - start_t);
+        an optimizer step (memory-bound) takes base[t] * memory_contention(d, k_t)."""
         spans: dict[int, list[tuple[float, float]]] = {}
         for t, r in enumerate(g.res):
             if len(r) == 1 and end[t] > start[t]:
@@ -299,6 +302,9 @@ class Simulator:
                 if r == (rid,) and end[t] > start[t]:
                     s, e = start[t], end[t]
                     k = 1.0 + sum(_overlap(s, e, o, starts) for o, starts in theirs) / (e - s)
+                    if t in g.memory_bound:
+                        dur[t] = base[t] * self.cost.memory_contention(d, k)
+                        continue
                     dur[t] = base[t] * self.cost.contention(d, k)
         return dur
 

@@ -35,6 +35,7 @@ class TaskGraph:
         self.replica_pattern: list[tuple[int, ...]] = []
         self.replica_res: list[set[int]] = []
         self.sync_res: set[int] = set()          # resources of the gradient all-reduces
+        self.memory_bound: set[int] = set()      # optimizer steps (Simulator._contend)
         self.collapsible = False
         self._ghost: list[int] | None = None
 

@@ -199,6 +199,11 @@ def _measure_calibration(workers: list[WorkerSpec], s: Settings) -> dict:
     if rank == 0 and me.kind == "cpu":
         out["optimizer"] = bench.optimizer_table(s.repeats, s.min_time_s)
     dist.barrier()
+    if world > 1 and all(w.kind == "cpu" for w in workers):   # every worker stepping at once
+        together = bench.optimizer_table(s.repeats, s.min_time_s, barrier=dist.barrier)
+        if rank == 0:
+            out["optimizer_together"] = together
+    dist.barrier()
     out["multi_worker_overhead_s"] = _multi_worker_overhead(max(20, 4 * s.repeats)) if world > 1 else 0.0
     return out
 
@@ -237,7 +242,7 @@ def _multi_worker_overhead(repeats: int, busy_s: float = 0.010) -> float:
 def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[dict]) -> dict:
     """The topology's "calibration" object (planner.calibration) from the workers' raw results."""
     from planner.calibration import (Calibration, calibration_to_dict, contention_factor,
-                                     fit_latency_bandwidth, fit_optimizer)
+                                     fit_latency_bandwidth, fit_optimizer, memory_contention_factor)
     cpus = [(w, r.get("calibration", {})) for w, r in zip(workers, results) if w.kind == "cpu"]
     timed = [c for _, c in cpus if "reference_alone_s" in c and "reference_together_s" in c]
     factor = contention_factor([c["reference_alone_s"] for c in timed],
@@ -246,12 +251,17 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     if allreduce and all(w.kind == "cpu" for w in workers):
         lat, bw = fit_latency_bandwidth(allreduce)
     opt_rows = results[0].get("calibration", {}).get("optimizer", {})
+    together_rows = results[0].get("calibration", {}).get("optimizer_together", {})
+    mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
     skew = results[0].get("calibration", {}).get("multi_worker_overhead_s", 0.0)
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
                     allreduce_bytes_per_s=bw, multi_worker_overhead_s=skew,
+                    memory_contention_factor=mem,
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
-    raw = {"reference": [{"device": w.name, **{k: v for k, v in r.items() if k != "optimizer"}}
-                         for w, r in cpus], "optimizer": opt_rows}
+    tables = ("optimizer", "optimizer_together")
+    raw = {"reference": [{"device": w.name, **{k: v for k, v in r.items() if k not in tables}}
+                         for w, r in cpus],
+           "optimizer": opt_rows, "optimizer_together": together_rows}
     return {**calibration_to_dict(c), "raw": raw}
 
 

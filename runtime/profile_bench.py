@@ -221,12 +221,15 @@ def per_call_in_window(fn: Callable[[], None], window_s: float) -> float:
             return elapsed / n
 
 
-def optimizer_table(repeats: int, min_time_s: float) -> dict[str, list[dict]]:
+def optimizer_table(repeats: int, min_time_s: float,
+                    barrier: Callable[[], None] | None = None) -> dict[str, list[dict]]:
     """torch.optim Adam and SGD (as runtime.optim builds them) over parameter sets of different
     tensor counts and sizes: rows {"tensors", "bytes", "s"} (median seconds per step). Each step
     is timed alone after evicting the caches (a 64 MiB copy): in training the forward and
     backward pass run between two steps, so the parameters and moments come from memory (timed
-    back to back, steps ran ~1.7x faster than in `hetplan run` on the 2-vCPU VM)."""
+    back to back, steps ran ~1.7x faster than in `hetplan run` on the 2-vCPU VM). With
+    `barrier` (called before each timed step), every worker runs the table at once: the steps
+    after a synchronous all-reduce, which compete for memory bandwidth."""
     shapes = [(1, 1 << 20), (4, 1 << 18), (16, 1 << 16), (64, 1 << 12), (64, 1 << 14), (8, 1 << 20)]
     junk_src, junk_dst = torch.ones(16 << 20), torch.empty(16 << 20)
     out: dict[str, list[dict]] = {}
@@ -240,6 +243,8 @@ def optimizer_table(repeats: int, min_time_s: float) -> dict[str, list[dict]]:
             samples = []
             for _ in range(max(5, repeats)):
                 junk_dst.copy_(junk_src)
+                if barrier is not None:
+                    barrier()
                 t0 = time.perf_counter()
                 opt.step()
                 samples.append(time.perf_counter() - t0)

@@ -9,7 +9,7 @@ import pytest
 
 from planner.calibration import (Calibration, OptimizerFit, calibration_from_dict,
                                  calibration_to_dict, contention_factor, fit_latency_bandwidth,
-                                 fit_optimizer, topology_calibration)
+                                 fit_optimizer, memory_contention_factor, topology_calibration)
 from planner.cost import RooflineCost
 from planner.io import InputError
 from planner.layer_timing import MeasuredCost
@@ -185,6 +185,43 @@ def test_coarse_sync_is_one_flat_allreduce_per_device_set_plus_the_barrier_skew(
     single = plan([(1.0, 1, [("cpu:0", 0, 2)])], 1, granularity="coarse")
     # one sample on one device: the same compute, no all-reduce, no barrier skew
     assert sim.simulate(single).iteration_s == pytest.approx(compute + sgd, rel=1e-12)
+
+
+def test_memory_contention_factor_is_the_median_ratio_of_matching_rows():
+    alone = [{"tensors": 1, "bytes": 4, "s": 1.0}, {"tensors": 8, "bytes": 32, "s": 2.0},
+             {"tensors": 64, "bytes": 4, "s": 4.0}]
+    together = [{"tensors": 1, "bytes": 4, "s": 1.5}, {"tensors": 8, "bytes": 32, "s": 2.2},
+                {"tensors": 64, "bytes": 4, "s": 8.0}, {"tensors": 2, "bytes": 2, "s": 9.0}]
+    assert memory_contention_factor(alone, together) == pytest.approx(1.5)   # of 1.5, 1.1, 2.0
+    assert memory_contention_factor(alone, [{"tensors": 1, "bytes": 4, "s": 0.5}]) == 1.0
+    assert memory_contention_factor(alone, []) is None
+
+
+def test_memory_contention_round_trips_and_defaults_to_the_compute_factor():
+    c = calibration_from_dict({**CAL, "memory_contention_factor": 1.5})
+    assert c.memory_contention(2) == pytest.approx(1.5)
+    assert c.memory_contention(1.5) == pytest.approx(1.25)
+    assert calibration_to_dict(c)["memory_contention_factor"] == 1.5
+    old = calibration_from_dict(CAL)                     # a profile from before the figure
+    assert old.memory_contention_factor is None and old.memory_contention(2) == pytest.approx(2.0)
+    assert "memory_contention_factor" not in calibration_to_dict(old)
+    with pytest.raises(InputError, match=r"calibration\.memory_contention_factor: expected a number >= 1"):
+        calibration_from_dict({**CAL, "memory_contention_factor": 0.9}, "t.json")
+
+
+def test_concurrent_optimizer_steps_are_slowed_by_the_memory_factor():
+    # 2 layers of 1 MB parameters, forward 1 s + backward 2 s per sample each; even DP, SGD
+    g = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6)])
+    p = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2, granularity="coarse",
+             bucket_bytes=10**6)
+    compute = 2 * (2.0 + 4.0)                         # both compute at once: x2.0
+    allreduce = 1e-4 + 2e6 / 1e9
+    sgd = 2 * 1e-6 + 2e6 * 1e-10                      # both step at once after the all-reduce
+    for mem, factor in ((1.5, 1.5), (None, 2.0)):     # without the figure: the compute factor
+        cal = {**CAL, **({"memory_contention_factor": mem} if mem else {})}
+        t = _topo(cal, bw=1e30, lat=0.0)
+        r = Simulator(g, t, _Contended(g, t)).simulate(p)
+        assert r.iteration_s == pytest.approx(compute + allreduce + factor * sgd, rel=1e-12)
 
 
 # --- the accuracy benchmark's check ------------------------------------------------------------------
