@@ -15,6 +15,8 @@ infeasible regions but never returns one.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import random
 import time
@@ -290,6 +292,7 @@ def simulator_problem(simulator, space: Space) -> Problem:
         except ValueError:        # no path of links between two stages, no host CPU to offload to
             return _Rejected()
 
+    @functools.lru_cache(maxsize=None)   # the pipeline DP asks O(S·L²) times for few distinct cuts
     def cut_s(a: str, b: str, i: int) -> float:
         try:
             return 2 * topology.transfer_s(a, b, graph.cut_bytes_at(i, B))
