@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import socket
 import subprocess
 import sys
@@ -48,22 +47,13 @@ def plan_workload(w: str, topo_path: Path, out: Path) -> Path:
 def baseline_plans(plan_path: Path, topology, out: Path) -> dict[str, Path]:
     """Every baseline of the search for the plan's workload, saved as plan files (name -> path);
     the ones identical to the chosen plan are left out (they would be measured twice)."""
-    from planner.graph import capture_graph
     from planner.plan import Predicted, TopologyRef, load_plan, plan_key, save_plan
-    from planner.prediction import cost_model
-    from planner.search import Searcher, make_space, simulator_problem
-    from planner.simulator import Simulator
-    from planner.workload import load_workload
+    from planner.search import plan_baselines
 
     plan = load_plan(plan_path)
-    workload = load_workload(plan.model.spec, plan.model.args)
-    graph = capture_graph(workload, plan.global_batch)
-    space = make_space(topology, graph.num_layers, plan.global_batch, plan.model,
-                       plan.optimizer.name, plan.optimizer.lr)
-    sim = Simulator(graph, topology, cost_model(graph, topology, workload))
     seen = {plan_key(plan): "chosen"}
     paths = {}
-    for c in Searcher(simulator_problem(sim, space), random.Random(0)).baselines():
+    for c in plan_baselines(plan, topology, str(plan_path)):
         key = plan_key(c.plan)
         if key in seen or not c.feasible:
             continue

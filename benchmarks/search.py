@@ -78,7 +78,7 @@ def time_to_within(result, target_s: float) -> float:
 
 def bench_case(name: str, graph, topology, seeds: list[int], big: int) -> None:
     known = min(run_search(graph, topology, 1000 + s, big, 120)[0].best.iteration_s for s in range(2))
-    times, totals = [], []
+    times = []
     for s in seeds:
         result, total = run_search(graph, topology, s, 2000, 60)
         known = min(known, result.best.iteration_s)

@@ -31,7 +31,6 @@ exported again with static shapes at `batch`; such stages only run at that batch
 """
 from __future__ import annotations
 
-import operator
 import sys
 from dataclasses import dataclass
 from typing import Any

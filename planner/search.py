@@ -299,3 +299,31 @@ def simulator_problem(simulator, space: Space) -> Problem:
         except ValueError:
             return math.inf
     return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s)
+
+
+CAPTURE_BATCH = 8   # graphs for planning are captured at min(global batch, this) and scaled
+
+
+def plan_problem(workload, model, global_batch: int, topology, optimizer_name: str, lr: float):
+    """(graph, problem) for planning `workload` on `topology`: the operator graph captured at
+    min(global_batch, CAPTURE_BATCH) samples (FLOPs and activations scale linearly with the
+    batch), the strategy space, and the simulator with the cost model the topology calls for
+    (measured on a profile of this machine, else the contract's roofline)."""
+    from planner.graph import capture_graph
+    from planner.prediction import cost_model
+    from planner.simulator import Simulator
+
+    graph = capture_graph(workload, min(global_batch, CAPTURE_BATCH))
+    space = make_space(topology, graph.num_layers, global_batch, model, optimizer_name, lr)
+    return graph, simulator_problem(Simulator(graph, topology, cost_model(graph, topology, workload)), space)
+
+
+def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate]:
+    """The baselines `hetplan plan` evaluated for this plan's workload, batch and optimizer,
+    regenerated as plans (the plan file stores only their predicted figures)."""
+    from planner.workload import load_plan_workload
+
+    workload = load_plan_workload(plan.model, file)
+    _, problem = plan_problem(workload, plan.model, plan.global_batch, topology,
+                              plan.optimizer.name, plan.optimizer.lr)
+    return Searcher(problem, random.Random(0)).baselines()

@@ -178,7 +178,6 @@ def _measure_calibration(workers: list[WorkerSpec], s: Settings) -> dict:
     once; rank 0 also times torch.optim steps alone (planner.calibration.fit_optimizer)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     me, out = workers[rank], {}
-    cpu = torch.device("cpu")
     step = bench.reference_step() if me.kind == "cpu" else None
     if rank == 0:
         _log("calibration: reference step alone and with all workers busy; optimizer steps")

@@ -34,7 +34,6 @@ def add_arguments(p):
 def _step(title: str, argv: list[str], quiet: bool) -> None:
     """Run one hetplan command in this process; its stdout goes to stderr under --json."""
     from hetplan.cli import main as cli_main
-    from planner.io import InputError
 
     print(f"\n== hetplan demo: {title}: hetplan {' '.join(argv)}", file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(sys.stderr if quiet else sys.stdout):
@@ -57,17 +56,12 @@ def _default_cpu_workers() -> int:
 def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str, Path | None]:
     """Regenerate the plan's best feasible baseline (the plan stores only its numbers) and save
     it next to the plan; returns (name, path), path None when it is the chosen plan itself."""
-    import random
     from dataclasses import replace
 
-    from planner.graph import capture_graph
     from planner.io import InputError
     from planner.plan import Predicted, load_plan, plan_key, save_plan
-    from planner.prediction import cost_model
-    from planner.search import Searcher, make_space, simulator_problem
-    from planner.simulator import Simulator
+    from planner.search import plan_baselines
     from planner.topology import load_topology
-    from planner.workload import load_workload
 
     plan = load_plan(plan_path)
     recorded = [b for b in (plan.predicted.extra.get("baselines", []) if plan.predicted else [])
@@ -75,13 +69,7 @@ def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str,
     if not recorded:
         raise InputError(f"{plan_path}: predicted.baselines: expected the baselines `hetplan plan` records")
     name = min(recorded, key=lambda b: b["iteration_s"])["name"]
-    topology = load_topology(topology_path)
-    workload = load_workload(plan.model.spec, plan.model.args)
-    graph = capture_graph(workload, plan.global_batch)
-    space = make_space(topology, graph.num_layers, plan.global_batch, plan.model,
-                       plan.optimizer.name, plan.optimizer.lr)
-    sim = Simulator(graph, topology, cost_model(graph, topology, workload))
-    found = {c.name: c for c in Searcher(simulator_problem(sim, space), random.Random(0)).baselines()}
+    found = {c.name: c for c in plan_baselines(plan, load_topology(topology_path), str(plan_path))}
     if name not in found:
         raise InputError(f"{plan_path}: predicted.baselines: baseline {name!r} could not be regenerated")
     c = found[name]

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import sys
 
-CAPTURE_BATCH = 8   # the operator graph is captured at min(--batch, this) samples and scaled
-
 HELP = "search the strategy space with the simulator; write the best plan and compare it with the baselines"
 
 
@@ -63,12 +61,9 @@ def main(args) -> int:
     import random
     from dataclasses import replace
 
-    from planner.graph import capture_graph
     from planner.io import InputError
-    from planner.prediction import cost_model
     from planner.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
-    from planner.search import SearchConfig, make_space, memory_error, search, simulator_problem
-    from planner.simulator import Simulator
+    from planner.search import CAPTURE_BATCH, SearchConfig, memory_error, plan_problem, search
     from planner.topology import load_topology
     from planner.workload import load_workload, parse_model_args
 
@@ -76,14 +71,11 @@ def main(args) -> int:
     model_args = parse_model_args(args.model_arg)
     topology = load_topology(args.topology)
     workload = load_workload(args.model, model_args)
-    # FLOPs and activation bytes scale linearly with the batch (planner.graph): capture at a
-    # small batch, so planning a large batch for a what-if cluster does not run it here.
-    capture_batch = min(args.batch, CAPTURE_BATCH)
-    print(f"hetplan plan: capturing {args.model} at batch {capture_batch}", file=sys.stderr)
-    graph = capture_graph(workload, capture_batch)
-    space = make_space(topology, graph.num_layers, args.batch, ModelRef(args.model, model_args),
-                       args.optimizer or workload.optimizer, args.lr if args.lr is not None else workload.lr)
-    problem = simulator_problem(Simulator(graph, topology, cost_model(graph, topology, workload)), space)
+    print(f"hetplan plan: capturing {args.model} at batch {min(args.batch, CAPTURE_BATCH)}", file=sys.stderr)
+    graph, problem = plan_problem(workload, ModelRef(args.model, model_args), args.batch, topology,
+                                  args.optimizer or workload.optimizer,
+                                  args.lr if args.lr is not None else workload.lr)
+    space = problem.space
     config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit)
     print(f"hetplan plan: searching {len(space.devices)} devices x {graph.num_layers} layers "
           f"(seed {args.seed}, {args.iterations} iterations, cap {args.time_limit:g} s)", file=sys.stderr)

@@ -44,7 +44,6 @@ def check_model(plan, file: str) -> None:
     worker error). Costs one trace of the model in this process."""
     from planner.partition import num_layers
     from planner.plan import validate_plan
-    from planner.io import InputError
     from planner.workload import load_plan_workload
     workload = load_plan_workload(plan.model, file)
     b = plan.global_batch // max(r.microbatches for r in plan.replicas)
