@@ -15,15 +15,21 @@ from planner.plan import Plan
 from planner.topology import Topology, find_topology_by_sha256, load_topology
 
 
+def load_given_topology(plan: Plan, topology_path: str | Path, command: str = "hetplan") -> Topology:
+    """The topology file the user named; a warning (not a failure) when it is not the file the
+    plan was made for (the contract: `simulate` and `run` accept another one)."""
+    topo = load_topology(topology_path)
+    if plan.topology is not None and topo.sha256 != plan.topology.sha256:
+        print(f"{command}: warning: {topology_path} is not the topology the plan was made "
+              f"for ({plan.topology.name}, sha256 {plan.topology.sha256[:12]}...)", file=sys.stderr)
+    return topo
+
+
 def find_topology(plan: Plan, plan_path: str | Path, topology_path: str | Path | None,
                   command: str = "hetplan") -> Topology:
     """The topology to simulate `plan` on (see the module docstring); warnings go to stderr."""
     if topology_path:
-        topo = load_topology(topology_path)
-        if plan.topology is not None and topo.sha256 != plan.topology.sha256:
-            print(f"{command}: warning: {topology_path} is not the topology the plan was made "
-                  f"for ({plan.topology.name}, sha256 {plan.topology.sha256[:12]}...)", file=sys.stderr)
-        return topo
+        return load_given_topology(plan, topology_path, command)
     if plan.topology is None:
         raise InputError(f"{plan_path}: topology: the plan names no topology; pass --topology FILE")
     plan_dir = Path(plan_path).resolve().parent
@@ -68,4 +74,4 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
         raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
 
 
-__all__ = ["find_topology", "cost_model", "simulate_plan_file"]
+__all__ = ["load_given_topology", "find_topology", "cost_model", "simulate_plan_file"]

@@ -61,11 +61,8 @@ def check_devices(plan: Plan, file: str) -> None:
 def find_topology(plan: Plan, path: str | None) -> Topology | None:
     """--topology T, else profiles/<hostname>.json when it holds every plan device, else None."""
     if path:
-        t = load_topology(path)
-        if plan.topology is not None and t.sha256 != plan.topology.sha256:
-            print(f"hetplan run: warning: {path} is not the topology the plan was made for "
-                  f"({plan.topology.name})", file=sys.stderr)
-        return t
+        from planner.prediction import load_given_topology
+        return load_given_topology(plan, path, "hetplan run")
     default = Path("profiles") / f"{socket.gethostname()}.json"
     if default.exists():
         try:
