@@ -89,6 +89,7 @@ class Simulator:
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
+        self._saturated = saturated_cpus(topology)
 
     # --- resources and routes ----------------------------------------------------------------
     def _resource(self, key: Any) -> int:
@@ -122,6 +123,9 @@ class Simulator:
                 for h in self.hops(devices[i], devices[(i + 1) % k]):
                     if h[0] not in res:
                         res.append(h[0])
+            # gloo runs the collective on the workers' own CPU cores: with no core to spare it
+            # cannot overlap their compute, so it also holds their compute queues
+            res += [self._rid[d] for d in devices if d in self._saturated]
             self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes))
         return self._ar[key]
 
@@ -468,3 +472,15 @@ def simulate(plan: Plan, graph: ModelGraph, topology: Topology, cost: CostModel 
 
 
 __all__ = ["SimResult", "Simulator", "simulate"]
+
+
+def saturated_cpus(topology: Topology) -> frozenset[str]:
+    """CPU devices of a measured topology whose worker threads take every core of the host
+    (`host.cores` <= the CPU workers' threads summed): there, a gloo all-reduce competes with
+    the workers' compute instead of overlapping it (measured on the 2-vCPU VM: fine sync was
+    slower than coarse). What-if topologies (no host facts) are never saturated."""
+    cores = (topology.measured.get("host") or {}).get("cores")
+    cpus = [d for d in topology.devices if d.kind == "cpu" and d.node is None]
+    if not isinstance(cores, int) or not cpus or any(d.threads is None for d in cpus):
+        return frozenset()
+    return frozenset(d.name for d in cpus) if sum(d.threads for d in cpus) >= cores else frozenset()

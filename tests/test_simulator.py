@@ -346,3 +346,23 @@ def test_collapsing_random_twin_replicas_changes_no_result():
         assert repr(sim.simulate(pl)) == repr(Simulator(g, t, collapse=False).simulate(pl))
         collapsed += any(k[-1] is not None for k in sim._shapes)
     assert collapsed >= 20
+
+
+def _dp4_cpu(granularity, host_cores):
+    # _dp4 on two 1-thread CPU workers of a measured host with `host_cores` cores
+    from dataclasses import replace as _replace
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=2)
+    devs = [_replace(device(f"cpu:{i}", mem_bw=1e8), threads=1) for i in range(2)]
+    t = _replace(topology(devs, [link("cpu:0", "cpu:1", bw=1e6)]), measured={"host": {"cores": host_cores}})
+    pl = plan([(0.5, 1, [("cpu:0", 0, 4)]), (0.5, 1, [("cpu:1", 0, 4)])], 2,
+              granularity=granularity, bucket_bytes=10**6)
+    return simulate(pl, g, t)
+
+
+def test_gloo_allreduce_cannot_overlap_compute_when_the_workers_take_every_core():
+    # a spare core: fine sync overlaps backward as on GPUs (7.12 s)
+    assert _dp4_cpu("fine", host_cores=4).iteration_s == approx(7.0 + 0.12)
+    # no spare core: each all-reduce also holds the workers' compute queues, so fine sync
+    # serializes with backward: 2 s forward + 4 s backward + 4 x 1 s all-reduce + 0.12 s SGD
+    assert _dp4_cpu("fine", host_cores=2).iteration_s == approx(10.0 + 0.12)
+    assert _dp4_cpu("coarse", host_cores=2).iteration_s == approx(10.0 + 0.12)
