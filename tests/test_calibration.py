@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from planner.calibration import (Calibration, OptimizerFit, calibration_from_dict,
+from planner.calibration import (Calibration, calibration_from_dict,
                                  calibration_to_dict, contention_factor, fit_latency_bandwidth,
                                  fit_optimizer, memory_contention_factor, topology_calibration)
 from planner.cost import RooflineCost

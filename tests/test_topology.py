@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from planner.io import InputError
-from planner.topology import (Device, Link, Topology, load_topology, save_topology,
-                              topology_from_dict)
+from planner.topology import Device, Link, Topology, load_topology, save_topology
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "profiles" / "examples"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.json"))
