@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     os.environ["HETPLAN_CACHE_DIR"] = a.cache_dir
     if not a.keep_cache:
         (Path(a.cache_dir) / "layer_costs.json").unlink(missing_ok=True)
-    from planner.graph import capture_graph
+    from planner.partition import num_layers
     from planner.io import write_json_atomic
     from planner.topology import load_topology
     from planner.workload import load_workload
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     cpus = [d.name for d in topology.devices if d.kind == "cpu"]
     if len(cpus) < 2:
         p.error(f"{topo_path}: needs at least two CPU workers (hetplan profile --cpu-workers 2)")
-    layers = {w: capture_graph(load_workload(s["spec"], s["args"]), 1).num_layers
+    layers = {w: num_layers(load_workload(s["spec"], s["args"]), 1)
               for w, s in WORKLOADS.items()}
     plans = plan_set(layers, cpus)
     if a.only:

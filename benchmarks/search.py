@@ -96,11 +96,7 @@ def main() -> int:
     seeds = [0, 1] if args.quick else [0, 1, 2, 3, 4]
     big = 4000 if args.quick else 10000
     examples = ROOT / "profiles" / "examples"
-    try:
-        g12 = gpt_graph(32, 12)
-    except ImportError:
-        print("gpt: planner.graph.capture_graph not available; using a 12-layer synthetic graph", file=sys.stderr)
-        g12 = synthetic_graph(12, 32, d_model=768, seq=128)
+    g12 = gpt_graph(32, 12)
     for fname in ("workstation-gtx1650.json", "dgx-8gpu.json"):
         bench_case(f"gpt-12, batch 32, {fname}", g12, load_topology(examples / fname), seeds, big)
     g96 = synthetic_graph(96, 256)
