@@ -18,6 +18,7 @@ SCHEDULES = ("gpipe", "1f1b")
 GRANULARITIES = ("coarse", "fine")
 OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu")
+PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.precision)
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
 
@@ -87,6 +88,7 @@ class Plan:
     sync: Sync = Sync()
     optimizer: Optimizer = Optimizer()
     recompute: bool = False
+    precision: str = "fp32"            # one of PRECISIONS
     topology: TopologyRef | None = None
     predicted: Predicted | None = None
 
@@ -135,6 +137,8 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("optimizer.name", f"expected one of {', '.join(OPTIMIZERS)}, got {plan.optimizer.name!r}")
     if plan.optimizer.placement not in PLACEMENTS:
         raise err("optimizer.placement", f"expected one of {', '.join(PLACEMENTS)}, got {plan.optimizer.placement!r}")
+    if plan.precision not in PRECISIONS:
+        raise err("precision", f"expected one of {', '.join(PRECISIONS)}, got {plan.precision!r}")
     if not plan.optimizer.lr > 0:
         raise err("optimizer.lr", f"expected a positive number, got {plan.optimizer.lr}")
     L = num_layers if num_layers is not None else plan.num_layers
@@ -225,7 +229,8 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
                          extra={k: v for k, v in p.data.items() if k not in ("iteration_s", "peak_memory_bytes")})
     plan = Plan(model=model, global_batch=r.get("global_batch", int), replicas=tuple(replicas),
                 schedule=r.get("schedule", str, default="1f1b"), sync=sync, optimizer=opt,
-                recompute=r.get("recompute", bool, default=False), topology=topo, predicted=pred)
+                recompute=r.get("recompute", bool, default=False),
+                precision=r.get("precision", str, default="fp32"), topology=topo, predicted=pred)
     validate_plan(plan, file)
     return plan
 
@@ -247,6 +252,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out["optimizer"] = {"name": plan.optimizer.name, "lr": plan.optimizer.lr,
                         "placement": plan.optimizer.placement}
     out["recompute"] = plan.recompute
+    out["precision"] = plan.precision
     if plan.predicted is not None:
         out["predicted"] = {"iteration_s": plan.predicted.iteration_s,
                             "peak_memory_bytes": dict(plan.predicted.peak_memory_bytes),
@@ -275,4 +281,4 @@ def plan_key(plan: Plan) -> str:
 
 __all__ = ["Plan", "Replica", "Stage", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
            "validate_plan", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan", "plan_sha256",
-           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "OPTIMIZERS", "PLACEMENTS"]
+           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]

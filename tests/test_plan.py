@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from planner.io import InputError
-from planner.plan import (Plan, Predicted, TopologyRef, load_plan, plan_from_dict, plan_to_dict,
-                          save_plan, validate_plan)
+from planner.plan import (Plan, Predicted, TopologyRef, load_plan, plan_from_dict, plan_key,
+                          plan_to_dict, save_plan, validate_plan)
 
 BASE = {
     "schema": "hetplan.plan/1",
@@ -26,6 +26,7 @@ BASE = {
     "sync": {"granularity": "fine", "bucket_bytes": 100000},
     "optimizer": {"name": "adam", "lr": 0.001, "placement": "device"},
     "recompute": False,
+    "precision": "fp32",
     "predicted": {"iteration_s": 0.5, "peak_memory_bytes": {"cuda:0": 1.0e6}, "baselines": {"dp": 0.7}},
 }
 
@@ -38,6 +39,18 @@ def test_round_trip(tmp_path):
     assert load_plan(tmp_path / "p.json") == plan
     assert plan_to_dict(plan) == BASE
     assert plan.replica_batches() == [4, 12] and plan.replica_offsets() == [0, 4]
+
+
+def test_precision_round_trip_and_default(tmp_path):
+    d = copy.deepcopy(BASE)
+    del d["precision"]
+    assert plan_from_dict(d, "p.json").precision == "fp32"      # absent = fp32
+    d["precision"] = "bf16"
+    plan = plan_from_dict(d, "p.json")
+    save_plan(plan, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json") == plan and plan.precision == "bf16"
+    assert json.loads((tmp_path / "p.json").read_text())["precision"] == "bf16"
+    assert plan_key(plan) != plan_key(plan_from_dict(copy.deepcopy(BASE), "p.json"))
 
 
 def _set(d, path, value):
@@ -79,6 +92,8 @@ CASES = [
     ("schema", "hetplan.plan/2", "schema: expected 'hetplan.plan/1'"),
     ("model", _DEL, "model: missing"),
     ("recompute", "yes", "recompute: expected true or false"),
+    ("precision", "fp16", "precision: expected one of fp32, tf32, bf16, got 'fp16'"),
+    ("precision", 16, "precision: expected a string, got 16"),
 ]
 
 
@@ -140,6 +155,7 @@ def test_load_errors_name_the_file(tmp_path):
     ("{", "not valid JSON"),
     (json.dumps({**BASE, "schedule": "zb"}), "schedule: expected one of gpipe, 1f1b"),
     (json.dumps({**BASE, "global_batch": -3}), "global_batch: expected a positive integer"),
+    (json.dumps({**BASE, "precision": "fp64"}), "precision: expected one of fp32, tf32, bf16, got 'fp64'"),
 ])
 def test_cli_exits_2_with_one_line_on_malformed_plan(tmp_path, content, message):
     p = tmp_path / "plan.json"
