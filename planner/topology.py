@@ -39,10 +39,19 @@ class Device:
     op_overhead_s: float = 0.0     # fixed cost per operator launch
     threads: int | None = None     # intra-op threads (CPU workers)
     measured: dict[str, Any] = field(default_factory=dict, compare=True)  # tables from `profile`
+    # sustained matmul throughput per precision ("fp32", "tf32", "bf16"), measured by `profile`
+    matmul_flops_per_s_by_precision: dict[str, float] | None = None
 
     @property
     def node(self) -> str | None:
         return parse_device_name(self.name)[0]
+
+    def matmul_flops_per_s_at(self, precision: str) -> float:
+        """matmul_flops_per_s_by_precision[precision] when the device has that entry (tf32 on a
+        CPU reads the fp32 entry: planner.precision), else matmul_flops_per_s (what-if devices)."""
+        from planner.precision import matmul_precision
+        table = self.matmul_flops_per_s_by_precision or {}
+        return table.get(matmul_precision(self.kind, precision), self.matmul_flops_per_s)
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,7 @@ class Topology:
 
 # --- file format --------------------------------------------------------------------------
 _DEVICE_FIELDS = {"name", "kind", "threads", "memory_bytes", "matmul_flops_per_s",
-                  "memory_bytes_per_s", "op_overhead_s"}
+                  "memory_bytes_per_s", "op_overhead_s", "matmul_flops_per_s_by_precision"}
 _LINK_FIELDS = {"a", "b", "bandwidth_bytes_per_s", "latency_s"}
 
 
@@ -165,6 +174,7 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
             op_overhead_s=d.get("op_overhead_s", float, default=0.0, check=lambda v: v >= 0,
                                 expected="a non-negative number"),
             threads=d.get("threads", int, default=None, check=positive, expected="a positive integer"),
+            matmul_flops_per_s_by_precision=_by_precision(d),
             measured={k: v for k, v in d.data.items() if k not in _DEVICE_FIELDS},
         ))
     names = set()
@@ -190,6 +200,20 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
                     links=tuple(links), measured=extra)
 
 
+def _by_precision(d: Reader) -> dict[str, float] | None:
+    """The optional `matmul_flops_per_s_by_precision` object: precisions to positive numbers."""
+    from planner.plan import PRECISIONS
+    key = "matmul_flops_per_s_by_precision"
+    if not d.has(key):
+        return None
+    table = d.sub(key)
+    for k in table.data:
+        if k not in PRECISIONS:
+            raise table.error(k, f"expected a precision among {', '.join(PRECISIONS)} as key")
+    return {k: table.get(k, float, check=lambda v: v > 0, expected="a positive number")
+            for k in PRECISIONS if table.has(k)}
+
+
 def topology_to_dict(t: Topology) -> dict[str, Any]:
     devices = []
     for d in t.devices:
@@ -198,6 +222,8 @@ def topology_to_dict(t: Topology) -> dict[str, Any]:
             out["threads"] = d.threads
         out.update(memory_bytes=d.memory_bytes, matmul_flops_per_s=d.matmul_flops_per_s,
                    memory_bytes_per_s=d.memory_bytes_per_s, op_overhead_s=d.op_overhead_s)
+        if d.matmul_flops_per_s_by_precision is not None:
+            out["matmul_flops_per_s_by_precision"] = dict(d.matmul_flops_per_s_by_precision)
         out.update(d.measured)
         devices.append(out)
     links = [{"a": l.a, "b": l.b, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s,

@@ -108,7 +108,34 @@ MALFORMED = {
     "no_devices": (lambda d: d.update(devices=[]), "devices: expected a non-empty list"),
     "devices_not_a_list": (lambda d: d.update(devices={"cpu:0": {}}), "devices: expected a list"),
     "device_not_an_object": (lambda d: d["devices"].append(3), "devices[2]: expected an object"),
+    "unknown_precision": (lambda d: d["devices"][1].update(matmul_flops_per_s_by_precision={"fp8": 1e15}),
+                          "devices[1].matmul_flops_per_s_by_precision.fp8: expected a precision among "
+                          "fp32, tf32, bf16 as key"),
+    "precision_rate_not_positive": (
+        lambda d: d["devices"][1].update(matmul_flops_per_s_by_precision={"fp32": 1e12, "bf16": 0}),
+        "devices[1].matmul_flops_per_s_by_precision.bf16: expected a positive number, got 0"),
+    "precision_table_not_an_object": (
+        lambda d: d["devices"][0].update(matmul_flops_per_s_by_precision=[1e12]),
+        "devices[0].matmul_flops_per_s_by_precision: expected an object"),
 }
+
+
+def test_matmul_rate_by_precision_round_trips_and_falls_back(tmp_path):
+    data = copy.deepcopy(VALID)
+    data["devices"][0]["matmul_flops_per_s_by_precision"] = {"fp32": 4.0e11, "bf16": 1.1e12}
+    data["devices"][1]["matmul_flops_per_s_by_precision"] = {"fp32": 2.9e12, "tf32": 5e12}
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(data))
+    t = load_topology(p)
+    cpu, gpu = t.device("cpu:0"), t.device("cuda:0")
+    assert cpu.measured == {} and cpu.matmul_flops_per_s_at("bf16") == 1.1e12
+    assert cpu.matmul_flops_per_s_at("tf32") == 4.0e11      # no TF32 on a CPU: the fp32 entry
+    assert gpu.matmul_flops_per_s_at("tf32") == 5e12
+    assert gpu.matmul_flops_per_s_at("bf16") == 2.9e12      # no entry: matmul_flops_per_s
+    save_topology(t, tmp_path / "m2.json")
+    assert load_topology(tmp_path / "m2.json") == t
+    what_if = load_topology(EXAMPLES / "dgx-8gpu.json").device("cuda:0")
+    assert what_if.matmul_flops_per_s_at("bf16") == what_if.matmul_flops_per_s
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
