@@ -126,7 +126,8 @@ def baseline_strategies(space: Space, single_s: dict[str, float], shares: dict[s
     B = space.global_batch
     devs = space.devices[:B]                     # data parallelism needs a sample per replica
     out = []
-    dp = Strategy(tuple(Pipeline((d,), ()) for d in devs))
+    first = space.precisions[0]   # baselines are what a user runs by hand: the first precision
+    dp = Strategy(tuple(Pipeline((d,), ()) for d in devs), precision=first)
     if len(devs) > 1:
         out.append(("data parallel, equal shares", dp, proportional_batches(B, [1.0] * len(devs), [1] * len(devs))))
         speed = [1.0 / single_s[d] for d in devs]
@@ -134,13 +135,14 @@ def baseline_strategies(space: Space, single_s: dict[str, float], shares: dict[s
     gpus = [d for d in space.devices if space.kinds[d] == "cuda"][:B]
     if 1 < len(gpus) < len(space.devices):
         # what most users run on a GPU server: DDP over the GPUs, CPUs idle
-        out.append(("data parallel over GPUs", Strategy(tuple(Pipeline((d,), ()) for d in gpus)),
+        gpu_dp = Strategy(tuple(Pipeline((d,), ()) for d in gpus), precision=first)
+        out.append(("data parallel over GPUs", gpu_dp,
                     proportional_batches(B, [1.0] * len(gpus), [1] * len(gpus))))
     pipe_devs = space.devices[:min(space.num_layers, B)]
     if len(pipe_devs) > 1:
         p = balanced_pipeline(space, pipe_devs, single_s, shares, cut_s)
         m = realise_microbatches(p.microbatches, B, len(p.devices), "1f1b")
-        out.append(("balanced pipeline", Strategy((Pipeline(p.devices, p.cuts, m),)), (B,)))
+        out.append(("balanced pipeline", Strategy((Pipeline(p.devices, p.cuts, m),), precision=first), (B,)))
     return out
 
 
@@ -158,5 +160,6 @@ def hybrid_seeds(space: Space, single_s: dict[str, float], shares: dict[str, tup
             continue
         pipes = tuple(balanced_pipeline(space, space.devices[i * width:(i + 1) * width], single_s, shares, cut_s)
                       for i in range(k))
-        out.append(Strategy(tuple(Pipeline(p.devices, p.cuts, 2 * width) for p in pipes)))
+        out.append(Strategy(tuple(Pipeline(p.devices, p.cuts, 2 * width) for p in pipes),
+                            precision=space.precisions[0]))
     return out

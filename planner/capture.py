@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner import flops as F
 
 _FIELDS = ("fwd_flops", "bwd_flops", "output_bytes", "saved_bytes", "fwd_bytes_moved",
-           "bwd_bytes_moved", "fwd_n_ops", "bwd_n_ops")
+           "bwd_bytes_moved", "fwd_n_ops", "bwd_n_ops", "cast_param_bytes")
 
 
 class _Mode(TorchDispatchMode):
@@ -40,7 +40,8 @@ class _Mode(TorchDispatchMode):
 
 
 class Recorder:
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], forward_context=contextlib.nullcontext):
+        self.forward_context = forward_context  # () -> context each stage's forward runs in
         self.param_ptrs = {p.data_ptr() for p in params}
         # parameter-shaped tensors (weights, their transposes and gradients) are left out of
         # bytes moved so that it scales with the batch; an activation of exactly a parameter's
@@ -67,6 +68,8 @@ class Recorder:
 
     # called by the dispatch mode for every ATen call
     def charge(self, func, args, kwargs, out) -> None:
+        if self._cast_of_param(func, args, out):
+            return
         fl = F.op_flops(func, args, kwargs, out)
         if fl is None:
             fl = 0.0
@@ -89,6 +92,17 @@ class Recorder:
         e["bwd_flops"] += fl
         e["bwd_bytes_moved"] += moved
         e["bwd_n_ops"] += n
+
+    def _cast_of_param(self, func, args, out) -> bool:
+        """autocast's copy of a parameter (forward `_to_copy` of one): parameter-like, so its
+        result joins param_ptrs and its bytes are charged as cast_param_bytes, not moved."""
+        if (self._phase != "fwd" or func is not torch.ops.aten._to_copy.default or not args
+                or not isinstance(args[0], torch.Tensor) or args[0].data_ptr() not in self.param_ptrs):
+            return False
+        self.param_ptrs.add(out.data_ptr())
+        if self._current:
+            self._entry(self._current)["cast_param_bytes"] += out.numel() * out.element_size()
+        return True
 
     def _map_autograd(self, name: str, result) -> None:
         """Every autograd function created by this node's forward: walk back to known ones."""
@@ -136,7 +150,8 @@ class Recorder:
                 return result
 
         self._phase = "fwd"
-        with _Mode(self), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _Mode(self), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                self.forward_context():
             outs = Interp(stage).run(*inputs)
         self._current = None
         leaves = [t for t in pytree.tree_leaves(outs) if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -12,9 +12,13 @@ this machine, and the measured model slows CPU compute by the measured contentio
 several CPU workers of a host compute at once. Without one (what-if files) every figure is the
 contract's formula.
 
+Precision: a cost model prices the precision its graph was captured in (`graph.precision`):
+the roofline divides FLOPs by `Device.matmul_flops_per_s_at(precision)` and the bytes are those
+of the capture's dtypes; the measured model times the layers in that precision. A search over
+several precisions holds one graph and cost model per precision (planner.search).
+
 Not modelled: kernel fusion across layers, cache effects between consecutive layers, overlap
-of compute and communication on the same device (a transfer does not slow the compute queue),
-mixed precision (all bytes are as captured).
+of compute and communication on the same device (a transfer does not slow the compute queue).
 """
 from __future__ import annotations
 
@@ -30,27 +34,30 @@ OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 3.0, "adam": 7.0}
 OPTIMIZER_STATE_PER_PARAM_BYTE = {"sgd": 0.0, "adam": 2.0}
 
 
-def roofline_s(flops: float, bytes_moved: float, n_ops: int, device: Device) -> float:
-    """max(flops / matmul_flops_per_s, bytes_moved / memory_bytes_per_s) + n_ops * op_overhead_s."""
-    return (max(flops / device.matmul_flops_per_s, bytes_moved / device.memory_bytes_per_s)
+def roofline_s(flops: float, bytes_moved: float, n_ops: int, device: Device,
+               precision: str = "fp32") -> float:
+    """max(flops / matmul_flops_per_s_at(precision), bytes_moved / memory_bytes_per_s)
+    + n_ops * op_overhead_s."""
+    return (max(flops / device.matmul_flops_per_s_at(precision), bytes_moved / device.memory_bytes_per_s)
             + n_ops * device.op_overhead_s)
 
 
-def layer_fwd_s(layer: Layer, device: Device) -> float:
+def layer_fwd_s(layer: Layer, device: Device, precision: str = "fp32") -> float:
     """Forward time of `layer` (already scaled to the microbatch) on a what-if device.
 
     roofline_s(fwd_flops, fwd_bytes_moved + param_bytes, n_ops): the activations the ops read
     and write plus one read of the parameters."""
-    return roofline_s(layer.fwd_flops, layer.fwd_bytes_moved + layer.param_bytes, layer.n_ops, device)
+    return roofline_s(layer.fwd_flops, layer.fwd_bytes_moved + layer.param_bytes, layer.n_ops, device,
+                      precision)
 
 
-def layer_bwd_s(layer: Layer, device: Device) -> float:
+def layer_bwd_s(layer: Layer, device: Device, precision: str = "fp32") -> float:
     """Backward time of `layer` (scaled to the microbatch) on a what-if device.
 
     roofline_s(bwd_flops, bwd_bytes_moved + 2 * param_bytes, bwd_n_ops): activation traffic
     plus reading the parameters and writing (accumulating) their gradients."""
     return roofline_s(layer.bwd_flops, layer.bwd_bytes_moved + 2 * layer.param_bytes,
-                      layer.bwd_n_ops, device)
+                      layer.bwd_n_ops, device, precision)
 
 
 def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:
@@ -75,7 +82,7 @@ def host_cpu(topology: Topology, device: str) -> str:
 
 
 class CostModel:
-    """Precomputed layer costs for one graph on one topology.
+    """Precomputed layer costs for one graph on one topology, in the graph's precision.
 
     Subclasses provide `layer_times(device, batch) -> (fwd_s list, bwd_s list)` per layer at a
     microbatch of `batch` samples; this class caches prefix sums so that the time of any layer
@@ -84,6 +91,7 @@ class CostModel:
 
     def __init__(self, graph: ModelGraph, topology: Topology):
         self.graph, self.topology = graph, topology
+        self.precision = graph.precision
         self.calibration = topology_calibration(topology)
         self._prefix: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._layer: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
@@ -177,12 +185,13 @@ class CostModel:
 
 
 class RooflineCost(CostModel):
-    """The contract's what-if model: every layer by `layer_fwd_s` / `layer_bwd_s`."""
+    """The contract's what-if model: every layer by `layer_fwd_s` / `layer_bwd_s` at the
+    graph's precision."""
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
-        ratio = batch / self.graph.batch
+        ratio, p = batch / self.graph.batch, self.precision
         scaled = [l.scaled(ratio) for l in self.graph.layers]
-        return [layer_fwd_s(l, device) for l in scaled], [layer_bwd_s(l, device) for l in scaled]
+        return [layer_fwd_s(l, device, p) for l in scaled], [layer_bwd_s(l, device, p) for l in scaled]
 
 
 __all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "optimizer_s", "host_cpu", "CostModel",

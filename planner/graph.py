@@ -30,6 +30,8 @@ class Layer:
     bwd_n_ops: int             # backward operator count
     param_names: tuple[str, ...] = ()   # fully qualified parameter names owned by the layer
     signature: str = ""        # stable key of the layer's ops and shapes (cost cache key)
+    cast_param_bytes: int = 0  # autocast's low-precision copies of parameters, per forward
+                               # (held for backward; parameter-like: do not scale with batch)
 
     def scaled(self, ratio: float) -> "Layer":
         """The same layer at batch * ratio: activation-like fields scale, parameters do not."""
@@ -49,6 +51,8 @@ class ModelGraph:
                                            # every live value, so skip connections are included
     ops: nx.DiGraph = field(default_factory=nx.DiGraph, compare=False, repr=False)
     info: dict[str, Any] = field(default_factory=dict, compare=False)  # capture method, warnings
+    precision: str = "fp32"                # what the capture ran in (planner.precision): bytes
+                                           # are of the dtypes autocast gives
 
     @property
     def num_layers(self) -> int:
@@ -71,12 +75,17 @@ class ModelGraph:
 # being interpreted, backward calls to the node whose autograd function is running.
 # Not modelled: parameters are left out of bytes moved (weights are read from fast memory in
 # the roofline), so bytes moved scale with the batch; the optimizer step is not part of a layer.
+# Precision: the forward runs under planner.precision.autocast (backward outside it, as in
+# training), so a bf16 graph's activation, saved and cut bytes are of the dtypes autocast really
+# gives. autocast's bf16 copies of parameters are parameter-like (they do not scale with the
+# batch): they are left out of saved bytes and bytes moved and counted in Layer.cast_param_bytes.
 
 _PRINTED_WARNINGS: set[str] = set()
 
 
-def capture_graph(workload, batch: int) -> ModelGraph:
-    """Capture `workload.model` at `batch` samples (inputs from `make_batch(batch, 0)`).
+def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
+    """Capture `workload.model` at `batch` samples (inputs from `make_batch(batch, 0)`), its
+    forward run in `precision` (planner.precision.autocast on the CPU).
 
     The model's state is left as it was: RNG, buffers (BatchNorm statistics) and gradients are
     restored after the measuring run.
@@ -88,11 +97,12 @@ def capture_graph(workload, batch: int) -> ModelGraph:
 
     from planner import partition
     from planner.capture import Recorder, preserved
+    from planner.precision import autocast
 
     model = workload.model
     tr, stages = partition.traced_stages(workload, None, batch)
     inputs = partition.example_inputs(workload, batch)
-    rec = Recorder(list(model.parameters()))
+    rec = Recorder(list(model.parameters()), forward_context=lambda: autocast("cpu", precision))
     with preserved(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         cut_bytes = [rec.bytes_of(inputs)]
@@ -109,7 +119,8 @@ def capture_graph(workload, batch: int) -> ModelGraph:
             print(f"hetplan: warning: {w}", file=sys.stderr)
     info = {"method": tr.method, "dynamic_batch": tr.dynamic_batch, "warnings": warnings,
             "unattributed_bwd_flops": rec.unattributed_bwd_flops}
-    return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info)
+    return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info,
+                      precision=precision)
 
 
 def _layers(tr, stages, rec) -> list[Layer]:
@@ -131,7 +142,7 @@ def _layers(tr, stages, rec) -> list[Layer]:
             bwd_bytes_moved=tot("bwd_bytes_moved") + rec.stage_extra[k]["bwd_bytes_moved"],
             n_ops=int(tot("fwd_n_ops")), bwd_n_ops=int(tot("bwd_n_ops") + rec.stage_extra[k]["bwd_n_ops"]),
             param_names=tuple(nm for nm, _ in params),
-            signature=_signature(names, rec)))
+            signature=_signature(names, rec), cast_param_bytes=int(tot("cast_param_bytes"))))
     return out
 
 

@@ -10,7 +10,11 @@ Batch sizes: with `exact=True` (what `simulate` uses) the requested microbatch s
 as is; otherwise the two powers of two around it are measured and the time is interpolated
 linearly (what a search that asks for many sizes wants). Results are cached on disk in
 `$HETPLAN_CACHE_DIR/layer_costs.json` (default `.hetplan-cache/`), keyed by host, layer
-signature, device kind, threads and batch size.
+signature, device kind, threads, batch size and precision.
+
+Precision: the graph's (`graph.precision`). Each layer's forward, and the loss's, runs under
+planner.precision.autocast(device type, precision), its backward outside it, as in training;
+the next layer is fed the outputs autocast gives (bf16 activations under bf16).
 
 The first layer's input is the model's data and is timed without its gradient (the runtime
 computes none): with it, the cnn's first convolution's backward cost twice the runtime's and the
@@ -31,6 +35,7 @@ keeps both workers of a 2-core machine busy is predicted as it runs. Without a c
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -42,6 +47,7 @@ from pathlib import Path
 
 from planner.cost import CostModel, RooflineCost
 from planner.io import write_json_atomic
+from planner.precision import autocast, matmul_precision
 from planner.topology import Device, Topology
 
 
@@ -80,7 +86,9 @@ class MeasuredCost(CostModel):
         # The first layer is timed without the gradient of its input (the model's data), so it
         # never shares an entry with an identical later layer.
         first = "|first" if i == 0 else ""
-        return f"{socket.gethostname()}|{sig}|{device.kind}|{device.threads}|{batch}|loss{first}"
+        p = matmul_precision(device.kind, self.precision)   # tf32 on a CPU is fp32
+        prec = "" if p == "fp32" else f"|{p}"                # fp32 keys as before precision existed
+        return f"{socket.gethostname()}|{sig}|{device.kind}|{device.threads}|{batch}|loss{first}{prec}"
 
     def _load_disk(self) -> dict[str, list[float]]:
         if self._disk is None:
@@ -118,6 +126,7 @@ class MeasuredCost(CostModel):
         elif device.threads:
             torch.set_num_threads(device.threads)
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        in_precision = lambda: autocast(dev.type, self.precision)  # noqa: E731
         fwd, bwd = [], []
         try:
             inputs, target = self.workload.make_batch(batch, 0)
@@ -125,10 +134,10 @@ class MeasuredCost(CostModel):
             for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
                 # the model's input is data: as in the runtime, no gradient is computed for it
                 x = tuple(t.detach().requires_grad_(i > 0 and t.is_floating_point()) for t in x)
-                f_s, b_s = self._time_layer(stage, x, sync)
+                f_s, b_s = self._time_layer(stage, x, sync, in_precision)
                 fwd.append(f_s)
                 bwd.append(b_s)
-                with torch.no_grad():
+                with torch.no_grad(), in_precision():
                     x = as_tuple(stage(*x))
         finally:
             torch.set_num_threads(old_threads)
@@ -144,7 +153,8 @@ class MeasuredCost(CostModel):
         self._save_disk(entries)
         return _from_entries(keys, entries)
 
-    def _time_layer(self, stage, x, sync) -> tuple[float, float]:
+    def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext) -> tuple[float, float]:
+        """Median (forward, backward) seconds; the forward runs in `in_precision()`."""
         import torch
 
         def timed(fn):
@@ -157,7 +167,8 @@ class MeasuredCost(CostModel):
         f_times, b_times = [], []
         for rep in range(self.warmup + self.repeats):
             stage.zero_grad(set_to_none=True)
-            f_s, out = timed(lambda: as_tuple_out(stage(*x)))
+            with in_precision():
+                f_s, out = timed(lambda: as_tuple_out(stage(*x)))
             outs = [o for o in out if o.requires_grad]
             b_s = 0.0
             if outs:

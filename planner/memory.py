@@ -11,6 +11,10 @@ microbatches, stage index s):
   microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m).
   With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
   microbatch, plus one microbatch's full saved activations while it is recomputed.
+* precision: the graph was captured in the plan's precision, so saved bytes are of the dtypes
+  autocast gives (bf16 activations are half of fp32's); parameters, gradients and optimizer state
+  stay fp32. Under bf16 each microbatch in flight also holds autocast's bf16 copies of the
+  stage's weights (Layer.cast_param_bytes, not scaled by mb; one set under recompute).
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -36,11 +40,13 @@ def activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) 
     st = rep.stages[stage]
     mb = plan.replica_batches()[rep_index] / rep.microbatches
     ratio = mb / graph.batch
-    one_mb = sum(graph.layers[i].saved_bytes for i in range(st.start, st.end)) * ratio
+    layers = graph.layers[st.start:st.end]
+    one_mb = sum(l.saved_bytes for l in layers) * ratio
+    casts = sum(l.cast_param_bytes for l in layers)
     n = in_flight(plan.schedule, len(rep.stages), stage, rep.microbatches)
     if plan.recompute:
-        return n * graph.cut_bytes_at(st.start, mb) + one_mb
-    return n * one_mb
+        return n * graph.cut_bytes_at(st.start, mb) + one_mb + casts
+    return n * (one_mb + casts)
 
 
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:

@@ -55,7 +55,8 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     """Validate `plan` against `topology` and its model's graph, and simulate one iteration.
 
     The graph is captured at the largest microbatch of the plan (activation quantities scale
-    linearly with the batch from there). Returns planner.simulator.SimResult."""
+    linearly with the batch from there), in the plan's precision. Returns
+    planner.simulator.SimResult."""
     from planner.graph import capture_graph
     from planner.plan import validate_plan
     from planner.simulator import Simulator
@@ -65,7 +66,7 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     validate_plan(plan, str(plan_path), None, names)   # before the (slower) capture
     workload = load_plan_workload(plan.model, str(plan_path))
     batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
-    graph = capture_graph(workload, batch)
+    graph = capture_graph(workload, batch, plan.precision)
     validate_plan(plan, str(plan_path), graph.num_layers, names)
     cost = cost_model(graph, topology, workload)
     try:

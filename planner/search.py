@@ -166,7 +166,9 @@ class Searcher:
     # --- the walk -----------------------------------------------------------------------------
     def baselines(self) -> list[Candidate]:
         space = self.p.space
-        singles = [self.evaluate(to_plan(space, Strategy((Pipeline((d,), ()),)), (space.global_batch,)),
+        first = space.precisions[0]
+        singles = [self.evaluate(to_plan(space, Strategy((Pipeline((d,), ()),), precision=first),
+                                         (space.global_batch,)),
                                  name=f"single device {d}") for d in space.devices]
         single_s = self._single_s = {c.plan.devices[0]: c.iteration_s for c in singles}
         feasible = [c for c in singles if c.feasible]
@@ -268,16 +270,18 @@ class _Rejected:
 
 
 def make_space(topology, num_layers: int, global_batch: int, model, optimizer_name: str,
-               lr: float) -> Space:
+               lr: float, precisions: tuple[str, ...] = ("fp32",)) -> Space:
     from planner.baselines import device_order
     kinds = {d.name: d.kind for d in topology.devices}
     return Space(devices=device_order(list(kinds), kinds), kinds=kinds, num_layers=num_layers,
-                 global_batch=global_batch, model=model, optimizer_name=optimizer_name, lr=lr)
+                 global_batch=global_batch, model=model, optimizer_name=optimizer_name, lr=lr,
+                 precisions=tuple(precisions))
 
 
 def simulator_problem(simulator, space: Space) -> Problem:
-    """A Problem over planner.simulator.Simulator: its cost model gives the layer shares (at
-    the global batch), the topology the activation transfer at each cut (forward + backward)."""
+    """A Problem over planner.simulator.Simulator (or ByPrecision): its cost model gives the layer
+    shares (at the global batch), the topology the activation transfer at each cut (forward +
+    backward); with ByPrecision both are the first precision's, as are the baselines."""
     graph, topology, cost = simulator.graph, simulator.topology, simulator.cost
     B = space.global_batch
     shares = {}
@@ -304,26 +308,40 @@ def simulator_problem(simulator, space: Space) -> Problem:
 CAPTURE_BATCH = 8   # graphs for planning are captured at min(global batch, this) and scaled
 
 
-def plan_problem(workload, model, global_batch: int, topology, optimizer_name: str, lr: float):
+def plan_problem(workload, model, global_batch: int, topology, optimizer_name: str, lr: float,
+                 precisions: tuple[str, ...] = ("fp32",)):
     """(graph, problem) for planning `workload` on `topology`: the operator graph captured at
-    min(global_batch, CAPTURE_BATCH) samples (FLOPs and activations scale linearly with the
-    batch), the strategy space, and the simulator with the cost model the topology calls for
-    (measured on a profile of this machine, else the contract's roofline)."""
+    min(global_batch, CAPTURE_BATCH) samples in each allowed precision (FLOPs and activations
+    scale linearly with the batch), the strategy space, and one simulator per precision with the
+    cost model the topology calls for (measured on a profile of this machine, else the contract's
+    roofline). The graph returned is the first precision's."""
     from planner.graph import capture_graph
     from planner.prediction import cost_model
-    from planner.simulator import Simulator
+    from planner.simulator import ByPrecision, Simulator
 
-    graph = capture_graph(workload, min(global_batch, CAPTURE_BATCH))
-    space = make_space(topology, graph.num_layers, global_batch, model, optimizer_name, lr)
-    return graph, simulator_problem(Simulator(graph, topology, cost_model(graph, topology, workload)), space)
+    sims = {}
+    for p in precisions:
+        graph = capture_graph(workload, min(global_batch, CAPTURE_BATCH), p)
+        sims[p] = Simulator(graph, topology, cost_model(graph, topology, workload))
+    first = sims[precisions[0]].graph
+    space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions)
+    return first, simulator_problem(ByPrecision(sims), space)
 
 
 def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate]:
-    """The baselines `hetplan plan` evaluated for this plan's workload, batch and optimizer,
-    regenerated as plans (the plan file stores only their predicted figures)."""
+    """The baselines `hetplan plan` evaluated for this plan's workload, batch, optimizer and
+    first allowed precision (`predicted.search.precisions`, else the plan's), regenerated as
+    plans (the plan file stores only their predicted figures)."""
+    from planner.io import InputError
+    from planner.plan import PRECISIONS
     from planner.workload import load_plan_workload
 
+    searched = plan.predicted.extra.get("search") if plan.predicted else None
+    allowed = searched.get("precisions", [plan.precision]) if isinstance(searched, dict) else [plan.precision]
+    if not (isinstance(allowed, list) and allowed and all(a in PRECISIONS for a in allowed)):
+        raise InputError(f"{file}: predicted.search.precisions: expected a non-empty list of "
+                         f"{', '.join(PRECISIONS)}, got {str(allowed)[:60]}")
     workload = load_plan_workload(plan.model, file)
     _, problem = plan_problem(workload, plan.model, plan.global_batch, topology,
-                              plan.optimizer.name, plan.optimizer.lr)
+                              plan.optimizer.name, plan.optimizer.lr, (allowed[0],))
     return Searcher(problem, random.Random(0)).baselines()

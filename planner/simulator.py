@@ -71,8 +71,13 @@ def _schedule(name: str, stages: int, microbatches: int):
     return make_schedule(name, stages, microbatches)
 
 
+class PrecisionMismatch(RuntimeError):
+    """A plan simulated on a graph captured in another precision (a caller's mistake)."""
+
+
 class Simulator:
-    """Simulates plans of one graph on one topology; costs, routes and task graphs are cached."""
+    """Simulates plans of one graph on one topology, in the precision the graph was captured in;
+    costs, routes and task graphs are cached."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True):
@@ -376,6 +381,9 @@ class Simulator:
 
     # --- entry point -------------------------------------------------------------------------
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
+        if plan.precision != self.graph.precision:
+            raise PrecisionMismatch(f"the plan's precision is {plan.precision} but the graph was "
+                                    f"captured in {self.graph.precision} (see ByPrecision)")
         key = (plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
                plan.recompute)
         if not trace and key in self._cache:
@@ -465,13 +473,27 @@ def _name(parts: Any) -> str:
     return f"{r}:{what} {a}->{b} mb{i}"
 
 
+class ByPrecision:
+    """Simulators of one workload on one topology, one per precision (each on the graph captured
+    in it): `simulate(plan)` uses the plan's. `graph`, `topology` and `cost` are the first
+    precision's (the search draws its heuristics' layer shares and cut sizes from them)."""
+
+    def __init__(self, simulators: dict[str, Simulator]):
+        self.simulators = dict(simulators)
+        first = next(iter(self.simulators.values()))
+        self.graph, self.topology, self.cost = first.graph, first.topology, first.cost
+
+    def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
+        return self.simulators[plan.precision].simulate(plan, trace=trace)
+
+
 def simulate(plan: Plan, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
              trace: bool = False) -> SimResult:
     """One-shot simulation (builds a fresh `Simulator`; reuse one for many plans)."""
     return Simulator(graph, topology, cost).simulate(plan, trace=trace)
 
 
-__all__ = ["SimResult", "Simulator", "simulate"]
+__all__ = ["SimResult", "Simulator", "ByPrecision", "PrecisionMismatch", "simulate"]
 
 
 def saturated_cpus(topology: Topology) -> frozenset[str]:

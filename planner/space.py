@@ -2,7 +2,7 @@
 
 A `Strategy` is a plan without its batch split: which devices form which pipelines, where the
 stage boundaries are, the desired microbatch count of each pipeline, and the global choices
-(schedule, sync granularity and bucket size, optimizer placement, recompute). A plan is a
+(schedule, sync granularity and bucket size, optimizer placement, recompute, precision). A plan is a
 strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
 search solve it directly (planner.search.solve_batches) instead of random-walking fractions.
 
@@ -37,6 +37,8 @@ class Space:
     schedules: tuple[str, ...] = ("1f1b", "gpipe")
     granularities: tuple[str, ...] = ("fine", "coarse")
     recompute_choices: tuple[bool, ...] = (False, True)
+    precisions: tuple[str, ...] = ("fp32",)  # what the user allows (`plan --precision`); the
+                                             # baselines use the first
     max_microbatches: int = 64             # more microbatches than this only add overhead
 
     @property
@@ -68,6 +70,7 @@ class Strategy:
     bucket_bytes: int = 25 * MiB
     placement: str = "device"
     recompute: bool = False
+    precision: str = "fp32"
 
     @property
     def used(self) -> frozenset[str]:
@@ -93,7 +96,10 @@ def realise_microbatches(desired: int, batch: int, stages: int, schedule: str) -
 def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> Plan:
     """The plan of strategy `s` with replica batches `batches` (summing to the global batch).
 
-    Fractions are b / B, so round(fraction * B) gives back b exactly."""
+    Fractions are b / B, so round(fraction * B) gives back b exactly. Raises ValueError when
+    `s.precision` is not one the space allows (a precision is never chosen silently)."""
+    if s.precision not in space.precisions:
+        raise ValueError(f"precision {s.precision!r} is not allowed here ({', '.join(space.precisions)})")
     B = space.global_batch
     replicas = []
     for p, b in zip(s.pipelines, batches, strict=True):
@@ -103,7 +109,7 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
                 sync=Sync(s.granularity, s.bucket_bytes),
                 optimizer=Optimizer(space.optimizer_name, space.lr, s.placement),
-                recompute=s.recompute)
+                recompute=s.recompute, precision=s.precision)
 
 
 def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
@@ -111,7 +117,7 @@ def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
     pipes = tuple(Pipeline(devices=r.devices, cuts=tuple(st.start for st in r.stages[1:]),
                            microbatches=r.microbatches) for r in plan.replicas)
     s = Strategy(pipes, plan.schedule, plan.sync.granularity, plan.sync.bucket_bytes,
-                 plan.optimizer.placement, plan.recompute)
+                 plan.optimizer.placement, plan.recompute, plan.precision)
     return s, tuple(plan.replica_batches())
 
 
@@ -262,10 +268,14 @@ def _other(choices: tuple, current, rng: random.Random):
 
 
 def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
-    """Change one global choice: schedule, sync granularity, bucket size, placement, recompute."""
-    name, choices = rng.choice((("schedule", space.schedules), ("granularity", space.granularities),
-                                ("bucket_bytes", space.bucket_choices_bytes),
-                                ("placement", space.placements), ("recompute", space.recompute_choices)))
+    """Change one global choice: schedule, sync granularity, bucket size, placement, recompute,
+    and precision when the space allows more than one."""
+    options = (("schedule", space.schedules), ("granularity", space.granularities),
+               ("bucket_bytes", space.bucket_choices_bytes),
+               ("placement", space.placements), ("recompute", space.recompute_choices))
+    if len(space.precisions) > 1:   # else the walk draws exactly as before precision existed
+        options += (("precision", space.precisions),)
+    name, choices = rng.choice(options)
     v = _other(tuple(choices), getattr(s, name), rng)
     return None if v is None else replace(s, **{name: v})
 
@@ -321,11 +331,11 @@ def enumerate_plans(space: Space) -> Iterator[Plan]:
     counts and global choices). Exponential: meant for <= 3 devices and a few layers."""
     L, B = space.num_layers, space.global_batch
     globals_ = list(itertools.product(space.schedules, space.granularities, space.bucket_choices_bytes,
-                                      space.placements, space.recompute_choices))
+                                      space.placements, space.recompute_choices, space.precisions))
     for groups in _pipeline_groupings(space.devices):
         cut_sets = [list(itertools.combinations(range(1, L), len(g) - 1)) for g in groups]
         for cuts in itertools.product(*cut_sets):
-            for sched, gran, bucket, place, rec in globals_:
+            for sched, gran, bucket, place, rec, prec in globals_:
                 pipes = tuple(Pipeline(g, c) for g, c in zip(groups, cuts))
                 lows = [min_batch(p, sched) for p in pipes]
                 if sum(lows) > B:
@@ -335,5 +345,5 @@ def enumerate_plans(space: Space) -> Iterator[Plan]:
                     mb_sets = [[m for m in range(lo, b + 1) if b % m == 0] for lo, b in zip(low, batches)]
                     for mbs in itertools.product(*mb_sets):
                         s = Strategy(tuple(replace(p, microbatches=m) for p, m in zip(pipes, mbs)),
-                                     sched, gran, bucket, place, rec)
+                                     sched, gran, bucket, place, rec, prec)
                         yield to_plan(space, s, batches)
