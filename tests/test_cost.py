@@ -86,3 +86,28 @@ def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
     again = MeasuredCost(g, t, w, repeats=2)
     monkeypatch.setattr(again, "_time_layer", lambda *a: pytest.fail("re-measured a cached layer"))
     assert again.layer_times(t.device("cpu:0"), 4) == (f, b)
+
+
+def test_roofline_prices_the_graphs_precision_from_the_device_table():
+    from dataclasses import replace
+
+    from planner.plan import ModelRef, Plan, Replica, Stage
+    from planner.simulator import ByPrecision, PrecisionMismatch, Simulator
+    fast_bf16 = replace(device("cpu:0", flops=1e9), matmul_flops_per_s_by_precision={"fp32": 1e9, "bf16": 4e9})
+    what_if = device("cpu:0", flops=1e9)                      # no table: matmul_flops_per_s for all
+    l = layer(0, fwd_flops=4e9, bwd_flops=8e9)
+    assert roofline_s(4e9, 0, 0, fast_bf16, "bf16") == pytest.approx(1.0)
+    assert layer_fwd_s(l, fast_bf16, "bf16") == pytest.approx(1.0)              # 4e9 / 4e9
+    assert layer_bwd_s(l, fast_bf16, "bf16") == pytest.approx(2.0)              # 8e9 / 4e9
+    assert layer_fwd_s(l, fast_bf16, "fp32") == layer_fwd_s(l, what_if, "bf16") == pytest.approx(4.0)
+    g32 = graph([l], batch=2)
+    g16 = replace(g32, precision="bf16")
+    t = topology([fast_bf16])
+    assert RooflineCost(g16, t).fwd_s("cpu:0", 0, 1, 1) == pytest.approx(0.5)   # half the batch
+    assert RooflineCost(g32, t).fwd_s("cpu:0", 0, 1, 1) == pytest.approx(2.0)
+    one = Plan(ModelRef("synthetic"), 2, (Replica(1.0, 1, (Stage("cpu:0", (0, 1)),)),), precision="bf16")
+    sims = ByPrecision({"fp32": Simulator(g32, t), "bf16": Simulator(g16, t)})
+    assert sims.simulate(one).iteration_s == pytest.approx(1.0 + 2.0)            # 2 samples in bf16
+    assert sims.simulate(replace(one, precision="fp32")).iteration_s == pytest.approx(4.0 + 8.0)
+    with pytest.raises(PrecisionMismatch, match="captured in fp32"):
+        Simulator(g32, t).simulate(one)

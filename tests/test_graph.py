@@ -114,6 +114,28 @@ def test_op_graph_nodes_and_edges():
     assert nx.is_directed_acyclic_graph(g.ops)
 
 
+def test_bf16_capture_halves_activations_and_keeps_weight_casts_apart():
+    from planner.memory import activation_bytes
+    from planner.plan import ModelRef, Plan, Replica, Stage
+    w = load_workload("mlp", {"hidden": 16, "depth": 3})   # every parameter belongs to a Linear
+    g32, g16 = capture_graph(w, 8), capture_graph(w, 8, "bf16")
+    assert g32.precision == "fp32" and g16.precision == "bf16"
+    assert [l.fwd_flops for l in g16.layers] == [l.fwd_flops for l in g32.layers]
+    assert [l.param_bytes for l in g16.layers] == [l.param_bytes for l in g32.layers]   # fp32 masters
+    # autocast casts every Linear's input, output, weight and bias to bf16: half the bytes
+    assert [2 * l.saved_bytes for l in g16.layers] == [l.saved_bytes for l in g32.layers]
+    assert [2 * c for c in g16.cut_bytes[1:]] == list(g32.cut_bytes[1:])   # the input stays fp32
+    assert [l.cast_param_bytes for l in g32.layers] == [0] * 4
+    assert [2 * l.cast_param_bytes for l in g16.layers] == [l.param_bytes for l in g16.layers]
+    # memory model, one device, GPipe, 2 microbatches of 32 (4x the capture batch) in flight:
+    # fp32: 2 * saved * 4; bf16: 2 * (saved / 2 * 4 + param_bytes / 2) (the bf16 weight copies)
+    plan = Plan(ModelRef("mlp"), 64, (Replica(1.0, 2, (Stage("cpu:0", (0, 4)),)),), schedule="gpipe")
+    saved = sum(l.saved_bytes for l in g32.layers)
+    params = sum(l.param_bytes for l in g32.layers)
+    assert activation_bytes(plan, g32, 0, 0) == 2 * saved * 4 == 225280
+    assert activation_bytes(plan, g16, 0, 0) == 2 * (saved // 2 * 4 + params // 2) == 165736
+
+
 def test_bad_batch():
     with pytest.raises(InputError):
         capture_graph(load_workload("mlp", {"hidden": 8, "depth": 1}), 0)

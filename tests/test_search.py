@@ -20,7 +20,7 @@ from planner.baselines import partition_min_max, proportional_batches
 from planner.plan import ModelRef, validate_plan
 from planner.search import Problem, SearchConfig, Searcher, search
 from planner.space import (Pipeline, Space, Strategy, enumerate_plans, propose, realise_microbatches,
-                           to_plan)
+                           to_plan, toggle_global)
 
 # --- a toy analytic cost model --------------------------------------------------------------
 WORK = (1.0, 2.0, 2.0, 2.0, 2.0, 1.0)        # seconds per sample per unit-speed device, per layer
@@ -283,3 +283,56 @@ def test_cli_too_small_topology_and_bad_flags_exit_2(tmp_path):
     for flags in (["--batch", "0"], ["--batch", "4", "--time-limit", "0"]):
         r = _hetplan("plan", "--model", "mlp", "--topology", "tiny.json", *flags, cwd=tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def _write_bf16_topology(path: Path) -> None:
+    """Compute-bound what-if devices whose bf16 matmuls are 4x their fp32 ones."""
+    table = {"fp32": 2e9, "bf16": 8e9}
+    save_topology(Topology("bf16-what-if", (
+        Device("cpu:0", "cpu", 64e9, 2e9, 1e13, 0.0, threads=4, matmul_flops_per_s_by_precision=table),
+        Device("cpu:1", "cpu", 64e9, 2e9, 1e13, 0.0, threads=4, matmul_flops_per_s_by_precision=table)),
+        (Link("cpu:0", "cpu:1", 1e10, 1e-5),)), path)
+
+
+def test_cli_precision_is_chosen_only_among_the_allowed(tmp_path):
+    _write_bf16_topology(tmp_path / "t.json")
+    base = ["plan", "--model", "mlp", "--model-arg", "hidden=256", "--batch", "16", "--topology", "t.json",
+            "--iterations", "200", "--json"]
+    r = _hetplan(*base, "-o", "default.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert load_plan(tmp_path / "default.json").precision == "fp32"   # never chosen silently
+    r = _hetplan(*base, "--precision", "fp32,bf16", "-o", "mixed.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(tmp_path / "mixed.json")
+    fp32_s = load_plan(tmp_path / "default.json").predicted.iteration_s
+    assert plan.precision == "bf16" and plan.predicted.iteration_s < fp32_s / 2
+    assert plan.predicted.extra["search"]["precisions"] == ["fp32", "bf16"]
+    # the baselines are fp32 (the first listed): the same figures as without --precision
+    default_bases = load_plan(tmp_path / "default.json").predicted.extra["baselines"]
+    assert plan.predicted.extra["baselines"] == default_bases
+
+
+def test_cli_unknown_precision_exits_2_with_one_line(tmp_path):
+    _write_bf16_topology(tmp_path / "t.json")
+    for value in ("fp64", "fp32,fp32", "fp32,"):
+        r = _hetplan("plan", "--model", "mlp", "--batch", "16", "--topology", "t.json",
+                     "--precision", value, "-o", "p.json", cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "--precision" in lines[0], r.stderr
+        assert "fp32, tf32, bf16" in lines[0] and repr(value) in lines[0]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_precision_is_a_global_choice_only_when_several_are_allowed():
+    kw = dict(devices=("cpu:0", "cpu:1"), kinds={"cpu:0": "cpu", "cpu:1": "cpu"}, num_layers=2,
+              global_batch=2, model=ModelRef("toy"), bucket_choices_bytes=(2**20,), schedules=("gpipe",),
+              granularities=("fine",), recompute_choices=(False,))
+    two = Space(**kw, precisions=("fp32", "bf16"))
+    plans = list(enumerate_plans(two))
+    assert len(plans) == 18 and {p.precision for p in plans} == {"fp32", "bf16"}  # 9 per precision
+    s = Strategy((Pipeline(("cpu:0",), ()),))
+    assert {(toggle_global(two, s, random.Random(i)) or s).precision for i in range(50)} == {"fp32", "bf16"}
+    one = Space(**kw)   # fp32 only: no move ever changes the precision, to_plan refuses another
+    assert all((toggle_global(one, s, random.Random(i)) or s).precision == "fp32" for i in range(50))
+    with pytest.raises(ValueError, match="precision 'bf16' is not allowed"):
+        to_plan(one, Strategy((Pipeline(("cpu:0",), ()),), precision="bf16"), (2,))

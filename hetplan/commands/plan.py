@@ -24,6 +24,9 @@ def add_arguments(p):
                    help="wall-clock cap in seconds (default 10); a safety net, not the usual stop")
     p.add_argument("--optimizer", choices=("sgd", "adam"), help="default: the workload's optimizer")
     p.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
+    p.add_argument("--precision", default="fp32", metavar="LIST",
+                   help="comma-separated precisions the search may choose from, among fp32, tf32, "
+                        "bf16 (default fp32); baselines use the first")
     p.add_argument("-o", "--output", default="plan.json", metavar="PLAN", help="plan file to write (default plan.json)")
 
 
@@ -37,6 +40,18 @@ def _check_flags(args) -> None:
         raise InputError(f"--iterations: expected a positive integer, got {args.iterations}")
     if args.lr is not None and not 0 < args.lr < float("inf"):
         raise InputError(f"--lr: expected a positive number, got {args.lr}")
+    parse_precisions(args.precision)
+
+
+def parse_precisions(text: str) -> tuple[str, ...]:
+    """'fp32,bf16' -> ('fp32', 'bf16'); InputError naming --precision on an unknown or repeated one."""
+    from planner.io import InputError
+    from planner.plan import PRECISIONS
+    out = tuple(p.strip() for p in text.split(","))
+    if not all(p in PRECISIONS for p in out) or len(set(out)) != len(out):
+        raise InputError(f"--precision: expected a comma-separated list of distinct values among "
+                         f"{', '.join(PRECISIONS)}, got {text!r}")
+    return out
 
 
 def describe(plan) -> str:
@@ -71,10 +86,12 @@ def main(args) -> int:
     model_args = parse_model_args(args.model_arg)
     topology = load_topology(args.topology)
     workload = load_workload(args.model, model_args)
-    print(f"hetplan plan: capturing {args.model} at batch {min(args.batch, CAPTURE_BATCH)}", file=sys.stderr)
+    print(f"hetplan plan: capturing {args.model} at batch {min(args.batch, CAPTURE_BATCH)} "
+          f"in {args.precision}", file=sys.stderr)
+    precisions = parse_precisions(args.precision)
     graph, problem = plan_problem(workload, ModelRef(args.model, model_args), args.batch, topology,
                                   args.optimizer or workload.optimizer,
-                                  args.lr if args.lr is not None else workload.lr)
+                                  args.lr if args.lr is not None else workload.lr, precisions)
     space = problem.space
     config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit)
     print(f"hetplan plan: searching {len(space.devices)} devices x {graph.num_layers} layers "
@@ -92,7 +109,8 @@ def main(args) -> int:
     plan = replace(best.plan, topology=TopologyRef(topology.name, topology.sha256),
                    predicted=Predicted(best.iteration_s, best.peak_memory_bytes, extra={
                        "baselines": baselines,
-                       "search": {"seed": args.seed, "iterations": result.iterations,
+                       "search": {"seed": args.seed, "precisions": list(precisions),
+                                  "iterations": result.iterations,
                                   "simulations": result.evaluations, "stopped_by": result.stopped_by}}))
     validate_plan(plan, args.output, graph.num_layers, {d.name for d in topology.devices})
     save_plan(plan, args.output)
@@ -102,7 +120,8 @@ def main(args) -> int:
         return 0
     print(f"chosen plan: {describe(plan)}")
     print(f"  schedule {plan.schedule}, sync {plan.sync.granularity} ({plan.sync.bucket_bytes / 2**20:g} MiB buckets), "
-          f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}, recompute {'on' if plan.recompute else 'off'}")
+          f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}, recompute {'on' if plan.recompute else 'off'}, "
+          f"precision {plan.precision}")
     print(_table(best, result.baselines))
     print(f"searched {result.iterations} iterations, {result.evaluations} simulations in "
           f"{result.elapsed_s:.1f} s (stopped by {result.stopped_by}); wrote {args.output}")
