@@ -14,6 +14,11 @@ fixed after the first iteration because every microbatch has the same size.
 Recompute (plan.recompute): the stage's forward runs under non-reentrant activation
 checkpointing, so only its inputs are kept per in-flight microbatch and the forward runs again
 inside backward — the stage-level recompute the simulator and memory model assume.
+
+Precision (plan.precision): the stage's forward and the loss run under
+planner.precision.autocast(device type, precision), backward outside it; under bf16 the
+activations and their gradients cross stage boundaries as bf16, and the gradients land in the
+fp32 parameters.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
+
+from planner.precision import autocast
 
 Action = tuple[str, int]   # ("F", microbatch) or ("B", microbatch)
 
@@ -109,9 +116,10 @@ class StageRunner:
 
     def __init__(self, module: torch.nn.Module, device: torch.device, loss_fn: Callable,
                  prev: Link | None, next: Link | None, scale: float,
-                 busy: Callable[[], Any], recompute: bool = False):
+                 busy: Callable[[], Any], recompute: bool = False, precision: str = "fp32"):
         self.module, self.device, self.loss_fn = module, device, loss_fn
         self.recompute = recompute  # keep only the stage input; rerun forward in backward
+        self.precision = precision  # forward and loss under planner.precision.autocast
         self.prev, self.next, self.scale = prev, next, scale
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
         self.saved_tracker = None   # measure.SavedTracker, used while `track` is True
@@ -144,7 +152,8 @@ class StageRunner:
             args = [a.requires_grad_(rg) if a.is_floating_point() else a
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
         track = self.saved_tracker if self.track else None
-        with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()):
+        with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()), \
+                autocast(self.device.type, self.precision):
             if track is not None and self.recompute:   # checkpoint keeps just the stage input
                 track.add_bytes(mb, sum(a.numel() * a.element_size() for a in args))
             if self.recompute:

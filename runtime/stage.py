@@ -166,7 +166,7 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device, timeout
     timer = BusyTimer(device)
     runner = StageRunner(module, device, workload.loss_fn, prev, nxt,
                          scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
-                         recompute=plan.recompute)
+                         recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
     sync = GradSync(groups, rank, params_by_layer, ranks_by_bucket_layer, buckets,
                     plan.sync.granularity, rep.microbatches)
