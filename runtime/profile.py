@@ -46,6 +46,8 @@ class Settings:
     """How thoroughly to measure; `quick()` targets ~20 s, `full()` ~2 min on 2 cores."""
     cpu_matmul_sizes: tuple[int, ...]
     cuda_matmul_sizes: tuple[int, ...]
+    cpu_low_precision_sizes: tuple[int, ...]    # bf16 matmuls (the last: the device's figure)
+    cuda_low_precision_sizes: tuple[int, ...]   # tf32 and bf16 matmuls
     comm_sizes: tuple[int, ...]       # bytes, ping-pong and all-reduce
     cpu_copy_bytes: int               # memory-bandwidth tensor; larger than last-level caches
     cuda_copy_bytes: int
@@ -55,6 +57,7 @@ class Settings:
     @staticmethod
     def quick() -> "Settings":
         return Settings(cpu_matmul_sizes=(64, 256, 1024), cuda_matmul_sizes=(256, 1024, 4096),
+                        cpu_low_precision_sizes=(256, 1024), cuda_low_precision_sizes=(1024, 4096),
                         comm_sizes=(4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB),
                         cpu_copy_bytes=64 * MiB, cuda_copy_bytes=256 * MiB,
                         repeats=3, min_time_s=0.02)
@@ -63,6 +66,7 @@ class Settings:
     def full() -> "Settings":
         return Settings(cpu_matmul_sizes=(64, 128, 256, 512, 1024, 2048),
                         cuda_matmul_sizes=(256, 512, 1024, 2048, 4096, 8192),
+                        cpu_low_precision_sizes=(512, 2048), cuda_low_precision_sizes=(2048, 8192),
                         comm_sizes=tuple(4 * KiB * 4 ** i for i in range(8)),  # 4 KiB .. 64 MiB
                         cpu_copy_bytes=128 * MiB, cuda_copy_bytes=1024 * MiB,
                         repeats=9, min_time_s=0.1)
@@ -160,7 +164,8 @@ def _measure_device(me: WorkerSpec, device: torch.device, s: Settings) -> dict:
     copy = bench.memory_copy(copy_bytes, device, s.min_time_s, s.repeats)
     dist.barrier()
     overhead = bench.op_overhead(device, s.min_time_s, s.repeats)
-    out = {"matmul_table": table, "memory_copy": copy, "op_overhead": overhead}
+    out = {"matmul_table": table, "memory_copy": copy, "op_overhead": overhead,
+           **_low_precision_matmuls(me, device, s, table[-1]["flops_per_s"])}
     if me.kind == "cuda":
         out["host_copy_table"] = bench.host_copy_table(device, list(s.comm_sizes), s.min_time_s,
                                                        s.repeats)
@@ -169,6 +174,30 @@ def _measure_device(me: WorkerSpec, device: torch.device, s: Settings) -> dict:
     _log(f"[{me.name}] {me.threads} thread(s): matmul {table[-1]['flops_per_s'] / 1e9:.1f} GFLOP/s "
          f"at n={table[-1]['n']}, copy {copy['bytes_per_s'] / 1e9:.1f} GB/s, "
          f"op {overhead['s'] * 1e6:.1f} us")
+    return out
+
+
+def _low_precision_matmuls(me: WorkerSpec, device: torch.device, s: Settings,
+                           fp32_flops_per_s: float) -> dict:
+    """`matmul_<p>_table` for tf32 (CUDA only: on a CPU tf32 is fp32, so the fp32 figure is
+    copied) and bf16 (measured for real everywhere: a CPU without native bf16 is slow at it and
+    is priced so), and `matmul_flops_per_s_by_precision` from each table's largest size."""
+    sizes = s.cuda_low_precision_sizes if me.kind == "cuda" else s.cpu_low_precision_sizes
+    out: dict = {}
+    rates = {"fp32": fp32_flops_per_s}
+    for p in ("tf32", "bf16"):
+        if p == "tf32" and me.kind != "cuda":
+            rates[p] = fp32_flops_per_s
+            continue
+        if dist.get_rank() == 0:
+            _log(f"{p} matmul n={', '.join(map(str, sizes))}")
+        rows = []
+        for n in sizes:
+            dist.barrier()   # every worker runs the same size at the same time
+            rows.append(bench.matmul_row(n, device, s.min_time_s, s.repeats, precision=p))
+        out[f"matmul_{p}_table"] = rows
+        rates[p] = rows[-1]["flops_per_s"]
+    out["matmul_flops_per_s_by_precision"] = rates
     return out
 
 
@@ -307,6 +336,16 @@ def _available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _cpu_bf16_native() -> bool:
+    """Whether the CPU has native bf16 matmul instructions (x86 flags avx512_bf16 / amx_bf16)."""
+    try:
+        flags = next((l.split(":", 1)[1].split() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                      if l.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -336,6 +375,7 @@ def measure(cpu_workers: int, quick: bool = False) -> Topology:
         results = [json.loads((Path(out_dir) / f"rank{r}.json").read_text())
                    for r in range(len(workers))]
     host = {"hostname": socket.gethostname(), "cpu_model": _cpu_model(), "cores": cores,
+            "cpu_bf16_native": _cpu_bf16_native(),
             "torch": torch.__version__, "python": platform.python_version(),
             "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "quick": quick, "duration_s": round(time.perf_counter() - t0, 2)}
@@ -345,14 +385,15 @@ def measure(cpu_workers: int, quick: bool = False) -> Topology:
 def assemble(workers: list[WorkerSpec], results: list[dict], settings: Settings, host: dict,
              ram_bytes: int) -> Topology:
     """Workers' raw results -> Topology. Scalars: matmul_flops_per_s = the median at the
-    largest size (sustained), memory_bytes_per_s = the copy (read + write), op_overhead_s =
+    largest size (sustained), matmul_flops_per_s_by_precision as the worker measured it (same
+    rule per precision), memory_bytes_per_s = the copy (read + write), op_overhead_s =
     the tiny-op time, memory_bytes = the worker's share of available RAM (CPU) or the GPU's
     total memory; each link's latency and bandwidth are fitted to its ping-pong table."""
     n_cpu = sum(w.kind == "cpu" for w in workers)
     devices, links = [], []
     for w, res in zip(workers, results):
         d = res["device"]
-        extra = {k: v for k, v in d.items() if k != "memory_bytes"}
+        extra = {k: v for k, v in d.items() if k not in ("memory_bytes", "matmul_flops_per_s_by_precision")}
         if w.kind == "cpu":
             extra["measured_concurrently_with"] = [x.name for x in workers if x is not w]
         devices.append(Device(
@@ -361,7 +402,8 @@ def assemble(workers: list[WorkerSpec], results: list[dict], settings: Settings,
             matmul_flops_per_s=d["matmul_table"][-1]["flops_per_s"],
             memory_bytes_per_s=d["memory_copy"]["bytes_per_s"],
             op_overhead_s=d["op_overhead"]["s"],
-            threads=w.threads, measured=extra))
+            threads=w.threads, measured=extra,
+            matmul_flops_per_s_by_precision=d.get("matmul_flops_per_s_by_precision")))
         for peer, rows in res["links"].items():
             latency_s, bandwidth = bench.fit_latency_bandwidth(rows)
             links.append(Link(a=w.name, b=peer, bandwidth_bytes_per_s=bandwidth, latency_s=latency_s,

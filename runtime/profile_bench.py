@@ -57,12 +57,18 @@ def time_per_call(fn: Callable[[], object], device: torch.device, min_time_s: fl
     return out
 
 
-def matmul_row(n: int, device: torch.device, min_time_s: float, repeats: int) -> dict:
-    """FP32 n x n @ n x n: 2 n^3 FLOPs (a multiply-add counts 2, as torch.utils.flop_counter)."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    out = torch.empty(n, n, device=device)
-    samples = time_per_call(lambda: torch.matmul(a, b, out=out), device, min_time_s, repeats)
+def matmul_row(n: int, device: torch.device, min_time_s: float, repeats: int,
+               precision: str = "fp32") -> dict:
+    """n x n @ n x n at `precision`: 2 n^3 FLOPs (a multiply-add counts 2, as
+    torch.utils.flop_counter). fp32 and tf32 on float32 tensors (tf32 with CUDA's allow_tf32,
+    planner.precision); bf16 on bfloat16 tensors, the kernel autocast runs."""
+    from planner.precision import autocast
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    with autocast(device.type, "fp32" if precision == "bf16" else precision):   # tf32 switches
+        samples = time_per_call(lambda: torch.matmul(a, b, out=out), device, min_time_s, repeats)
     rates = [2 * n ** 3 / s for s in samples]
     med, spread = stats(rates)
     return {"n": n, "flops_per_s": med, "spread": spread, "best_flops_per_s": max(rates),

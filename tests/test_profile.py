@@ -72,6 +72,11 @@ def test_assemble_takes_scalars_from_the_tables():
     assert link.latency_s == pytest.approx(1e-4) and link.bandwidth_bytes_per_s == pytest.approx(2e9)
     assert t.measured["host"] == {"hostname": "h"}
     assert profile.max_spread(t) == 0.6
+    assert a.matmul_flops_per_s_by_precision is None                     # an older worker's result
+    results[0]["device"]["matmul_flops_per_s_by_precision"] = {"fp32": 4e10, "tf32": 4e10, "bf16": 9e10}
+    t = profile.assemble(workers, results, profile.Settings.quick(), {"hostname": "h"}, ram_bytes=10_000)
+    assert t.device("cpu:0").matmul_flops_per_s_at("bf16") == 9e10
+    assert "matmul_flops_per_s_by_precision" not in t.device("cpu:0").measured
 
 
 def test_default_path_is_profiles_hostname():
@@ -109,12 +114,18 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
                    for row in table)
         assert d.matmul_flops_per_s == table[-1]["flops_per_s"]
         assert d.memory_bytes_per_s > 1e8 and 0 < d.op_overhead_s < 1e-3 and d.memory_bytes > 1e8
+        bf16 = d.measured["matmul_bf16_table"]   # measured for real; no TF32 on a CPU
+        assert [row["n"] for row in bf16] == [256, 1024] and "matmul_tf32_table" not in d.measured
+        assert d.matmul_flops_per_s_by_precision == {"fp32": d.matmul_flops_per_s, "tf32": d.matmul_flops_per_s,
+                                                     "bf16": bf16[-1]["flops_per_s"]}
+        assert bf16[-1]["flops_per_s"] > 1e8
     link = next(l for l in t.links if {l.a, l.b} == {"cpu:0", "cpu:1"})
     assert link.bandwidth_bytes_per_s > 1e6 and link.latency_s > 0
     assert [row["bytes"] for row in link.measured["p2p_table"]] == [4096, 65536, 1 << 20, 1 << 24, 1 << 26]
     assert len(t.measured["collectives"]["allreduce"]) == 5
     host = t.measured["host"]
     assert host["hostname"] == socket.gethostname() and host["quick"] is True
+    assert host["cpu_bf16_native"] == profile._cpu_bf16_native()
     assert host["torch"] == torch.__version__ and host["cores"] >= 1 and host["cpu_model"]
     assert {"python", "profiled_at", "duration_s"} <= set(host)
 
@@ -123,6 +134,7 @@ def test_progress_goes_to_stderr(quick_profile):
     _, r = quick_profile
     assert "profile: 2 worker(s)" in r.stderr and "all-reduce over 2 workers" in r.stderr
     assert "profile: matmul n=1024 on 2 worker(s) at once" in r.stderr
+    assert "profile: bf16 matmul n=256, 1024" in r.stderr
 
 
 @pytest.mark.parametrize("flag,expected", [

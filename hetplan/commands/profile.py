@@ -25,6 +25,7 @@ def _summary(t, path: Path, elapsed_s: float, spread: float) -> dict:
     return {
         "path": str(path), "name": t.name, "duration_s": round(elapsed_s, 2), "max_spread": spread,
         "devices": [{"name": d.name, "threads": d.threads, "matmul_flops_per_s": d.matmul_flops_per_s,
+                     "matmul_flops_per_s_by_precision": d.matmul_flops_per_s_by_precision,
                      "memory_bytes_per_s": d.memory_bytes_per_s, "op_overhead_s": d.op_overhead_s,
                      "memory_bytes": d.memory_bytes} for d in t.devices],
         "links": [{"a": l.a, "b": l.b, "bandwidth_bytes_per_s": l.bandwidth_bytes_per_s,
@@ -33,9 +34,12 @@ def _summary(t, path: Path, elapsed_s: float, spread: float) -> dict:
 
 
 def _print_table(s: dict) -> None:
-    print(f"{'device':<10}{'threads':>8}{'matmul GFLOP/s':>16}{'copy GB/s':>11}{'op us':>8}{'memory GB':>11}")
+    print(f"{'device':<10}{'threads':>8}{'matmul GFLOP/s':>16}{'bf16 GFLOP/s':>14}{'copy GB/s':>11}{'op us':>8}"
+          f"{'memory GB':>11}")
     for d in s["devices"]:
+        bf16 = (d["matmul_flops_per_s_by_precision"] or {}).get("bf16")
         print(f"{d['name']:<10}{d['threads'] or '':>8}{d['matmul_flops_per_s'] / 1e9:>16.1f}"
+              f"{bf16 / 1e9 if bf16 else float('nan'):>14.1f}"
               f"{d['memory_bytes_per_s'] / 1e9:>11.1f}{d['op_overhead_s'] * 1e6:>8.1f}"
               f"{d['memory_bytes'] / 1e9:>11.1f}")
     for l in s["links"]:
