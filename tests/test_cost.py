@@ -111,3 +111,37 @@ def test_roofline_prices_the_graphs_precision_from_the_device_table():
     assert sims.simulate(replace(one, precision="fp32")).iteration_s == pytest.approx(4.0 + 8.0)
     with pytest.raises(PrecisionMismatch, match="captured in fp32"):
         Simulator(g32, t).simulate(one)
+
+
+def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
+    import json
+    import socket
+    from dataclasses import replace
+
+    import torch
+
+    from planner.graph import capture_graph
+    from planner.layer_timing import MeasuredCost, cache_path
+    from planner.topology import Device
+    from planner.workload import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 1})
+    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
+                 {"host": {"hostname": socket.gethostname()}})
+    g32, g16 = capture_graph(w, 4), capture_graph(w, 4, "bf16")
+    MeasuredCost(g32, t, w, repeats=1).layer_times(t.device("cpu:0"), 4)
+    seen = []                                    # the dtype each timed forward computes in
+    real = MeasuredCost._time_layer
+
+    def spy(self, stage, x, sync, in_precision):
+        with in_precision():
+            seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real(self, stage, x, sync, in_precision)
+    monkeypatch.setattr(MeasuredCost, "_time_layer", spy)
+    MeasuredCost(g16, t, w, repeats=1).layer_times(t.device("cpu:0"), 4)
+    assert seen == [torch.bfloat16] * (g16.num_layers + 1)          # every layer and the loss
+    keys = json.loads(cache_path().read_text())
+    assert sum(k.endswith("|bf16") for k in keys) == g16.num_layers == len(keys) - g32.num_layers
+    # tf32 on a CPU is fp32: served from the fp32 entries, never measured again
+    monkeypatch.setattr(MeasuredCost, "_time_layer", lambda *a: pytest.fail("re-measured"))
+    MeasuredCost(replace(g32, precision="tf32"), t, w).layer_times(t.device("cpu:0"), 4)
