@@ -161,6 +161,15 @@ class CostModel:
                 self._opt[key] = optimizer_s(param_bytes, optimizer, dev)
         return self._opt[key]
 
+    def host_copy_s(self, device: str, n_bytes: float, direction: str) -> float | None:
+        """A copy of n bytes between `device` and its host's memory in one process ("h2d" or
+        "d2h"), as the runtime makes it (pinned buffers): latency_s + n / bytes_per_s of the
+        device's measured `host_copy` fit; None without one (the caller prices the link)."""
+        fit = self.topology.device(device).measured.get("host_copy", {}).get("pinned", {}).get(direction)
+        if not fit:
+            return None
+        return fit["latency_s"] + n_bytes / fit["bytes_per_s"]
+
     def allreduce_s(self, devices: tuple[str, ...], n_bytes: float) -> float:
         """All-reduce of n bytes over `devices`: the calibrated gloo fit when every device is a
         CPU worker of one host and the topology has a fit (Calibration.allreduce_s); else the

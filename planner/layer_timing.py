@@ -48,7 +48,7 @@ from pathlib import Path
 from planner.cost import CostModel, RooflineCost
 from planner.io import write_json_atomic
 from planner.precision import autocast, matmul_precision
-from planner.topology import Device, Topology
+from planner.topology import Device, Topology, parse_device_name
 
 
 def measured_here(topology: Topology) -> bool:
@@ -86,9 +86,11 @@ class MeasuredCost(CostModel):
         # The first layer is timed without the gradient of its input (the model's data), so it
         # never shares an entry with an identical later layer.
         first = "|first" if i == 0 else ""
+        from planner.device import standin_gpus
+        kind = device.kind + ("-standin" if device.kind != "cpu" and standin_gpus() else "")
         p = matmul_precision(device.kind, self.precision)   # tf32 on a CPU is fp32
         prec = "" if p == "fp32" else f"|{p}"                # fp32 keys as before precision existed
-        return f"{socket.gethostname()}|{sig}|{device.kind}|{device.threads}|{batch}|loss{first}{prec}"
+        return f"{socket.gethostname()}|{sig}|{kind}|{device.threads}|{batch}|loss{first}{prec}"
 
     def _load_disk(self) -> dict[str, list[float]]:
         if self._disk is None:
@@ -112,20 +114,20 @@ class MeasuredCost(CostModel):
         if all(k in disk for k in keys) and len(disk[keys[-1]]) == 4:
             return _from_entries(keys, disk)
         import torch
-        from planner.partition import as_tuple, build_stages
+        from planner.partition import as_tuple, build_stages, place_stages
 
         L = self.graph.num_layers
         print(f"measuring {L} layers on {device.name} at batch {batch}", file=sys.stderr)
-        stages = build_stages(self.workload, [(i, i + 1) for i in range(L)], batch)
+        from planner.device import torch_device
+        dev = torch_device(device.name)
+        workload = _model_copy_for(self.workload, dev)
+        stages = build_stages(workload, [(i, i + 1) for i in range(L)], batch)
+        if dev.accelerator:
+            place_stages(stages, dev.device)
         old_threads = torch.get_num_threads()
-        dev = torch.device("cpu")
-        if device.kind == "cuda":
-            import copy
-            dev = torch.device(device.name.split("/")[-1])
-            stages = [copy.deepcopy(s).to(dev) for s in stages]
-        elif device.threads:
+        if device.kind == "cpu" and device.threads:
             torch.set_num_threads(device.threads)
-        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        sync, dev = dev.synchronize, dev.device
         in_precision = lambda: autocast(dev.type, self.precision)  # noqa: E731
         fwd, bwd = [], []
         try:
@@ -180,9 +182,10 @@ class MeasuredCost(CostModel):
         return statistics.median(f_times), statistics.median(b_times)
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
-        if device.kind == "cuda":
-            import torch
-            if not torch.cuda.is_available():   # profiled GPU absent now: fall back to roofline
+        if device.kind != "cpu":
+            from planner.device import gpu_count
+            if parse_device_name(device.name)[2] >= gpu_count():
+                # the profiled GPU is absent now: fall back to the roofline
                 return self._roofline.layer_times(device, batch)
         if self.exact and float(batch).is_integer():
             return self._measure(device, int(batch))
@@ -192,6 +195,17 @@ class MeasuredCost(CostModel):
         f1, b1 = self._measure(device, hi)
         return ([interpolate(batch, lo, a, hi, b) for a, b in zip(f0, f1)],
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
+
+
+def _model_copy_for(workload, dev):
+    """The workload with a copy of its model when `dev` is an accelerator: its stages are then
+    exported from the copy and moved (`place_stages`), and the user's model stays where it is.
+    (An exported stage itself cannot be deep-copied: its FakeTensor metadata has no data pointer.)"""
+    if not dev.accelerator:
+        return workload
+    import copy
+    from dataclasses import replace
+    return replace(workload, model=copy.deepcopy(workload.model))
 
 
 class _Loss:

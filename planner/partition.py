@@ -336,6 +336,24 @@ def traced_stages(workload, ranges=None, batch: int | None = None) -> tuple[Trac
     return tr, split(tr, workload.model, ranges or [(i, i + 1) for i in range(tr.num_layers)])
 
 
+def place_stages(stages: list[StageModule], device) -> list[StageModule]:
+    """Move stages to `device` (a torch.device), with the tensors their factory ops create: export
+    records the device the model was traced on (`arange(..., device=cpu)`), so those ops are
+    retargeted too. Parameters move in place (stages share them with their model)."""
+    device = torch.device(device)
+    for st in stages:
+        changed = False
+        for n in st.graph.nodes:
+            d = n.kwargs.get("device")
+            if isinstance(d, torch.device) and d != device:
+                n.kwargs = {**n.kwargs, "device": device}
+                changed = True
+        if changed:
+            st.recompile()
+        st.to(device)
+    return stages
+
+
 def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = None) -> list[StageModule]:
     """Executable stages for half-open layer `ranges` that cover [0, L) in order.
 

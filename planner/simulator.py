@@ -260,12 +260,27 @@ class Simulator:
                     continue
                 join = g.add(g.value(("const", 0.0)), (), deps,
                              None if g.meta is None else ("sync", dev, "join"))
-                t = self._transfer(g, dev, host, join, f"grads {dev}->{host}", ("const", n))
+                t = self._host_copy(g, dev, host, join, f"grads {dev}->{host}", n)
                 d_k = g.value(("const", self.cost.optimizer_s(host, n, opt, n_t)))
                 t = g.add(d_k, (self._rid[host],), (t,), (f"{opt} step for {dev}", host, "optimizer"))
                 g.memory_bound.add(t)
                 g.count(host, "optimizer_s", d_k)
-                self._transfer(g, host, dev, t, f"params {host}->{dev}", ("const", n))
+                self._host_copy(g, host, dev, t, f"params {host}->{dev}", n)
+
+    def _host_copy(self, g: TaskGraph, src: str, dst: str, after: int, label: str, n: float) -> int:
+        """Gradients to an offloaded optimizer's host, or parameters back: one task on the first
+        hop of the route when the accelerator has a measured host-copy fit (cost.host_copy_s),
+        else a transfer over the links like any other."""
+        gpu, direction = (src, "d2h") if self.topology.device(src).kind != "cpu" else (dst, "h2d")
+        d = self.cost.host_copy_s(gpu, n, direction)
+        hops = self.hops(src, dst)
+        if d is None or not hops:
+            return self._transfer(g, src, dst, after, label, ("const", n))
+        k = g.value(("const", d))
+        t = g.add(k, (hops[0][0],), (after,), (label, hops[0][3], "transfer"))
+        g.count(src, "comm_s", k)
+        g.count(dst, "comm_s", k)
+        return t
 
     def _busy(self, plan: Plan) -> dict[str, int]:
         """Per plan device, how many of the plan's CPU devices share its node (itself included)

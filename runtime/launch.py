@@ -51,8 +51,8 @@ def check_devices(plan: Plan, file: str) -> None:
             if kind != "cuda":
                 continue
             if n_gpu is None:
-                import torch
-                n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                from planner.device import gpu_count
+                n_gpu = gpu_count()
             if index >= n_gpu:
                 raise InputError(f"{file}: replicas[{i}].stages[{j}].device: {st.device!r} is not on "
                                  f"this machine ({n_gpu} CUDA device(s)); expected a device present here")

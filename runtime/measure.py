@@ -6,8 +6,8 @@
   is made before the barrier: data loading is not part of an iteration, as in the simulator.
   `iteration_s` is the median after the warm-up iterations.
 - Busy time per device: compute only — forward, loss, backward and optimizer calls (not sends,
-  receives or waits for the gradient all-reduce). CPU: perf_counter around the calls; CUDA: CUDA
-  events around them, summed after the iteration. Reported as the median per iteration.
+  receives or waits for the gradient all-reduce), timed with the device's timing events (CUDA
+  events on a GPU, the host clock otherwise; BusyTimer). Reported as the median per iteration.
 - Timeline: the spans of the last iteration on each device (forward / backward per microbatch,
   optimizer; and, not counted as busy, waits for received tensors and for the gradient sync),
   start and end in seconds from that rank's iteration start, under `per_device[dev]["events"]`.
@@ -29,6 +29,8 @@ import time
 from typing import Any
 
 import torch
+
+from planner.device import TorchDevice
 
 
 def _status_kib(field: str) -> int | None:
@@ -55,63 +57,50 @@ def _reset_peak_rss() -> bool:
 class BusyTimer:
     """Sums compute time of the calls wrapped in `timer()` over one iteration.
 
-    While recording (one iteration after `start_recording()`), it also keeps each wrapped call
-    as a span (name, kind, start_s, end_s relative to the iteration start) for `compare --plot`;
-    spans with busy=False (waits for receives and for the gradient sync) are kept but not summed.
+    Times come from the device's timing events (planner.device: CUDA events on a GPU, the host
+    clock otherwise), read after a synchronize. While recording (one iteration after
+    `start_recording()`), it also keeps each wrapped call as a span (name, kind, start_s, end_s
+    relative to the iteration start) for `compare --plot`; spans with busy=False (waits for
+    receives and for the gradient sync) are kept but not summed.
     """
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.total_s = 0.0
+    def __init__(self, device: TorchDevice):
+        self.device = device
         self._events: list[tuple[Any, Any]] = []
         self._recording = False
-        self._origin: Any = None                         # perf_counter seconds or a CUDA event
+        self._origin: Any = None
         self._spans: list[tuple[str, str, Any, Any]] = []
 
     def start_recording(self) -> None:
         """Record spans from now (the iteration start) until `take_spans()`."""
         self._recording, self._spans = True, []
-        if self.cuda:
-            self._origin = torch.cuda.Event(enable_timing=True)
-            self._origin.record()
-        else:
-            self._origin = time.perf_counter()
+        self._origin = self.device.timing_event()
+        self._origin.record()
 
     @contextlib.contextmanager
     def timer(self, name: str = "compute", kind: str = "compute", busy: bool = True):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            if busy:
-                self._events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            end = time.perf_counter()
-            if busy:
-                self.total_s += end - t0
-            start = t0
+        start, end = self.device.timing_event(), self.device.timing_event()
+        start.record()
+        yield
+        end.record()
+        if busy:
+            self._events.append((start, end))
         if self._recording:
             self._spans.append((name, kind, start, end))
 
     def take(self) -> float:
-        """Busy seconds since the last take (synchronizes CUDA)."""
-        if self._events:
-            torch.cuda.synchronize()
-            self.total_s += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
-            self._events.clear()
-        out, self.total_s = self.total_s, 0.0
-        return out
+        """Busy seconds since the last take."""
+        self.device.synchronize()
+        total_s = sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+        self._events.clear()
+        return total_s
 
     def take_spans(self) -> list[dict[str, Any]]:
         """The recorded spans as {"name", "kind", "start_s", "end_s"}; stops recording."""
-        if self.cuda and self._spans:
-            torch.cuda.synchronize()
-        rel = ((lambda e: self._origin.elapsed_time(e) / 1e3) if self.cuda
-               else (lambda t: t - self._origin))
-        out = [{"name": n, "kind": k, "start_s": rel(a), "end_s": rel(b)} for n, k, a, b in self._spans]
+        self.device.synchronize()
+        rel = self._origin.elapsed_time
+        out = [{"name": n, "kind": k, "start_s": rel(a) / 1e3, "end_s": rel(b) / 1e3}
+               for n, k, a, b in self._spans]
         self._recording, self._spans = False, []
         return out
 

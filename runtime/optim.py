@@ -1,14 +1,17 @@
 """The optimizer step of one stage: SGD or Adam (torch.optim), on the device or on the CPU.
 
 Placement "cpu" is ZeRO-Offload style: the stage keeps fp32 master copies of its parameters in
-host memory; each step copies the gradients to the host, runs the update there and copies the
-parameters back. For a stage on a CPU device this is the same as "device" (nothing to move).
+host memory (pinned on a real accelerator, like the gradient buffers); each step copies the
+gradients to the host with non-blocking copies, waits for them once, runs the update there and
+copies the parameters back without blocking. For a stage on a CPU device this is the same as
+"device" (nothing to move).
 Not modelled: ZeRO's overlap of the copies with backward, and partitioning of optimizer state.
 """
 from __future__ import annotations
 
 import torch
 
+from planner.device import TorchDevice
 from planner.plan import Optimizer
 
 
@@ -23,15 +26,21 @@ def _make(params, spec: Optimizer) -> torch.optim.Optimizer:
 class StageOptimizer:
     """`zero_grad()` before an iteration, `step()` after the gradients are synced."""
 
-    def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: torch.device):
+    def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice):
         self.params = [p for p in params if p.requires_grad]
-        self.offload = spec.placement == "cpu" and device.type != "cpu"
+        self.device = device
+        self.offload = spec.placement == "cpu" and device.accelerator
         if self.offload:
-            self.master = [p.detach().to("cpu", torch.float32).clone().requires_grad_(True)
-                           for p in self.params]
+            self.master = [self._host_copy(p).requires_grad_(True) for p in self.params]
+            self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.params]
             self.opt = _make(self.master, spec)
         else:
             self.opt = _make(self.params, spec)
+
+    def _host_copy(self, p: torch.Tensor) -> torch.Tensor:
+        h = self.device.host_buffer(p.shape, torch.float32)
+        h.copy_(p.detach())
+        return h
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -42,11 +51,17 @@ class StageOptimizer:
         if not self.offload:
             self.opt.step()
             return
-        for p, m in zip(self.params, self.master):          # gradients to host
-            m.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
+        for p, m, g in zip(self.params, self.master, self.host_grads):   # gradients to host
+            if p.grad is None:
+                m.grad = None
+            else:
+                m.grad = g.copy_(p.grad, non_blocking=True)
+        copied = self.device.event()
+        copied.record()
+        copied.synchronize()
         self.opt.step()                                     # update on the CPU
         for p, m in zip(self.params, self.master):          # parameters back
-            p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+            p.copy_(m, non_blocking=True)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (Adam moments; master copies when offloaded)."""

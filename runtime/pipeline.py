@@ -6,8 +6,9 @@ predicted. `StageRunner.run` executes one iteration's actions.
 
 Transfers between stages: activations go forward, gradients of the activations go backward.
 Sends are asynchronous (`isend`, waited at the end of the iteration) and receives block, so the
-schedules cannot deadlock. Over gloo, CUDA tensors are staged through host memory (gloo has no
-CUDA send/recv); two CUDA stages talk over NCCL, one communicator per direction. The first exchange on a link
+schedules cannot deadlock. Over gloo, CUDA tensors are staged through pinned host memory
+(gloo has no CUDA send/recv; see `Link`); two CUDA stages talk over NCCL, one communicator per
+direction. The first exchange on a link
 carries a small header (count, dtypes, shapes, requires_grad), cached afterwards: shapes are
 fixed after the first iteration because every microbatch has the same size.
 
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from planner.device import TorchDevice
 from planner.precision import autocast
 
 Action = tuple[str, int]   # ("F", microbatch) or ("B", microbatch)
@@ -49,18 +51,24 @@ def stage_actions(schedule: str, stage: int, n_stages: int, n_micro: int) -> lis
 # --- point-to-point ---------------------------------------------------------------------------
 @dataclass
 class Link:
-    """One direction-agnostic pipeline link between this rank and a peer rank."""
+    """One direction-agnostic pipeline link between this rank and a peer rank.
+
+    Host staging (gloo beside an accelerator): a tensor to send is copied into a pinned host
+    buffer on a side stream (non-blocking), and its isend is issued once the copy is done
+    (`flush`), so the copy overlaps the next compute; sends leave in program order (gloo matches
+    messages by order), and every rank flushes before it blocks in a receive, so no rank waits for
+    a message that sits in another's queue. Received tensors land in pinned buffers and move
+    to the device with a non-blocking copy on the compute stream.
+    """
     peer: int                          # global rank of the peer stage
     send_group: Any                    # process group for this rank -> peer
     recv_group: Any                    # process group for peer -> this rank
-    device: torch.device               # where tensors live on this rank
-    host_staged: bool                  # gloo with a CUDA device: copy through host memory
+    device: TorchDevice                # where tensors live on this rank
+    host_staged: bool                  # gloo with an accelerator: copy through host memory
     headers: dict[str, list] = field(default_factory=dict)   # direction -> [(dtype, shape, rg)]
     pending: list = field(default_factory=list)              # outstanding isend works
-
-    def _wire(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        return (t.cpu() if self.host_staged else t).contiguous()
+    staged: list = field(default_factory=list)               # [(event | None, host tensors, sources)]
+    copy_stream: Any = None
 
     def send(self, key: str, tensors: list[torch.Tensor]) -> None:
         if key not in self.headers:
@@ -69,14 +77,41 @@ class Link:
                 meta += [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
             hdr = torch.tensor(meta, dtype=torch.int64)
             n = torch.tensor([hdr.numel()], dtype=torch.int64)
-            for x in (n, hdr):
-                self.pending.append(dist.isend(self._hdr(x), self.peer, group=self.send_group))
+            self._queue(None, [self._hdr(n), self._hdr(hdr)], [])
             self.headers[key] = [(t.dtype, tuple(t.shape), t.requires_grad) for t in tensors]
-        for t in tensors:
-            self.pending.append(dist.isend(self._wire(t), self.peer, group=self.send_group))
+        if not self.host_staged:
+            self._queue(None, [t.detach().contiguous() for t in tensors], [])
+            return
+        if self.copy_stream is None:
+            self.copy_stream = self.device.new_stream()
+        self.copy_stream.wait_stream(self.device.current_stream())   # the tensors are computed
+        with self.device.stream(self.copy_stream):
+            hosts = [self.device.host_buffer(t.shape, t.dtype) for t in tensors]
+            for h, t in zip(hosts, tensors):
+                h.copy_(t.detach(), non_blocking=True)
+            done = self.device.event()
+            done.record(self.copy_stream)
+        # the sources stay referenced until sent: their memory is not reused while copied
+        self._queue(done, hosts, tensors)
+
+    def _queue(self, event, tensors: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        self.staged.append((event, tensors, sources))
+        self.flush(block=False)
+
+    def flush(self, block: bool = True) -> None:
+        """isend the queued tensors in order: all of them (block), or those whose copy is done."""
+        while self.staged:
+            event, tensors, _ = self.staged[0]
+            if event is not None:
+                if not block and not event.query():
+                    return
+                event.synchronize()
+            self.staged.pop(0)
+            for t in tensors:
+                self.pending.append(dist.isend(t, self.peer, group=self.send_group))
 
     def _hdr(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.host_staged or self.device.type == "cpu" else x.to(self.device)
+        return x if self.host_staged or not self.device.native else x.to(self.device.device)
 
     def recv(self, key: str) -> list[torch.Tensor]:
         if key not in self.headers:
@@ -91,14 +126,19 @@ class Link:
                 i += 3 + nd
             self.headers[key] = spec
         out = []
-        wire_dev = torch.device("cpu") if self.host_staged else self.device
         for dtype, shape, rg in self.headers[key]:
-            buf = torch.empty(shape, dtype=dtype, device=wire_dev)
-            dist.recv(buf, self.peer, group=self.recv_group)
-            out.append(buf.to(self.device) if self.host_staged else buf)
+            if self.host_staged:
+                buf = self.device.host_buffer(shape, dtype)
+                dist.recv(buf, self.peer, group=self.recv_group)
+                out.append(buf.to(self.device.device, non_blocking=True))
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=self.device.device)
+                dist.recv(buf, self.peer, group=self.recv_group)
+                out.append(buf)
         return out
 
     def drain(self) -> None:
+        self.flush(block=True)
         for w in self.pending:
             w.wait()
         self.pending.clear()
@@ -131,6 +171,7 @@ class StageRunner:
         saved: dict[int, tuple[list, list]] = {}
         losses: dict[int, torch.Tensor] = {}
         for kind, mb in actions:
+            self._flush(block=False)   # sends whose host copy finished during the last action
             if kind == "F":
                 self._forward(mb, inputs, targets, saved, losses)
             else:
@@ -143,11 +184,19 @@ class StageRunner:
             return sum(l.detach() for l in losses.values())
         return None
 
+    def _flush(self, block: bool = True) -> None:
+        """Issue queued sends on both links; before blocking in a receive, all of them
+        (a peer may be waiting for one of them before it sends what this rank waits for)."""
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.flush(block)
+
     def _forward(self, mb, inputs, targets, saved, losses) -> None:
         if self.prev is None:
             args = [a.to(self.device, non_blocking=True) for a in inputs[mb]]
         else:
             with self.busy(f"recv act {mb}", "transfer", busy=False):
+                self._flush()
                 args = self.prev.recv("act")
             args = [a.requires_grad_(rg) if a.is_floating_point() else a
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
@@ -176,6 +225,7 @@ class StageRunner:
                 losses[mb].backward()
         else:
             with self.busy(f"recv grad {mb}", "transfer", busy=False):
+                self._flush()
                 grads = self.next.recv("grad")
             with self.busy(f"B{mb}", "backward"):
                 if outs:

@@ -11,8 +11,8 @@ then an all-reduce over all of them. Workers talk over gloo on 127.0.0.1.
 function runs under `torchrun`; `measure` launches it with torch.multiprocessing spawn.
 
 Not modelled: NUMA placement and core pinning (workers are not pinned, like `run`'s workers),
-pinned host memory (copies use pageable memory), NCCL between GPUs (GPU workers exchange data
-through the host over gloo, the path of a CPU+GPU runtime).
+NCCL between GPUs (GPU workers exchange data through pinned host buffers over gloo, the path of a
+CPU+GPU runtime). A GPU's host copies are measured both pageable and pinned (`host_copy`).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from planner.device import STANDIN_ENV, TorchDevice, gpu_count, torch_device
 from planner.io import InputError, write_json_atomic
 from planner.topology import Device, Link, Topology
 from runtime import profile_bench as bench
@@ -111,9 +112,8 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     me = workers[rank]
     torch.set_num_threads(me.threads)
-    device = torch.device("cuda", me.index) if me.kind == "cuda" else torch.device("cpu")
-    if me.kind == "cuda":
-        torch.cuda.set_device(device)
+    device = torch_device(me.name)
+    device.set_current()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
@@ -149,8 +149,9 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
         dist.destroy_process_group()
 
 
-def _measure_device(me: WorkerSpec, device: torch.device, s: Settings) -> dict:
-    sizes = s.cuda_matmul_sizes if me.kind == "cuda" else s.cpu_matmul_sizes
+def _measure_device(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
+    device = dev.device
+    sizes = s.cuda_matmul_sizes if dev.native else s.cpu_matmul_sizes
     table = []
     for n in sizes:
         if dist.get_rank() == 0:
@@ -160,33 +161,39 @@ def _measure_device(me: WorkerSpec, device: torch.device, s: Settings) -> dict:
     if dist.get_rank() == 0:
         _log("memory copy and per-op overhead")
     dist.barrier()
-    copy_bytes = s.cuda_copy_bytes if me.kind == "cuda" else s.cpu_copy_bytes
+    copy_bytes = s.cuda_copy_bytes if dev.native else s.cpu_copy_bytes
     copy = bench.memory_copy(copy_bytes, device, s.min_time_s, s.repeats)
     dist.barrier()
     overhead = bench.op_overhead(device, s.min_time_s, s.repeats)
     out = {"matmul_table": table, "memory_copy": copy, "op_overhead": overhead,
-           **_low_precision_matmuls(me, device, s, table[-1]["flops_per_s"])}
-    if me.kind == "cuda":
-        out["host_copy_table"] = bench.host_copy_table(device, list(s.comm_sizes), s.min_time_s,
+           **_low_precision_matmuls(device, s, table[-1]["flops_per_s"])}
+    if dev.accelerator:
+        out["host_copy_table"] = bench.host_copy_table(dev, list(s.comm_sizes), s.min_time_s,
                                                        s.repeats)
-        out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
-        out["model"] = torch.cuda.get_device_name(device)
+        out["host_copy"] = bench.host_copy_fit(out["host_copy_table"])
+        if dev.native:
+            out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+            out["model"] = torch.cuda.get_device_name(device)
+        else:   # a CPU stand-in (planner.device): host memory, shared with the CPU workers
+            out["memory_bytes"] = _available_ram_bytes() // dist.get_world_size()
+            out["model"] = f"CPU stand-in ({STANDIN_ENV})"
     _log(f"[{me.name}] {me.threads} thread(s): matmul {table[-1]['flops_per_s'] / 1e9:.1f} GFLOP/s "
          f"at n={table[-1]['n']}, copy {copy['bytes_per_s'] / 1e9:.1f} GB/s, "
          f"op {overhead['s'] * 1e6:.1f} us")
     return out
 
 
-def _low_precision_matmuls(me: WorkerSpec, device: torch.device, s: Settings,
-                           fp32_flops_per_s: float) -> dict:
-    """`matmul_<p>_table` for tf32 (CUDA only: on a CPU tf32 is fp32, so the fp32 figure is
-    copied) and bf16 (measured for real everywhere: a CPU without native bf16 is slow at it and
-    is priced so), and `matmul_flops_per_s_by_precision` from each table's largest size."""
-    sizes = s.cuda_low_precision_sizes if me.kind == "cuda" else s.cpu_low_precision_sizes
+def _low_precision_matmuls(device: torch.device, s: Settings, fp32_flops_per_s: float) -> dict:
+    """`matmul_<p>_table` for tf32 (CUDA only: on a CPU, a stand-in GPU's included, tf32 is fp32,
+    so the fp32 figure is copied) and bf16 (measured for real everywhere: a CPU without native
+    bf16 is slow at it and is priced so), and `matmul_flops_per_s_by_precision` from each
+    table's largest size."""
+    native = device.type == "cuda"
+    sizes = s.cuda_low_precision_sizes if native else s.cpu_low_precision_sizes
     out: dict = {}
     rates = {"fp32": fp32_flops_per_s}
     for p in ("tf32", "bf16"):
-        if p == "tf32" and me.kind != "cuda":
+        if p == "tf32" and not native:
             rates[p] = fp32_flops_per_s
             continue
         if dist.get_rank() == 0:
@@ -360,7 +367,7 @@ def measure(cpu_workers: int, quick: bool = False) -> Topology:
     """Spawn the workers, collect their results, return the measured topology."""
     t0 = time.perf_counter()
     settings = Settings.quick() if quick else Settings.full()
-    cores, gpus = usable_cores(), torch.cuda.device_count()
+    cores, gpus = usable_cores(), gpu_count()
     workers = plan_workers(cpu_workers, cores, gpus)
     ram_bytes = _available_ram_bytes()
     _log(f"{len(workers)} worker(s): " + ", ".join(f"{w.name} ({w.threads} thr)" for w in workers)

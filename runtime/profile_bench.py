@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from planner.device import TorchDevice
+
 MAX_CALLS = 100_000  # cap on calls per sample (op-overhead timing of ~1 us ops)
 
 
@@ -32,6 +34,14 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def _wait(dev: TorchDevice) -> None:
+    """Wait for the copies queued so far on the current stream (what the runtime does before
+    handing a host buffer to gloo)."""
+    done = dev.event()
+    done.record()
+    done.synchronize()
 
 
 def time_per_call(fn: Callable[[], object], device: torch.device, min_time_s: float,
@@ -93,19 +103,43 @@ def op_overhead(device: torch.device, min_time_s: float, repeats: int) -> dict:
     return {"s": med, "spread": spread, "samples": repeats}
 
 
-def host_copy_table(device: torch.device, sizes: list[int], min_time_s: float,
+def host_copy_table(dev: TorchDevice, sizes: list[int], min_time_s: float,
                     repeats: int) -> list[dict]:
-    """Pageable host memory <-> `device` copies (`.to()`, what a plain runtime does);
-    one row per size with the median seconds of each direction."""
+    """Host memory <-> `dev` copies, one row per size with the median seconds of each direction:
+    pageable (`.to()`, what a plain loop does) and pinned (`TorchDevice.host_buffer` filled or
+    read by non-blocking copies, what the runtime does; the same as pageable on a stand-in)."""
+    device = dev.device
     rows = []
     for n in sizes:
-        host = torch.ones(n // 4)
-        dev = host.to(device)
-        h2d, h2d_spread = stats(time_per_call(lambda: host.to(device), device, min_time_s, repeats))
-        d2h, d2h_spread = stats(time_per_call(lambda: dev.cpu(), device, min_time_s, repeats))
-        rows.append({"bytes": n, "h2d_s": h2d, "h2d_spread": h2d_spread,
-                     "d2h_s": d2h, "d2h_spread": d2h_spread})
+        pageable = torch.ones(n // 4)
+        pinned = dev.host_buffer((n // 4,), torch.float32)
+        on_dev = pageable.to(device)
+
+        def timed(fn) -> tuple[float, float]:
+            return stats(time_per_call(fn, device, min_time_s, repeats))
+
+        row = {"bytes": n}
+        row["h2d_s"], row["h2d_spread"] = timed(lambda: pageable.to(device))
+        row["d2h_s"], row["d2h_spread"] = timed(lambda: on_dev.cpu())
+        row["pinned_h2d_s"], row["pinned_h2d_spread"] = timed(
+            lambda: on_dev.copy_(pinned, non_blocking=True))
+        row["pinned_d2h_s"], row["pinned_d2h_spread"] = timed(
+            lambda: (pinned.copy_(on_dev, non_blocking=True), _wait(dev)))
+        rows.append(row)
     return rows
+
+
+def host_copy_fit(rows: list[dict]) -> dict:
+    """Latency + bytes/bandwidth fits of a host_copy_table, per kind and direction:
+    {"pinned": {"h2d": {"latency_s", "bytes_per_s"}, "d2h": ...}, "pageable": {...}}."""
+    out: dict = {}
+    for kind, prefix in (("pageable", ""), ("pinned", "pinned_")):
+        out[kind] = {}
+        for direction in ("h2d", "d2h"):
+            lat, bw = fit_latency_bandwidth([{"bytes": r["bytes"], "s": r[f"{prefix}{direction}_s"]}
+                                             for r in rows])
+            out[kind][direction] = {"latency_s": lat, "bytes_per_s": bw}
+    return out
 
 
 # --- between worker processes ---------------------------------------------------------------
@@ -115,27 +149,32 @@ def round_trips(n_bytes: int) -> int:
     return int(min(50, max(1, (4 << 20) // n_bytes)))
 
 
-def _send(buf: torch.Tensor, peer: int) -> None:
-    # gloo moves host memory: a GPU worker stages through the host, as the runtime does
-    dist.send(buf.cpu() if buf.is_cuda else buf, peer)
+def _send(dev: TorchDevice, buf: torch.Tensor, host: torch.Tensor, peer: int) -> None:
+    # gloo moves host memory: an accelerator worker stages through a pinned host buffer, as the
+    # runtime's pipeline links do
+    if dev.accelerator:
+        host.copy_(buf, non_blocking=True)
+        _wait(dev)
+        buf = host
+    dist.send(buf, peer)
 
 
-def _recv(buf: torch.Tensor, host: torch.Tensor, peer: int) -> None:
-    dist.recv(host, peer)
-    if buf.is_cuda:
-        buf.copy_(host)
+def _recv(dev: TorchDevice, buf: torch.Tensor, host: torch.Tensor, peer: int) -> None:
+    dist.recv(host if dev.accelerator else buf, peer)
+    if dev.accelerator:
+        buf.copy_(host, non_blocking=True)
 
 
-def ping_pong(rank: int, first: int, second: int, sizes: list[int], device: torch.device,
+def ping_pong(rank: int, first: int, second: int, sizes: list[int], dev: TorchDevice,
               repeats: int) -> list[dict] | None:
     """One-way time between ranks `first` and `second` = half a round trip (send n bytes,
     get n bytes back), over `sizes`. Returns the table on `first`, None on `second`."""
     peer = second if rank == first else first
-    sync = _sync_for(device)
+    sync = dev.synchronize
     rows = []
     for n in sizes:
-        host = torch.zeros(n, dtype=torch.uint8)
-        buf = host.to(device)
+        host = dev.host_buffer((n,), torch.uint8).zero_()
+        buf = host.to(dev.device, copy=True)
         trips = round_trips(n)
         samples = []
         for rep in range(repeats + 1):  # the first one is a warm-up
@@ -143,11 +182,11 @@ def ping_pong(rank: int, first: int, second: int, sizes: list[int], device: torc
             t0 = time.perf_counter()
             for _ in range(trips):
                 if rank == first:
-                    _send(buf, peer)
-                    _recv(buf, host, peer)
+                    _send(dev, buf, host, peer)
+                    _recv(dev, buf, host, peer)
                 else:
-                    _recv(buf, host, peer)
-                    _send(buf, peer)
+                    _recv(dev, buf, host, peer)
+                    _send(dev, buf, host, peer)
             sync()
             if rep:
                 samples.append((time.perf_counter() - t0) / trips / 2)

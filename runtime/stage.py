@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from planner.device import TorchDevice, standin_gpus
 from planner.plan import Plan
 from runtime.measure import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
@@ -117,7 +118,8 @@ def _check_ownership(named: dict, names_by_layer) -> None:
         raise ValueError(f"parameters {missing[:3]} belong to no layer of the partition")
 
 
-def build(plan: Plan, names: list[str], rank: int, device: torch.device, timeout=None) -> Built:
+def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None) -> Built:
+    """What rank `rank` runs; `device` is its planner.device.TorchDevice."""
     from planner.workload import load_workload
 
     rank_of = {d: r for r, d in enumerate(names)}
@@ -129,11 +131,11 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device, timeout
     workload = load_workload(plan.model.spec, plan.model.args)   # torch.manual_seed(0) inside
 
     if len(rep.stages) == 1:
-        module = WholeModel(workload.model)
+        module = WholeModel(workload.model).to(device.device)
     else:
-        from planner.partition import build_stages
+        from planner.partition import build_stages, place_stages
         module = build_stages(workload, [st.layers for st in rep.stages], batch=micro)[st_j]
-    module.to(device)
+        place_stages([module], device.device)
 
     # who holds which layer: one rank per replica
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
@@ -153,23 +155,23 @@ def build(plan: Plan, names: list[str], rank: int, device: torch.device, timeout
 
     kinds = [torch_kind(d) for d in names]
     pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
-    groups = Groups(kinds, pairs, list(set(ranks_of_layer)), timeout)
+    groups = Groups(kinds, pairs, list(set(ranks_of_layer)), timeout, nccl=standin_gpus() == 0)
     my_ranks = replica_ranks[rep_i]
 
     def link(peer: int) -> Link:
         send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
         return Link(peer=peer, send_group=send, recv_group=recv, device=device,
-                    host_staged=device.type == "cuda" and send is groups.world)
+                    host_staged=device.accelerator and send is groups.world)
 
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
     nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
     timer = BusyTimer(device)
-    runner = StageRunner(module, device, workload.loss_fn, prev, nxt,
+    runner = StageRunner(module, device.device, workload.loss_fn, prev, nxt,
                          scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
     sync = GradSync(groups, rank, params_by_layer, ranks_by_bucket_layer, buckets,
-                    plan.sync.granularity, rep.microbatches)
+                    plan.sync.granularity, rep.microbatches, device)
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.device import TorchDevice
+
 
 def layer_ranks(replica_ranges: list[list[tuple[int, int]]], replica_ranks: list[list[int]],
                 num_layers: int) -> list[tuple[int, ...]]:
@@ -42,8 +44,11 @@ class Groups:
     """
 
     def __init__(self, kinds: list[str], pairs: list[tuple[int, int]], sync_sets: list[tuple[int, ...]],
-                 timeout=None):
+                 timeout=None, nccl: bool = True):
         self.kinds = kinds                                  # rank -> "cpu" / "cuda"
+        # nccl=False (CPU stand-ins for GPUs, planner.device): every group is gloo, and CUDA
+        # ranks' tensors are staged through host buffers as beside a CPU rank
+        self.nccl = nccl
         self.world = dist.group.WORLD                       # gloo: barriers, result gathering
         self.sync: dict[tuple[int, ...], Any] = {}
         # pipeline traffic per direction (src, dst). Two CUDA ranks get one NCCL communicator
@@ -52,13 +57,13 @@ class Groups:
         self.p2p: dict[tuple[int, int], Any] = {}
         for a, b in sorted(set(pairs)):
             for src, dst in ((a, b), (b, a)):
-                cuda = kinds[src] == kinds[dst] == "cuda"
+                cuda = nccl and kinds[src] == kinds[dst] == "cuda"
                 self.p2p[(src, dst)] = (dist.new_group([a, b], backend="nccl", timeout=timeout)
                                         if cuda else self.world)
         for ranks in sorted(set(sync_sets)):
             if len(ranks) < 2:
                 continue
-            if all(kinds[r] == "cuda" for r in ranks):
+            if nccl and all(kinds[r] == "cuda" for r in ranks):
                 self.sync[ranks] = dist.new_group(list(ranks), backend="nccl", timeout=timeout)
             elif len(ranks) == len(kinds):
                 self.sync[ranks] = self.world
@@ -71,7 +76,7 @@ class Groups:
     def host_staged(self, ranks) -> bool:
         """True when a group of these ranks runs on gloo but some rank's tensors are on CUDA."""
         kinds = {self.kinds[r] for r in ranks}
-        return "cuda" in kinds and kinds != {"cuda"}
+        return "cuda" in kinds and (kinds != {"cuda"} or not self.nccl)
 
 
 @dataclass
@@ -89,8 +94,8 @@ class GradSync:
 
     def __init__(self, groups: Groups, rank: int, params_by_layer: dict[int, list[torch.nn.Parameter]],
                  ranks_of_layer: list[tuple[int, ...]], buckets: list[tuple[int, ...]],
-                 granularity: str, microbatches: int):
-        self.groups, self.fine = groups, granularity == "fine"
+                 granularity: str, microbatches: int, device: TorchDevice):
+        self.groups, self.fine, self.device = groups, granularity == "fine", device
         if not self.fine:   # coarse: one bucket per rank set, all of its layers
             by_set: dict[tuple[int, ...], list[int]] = {}
             for layer in range(len(ranks_of_layer)):
@@ -133,19 +138,25 @@ class GradSync:
     def _launch(self, b: _Bucket) -> None:
         """Copy the bucket's gradients into its persistent flat buffer and all-reduce it.
         The buffer is allocated once: a fresh multi-MB tensor every iteration costs page faults
-        (like DDP's bucket buffers)."""
+        (like DDP's bucket buffers); staged through the host, it is pinned host memory filled by
+        non-blocking copies, waited for before gloo reads it."""
+        staged = self.groups.host_staged(b.ranks)
         if b.flat is None:
-            ref = b.params[0]
-            dev = torch.device("cpu") if self.groups.host_staged(b.ranks) else ref.device
-            b.flat = torch.empty(sum(p.numel() for p in b.params), dtype=ref.dtype, device=dev)
+            ref, n = b.params[0], sum(p.numel() for p in b.params)
+            b.flat = (self.device.host_buffer((n,), ref.dtype) if staged
+                      else torch.empty(n, dtype=ref.dtype, device=ref.device))
         off = 0
         for p in b.params:
             n = p.numel()
             if p.grad is None:        # unused in this iteration: contributes zeros
                 b.flat[off:off + n].zero_()
             else:
-                b.flat[off:off + n].copy_(p.grad.reshape(-1))
+                b.flat[off:off + n].copy_(p.grad.reshape(-1), non_blocking=staged)
             off += n
+        if staged:
+            copied = self.device.event()
+            copied.record()
+            copied.synchronize()
         b.work = dist.all_reduce(b.flat, group=self.groups.sync[b.ranks], async_op=True)
 
     def finish(self) -> None:
@@ -160,9 +171,9 @@ class GradSync:
                 n = p.numel()
                 g = b.flat[off:off + n].view_as(p)
                 if p.grad is None:
-                    p.grad = g.to(p.device, copy=True)
+                    p.grad = g.to(p.device, copy=True, non_blocking=True)
                 else:
-                    p.grad.copy_(g)
+                    p.grad.copy_(g, non_blocking=True)
                 off += n
 
 

@@ -81,17 +81,12 @@ def default_threads(devices: tuple[str, ...], name: str, cores: int | None = Non
     return 1 if cpus else max(1, cores // len(local))
 
 
-def torch_device(name: str):
-    import torch
-    local = name.split("/", 1)[-1]
-    return torch.device("cpu") if local.startswith("cpu") else torch.device(local)
-
-
 def run_worker(cfg: RunConfig) -> None:
     """Train the plan on this rank (env:// rendezvous) and, on rank 0, write the results."""
     import torch
     import torch.distributed as dist
 
+    from planner.device import torch_device
     from planner.plan import load_plan, plan_sha256
     from runtime import measure, stage
 
@@ -103,8 +98,7 @@ def run_worker(cfg: RunConfig) -> None:
     name = my_device(plan.devices, env)
     device = torch_device(name)
     torch.set_num_threads(cfg.threads.get(name) or default_threads(plan.devices, name))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device.set_current()
     timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
     try:
@@ -135,7 +129,7 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
 
     from runtime import measure
     param_bytes = sum(p.numel() * p.element_size() for p in built.params)
-    timer, mem = built.timer, measure.MemoryTracker(device, param_bytes)
+    timer, mem = built.timer, measure.MemoryTracker(device.device, param_bytes)
     fault = os.environ.get(FAULT_ENV, "")
     iter_s, busy_s, losses, events = [], [], [], None
     shown = -1e9                                   # progress on stderr at most once a second
@@ -147,16 +141,14 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
             batch = built.microbatches(plan.global_batch, i)      # data loading: not timed
             built.begin()
             built.groups.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            device.synchronize()
             if i == cfg.iters - 1:          # the last (post-warm-up) iteration's timeline
                 timer.start_recording()     # and its saved activations
                 built.runner.track = True
                 built.runner.saved_tracker.reset()
             t0 = time.perf_counter()
             loss = built.step(batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            device.synchronize()
             iter_s.append(time.perf_counter() - t0)
             busy_s.append(timer.take())
             if i == cfg.iters - 1:
@@ -171,10 +163,11 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
         prof.export_chrome_trace(str(Path(cfg.trace_dir) / f"rank{rank}.json"))
     saved = built.runner.saved_tracker.peak_bytes
     grad_bytes = sum(p.numel() * p.element_size() for p in built.params if p.requires_grad)
-    peak = (mem.peak_bytes() if device.type == "cuda" else
-            param_bytes + grad_bytes + built.optimizer.state_bytes() + saved)
+    on_host = device.device.type == "cpu"   # a CPU worker or a stand-in: no allocator statistics
+    peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved if on_host
+            else mem.peak_bytes())
     return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
-            "peak_memory_bytes": peak, "rss_growth_bytes": (mem.peak_bytes() - param_bytes) if device.type == "cpu" else None,
+            "peak_memory_bytes": peak, "rss_growth_bytes": (mem.peak_bytes() - param_bytes) if on_host else None,
             "saved_activation_peak_bytes": saved, "threads": torch.get_num_threads(),
             "param_bytes": param_bytes,
             "optimizer_state_bytes": built.optimizer.state_bytes(),
@@ -187,7 +180,7 @@ def _profiler(cfg, device):
     if not cfg.trace_dir:
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.device.type == "cuda" else [])
     return profile(activities=acts)
 
 

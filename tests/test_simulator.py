@@ -105,6 +105,23 @@ def test_cpu_optimizer_placement_moves_state_and_adds_copies():
     assert on_cpu.per_device["cuda:0"]["comm_s"] == approx(2.0)
 
 
+def test_offloaded_optimizer_copies_priced_by_the_measured_pinned_host_copy():
+    # as above, but cuda:0 carries a measured host-copy fit (profile): the runtime copies through
+    # pinned buffers in its own process, so the copies cost the fit, not the (gloo) link
+    from dataclasses import replace
+    g = graph([layer(0, param_bytes=10**6)], batch=1)
+    fit = {"pinned": {"d2h": {"latency_s": 0.1, "bytes_per_s": 1e7},
+                      "h2d": {"latency_s": 0.2, "bytes_per_s": 2e6}},
+           "pageable": {"d2h": {"latency_s": 9.0, "bytes_per_s": 1.0},
+                        "h2d": {"latency_s": 9.0, "bytes_per_s": 1.0}}}
+    gpu = replace(device("cuda:0", mem_bw=1e9), measured={"host_copy": fit})
+    t = topology([device("cpu:0", mem_bw=1e7), gpu], [link("cpu:0", "cuda:0", bw=1e6)])
+    r = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="cpu"), g, t)
+    # 3 s compute + grads d2h (0.1 + 1e6/1e7 = 0.2 s) + update 0.7 s + params h2d (0.2 + 0.5 s)
+    assert r.iteration_s == approx(3.0 + 0.2 + 0.7 + 0.7)
+    assert r.per_device["cuda:0"]["comm_s"] == approx(0.9)
+
+
 def test_transfer_routed_over_two_hops():
     # cuda:0 - cpu:0 - cuda:1, no direct link; 1e6 B cut, 1e6 B/s, 0.1 s per hop -> 1.1 s per hop
     g = graph([layer(0), layer(1)], batch=1, cut_bytes=[0, 10**6, 0])

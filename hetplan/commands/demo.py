@@ -50,8 +50,8 @@ class _StepFailed(Exception):
 
 
 def _default_cpu_workers() -> int:
-    import torch
-    return 1 if torch.cuda.is_available() else max(1, min(2, os.cpu_count() or 1))
+    from planner.device import gpu_count
+    return 1 if gpu_count() else max(1, min(2, os.cpu_count() or 1))
 
 
 def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str, Path | None]:
