@@ -9,7 +9,7 @@ measured order disagree (Kendall tau per workload).
 
     python benchmarks/plan_quality.py [--topology profiles/<host>.json] [--only gpt]
                                       [--iters 12] [--warmup 3] [--csv out/plan_quality.csv]
-                                      [--check] [--results PATH | --no-results]
+                                      [--check] [--quick] [--results PATH | --no-results]
 
 `--check` exits 1 when the chosen plan is measured slower than the best baseline by more than
 `--noise` (default 5 %). The run's figures go to the `plan_quality` section of
@@ -80,15 +80,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/plan_quality", help="plan and measured files go here")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: --iters 3 --warmup 1, one run per plan, no waiting for a quiet "
+                        "machine (figures not meaningful; marked quick in the results file)")
     add_results_arguments(p)
     a = p.parse_args(argv)
+    if a.quick:
+        a.iters, a.warmup = 3, 1
     results_path = results_target(a)
     if not check_results_file("plan_quality", results_path):   # fail now, not after the runs
         return 2
     from planner.topology import load_topology
 
     topo_path = Path(a.topology) if a.topology else HERE.parent / "profiles" / f"{socket.gethostname()}.json"
-    ensure_topology(topo_path, 2)
+    ensure_topology(topo_path, 2, wait=not a.quick)
     topology = load_topology(topo_path)
     specs = workloads_for(topology)
     workloads = a.only.split(",") if a.only else list(specs)
@@ -101,7 +106,8 @@ def main(argv=None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     if True:   # (the plans stay in --out for `hetplan compare`)
         for w in workloads:
-            wait_quiet()
+            if not a.quick:
+                wait_quiet()
             print(f"plan_quality: {w}: hetplan plan", file=sys.stderr)
             chosen = plan_workload(w, specs[w], topo_path, tmp)
             from hetplan.commands.plan import describe
@@ -110,9 +116,9 @@ def main(argv=None) -> int:
             plans = {"chosen": chosen, **baseline_plans(chosen, topology, tmp)}
             res = []
             for name, path in plans.items():
-                busy = wait_quiet()
+                busy = 0.0 if a.quick else wait_quiet()
                 pred = predict(path, topology)
-                m = measure(path, topo_path, a.iters, a.warmup, tmp)
+                m = measure(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
                 res.append({"workload": w, "plan": name, "predicted_s": pred,
                             "measured_s": m["iteration_s"], "busy_before": busy,
                             "error_pct": 100 * (pred - m["iteration_s"]) / m["iteration_s"]})
@@ -121,8 +127,9 @@ def main(argv=None) -> int:
             rows += res
             summary[w] = _judge(res)
     _write_csv(Path(a.csv), rows)
+    run = {"iters": a.iters, "warmup": a.warmup, "quick": a.quick}
     if results_path and not save_section("plan_quality", "plan_quality",
-                                         plan_quality_payload(summary, rows), results_path):
+                                         plan_quality_payload(summary, rows, run), results_path):
         return 2
     failed = [w for w, s in summary.items() if s["speedup"] is not None and s["speedup"] < 1 - a.noise]
     if a.json:

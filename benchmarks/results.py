@@ -122,23 +122,25 @@ def _number_or_none(x: float | None) -> float | None:
     return None if x is None or math.isnan(x) else x
 
 
-def accuracy_payload(rows: list[dict], summary: dict, plans: dict[str, dict]) -> dict:
-    """The accuracy section from the benchmark's rows, summary and plan dicts (name -> plan)."""
+def accuracy_payload(rows: list[dict], summary: dict, plans: dict[str, dict],
+                     run: dict | None = None) -> dict:
+    """The accuracy section from the benchmark's rows, summary and plan dicts (name -> plan);
+    `run`: how they were measured (iterations, quick), kept as the section's "run"."""
     out = []
     for row in rows:
         plan = plans[row["plan"]]
         entry = {"name": row["plan"], "devices": plan_devices(plan), "predicted_s": row["predicted_s"],
                  "measured_s": row["measured_s"], "error_pct": row["error_pct"],
                  "workload": row["workload"], "class": plan_class(plan)}
-        if "spread_pct" in row:
-            entry["spread_pct"] = row["spread_pct"]
+        entry.update({k: row[k] for k in ("spread_pct", "foreign_cpu") if k in row})
         out.append(entry)
     return {"mape_pct": summary["mape_pct"], "worst_pct": summary["worst_pct"],
-            "kendall_tau": _number_or_none(summary["tau"]), "plans": out}
+            "kendall_tau": _number_or_none(summary["tau"]), "plans": out, "run": run or {}}
 
 
-def plan_quality_payload(summary: dict[str, dict], rows: list[dict]) -> dict:
-    """The plan_quality section from the per-workload judgement and the measured rows."""
+def plan_quality_payload(summary: dict[str, dict], rows: list[dict], run: dict | None = None) -> dict:
+    """The plan_quality section from the per-workload judgement and the measured rows; `run` as
+    in accuracy_payload."""
     out = []
     for w, s in summary.items():
         mine = [r for r in rows if r["workload"] == w]
@@ -147,7 +149,7 @@ def plan_quality_payload(summary: dict[str, dict], rows: list[dict]) -> dict:
                     "chosen_predicted_s": next(r["predicted_s"] for r in mine if r["plan"] == "chosen"),
                     "baselines_s": {r["plan"]: r["measured_s"] for r in mine if r["plan"] != "chosen"},
                     "kendall_tau": _number_or_none(s["tau"])})
-    return {"workloads": out}
+    return {"workloads": out, "run": run or {}}
 
 
 def save_section(prog: str, section: str, payload: dict, path: Path) -> bool:

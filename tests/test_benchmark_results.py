@@ -88,13 +88,16 @@ def test_a_payload_of_the_wrong_shape_is_not_written(tmp_path):
     assert path.read_text() == before
 
 
-def test_accuracy_benchmark_stops_before_running_on_a_bad_results_file(tmp_path, capsys):
-    from benchmarks import accuracy
+@pytest.mark.parametrize("bench", ["accuracy", "plan_quality"])
+def test_benchmark_stops_before_running_on_a_bad_results_file(tmp_path, capsys, bench):
+    import importlib
+    main = importlib.import_module(f"benchmarks.{bench}").main
     bad = tmp_path / "host.json"
     bad.write_text("{")
-    assert accuracy.main(["--results", str(bad), "--topology", str(tmp_path / "none.json")]) == 2
+    assert main(["--quick", "--results", str(bad), "--topology", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"accuracy: {bad}: not valid JSON") and "\n" not in err
+    assert err.startswith(f"{bench}: {bad}: not valid JSON") and "\n" not in err
+    assert not (tmp_path / "none.json").exists()        # nothing profiled, nothing run
 
 
 # --- the sections built from a benchmark's rows --------------------------------------------------
@@ -102,9 +105,11 @@ def test_accuracy_payload_has_the_contract_fields():
     plans = plans_for(_topology(["cpu:0", "cuda:0"]), {"mlp": 5})
     rows = [{"plan": name, "workload": "mlp", "predicted_s": 0.1, "measured_s": 0.125,
              "error_pct": -20.0, "spread_pct": 3.0} for name in plans]
-    s = accuracy_payload(rows, {"mape_pct": 20.0, "worst_pct": 20.0, "tau": float("nan")}, plans)
+    s = accuracy_payload(rows, {"mape_pct": 20.0, "worst_pct": 20.0, "tau": float("nan")}, plans,
+                         {"iters": 3, "quick": True})
     validate_results({"host": {"hostname": "h", "cpu_cores": 1, "torch": "2"}, "accuracy": s}, "t")
     assert s["kendall_tau"] is None                  # NaN (all tied) is not JSON
+    assert s["run"] == {"iters": 3, "quick": True}
     by_name = {p["name"]: p for p in s["plans"]}
     assert by_name["mlp/cpu-gpu-dp-coarse"]["devices"] == ["cpu:0", "cuda:0"]
     assert by_name["mlp/gpu-single"]["class"] == "gpu"
