@@ -1,26 +1,28 @@
 """Prediction accuracy: the simulator's iteration time vs `hetplan run` on this machine.
 
-For a fixed set of hand-written plans over three workloads (mlp, gpt, cnn) on this machine's
-CPU workers, predict one iteration with the simulator and the measured cost model (what
-`hetplan simulate` does on a topology profiled here), run the plan for real (`hetplan run`,
-median after warm-up), and report MAPE, the worst error and Kendall's tau of the two rankings.
+For a fixed set of hand-written plans over three workloads (mlp, gpt, cnn; benchmarks/plan_sets.py),
+predict one iteration with the simulator and the measured cost model (what `hetplan simulate`
+does on a topology profiled here), run the plan for real (`hetplan run`, median after
+warm-up), and report MAPE, the worst error and Kendall's tau of the two rankings. The plan set
+follows the topology: on CPU workers only, 20 plans over two workers; with a GPU, plans of
+the GPU alone and of the CPU and the GPU together (batch split, CPU pipeline stage, optimizer
+on the CPU).
 
     python benchmarks/accuracy.py [--topology profiles/<host>.json] [--csv out/accuracy.csv]
                                   [--iters 12] [--warmup 3] [--only mlp,gpt] [--check]
+                                  [--quick] [--results PATH | --no-results]
 
 The topology is profiled (`hetplan profile --cpu-workers 2`) when missing. `--check` exits 1
 when a target is missed: MAPE <= 5 %, worst <= 10 %, tau >= 0.8. The machine load (1-minute
 average) is printed before and after: the figures are only meaningful on a quiet machine.
+The run's figures go to the `accuracy` section of benchmarks/results/<hostname>.json
+(benchmarks/results.py).
 
-Workloads are sized like real training steps (mlp hidden 1024 x 4 at batch 512, cnn at batch
-512, gpt at batch 16): one iteration takes ~50-200 ms on one core of the 2-vCPU VM. At the 10-20 ms
-of the first version, fixed per-message and per-op costs (gloo wake-ups, Python dispatch) and OS
-scheduling noise of a few milliseconds were a third of an iteration; the cost model carries them
-only as averages (calibration.multi_worker_overhead_s, op overheads inside measured layers), so
-micro-steps measured the noise rather than the model.
-
-Plans need at least two CPU workers; a hybrid (replicas of different pipeline depth) needs
-three distinct devices and is added only when the topology has them.
+Workloads are sized like real training steps: one iteration takes ~50-200 ms on one core of the
+2-vCPU VM. At the 10-20 ms of the first version, fixed per-message and per-op costs (gloo
+wake-ups, Python dispatch) and OS scheduling noise of a few milliseconds were a third of an
+iteration; the cost model carries them only as averages (calibration.multi_worker_overhead_s,
+op overheads inside measured layers), so micro-steps measured the noise rather than the model.
 """
 from __future__ import annotations
 
@@ -38,58 +40,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.plan_sets import plans_for, workloads_for  # noqa: E402
+from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa: E402
+                                check_results_file, results_target, save_section)
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
-
-# Sized like training steps, not micro-steps: one iteration takes ~50-200 ms on one core of the
-# 2-vCPU VM (see the module docstring for why).
-WORKLOADS = {
-    "mlp": {"spec": "mlp", "args": {"hidden": 1024, "depth": 4}, "batch": 512},
-    "gpt": {"spec": "gpt", "args": {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048,
-                                    "context": 64}, "batch": 16},
-    "cnn": {"spec": "cnn", "args": {}, "batch": 512},
-}
-
-
-def _plan(w: str, replicas, schedule="1f1b", sync="coarse", opt="adam", placement="device",
-          bucket_bytes=1 << 20, lr=1e-3) -> dict:
-    spec = WORKLOADS[w]
-    return {"schema": "hetplan.plan/1", "model": {"spec": spec["spec"], "args": spec["args"]},
-            "global_batch": spec["batch"],
-            "replicas": [{"batch_fraction": f, "microbatches": m,
-                          "stages": [{"device": d, "layers": list(r)} for d, r in stages]}
-                         for f, m, stages in replicas],
-            "schedule": schedule, "sync": {"granularity": sync, "bucket_bytes": bucket_bytes},
-            "optimizer": {"name": opt, "lr": lr, "placement": placement}, "recompute": False}
-
-
-def plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
-    """name -> plan dict. Covers single device, even/uneven DP, coarse/fine sync, GPipe and
-    1F1B, CPU optimizer placement, SGD and Adam; a hybrid when there are three devices."""
-    a, b = devices[0], devices[1]
-    out = {}
-    for w, L in num_layers.items():
-        half = L // 2
-        full = [(a, (0, L))]
-        pipe = [(a, (0, half)), (b, (half, L))]
-        out[f"{w}/single"] = _plan(w, [(1.0, 1, full)])
-        out[f"{w}/dp-even-coarse"] = _plan(w, [(0.5, 1, full), (0.5, 1, [(b, (0, L))])])
-        out[f"{w}/dp-even-fine"] = _plan(w, [(0.5, 1, full), (0.5, 1, [(b, (0, L))])], sync="fine",
-                                         bucket_bytes=256 << 10)
-        out[f"{w}/dp-uneven-sgd"] = _plan(w, [(0.75, 1, full), (0.25, 1, [(b, (0, L))])], opt="sgd",
-                                          lr=0.01)
-        out[f"{w}/gpipe-4mb"] = _plan(w, [(1.0, 4, pipe)], schedule="gpipe")
-        out[f"{w}/1f1b-4mb"] = _plan(w, [(1.0, 4, pipe)], schedule="1f1b")
-    out["mlp/single-2mb"] = _plan("mlp", [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
-    out["gpt/dp-even-cpu-opt"] = _plan("gpt", [(0.5, 1, [(a, (0, num_layers["gpt"]))]),
-                                              (0.5, 1, [(b, (0, num_layers["gpt"]))])],
-                                       placement="cpu", sync="fine", bucket_bytes=256 << 10)
-    if len(devices) >= 3:
-        c, L = devices[2], num_layers["mlp"]
-        out["mlp/hybrid"] = _plan("mlp", [(0.5, 1, [(a, (0, L))]),
-                                          (0.5, 2, [(b, (0, L // 2)), (c, (L // 2, L))])],
-                                  sync="fine", bucket_bytes=256 << 10)
-    return out
 
 
 def load_avg() -> float:
@@ -123,10 +78,10 @@ def wait_quiet(max_busy: float = 0.15, max_wait_s: float = 300.0) -> float:
     return busy
 
 
-def ensure_topology(path: Path, cpu_workers: int, again: bool = False) -> None:
+def ensure_topology(path: Path, cpu_workers: int, again: bool = False, wait: bool = True) -> None:
     if path.exists() and not again:
         return
-    if Path("/proc/stat").exists():
+    if wait and Path("/proc/stat").exists():
         wait_quiet()
     print(f"accuracy: profiling this machine into {path} (hetplan profile --cpu-workers "
           f"{cpu_workers})", file=sys.stderr)
@@ -248,7 +203,7 @@ def measure(plan_path: Path, topology_path: Path, iters: int, warmup: int, out_d
         m, foreign = _run_once(plan_path, topology_path, iters, warmup, out)
         if best is None or foreign < best[1]:
             best = (m, foreign)
-        if foreign <= max_foreign:
+        if foreign <= max_foreign or k + 1 == attempts:
             break
         print(f"accuracy: {plan_path.stem}: other processes used {foreign:.0%} of the CPU "
               f"during the run; measuring again", file=sys.stderr)
@@ -277,6 +232,20 @@ def missed_targets(summary: dict, targets: dict = TARGETS) -> list[str]:
                              ("tau", summary["tau"] < targets["tau"])) if bad]
 
 
+def select_plans(topology, only: str | None) -> dict[str, dict]:
+    """The plan set for the topology's devices (plan_sets.plans_for), restricted to the
+    comma-separated workloads or plan names of `only`. ValueError when no set fits."""
+    from planner.partition import num_layers
+    from planner.workload import load_workload
+    layers = {w: num_layers(load_workload(s["spec"], s["args"]), 1)
+              for w, s in workloads_for(topology).items()}
+    plans = plans_for(topology, layers)
+    if only:
+        keep = only.split(",")
+        plans = {k: v for k, v in plans.items() if k in keep or k.split("/")[0] in keep}
+    return plans
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
@@ -298,20 +267,27 @@ def main(argv=None) -> int:
     p.add_argument("--reprofile", action="store_true",
                    help="profile this machine again first (on a quiet machine)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: --iters 3 --warmup 1, one run per plan, no waiting for a quiet "
+                        "machine (figures not meaningful; marked quick in the results file)")
+    add_results_arguments(p)
     a = p.parse_args(argv)
+    if a.quick:
+        a.iters, a.warmup = 3, 1
     if a.iters <= a.warmup or a.warmup < 0:
         p.error("--iters must exceed --warmup >= 0")
+    results_path = results_target(a)
+    if not check_results_file("accuracy", results_path):   # fail now, not after the runs
+        return 2
 
     os.environ["HETPLAN_CACHE_DIR"] = a.cache_dir
     if not a.keep_cache:
         (Path(a.cache_dir) / "layer_costs.json").unlink(missing_ok=True)
-    from planner.partition import num_layers
     from planner.io import write_json_atomic
     from planner.topology import load_topology
-    from planner.workload import load_workload
 
     topo_path = Path(a.topology) if a.topology else ROOT / "profiles" / f"{socket.gethostname()}.json"
-    ensure_topology(topo_path, 2, again=a.reprofile)
+    ensure_topology(topo_path, 2, again=a.reprofile, wait=not a.quick)
     topology = load_topology(topo_path)
     if a.without_calibration:
         from dataclasses import replace
@@ -321,15 +297,12 @@ def main(argv=None) -> int:
     if a.reuse:
         with open(a.reuse) as f:
             reused = {r["plan"]: r for r in csv.DictReader(f)}
-    cpus = [d.name for d in topology.devices if d.kind == "cpu"]
-    if len(cpus) < 2:
-        p.error(f"{topo_path}: needs at least two CPU workers (hetplan profile --cpu-workers 2)")
-    layers = {w: num_layers(load_workload(s["spec"], s["args"]), 1)
-              for w, s in WORKLOADS.items()}
-    plans = plan_set(layers, cpus)
-    if a.only:
-        keep = a.only.split(",")
-        plans = {k: v for k, v in plans.items() if k in keep or k.split("/")[0] in keep}
+    try:
+        plans = select_plans(topology, a.only)
+    except ValueError as e:
+        p.error(f"{topo_path}: {e}")
+    if not plans:
+        p.error(f"--only: no plan of this topology's set matches {a.only!r}")
     load_before = load_avg()
     print(f"accuracy: {len(plans)} plans on {topo_path.name}; load average {load_before:.2f}",
           file=sys.stderr)
@@ -341,7 +314,7 @@ def main(argv=None) -> int:
             plan["topology"] = {"name": topology.name, "sha256": topology.sha256}
             path = tmp / (name.replace("/", "__") + ".json")
             write_json_atomic(path, plan)
-            busy = wait_quiet() if on_linux and not (a.predict_only or a.reuse) else 0.0
+            busy = wait_quiet() if on_linux and not (a.predict_only or a.reuse or a.quick) else 0.0
             pred = predict(path, topology)   # may time layers (MeasuredCost): on a quiet machine
             row = {"plan": name, "workload": name.split("/")[0], "predicted_s": pred}
             if a.reuse:
@@ -354,7 +327,7 @@ def main(argv=None) -> int:
             elif not a.predict_only:
                 row["busy_before"] = busy
                 t0 = time.perf_counter()
-                m = measure(path, topo_path, a.iters, a.warmup, tmp)
+                m = measure(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
                 row.update(measured_s=m["iteration_s"], foreign_cpu=m["foreign_cpu"],
                            attempts=m["attempts"],
                            error_pct=100.0 * (pred - m["iteration_s"]) / m["iteration_s"],
@@ -375,6 +348,10 @@ def main(argv=None) -> int:
                                  for w in sorted({r["workload"] for r in rows})})
     _write_csv(Path(a.csv), rows)
     missed = summary["missed"] = missed_targets(summary)
+    if results_path and not save_section("accuracy", "accuracy",
+                                         accuracy_payload(rows, summary, plans, _run_facts(a)),
+                                         results_path):
+        return 2
     if a.json:
         print(json.dumps({"summary": summary, "rows": rows}))
     else:
@@ -393,6 +370,11 @@ def main(argv=None) -> int:
         print(f"accuracy: missed target(s): {', '.join(missed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_facts(a) -> dict:
+    """How the figures were measured (recorded beside them in the results file)."""
+    return {"iters": a.iters, "warmup": a.warmup, "quick": a.quick, "reused": a.reuse}
 
 
 def _spread(xs: list[float]) -> float:

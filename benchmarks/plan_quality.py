@@ -1,6 +1,6 @@
 """Plan quality: the planner's plan vs the plans a user would try, all measured for real.
 
-For each workload (mlp, gpt, cnn, sized as in benchmarks/accuracy.py): `hetplan plan` on this
+For each workload (mlp, gpt, cnn, sized for the topology in benchmarks/plan_sets.py): `hetplan plan` on this
 machine's profile, then every baseline of planner/baselines.py regenerated as the search does
 (`Searcher.baselines`), then each distinct plan predicted and run (`hetplan run`, median after
 warm-up, on a quiet machine). Reports the measured speedup of the chosen plan over the best
@@ -9,10 +9,11 @@ measured order disagree (Kendall tau per workload).
 
     python benchmarks/plan_quality.py [--topology profiles/<host>.json] [--only gpt]
                                       [--iters 12] [--warmup 3] [--csv out/plan_quality.csv]
-                                      [--check]
+                                      [--check] [--quick] [--results PATH | --no-results]
 
 `--check` exits 1 when the chosen plan is measured slower than the best baseline by more than
-`--noise` (default 5 %).
+`--noise` (default 5 %). The run's figures go to the `plan_quality` section of
+benchmarks/results/<hostname>.json (benchmarks/results.py).
 """
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from accuracy import (WORKLOADS, _write_csv, ensure_topology, kendall_tau, load_avg,  # noqa: E402
+from accuracy import (_write_csv, ensure_topology, kendall_tau, load_avg,  # noqa: E402
                       measure, predict, wait_quiet)
+from benchmarks.plan_sets import workloads_for  # noqa: E402
+from benchmarks.results import (add_results_arguments, check_results_file,  # noqa: E402
+                                plan_quality_payload, results_target, save_section)
 
 
-def plan_workload(w: str, topo_path: Path, out: Path) -> Path:
-    spec = WORKLOADS[w]
+def plan_workload(w: str, spec: dict, topo_path: Path, out: Path) -> Path:
     path = out / f"{w}.plan.json"
     cmd = ["hetplan", "plan", "--model", spec["spec"], "--batch", str(spec["batch"]),
            "--topology", str(topo_path), "-o", str(path), "--json"]
@@ -77,31 +80,45 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/plan_quality", help="plan and measured files go here")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: --iters 3 --warmup 1, one run per plan, no waiting for a quiet "
+                        "machine (figures not meaningful; marked quick in the results file)")
+    add_results_arguments(p)
     a = p.parse_args(argv)
+    if a.quick:
+        a.iters, a.warmup = 3, 1
+    results_path = results_target(a)
+    if not check_results_file("plan_quality", results_path):   # fail now, not after the runs
+        return 2
     from planner.topology import load_topology
 
     topo_path = Path(a.topology) if a.topology else HERE.parent / "profiles" / f"{socket.gethostname()}.json"
-    ensure_topology(topo_path, 2)
+    ensure_topology(topo_path, 2, wait=not a.quick)
     topology = load_topology(topo_path)
-    workloads = a.only.split(",") if a.only else list(WORKLOADS)
+    specs = workloads_for(topology)
+    workloads = a.only.split(",") if a.only else list(specs)
+    unknown = [w for w in workloads if w not in specs]
+    if unknown:
+        p.error(f"--only: expected workloads among {', '.join(specs)}, got {', '.join(unknown)}")
     load_before = load_avg()
     rows, summary = [], {}
     tmp = Path(a.out)
     tmp.mkdir(parents=True, exist_ok=True)
     if True:   # (the plans stay in --out for `hetplan compare`)
         for w in workloads:
-            wait_quiet()
+            if not a.quick:
+                wait_quiet()
             print(f"plan_quality: {w}: hetplan plan", file=sys.stderr)
-            chosen = plan_workload(w, topo_path, tmp)
+            chosen = plan_workload(w, specs[w], topo_path, tmp)
             from hetplan.commands.plan import describe
             from planner.plan import load_plan
             print(f"plan_quality: {w}: chosen {describe(load_plan(chosen))}", file=sys.stderr)
             plans = {"chosen": chosen, **baseline_plans(chosen, topology, tmp)}
             res = []
             for name, path in plans.items():
-                busy = wait_quiet()
+                busy = 0.0 if a.quick else wait_quiet()
                 pred = predict(path, topology)
-                m = measure(path, topo_path, a.iters, a.warmup, tmp)
+                m = measure(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
                 res.append({"workload": w, "plan": name, "predicted_s": pred,
                             "measured_s": m["iteration_s"], "busy_before": busy,
                             "error_pct": 100 * (pred - m["iteration_s"]) / m["iteration_s"]})
@@ -110,6 +127,10 @@ def main(argv=None) -> int:
             rows += res
             summary[w] = _judge(res)
     _write_csv(Path(a.csv), rows)
+    run = {"iters": a.iters, "warmup": a.warmup, "quick": a.quick}
+    if results_path and not save_section("plan_quality", "plan_quality",
+                                         plan_quality_payload(summary, rows, run), results_path):
+        return 2
     failed = [w for w, s in summary.items() if s["speedup"] is not None and s["speedup"] < 1 - a.noise]
     if a.json:
         print(json.dumps({"per_workload": summary, "rows": rows, "load_before": load_before,
@@ -117,8 +138,9 @@ def main(argv=None) -> int:
     else:
         for w, s in summary.items():
             sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "n/a (no distinct baseline)"
-            print(f"{w}: chosen {s['chosen_ms']:.2f} ms measured; best baseline {s['best_baseline']} "
-                  f"{s['best_baseline_ms']:.2f} ms; measured speedup {sp}; rank tau {s['tau']:.2f}")
+            best_ms = f"{s['best_baseline_s'] * 1e3:.2f} ms" if s["best_baseline"] else "-"
+            print(f"{w}: chosen {s['chosen_s'] * 1e3:.2f} ms measured; best baseline "
+                  f"{s['best_baseline']} {best_ms}; measured speedup {sp}; rank tau {s['tau']:.2f}")
             for d in s["disagree"]:
                 print(f"  disagree: {d}")
         print(f"load average {load_before:.2f} before, {load_avg():.2f} after; wrote {a.csv}")
@@ -143,9 +165,9 @@ def _judge(res: list[dict]) -> dict:
                 disagree.append(f"predicted {fast_p['plan']} faster than {slow_p['plan']} "
                                 f"({fast_p['predicted_s'] * 1e3:.1f} vs {slow_p['predicted_s'] * 1e3:.1f} ms), "
                                 f"measured {fast_p['measured_s'] * 1e3:.1f} vs {slow_p['measured_s'] * 1e3:.1f} ms")
-    return {"chosen_ms": chosen["measured_s"] * 1e3,
+    return {"chosen_s": chosen["measured_s"],
             "best_baseline": best["plan"] if best else None,
-            "best_baseline_ms": best["measured_s"] * 1e3 if best else float("nan"),
+            "best_baseline_s": best["measured_s"] if best else None,
             "speedup": best["measured_s"] / chosen["measured_s"] if best else None,
             "tau": kendall_tau([r["predicted_s"] for r in res], [r["measured_s"] for r in res]),
             "disagree": disagree}

@@ -1,0 +1,177 @@
+"""The benchmarks' workloads and the accuracy benchmark's plans, as data, chosen by the devices
+of the measured topology.
+
+- CPU-only host (two or more CPU workers): `CPU_WORKLOADS`, `cpu_plan_set`.
+- Host with a GPU (a `cpu:*` and a `cuda:*` device): `GPU_WORKLOADS`, `gpu_plan_set`, which
+  adds the three ways of using the CPU and the GPU together: the batch split across a CPU
+  replica and a GPU replica, a CPU stage in a pipeline with a GPU stage, and the optimizer of
+  a GPU stage on the CPU (`"optimizer": {"placement": "cpu"}`).
+
+A plan here is a plan-file dict (`hetplan.plan/1`) without `topology` and `predicted`.
+"""
+from __future__ import annotations
+
+# Sized like training steps, not micro-steps: one iteration takes ~50-200 ms on one core of the
+# 2-vCPU VM (at 10-20 ms fixed per-message and per-op costs were a third of an iteration).
+CPU_WORKLOADS = {
+    "mlp": {"spec": "mlp", "args": {"hidden": 1024, "depth": 4}, "batch": 512},
+    "gpt": {"spec": "gpt", "args": {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048,
+                                    "context": 64}, "batch": 16},
+    "cnn": {"spec": "cnn", "args": {}, "batch": 512},
+}
+
+# Sized for one datacenter GPU beside the host's CPU worker: the GPU part takes ~10-30 ms
+# (estimated from FLOPs at fp32, not yet measured). `cpu_share` is the CPU replica's batch
+# fraction when the batch is split: a CPU worker computes ~1/50-1/100 as fast as the GPU, so
+# it gets a few samples. `cpu_stage`: which end of the model a CPU pipeline stage takes, the
+# cheap one (gpt's embedding lookup; the mlp's and cnn's small output layers).
+GPU_WORKLOADS = {
+    "mlp": {"spec": "mlp", "args": {"hidden": 4096, "depth": 4}, "batch": 4096,
+            "cpu_share": 1 / 128, "cpu_stage": "last"},
+    "gpt": {"spec": "gpt", "args": {"layers": 4, "d_model": 512, "heads": 8, "vocab": 8192,
+                                    "context": 256}, "batch": 32,
+            "cpu_share": 1 / 32, "cpu_stage": "first"},
+    "cnn": {"spec": "cnn", "args": {}, "batch": 4096, "cpu_share": 1 / 128, "cpu_stage": "last"},
+}
+
+# Top-level plan keys added to every GPU transformer plan (`gpu_transformer_plans`), e.g.
+# {"precision": "bf16"} once planner.plan.Plan has that field; empty: fp32, the default.
+GPU_TRANSFORMER_PLAN_FIELDS: dict = {}
+
+
+def has_gpu(topology) -> bool:
+    return any(d.kind == "cuda" for d in topology.devices)
+
+
+def workloads_for(topology) -> dict[str, dict]:
+    """The workloads sized for this topology's devices."""
+    return GPU_WORKLOADS if has_gpu(topology) else CPU_WORKLOADS
+
+
+def plans_for(topology, num_layers: dict[str, int]) -> dict[str, dict]:
+    """name -> plan dict for the topology: the GPU set when it has a CUDA device and a CPU,
+    else the CPU set (two CPU workers or more). ValueError when neither fits."""
+    cpus = [d.name for d in topology.devices if d.kind == "cpu"]
+    gpus = [d.name for d in topology.devices if d.kind == "cuda"]
+    if gpus and cpus:
+        return gpu_plan_set(num_layers, cpus[0], gpus[0])
+    if not gpus and len(cpus) >= 2:
+        return cpu_plan_set(num_layers, cpus)
+    raise ValueError("needs at least two CPU workers (hetplan profile --cpu-workers 2), "
+                     "or a CPU worker and a GPU")
+
+
+def make_plan(workload: dict, replicas, schedule="1f1b", sync="coarse", opt="adam",
+              placement="device", bucket_bytes=1 << 20, lr=1e-3, **fields) -> dict:
+    """A plan dict; `replicas` is [(batch_fraction, microbatches, [(device, (start, end))])];
+    `fields` are extra top-level plan keys."""
+    return {"schema": "hetplan.plan/1",
+            "model": {"spec": workload["spec"], "args": workload["args"]},
+            "global_batch": workload["batch"],
+            "replicas": [{"batch_fraction": f, "microbatches": m,
+                          "stages": [{"device": d, "layers": list(r)} for d, r in stages]}
+                         for f, m, stages in replicas],
+            "schedule": schedule, "sync": {"granularity": sync, "bucket_bytes": bucket_bytes},
+            "optimizer": {"name": opt, "lr": lr, "placement": placement}, "recompute": False,
+            **fields}
+
+
+def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
+    """Covers single device, even/uneven DP, coarse/fine sync, GPipe and 1F1B, CPU optimizer
+    placement, SGD and Adam; a hybrid when there are three devices."""
+    a, b = devices[0], devices[1]
+    W = CPU_WORKLOADS
+    out = {}
+    for w, L in num_layers.items():
+        half = L // 2
+        full = [(a, (0, L))]
+        pipe = [(a, (0, half)), (b, (half, L))]
+        out[f"{w}/single"] = make_plan(W[w], [(1.0, 1, full)])
+        out[f"{w}/dp-even-coarse"] = make_plan(W[w], [(0.5, 1, full), (0.5, 1, [(b, (0, L))])])
+        out[f"{w}/dp-even-fine"] = make_plan(W[w], [(0.5, 1, full), (0.5, 1, [(b, (0, L))])],
+                                             sync="fine", bucket_bytes=256 << 10)
+        out[f"{w}/dp-uneven-sgd"] = make_plan(W[w], [(0.75, 1, full), (0.25, 1, [(b, (0, L))])],
+                                              opt="sgd", lr=0.01)
+        out[f"{w}/gpipe-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="gpipe")
+        out[f"{w}/1f1b-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="1f1b")
+    out["mlp/single-2mb"] = make_plan(W["mlp"], [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
+    out["gpt/dp-even-cpu-opt"] = make_plan(W["gpt"], [(0.5, 1, [(a, (0, num_layers["gpt"]))]),
+                                                      (0.5, 1, [(b, (0, num_layers["gpt"]))])],
+                                           placement="cpu", sync="fine", bucket_bytes=256 << 10)
+    if len(devices) >= 3:
+        c, L = devices[2], num_layers["mlp"]
+        out["mlp/hybrid"] = make_plan(W["mlp"], [(0.5, 1, [(a, (0, L))]),
+                                                 (0.5, 2, [(b, (0, L // 2)), (c, (L // 2, L))])],
+                                      sync="fine", bucket_bytes=256 << 10)
+    return out
+
+
+def gpu_plan_set(num_layers: dict[str, int], cpu: str, gpu: str) -> dict[str, dict]:
+    """Per workload: the GPU alone (one and four microbatches), then the three CPU+GPU kinds
+    (`cpu-gpu-dp` coarse and fine, `cpu-gpu-pipe`, `gpu-cpu-opt`). The transformer's plans
+    come from `gpu_transformer_plans`."""
+    out = {}
+    for w, L in num_layers.items():
+        if w == "gpt":
+            out.update(gpu_transformer_plans(L, cpu, gpu))
+        else:
+            out.update(_gpu_workload_plans(w, GPU_WORKLOADS[w], L, cpu, gpu))
+    return out
+
+
+def gpu_transformer_plans(L: int, cpu: str, gpu: str,
+                          fields: dict = GPU_TRANSFORMER_PLAN_FIELDS) -> dict[str, dict]:
+    """The GPU set's gpt plans, each carrying the top-level plan keys `fields`."""
+    return _gpu_workload_plans("gpt", GPU_WORKLOADS["gpt"], L, cpu, gpu, **fields)
+
+
+def _gpu_workload_plans(w: str, spec: dict, L: int, cpu: str, gpu: str, **fields) -> dict[str, dict]:
+    share = spec["cpu_share"]
+    k = 1 if spec["cpu_stage"] == "first" else L - 1    # the CPU stage holds one end layer
+    pipe = ([(cpu, (0, k)), (gpu, (k, L))] if spec["cpu_stage"] == "first"
+            else [(gpu, (0, k)), (cpu, (k, L))])
+    split = [(share, 1, [(cpu, (0, L))]), (1 - share, 1, [(gpu, (0, L))])]
+    gpu_only = [(gpu, (0, L))]
+    plan = lambda replicas, **kw: make_plan(spec, replicas, **kw, **fields)  # noqa: E731
+    return {
+        f"{w}/gpu-single": plan([(1.0, 1, gpu_only)]),
+        f"{w}/gpu-4mb": plan([(1.0, 4, gpu_only)]),
+        f"{w}/cpu-gpu-dp-coarse": plan(split),
+        f"{w}/cpu-gpu-dp-fine": plan(split, sync="fine", bucket_bytes=4 << 20),
+        f"{w}/cpu-gpu-pipe-1f1b": plan([(1.0, 4, pipe)]),
+        f"{w}/gpu-cpu-opt": plan([(1.0, 1, gpu_only)], placement="cpu"),
+    }
+
+
+def _kind(device: str) -> str:
+    return device.split("/")[-1].split(":")[0]      # "node1/cuda:3" -> "cuda"
+
+
+def plan_class(plan: dict) -> str:
+    """'cpu', 'gpu' or 'cpu+gpu': the kinds of device a plan computes on (a GPU stage whose
+    optimizer step runs on the host uses both)."""
+    kinds = {_kind(s["device"]) for r in plan["replicas"] for s in r["stages"]}
+    if plan["optimizer"]["placement"] == "cpu":
+        kinds.add("cpu")
+    return "+".join(name for kind, name in (("cpu", "cpu"), ("cuda", "gpu")) if kind in kinds)
+
+
+def hybrid_kinds(plan: dict) -> set[str]:
+    """How a plan uses the CPU and a GPU together: 'batch-split' (a CPU replica beside a GPU
+    replica), 'pipeline' (a CPU stage and a GPU stage in one replica), 'cpu-optimizer' (a GPU
+    stage's optimizer step on the host)."""
+    per_replica = [{_kind(s["device"]) for s in r["stages"]} for r in plan["replicas"]]
+    everywhere = set().union(*per_replica)
+    out = set()
+    if {"cpu"} in per_replica and {"cuda"} in per_replica:
+        out.add("batch-split")
+    if any(k == {"cpu", "cuda"} for k in per_replica):
+        out.add("pipeline")
+    if plan["optimizer"]["placement"] == "cpu" and "cuda" in everywhere:
+        out.add("cpu-optimizer")
+    return out
+
+
+def plan_devices(plan: dict) -> list[str]:
+    """The plan's devices, in order of first use."""
+    return list(dict.fromkeys(s["device"] for r in plan["replicas"] for s in r["stages"]))
