@@ -34,9 +34,9 @@ GPU_WORKLOADS = {
     "cnn": {"spec": "cnn", "args": {}, "batch": 4096, "cpu_share": 1 / 128, "cpu_stage": "last"},
 }
 
-# Top-level plan keys added to every GPU transformer plan (`gpu_transformer_plans`), e.g.
-# {"precision": "bf16"} once planner.plan.Plan has that field; empty: fp32, the default.
-GPU_TRANSFORMER_PLAN_FIELDS: dict = {}
+# Top-level plan keys added to every GPU transformer plan (`gpu_transformer_plans`): transformers
+# are trained in bf16 on GPUs, so the GPU set's gpt plans are.
+GPU_TRANSFORMER_PLAN_FIELDS: dict = {"precision": "bf16"}
 
 
 def has_gpu(topology) -> bool:

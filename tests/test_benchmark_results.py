@@ -173,10 +173,13 @@ def test_gpu_plan_set_uses_cpu_and_gpu_together_and_validates():
     _check_valid(plans, layers, set(devices))
 
 
-def test_gpu_transformer_plans_carry_the_extra_fields():
-    plans = gpu_transformer_plans(6, "cpu:0", "cuda:0", fields={"note": "bf16 later"})
-    assert plans and all(p["note"] == "bf16 later" and p["model"]["spec"] == "gpt"
-                         for p in plans.values())
+def test_gpu_transformer_plans_train_in_bf16():
+    plans = gpu_transformer_plans(6, "cpu:0", "cuda:0")
+    assert plans and all(plan_from_dict(p, n).precision == "bf16" and p["model"]["spec"] == "gpt"
+                         for n, p in plans.items())
+    others = plans_for(_topology(["cpu:0", "cuda:0"]), _layer_counts(GPU_WORKLOADS))
+    assert {plan_from_dict(p, n).precision for n, p in others.items()
+            if not n.startswith("gpt/")} == {"fp32"}
 
 
 def test_cpu_plan_set_on_cpu_workers_only():
