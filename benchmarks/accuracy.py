@@ -90,8 +90,8 @@ def ensure_topology(path: Path, cpu_workers: int, again: bool = False, wait: boo
 
 
 def predict(plan_path: Path, topology) -> float:
-    from planner.plan import load_plan
-    from planner.prediction import simulate_plan_file
+    from planner.files.plan import load_plan
+    from planner.sim.predict import simulate_plan_file
     return simulate_plan_file(load_plan(plan_path), plan_path, topology).iteration_s
 
 
@@ -235,8 +235,8 @@ def missed_targets(summary: dict, targets: dict = TARGETS) -> list[str]:
 def select_plans(topology, only: str | None) -> dict[str, dict]:
     """The plan set for the topology's devices (plan_sets.plans_for), restricted to the
     comma-separated workloads or plan names of `only`. ValueError when no set fits."""
-    from planner.partition import num_layers
-    from planner.workload import load_workload
+    from planner.workload.partition import num_layers
+    from planner.workload.load import load_workload
     layers = {w: num_layers(load_workload(s["spec"], s["args"]), 1)
               for w, s in workloads_for(topology).items()}
     plans = plans_for(topology, layers)
@@ -283,8 +283,8 @@ def main(argv=None) -> int:
     os.environ["HETPLAN_CACHE_DIR"] = a.cache_dir
     if not a.keep_cache:
         (Path(a.cache_dir) / "layer_costs.json").unlink(missing_ok=True)
-    from planner.io import write_json_atomic
-    from planner.topology import load_topology
+    from planner.files.io import write_json_atomic
+    from planner.hardware.topology import load_topology
 
     topo_path = Path(a.topology) if a.topology else ROOT / "profiles" / f"{socket.gethostname()}.json"
     ensure_topology(topo_path, 2, again=a.reprofile, wait=not a.quick)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from planner.workload import load_workload  # noqa: E402
+from planner.workload.load import load_workload  # noqa: E402
 from runtime.launch import free_port, launch  # noqa: E402
 from runtime.worker import RunConfig  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Benchmark of `hetplan plan`'s search (planner.search) on this machine.
+"""Benchmark of `hetplan plan`'s search (planner.search.mcmc) on this machine.
 
 Prints, per case, the time to reach within 2% of the best known plan (the best over a few
 seeds with a large budget), and for the 64-device x 96-layer synthetic case the time of a
@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.graph import Layer, ModelGraph  # noqa: E402
-from planner.plan import ModelRef  # noqa: E402
-from planner.search import SearchConfig, make_space, search, simulator_problem  # noqa: E402
-from planner.simulator import Simulator  # noqa: E402
-from planner.topology import Device, Link, Topology, load_topology  # noqa: E402
+from planner.workload.graph import Layer, ModelGraph  # noqa: E402
+from planner.files.plan import ModelRef  # noqa: E402
+from planner.search.mcmc import SearchConfig, make_space, search, simulator_problem  # noqa: E402
+from planner.sim.simulator import Simulator  # noqa: E402
+from planner.hardware.topology import Device, Link, Topology, load_topology  # noqa: E402
 
 
 def synthetic_graph(num_layers: int, batch: int, d_model: int = 2048, seq: int = 512) -> ModelGraph:
@@ -55,8 +55,8 @@ def cluster_64() -> Topology:
 
 
 def gpt_graph(batch: int, layers: int):
-    from planner.graph import capture_graph
-    from planner.workload import load_workload
+    from planner.workload.graph import capture_graph
+    from planner.workload.load import load_workload
     return capture_graph(load_workload("gpt", {"layers": layers}), batch)
 
 

@@ -1,4 +1,4 @@
-"""Simulations per second of planner.simulator on synthetic graphs (roofline costs, fine sync).
+"""Simulations per second of planner.sim.simulator on synthetic graphs (roofline costs, fine sync).
 
 (a) 4 devices (2 replicas x 2 stages), 8 layers, 8 microbatches   target >= 2,000/s
 (b) 64 devices (8 replicas x 8 stages), 96 layers, 16 microbatches target >= 20/s
@@ -15,10 +15,10 @@ import argparse
 import statistics
 import time
 
-from planner.graph import Layer, ModelGraph
-from planner.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
-from planner.simulator import Simulator
-from planner.topology import Device, Link, Topology
+from planner.workload.graph import Layer, ModelGraph
+from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from planner.sim.simulator import Simulator
+from planner.hardware.topology import Device, Link, Topology
 
 
 def synthetic(replicas: int, stages: int, layers: int):

@@ -1,7 +1,7 @@
 """The one place where hetplan's commands are registered.
 
 Each command is a module in `hetplan.commands` with HELP, add_arguments(parser) and
-main(args) -> int. Bad input from outside raises `planner.io.InputError`; it is printed here as
+main(args) -> int. Bad input from outside raises `planner.files.io.InputError`; it is printed here as
 one line on stderr with exit code 2, never as a traceback.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from planner.io import InputError
+from planner.files.io import InputError
 
 # name -> module; order is the order of `hetplan --help`
 COMMANDS = {

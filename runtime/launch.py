@@ -19,9 +19,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from planner.io import InputError
-from planner.plan import Plan
-from planner.topology import Topology, load_topology, parse_device_name
+from planner.files.io import InputError
+from planner.files.plan import Plan
+from planner.hardware.topology import Topology, load_topology, parse_device_name
 from runtime.worker import RunConfig, default_threads, node_of, report_error, run_worker
 
 _POLL_S = 0.05
@@ -51,7 +51,7 @@ def check_devices(plan: Plan, file: str) -> None:
             if kind != "cuda":
                 continue
             if n_gpu is None:
-                from planner.device import gpu_count
+                from planner.hardware.device import gpu_count
                 n_gpu = gpu_count()
             if index >= n_gpu:
                 raise InputError(f"{file}: replicas[{i}].stages[{j}].device: {st.device!r} is not on "
@@ -61,7 +61,7 @@ def check_devices(plan: Plan, file: str) -> None:
 def find_topology(plan: Plan, path: str | None) -> Topology | None:
     """--topology T, else profiles/<hostname>.json when it holds every plan device, else None."""
     if path:
-        from planner.prediction import load_given_topology
+        from planner.sim.predict import load_given_topology
         return load_given_topology(plan, path, "hetplan run")
     default = Path("profiles") / f"{socket.gethostname()}.json"
     if default.exists():
@@ -107,8 +107,8 @@ def _context(mp):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.export", "torch._dynamo",
-                                "runtime.stage", "runtime.worker", "planner.partition",
-                                "planner.models"])   # torch.export: ~3 s of lazy imports
+                                "runtime.stage", "runtime.worker", "planner.workload.partition",
+                                "planner.workload.builtin"])   # torch.export: ~3 s of lazy imports
     return ctx
 
 

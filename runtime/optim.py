@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from planner.device import TorchDevice
-from planner.plan import Optimizer
+from planner.hardware.device import TorchDevice
+from planner.files.plan import Optimizer
 
 
 def _make(params, spec: Optimizer) -> torch.optim.Optimizer:

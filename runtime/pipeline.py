@@ -1,7 +1,7 @@
 """Stage execution: GPipe and 1F1B schedules over send/recv, one stage per rank.
 
 A schedule is data: a list of actions `("F", mb)` / `("B", mb)` per stage, in the order the
-stage runs them, taken from the simulator's `planner.schedule` so that what runs is what was
+stage runs them, taken from the simulator's `planner.sim.schedule` so that what runs is what was
 predicted. `StageRunner.run` executes one iteration's actions.
 
 Transfers between stages: activations go forward, gradients of the activations go backward.
@@ -17,7 +17,7 @@ checkpointing, so only its inputs are kept per in-flight microbatch and the forw
 inside backward — the stage-level recompute the simulator and memory model assume.
 
 Precision (plan.precision): the stage's forward and the loss run under
-planner.precision.autocast(device type, precision), backward outside it; under bf16 the
+planner.workload.precision.autocast(device type, precision), backward outside it; under bf16 the
 activations and their gradients cross stage boundaries as bf16, and the gradients land in the
 fp32 parameters.
 """
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from planner.device import TorchDevice
-from planner.precision import autocast
+from planner.hardware.device import TorchDevice
+from planner.workload.precision import autocast
 
 Action = tuple[str, int]   # ("F", microbatch) or ("B", microbatch)
 
@@ -43,8 +43,8 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 
 
 def stage_actions(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[Action]:
-    """This stage's action order: exactly the simulator's schedule (planner.schedule)."""
-    from planner.schedule import make_schedule
+    """This stage's action order: exactly the simulator's schedule (planner.sim.schedule)."""
+    from planner.sim.schedule import make_schedule
     return [(a.kind, a.microbatch) for a in make_schedule(schedule, n_stages, n_micro)[stage]]
 
 
@@ -159,7 +159,7 @@ class StageRunner:
                  busy: Callable[[], Any], recompute: bool = False, precision: str = "fp32"):
         self.module, self.device, self.loss_fn = module, device, loss_fn
         self.recompute = recompute  # keep only the stage input; rerun forward in backward
-        self.precision = precision  # forward and loss under planner.precision.autocast
+        self.precision = precision  # forward and loss under planner.workload.precision.autocast
         self.prev, self.next, self.scale = prev, next, scale
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
         self.saved_tracker = None   # measure.SavedTracker, used while `track` is True

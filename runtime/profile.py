@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from planner.device import STANDIN_ENV, TorchDevice, gpu_count, torch_device
-from planner.io import InputError, write_json_atomic
-from planner.topology import Device, Link, Topology
+from planner.hardware.device import STANDIN_ENV, TorchDevice, gpu_count, torch_device
+from planner.files.io import InputError, write_json_atomic
+from planner.hardware.topology import Device, Link, Topology
 from runtime import profile_bench as bench
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -174,7 +174,7 @@ def _measure_device(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
         if dev.native:
             out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
             out["model"] = torch.cuda.get_device_name(device)
-        else:   # a CPU stand-in (planner.device): host memory, shared with the CPU workers
+        else:   # a CPU stand-in (planner.hardware.device): host memory, shared with the CPU workers
             out["memory_bytes"] = _available_ram_bytes() // dist.get_world_size()
             out["model"] = f"CPU stand-in ({STANDIN_ENV})"
     _log(f"[{me.name}] {me.threads} thread(s): matmul {table[-1]['flops_per_s'] / 1e9:.1f} GFLOP/s "
@@ -209,9 +209,9 @@ def _low_precision_matmuls(device: torch.device, s: Settings, fp32_flops_per_s: 
 
 
 def _measure_calibration(workers: list[WorkerSpec], s: Settings) -> dict:
-    """What planner.calibration fits (CPU workers only): a reference training step timed alone
+    """What planner.hardware.calibration fits (CPU workers only): a reference training step timed alone
     (one worker at a time, the others waiting in a barrier) and with every worker running it at
-    once; rank 0 also times torch.optim steps alone (planner.calibration.fit_optimizer)."""
+    once; rank 0 also times torch.optim steps alone (planner.hardware.calibration.fit_optimizer)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     me, out = workers[rank], {}
     step = bench.reference_step() if me.kind == "cpu" else None
@@ -275,9 +275,9 @@ def _multi_worker_overhead(repeats: int, busy_s: float = 0.010) -> float:
 
 
 def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[dict]) -> dict:
-    """The topology's "calibration" object (planner.calibration) from the workers' raw results."""
-    from planner.calibration import (Calibration, calibration_to_dict, contention_factor,
-                                     fit_latency_bandwidth, fit_optimizer, memory_contention_factor)
+    """The topology's "calibration" object (planner.hardware.calibration) from the workers' raw results."""
+    from planner.hardware.calibration import (Calibration, calibration_to_dict, contention_factor,
+                                              fit_latency_bandwidth, fit_optimizer, memory_contention_factor)
     cpus = [(w, r.get("calibration", {})) for w, r in zip(workers, results) if w.kind == "cpu"]
     timed = [c for _, c in cpus if "reference_alone_s" in c and "reference_together_s" in c]
     factor = contention_factor([c["reference_alone_s"] for c in timed],

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from planner.device import TorchDevice
+from planner.hardware.device import TorchDevice
 
 MAX_CALLS = 100_000  # cap on calls per sample (op-overhead timing of ~1 us ops)
 
@@ -71,8 +71,8 @@ def matmul_row(n: int, device: torch.device, min_time_s: float, repeats: int,
                precision: str = "fp32") -> dict:
     """n x n @ n x n at `precision`: 2 n^3 FLOPs (a multiply-add counts 2, as
     torch.utils.flop_counter). fp32 and tf32 on float32 tensors (tf32 with CUDA's allow_tf32,
-    planner.precision); bf16 on bfloat16 tensors, the kernel autocast runs."""
-    from planner.precision import autocast
+    planner.workload.precision); bf16 on bfloat16 tensors, the kernel autocast runs."""
+    from planner.workload.precision import autocast
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -233,7 +233,7 @@ def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
     return latency, float(bandwidth)
 
 
-# --- calibration (planner/calibration.py) ----------------------------------------------------
+# --- calibration (planner/hardware/calibration.py) ----------------------------------------------------
 def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
     """A small training step shaped like the built-in workloads' layers (linear layers with a
     GELU and a LayerNorm, forward + backward + Adam on a 64-sample batch, ~34 MB of weights,

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from planner.device import TorchDevice, standin_gpus
-from planner.plan import Plan
-from runtime.measure import BusyTimer, SavedTracker
+from planner.hardware.device import TorchDevice, standin_gpus
+from planner.files.plan import Plan
+from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import Link, StageRunner, WholeModel, stage_actions
 from runtime.sync import GradSync, Groups, layer_ranks
@@ -81,19 +81,19 @@ class Built:
 
 def _layer_params(workload, num_layers: int, micro: int) -> list[tuple[str, ...]]:
     """Parameter names of each layer (the partitioner's grouping, one-layer stages)."""
-    from planner.partition import build_stages
+    from planner.workload.partition import build_stages
     stages = build_stages(workload, [(l, l + 1) for l in range(num_layers)], batch=micro)
     return [tuple(n for n, _ in s.named_parameters()) for s in stages]
 
 
 def _buckets(plan: Plan, names_by_layer, named: dict) -> list[tuple[int, ...]]:
-    """The simulator's gradient buckets (planner.buckets), as layer tuples.
+    """The simulator's gradient buckets (planner.cost.buckets), as layer tuples.
 
     grad_buckets reads only the number of layers and each layer's parameter bytes, so the graph
     handed to it carries just those (no FLOPs: capturing them would cost a profile run here).
     """
-    from planner.buckets import grad_buckets
-    from planner.graph import Layer, ModelGraph
+    from planner.cost.buckets import grad_buckets
+    from planner.workload.graph import Layer, ModelGraph
     layers = tuple(Layer(index=i, name=f"layer{i}", fwd_flops=0.0, bwd_flops=0.0,
                          param_bytes=sum(named[n].numel() * named[n].element_size() for n in names),
                          activation_bytes=0, saved_bytes=0, fwd_bytes_moved=0.0, bwd_bytes_moved=0.0,
@@ -119,8 +119,8 @@ def _check_ownership(named: dict, names_by_layer) -> None:
 
 
 def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None) -> Built:
-    """What rank `rank` runs; `device` is its planner.device.TorchDevice."""
-    from planner.workload import load_workload
+    """What rank `rank` runs; `device` is its planner.hardware.device.TorchDevice."""
+    from planner.workload.load import load_workload
 
     rank_of = {d: r for r, d in enumerate(names)}
     where = {st.device: (i, j) for i, rep in enumerate(plan.replicas) for j, st in enumerate(rep.stages)}
@@ -133,7 +133,7 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     if len(rep.stages) == 1:
         module = WholeModel(workload.model).to(device.device)
     else:
-        from planner.partition import build_stages, place_stages
+        from planner.workload.partition import build_stages, place_stages
         module = build_stages(workload, [st.layers for st in rep.stages], batch=micro)[st_j]
         place_stages([module], device.device)
 

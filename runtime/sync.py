@@ -6,7 +6,7 @@ summed over the ranks holding it (`SUM` all-reduce): each replica already scaled
 share of the global batch (see pipeline.StageRunner), so the sum is the global-batch gradient.
 
 - coarse: after all backward work, one flat all-reduce per rank set.
-- fine: the simulator's buckets (planner.buckets); a bucket's async all-reduce is launched from a
+- fine: the simulator's buckets (planner.cost.buckets); a bucket's async all-reduce is launched from a
   `register_post_accumulate_grad_hook` as soon as its gradients are final (accumulated for every
   microbatch). Within one group, buckets launch in a fixed order (reverse layer order), as torch
   DDP does, so collectives match on every rank whatever order autograd finishes them in.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.device import TorchDevice
+from planner.hardware.device import TorchDevice
 
 
 def layer_ranks(replica_ranges: list[list[tuple[int, int]]], replica_ranks: list[list[int]],
@@ -46,7 +46,7 @@ class Groups:
     def __init__(self, kinds: list[str], pairs: list[tuple[int, int]], sync_sets: list[tuple[int, ...]],
                  timeout=None, nccl: bool = True):
         self.kinds = kinds                                  # rank -> "cpu" / "cuda"
-        # nccl=False (CPU stand-ins for GPUs, planner.device): every group is gloo, and CUDA
+        # nccl=False (CPU stand-ins for GPUs, planner.hardware.device): every group is gloo, and CUDA
         # ranks' tensors are staged through host buffers as beside a CPU rank
         self.nccl = nccl
         self.world = dist.group.WORLD                       # gloo: barriers, result gathering

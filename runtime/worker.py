@@ -86,9 +86,9 @@ def run_worker(cfg: RunConfig) -> None:
     import torch
     import torch.distributed as dist
 
-    from planner.device import torch_device
-    from planner.plan import load_plan, plan_sha256
-    from runtime import measure, stage
+    from planner.hardware.device import torch_device
+    from planner.files.plan import load_plan, plan_sha256
+    from runtime import instruments as measure, stage
 
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -117,7 +117,7 @@ def run_worker(cfg: RunConfig) -> None:
                 "timing": "max over ranks of each rank's step after a barrier", **cfg.extra})
             if params is not None:
                 _save_atomic(params, cfg.save_params)
-            from planner.measured import measured_from_dict, save_measured
+            from planner.files.measured import measured_from_dict, save_measured
             save_measured(measured_from_dict({"schema": "hetplan.measured/1", **result}, cfg.out),
                           cfg.out)
     finally:
@@ -127,7 +127,7 @@ def run_worker(cfg: RunConfig) -> None:
 def _train(cfg, plan, built, rank, device, name) -> dict:
     import torch
 
-    from runtime import measure
+    from runtime import instruments as measure
     param_bytes = sum(p.numel() * p.element_size() for p in built.params)
     timer, mem = built.timer, measure.MemoryTracker(device.device, param_bytes)
     fault = os.environ.get(FAULT_ENV, "")
@@ -223,7 +223,7 @@ def report_error(cfg: RunConfig, exc: BaseException) -> str:
     """One line naming the rank and device; written to error_dir for the launcher."""
     rank = os.environ.get("RANK", "?")
     try:
-        from planner.plan import load_plan
+        from planner.files.plan import load_plan
         dev = my_device(load_plan(cfg.plan).devices, os.environ)
     except Exception:  # noqa: BLE001 - the error line must still be written
         dev = "?"
@@ -248,7 +248,7 @@ def _cli(argv=None) -> int:
     a = p.parse_args(argv)
     threads = {}
     if a.threads:
-        from planner.plan import load_plan
+        from planner.files.plan import load_plan
         threads = {d: a.threads for d in load_plan(a.plan).devices}
     cfg = RunConfig(plan=a.plan, iters=a.iters, warmup=a.warmup, out=a.output, trace_dir=a.trace,
                     save_params=a.save_params, threads=threads, timeout_s=a.timeout)

@@ -1,9 +1,9 @@
 """Hand-built graphs, topologies and plans for exact-time simulator tests (not a test file)."""
 from __future__ import annotations
 
-from planner.graph import Layer, ModelGraph
-from planner.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
-from planner.topology import Device, Link, Topology
+from planner.workload.graph import Layer, ModelGraph
+from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from planner.hardware.topology import Device, Link, Topology
 
 
 def layer(i: int, fwd_flops=1e9, bwd_flops=2e9, param_bytes=0, saved_bytes=0) -> Layer:

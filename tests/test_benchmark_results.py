@@ -12,11 +12,11 @@ from benchmarks.plan_sets import (CPU_WORKLOADS, GPU_WORKLOADS, gpu_transformer_
                                   hybrid_kinds, plan_class, plans_for)
 from benchmarks.results import (accuracy_payload, plan_quality_payload, read_results,
                                 update_results, validate_results)
-from planner.io import InputError
-from planner.partition import num_layers
-from planner.plan import plan_from_dict, validate_plan
-from planner.topology import topology_from_dict
-from planner.workload import load_workload
+from planner.files.io import InputError
+from planner.workload.partition import num_layers
+from planner.files.plan import plan_from_dict, validate_plan
+from planner.hardware.topology import topology_from_dict
+from planner.workload.load import load_workload
 
 ACCURACY = {"mape_pct": 7.9, "worst_pct": 22.9, "kendall_tau": 0.92,
             "plans": [{"name": "mlp/single", "devices": ["cpu:0"], "predicted_s": 0.1,

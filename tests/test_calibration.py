@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from planner.calibration import (Calibration, calibration_from_dict,
-                                 calibration_to_dict, contention_factor, fit_latency_bandwidth,
-                                 fit_optimizer, memory_contention_factor, topology_calibration)
-from planner.cost import RooflineCost
-from planner.io import InputError
-from planner.layer_timing import MeasuredCost
-from planner.simulator import Simulator
-from planner.topology import load_topology, save_topology
+from planner.hardware.calibration import (Calibration, calibration_from_dict,
+                                          calibration_to_dict, contention_factor, fit_latency_bandwidth,
+                                          fit_optimizer, memory_contention_factor, topology_calibration)
+from planner.cost.model import RooflineCost
+from planner.files.io import InputError
+from planner.cost.timing import MeasuredCost
+from planner.sim.simulator import Simulator
+from planner.hardware.topology import load_topology, save_topology
 from simhelpers import device, graph, layer, link, plan, topology
 
 CAL = {"cpu_workers": 2, "cpu_contention_factor": 2.0, "allreduce_latency_s": 1e-4,

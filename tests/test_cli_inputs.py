@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from planner.io import InputError, write_json_atomic
+from planner.files.io import InputError, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKSTATION = ROOT / "profiles" / "examples" / "workstation-gtx1650.json"

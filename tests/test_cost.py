@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cost import RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s
-from planner.layer_timing import interpolate, measured_here
-from planner.topology import Topology
+from planner.cost.model import RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s
+from planner.cost.timing import interpolate, measured_here
+from planner.hardware.topology import Topology
 from simhelpers import device, graph, layer, link, topology
 
 
@@ -70,10 +70,10 @@ def test_interpolation_and_host_check():
 
 def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
     import socket
-    from planner.graph import capture_graph
-    from planner.layer_timing import MeasuredCost, cache_path
-    from planner.topology import Device
-    from planner.workload import load_workload
+    from planner.workload.graph import capture_graph
+    from planner.cost.timing import MeasuredCost, cache_path
+    from planner.hardware.topology import Device
+    from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     g = capture_graph(w, 4)
@@ -91,8 +91,8 @@ def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
 def test_roofline_prices_the_graphs_precision_from_the_device_table():
     from dataclasses import replace
 
-    from planner.plan import ModelRef, Plan, Replica, Stage
-    from planner.simulator import ByPrecision, PrecisionMismatch, Simulator
+    from planner.files.plan import ModelRef, Plan, Replica, Stage
+    from planner.sim.simulator import ByPrecision, PrecisionMismatch, Simulator
     fast_bf16 = replace(device("cpu:0", flops=1e9), matmul_flops_per_s_by_precision={"fp32": 1e9, "bf16": 4e9})
     what_if = device("cpu:0", flops=1e9)                      # no table: matmul_flops_per_s for all
     l = layer(0, fwd_flops=4e9, bwd_flops=8e9)
@@ -120,10 +120,10 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
 
     import torch
 
-    from planner.graph import capture_graph
-    from planner.layer_timing import MeasuredCost, cache_path
-    from planner.topology import Device
-    from planner.workload import load_workload
+    from planner.workload.graph import capture_graph
+    from planner.cost.timing import MeasuredCost, cache_path
+    from planner.hardware.topology import Device
+    from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),

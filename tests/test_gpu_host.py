@@ -1,5 +1,5 @@
 """A host with a GPU, on any machine: `profile`, `plan`, `simulate` and `demo` with a CPU stand-in
-for `cuda:0` (planner.device), so every accelerator branch before the runtime runs in CI too:
+for `cuda:0` (planner.hardware.device), so every accelerator branch before the runtime runs in CI too:
 layer timing on the accelerator (a copy of the model, its stages moved there), the profile's
 host-copy and staging measurements, planning over CPU + GPU."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hetplan.cli import main as cli_main
-from planner.device import STANDIN_ENV, gpu_count, torch_device
-from planner.partition import build_stages, place_stages
-from planner.workload import load_workload
+from planner.hardware.device import STANDIN_ENV, gpu_count, torch_device
+from planner.workload.partition import build_stages, place_stages
+from planner.workload.load import load_workload
 
 
 @pytest.fixture(scope="module")

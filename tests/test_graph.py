@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.graph import capture_graph
-from planner.io import InputError
-from planner.workload import load_workload
+from planner.workload.graph import capture_graph
+from planner.files.io import InputError
+from planner.workload.load import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,8 +115,8 @@ def test_op_graph_nodes_and_edges():
 
 
 def test_bf16_capture_halves_activations_and_keeps_weight_casts_apart():
-    from planner.memory import activation_bytes
-    from planner.plan import ModelRef, Plan, Replica, Stage
+    from planner.cost.memory import activation_bytes
+    from planner.files.plan import ModelRef, Plan, Replica, Stage
     w = load_workload("mlp", {"hidden": 16, "depth": 3})   # every parameter belongs to a Linear
     g32, g16 = capture_graph(w, 8), capture_graph(w, 8, "bf16")
     assert g32.precision == "fp32" and g16.precision == "bf16"

@@ -1,12 +1,12 @@
-"""Stages built by planner.partition compose to the original model: bit-identical outputs and
+"""Stages built by planner.workload.partition compose to the original model: bit-identical outputs and
 gradients (by parameter name), shared parameters, live values across cuts, any batch size."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from planner.partition import build_stages, trace
-from planner.workload import load_workload
+from planner.workload.partition import build_stages, trace
+from planner.workload.load import load_workload
 
 GPT_ARGS = {"layers": 2, "heads": 2, "d_model": 32, "vocab": 64, "context": 8}
 

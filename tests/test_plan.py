@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from planner.io import InputError
-from planner.plan import (Plan, Predicted, TopologyRef, load_plan, plan_from_dict, plan_key,
-                          plan_to_dict, save_plan, validate_plan)
+from planner.files.io import InputError
+from planner.files.plan import (Plan, Predicted, TopologyRef, load_plan, plan_from_dict, plan_key,
+                                plan_to_dict, save_plan, validate_plan)
 
 BASE = {
     "schema": "hetplan.plan/1",

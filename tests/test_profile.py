@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from planner.io import InputError
-from planner.topology import load_topology
+from planner.files.io import InputError
+from planner.hardware.topology import load_topology
 from runtime import profile
 from runtime.profile_bench import fit_latency_bandwidth, stats
 

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from planner.precision import autocast
-from planner.workload import load_workload
+from planner.workload.precision import autocast
+from planner.workload.load import load_workload
 from runtime.launch import launch
 from runtime.worker import RunConfig
 

@@ -1,7 +1,7 @@
 """CUDA paths of the runtime: CUDA stages, CPU<->CUDA exchange through host memory over gloo,
 NCCL between GPUs, CPU optimizer placement of a CUDA stage.
 
-Each test runs twice: with the CPU standing in for the GPUs (planner.device: `cuda:N` tensors
+Each test runs twice: with the CPU standing in for the GPUs (planner.hardware.device: `cuda:N` tensors
 in host memory, the same host staging, side streams, events and offload code, gloo instead of
 NCCL), on every machine; and on real GPUs (marked `cuda`, skipped without one), where kernels
 round differently from the CPU reference, hence the looser tolerances there.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.device import STANDIN_ENV
+from planner.hardware.device import STANDIN_ENV
 from test_runtime import ITERS, SKIP, plan, reference, run_plan
 
 

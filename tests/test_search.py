@@ -1,4 +1,4 @@
-"""Tests of the strategy space, the baselines and the MCMC search (planner.space, baselines, search).
+"""Tests of the strategy space, the baselines and the MCMC search (planner.search.space, baselines, search).
 
 Most tests use a small analytic model instead of the simulator (`toy_evaluate`), so they pin the
 search itself: exhaustive enumeration gives the true optimum of a small space. The tests at the
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from planner.baselines import partition_min_max, proportional_batches
-from planner.plan import ModelRef, validate_plan
-from planner.search import Problem, SearchConfig, Searcher, search
-from planner.space import (Pipeline, Space, Strategy, enumerate_plans, propose, realise_microbatches,
-                           to_plan, toggle_global)
+from planner.search.baselines import partition_min_max, proportional_batches
+from planner.files.plan import ModelRef, validate_plan
+from planner.search.mcmc import Problem, SearchConfig, Searcher, search
+from planner.search.space import (Pipeline, Space, Strategy, enumerate_plans, propose, realise_microbatches,
+                                  to_plan, toggle_global)
 
 # --- a toy analytic cost model --------------------------------------------------------------
 WORK = (1.0, 2.0, 2.0, 2.0, 2.0, 1.0)        # seconds per sample per unit-speed device, per layer
@@ -184,18 +184,18 @@ def test_nothing_fits_reports_least_memory():
     problem = toy_problem({"cuda:0": 1.0, "cuda:1": 1.0}, {"cuda:0": 1e6, "cuda:1": 1e6}, batch=4)
     result = search(problem, random.Random(0), SearchConfig(iterations=100, time_limit_s=60))
     assert result.best is None
-    from planner.search import memory_error
+    from planner.search.mcmc import memory_error
     msg = memory_error(result, problem.memory_bytes)
     assert "cuda:" in msg and "bytes" in msg
     assert result.least_memory.memory_ratio > 1
 
 
 # --- with the real simulator -------------------------------------------------------------------
-from planner.graph import Layer, ModelGraph  # noqa: E402
-from planner.plan import load_plan  # noqa: E402
-from planner.search import make_space, simulator_problem  # noqa: E402
-from planner.simulator import Simulator  # noqa: E402
-from planner.topology import Device, Link, Topology, save_topology  # noqa: E402
+from planner.workload.graph import Layer, ModelGraph  # noqa: E402
+from planner.files.plan import load_plan  # noqa: E402
+from planner.search.mcmc import make_space, simulator_problem  # noqa: E402
+from planner.sim.simulator import Simulator  # noqa: E402
+from planner.hardware.topology import Device, Link, Topology, save_topology  # noqa: E402
 
 
 def uniform_graph(num_layers=6, batch=64, flops_per_sample=1e9, param_bytes=4e5, act_per_sample=1e4):

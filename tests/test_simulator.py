@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.buckets import Bucket, grad_buckets
-from planner.memory import peak_memory
-from planner.simulator import Simulator, simulate
+from planner.cost.buckets import Bucket, grad_buckets
+from planner.cost.memory import peak_memory
+from planner.sim.simulator import Simulator, simulate
 from simhelpers import device, graph, layer, link, plan, topology
 
 
@@ -237,7 +237,7 @@ def test_cli_json_and_trace(tmp_path):
 
 
 def test_cli_finds_topology_by_sha256_and_prints_grid(tmp_path):
-    from planner.topology import file_sha256
+    from planner.hardware.topology import file_sha256
     (tmp_path / "profiles" / "x").mkdir(parents=True)
     (tmp_path / "profiles" / "x" / "ws.json").write_bytes(WORKSTATION.read_bytes())
     plan = {**CLI_PLAN, "topology": {"name": "ws", "sha256": file_sha256(WORKSTATION)}}
@@ -273,7 +273,7 @@ def test_cli_rejects_plan_that_does_not_fit_graph_or_topology(tmp_path):
 import random  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
-from planner.eventloop import run as run_tasks  # noqa: E402
+from planner.sim.eventloop import run as run_tasks  # noqa: E402
 from simreference import random_case, random_twin_case, reference_run  # noqa: E402
 
 

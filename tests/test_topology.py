@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.io import InputError
-from planner.topology import Device, Link, Topology, load_topology, save_topology
+from planner.files.io import InputError
+from planner.hardware.topology import Device, Link, Topology, load_topology, save_topology
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "profiles" / "examples"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.json"))

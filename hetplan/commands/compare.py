@@ -2,8 +2,8 @@
 
 The prediction is the plan's recorded `predicted.iteration_s` (what the planner chose on) when
 present, else the simulator's; per-device figures come from simulating the plan again on its
-topology (found as `hetplan simulate` finds it: planner.prediction). See planner/report.py for
-what each side measures and planner/plot.py for the timeline of `--plot`.
+topology (found as `hetplan simulate` finds it: planner.sim.predict). See planner/files/report.py for
+what each side measures and planner/files/plot.py for the timeline of `--plot`.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ def add_arguments(p):
 
 def compare_files(plan_path: str, measured_path: str, topology_path: str | None = None,
                   plot_path: str | None = None, command: str = "hetplan compare"):
-    """Load, simulate and compare; optionally write the plot. Returns planner.report.Comparison."""
-    from planner.io import InputError
-    from planner.measured import load_measured
-    from planner.plan import load_plan, plan_sha256
-    from planner.prediction import find_topology, simulate_plan_file
-    from planner.report import compare
+    """Load, simulate and compare; optionally write the plot. Returns planner.files.report.Comparison."""
+    from planner.files.io import InputError
+    from planner.files.measured import load_measured
+    from planner.files.plan import load_plan, plan_sha256
+    from planner.sim.predict import find_topology, simulate_plan_file
+    from planner.files.report import compare
 
     if plot_path is not None and not str(plot_path).lower().endswith(".png"):
         raise InputError(f"--plot: expected a file name ending in .png, got {plot_path!r}")
@@ -44,7 +44,7 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
     recorded = plan.predicted.iteration_s if plan.predicted is not None else None
     comparison = compare(recorded, result.to_json(), measured, matches)
     if plot_path is not None:
-        from planner.plot import plot_timeline
+        from planner.files.plot import plot_timeline
         events = {d: v.get("events") or [] for d, v in measured.per_device.items()}
         it = next((v["events_iteration"] for v in measured.per_device.values()
                    if isinstance(v.get("events_iteration"), int)), None)
@@ -59,7 +59,7 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
 def format_table(comparison) -> str:
     import pandas as pd
 
-    from planner.report import table_rows
+    from planner.files.report import table_rows
     df = pd.DataFrame(table_rows(comparison))
     return df.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3f}")
 

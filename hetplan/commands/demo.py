@@ -50,7 +50,7 @@ class _StepFailed(Exception):
 
 
 def _default_cpu_workers() -> int:
-    from planner.device import gpu_count
+    from planner.hardware.device import gpu_count
     return 1 if gpu_count() else max(1, min(2, os.cpu_count() or 1))
 
 
@@ -59,10 +59,10 @@ def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str,
     it next to the plan; returns (name, path), path None when it is the chosen plan itself."""
     from dataclasses import replace
 
-    from planner.io import InputError
-    from planner.plan import Predicted, load_plan, plan_key, save_plan
-    from planner.search import plan_baselines
-    from planner.topology import load_topology
+    from planner.files.io import InputError
+    from planner.files.plan import Predicted, load_plan, plan_key, save_plan
+    from planner.search.mcmc import plan_baselines
+    from planner.hardware.topology import load_topology
 
     plan = load_plan(plan_path)
     recorded = [b for b in (plan.predicted.extra.get("baselines", []) if plan.predicted else [])
@@ -85,7 +85,7 @@ def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str,
 def main(args) -> int:
     from hetplan.commands.compare import compare_files, format_table, summary_line
     from hetplan.commands.profile import default_path
-    from planner.io import InputError
+    from planner.files.io import InputError
 
     if args.batch <= 0:
         raise InputError(f"--batch: expected a positive integer, got {args.batch}")
@@ -148,5 +148,5 @@ def main(args) -> int:
 
 
 def write_summary(path: Path, summary: dict) -> None:
-    from planner.io import write_json_atomic
+    from planner.files.io import write_json_atomic
     write_json_atomic(path, summary)

@@ -34,9 +34,9 @@ def to_json(graph) -> dict:
 
 
 def main(args) -> int:
-    from planner.graph import capture_graph
-    from planner.io import InputError
-    from planner.workload import load_workload, parse_model_args
+    from planner.workload.graph import capture_graph
+    from planner.files.io import InputError
+    from planner.workload.load import load_workload, parse_model_args
 
     if args.batch < 1:
         raise InputError(f"--batch: expected a positive integer, got {args.batch}")

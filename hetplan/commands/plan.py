@@ -31,7 +31,7 @@ def add_arguments(p):
 
 
 def _check_flags(args) -> None:
-    from planner.io import InputError
+    from planner.files.io import InputError
     if args.batch <= 0:
         raise InputError(f"--batch: expected a positive integer, got {args.batch}")
     if not 0 < args.time_limit < float("inf"):
@@ -45,8 +45,8 @@ def _check_flags(args) -> None:
 
 def parse_precisions(text: str) -> tuple[str, ...]:
     """'fp32,bf16' -> ('fp32', 'bf16'); InputError naming --precision on an unknown or repeated one."""
-    from planner.io import InputError
-    from planner.plan import PRECISIONS
+    from planner.files.io import InputError
+    from planner.files.plan import PRECISIONS
     out = tuple(p.strip() for p in text.split(","))
     if not all(p in PRECISIONS for p in out) or len(set(out)) != len(out):
         raise InputError(f"--precision: expected a comma-separated list of distinct values among "
@@ -76,11 +76,11 @@ def main(args) -> int:
     import random
     from dataclasses import replace
 
-    from planner.io import InputError
-    from planner.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
-    from planner.search import CAPTURE_BATCH, SearchConfig, memory_error, plan_problem, search
-    from planner.topology import load_topology
-    from planner.workload import load_workload, parse_model_args
+    from planner.files.io import InputError
+    from planner.files.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
+    from planner.search.mcmc import CAPTURE_BATCH, SearchConfig, memory_error, plan_problem, search
+    from planner.hardware.topology import load_topology
+    from planner.workload.load import load_workload, parse_model_args
 
     _check_flags(args)
     model_args = parse_model_args(args.model_arg)

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from planner.io import InputError
+from planner.files.io import InputError
 
 HELP = "measure this machine's devices and links for real and write a topology file"
 
@@ -66,7 +66,7 @@ def main(args) -> int:
     except profile.ProfileError as e:
         print(f"hetplan profile: error: {e} (no file written)", file=sys.stderr)
         return 1
-    from planner.topology import save_topology
+    from planner.hardware.topology import save_topology
     save_topology(topology, path)
     s = _summary(topology, path, time.perf_counter() - t0, profile.max_spread(topology))
     if args.json:

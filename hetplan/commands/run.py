@@ -42,17 +42,17 @@ def default_output(plan_path: str) -> str:
 def check_model(plan, file: str) -> None:
     """The plan's model must load and have the layers the plan's stages cover (exit 2, not a
     worker error). Costs one trace of the model in this process."""
-    from planner.partition import num_layers
-    from planner.plan import validate_plan
-    from planner.workload import load_plan_workload
+    from planner.workload.partition import num_layers
+    from planner.files.plan import validate_plan
+    from planner.workload.load import load_plan_workload
     workload = load_plan_workload(plan.model, file)
     b = plan.global_batch // max(r.microbatches for r in plan.replicas)
     validate_plan(plan, file, num_layers=num_layers(workload, max(1, b)))
 
 
 def main(args) -> int:
-    from planner.io import InputError, write_json_atomic
-    from planner.plan import load_plan
+    from planner.files.io import InputError, write_json_atomic
+    from planner.files.plan import load_plan
     from runtime.launch import RunError, check_devices, find_topology, launch, thread_shares
     from runtime.worker import RunConfig
 

@@ -16,7 +16,7 @@ def add_arguments(p):
 
 
 def _find_topology(args, plan):
-    from planner.prediction import find_topology
+    from planner.sim.predict import find_topology
     return find_topology(plan, args.plan, args.topology, "hetplan simulate")
 
 
@@ -34,10 +34,10 @@ def _summary(result, topology) -> str:
 
 
 def main(args) -> int:
-    from planner.plan import load_plan
-    from planner.prediction import simulate_plan_file
-    from planner.schedule import grid, make_schedule
-    from planner.trace import write_chrome_trace
+    from planner.files.plan import load_plan
+    from planner.sim.predict import simulate_plan_file
+    from planner.sim.schedule import grid, make_schedule
+    from planner.sim.chrome_trace import write_chrome_trace
 
     plan = load_plan(args.plan)
     topology = _find_topology(args, plan)

@@ -2,14 +2,14 @@
 
 Every figure is a *sustained* value, not a peak from a spec sheet; README.md next to this file
 gives each figure's source and how the sustained value was derived from the peak. The files are
-written through `planner.topology.save_topology`, so they are exactly what the loader reads back.
+written through `planner.hardware.topology.save_topology`, so they are exactly what the loader reads back.
 """
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
-from planner.topology import Device, Link, Topology, save_topology
+from planner.hardware.topology import Device, Link, Topology, save_topology
 
 HERE = Path(__file__).resolve().parent
 GB = 1e9

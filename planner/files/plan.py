@@ -11,14 +11,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from planner.io import InputError, Reader, read_json, write_json_atomic
+from planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 SCHEMA = "hetplan.plan/1"
 SCHEDULES = ("gpipe", "1f1b")
 GRANULARITIES = ("coarse", "fine")
 OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu")
-PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.precision)
+PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.workload.precision)
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
 

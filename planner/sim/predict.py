@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from planner.io import InputError
-from planner.plan import Plan
-from planner.topology import Topology, find_topology_by_sha256, load_topology
+from planner.files.io import InputError
+from planner.files.plan import Plan
+from planner.hardware.topology import Topology, find_topology_by_sha256, load_topology
 
 
 def load_given_topology(plan: Plan, topology_path: str | Path, command: str = "hetplan") -> Topology:
@@ -43,8 +43,8 @@ def find_topology(plan: Plan, plan_path: str | Path, topology_path: str | Path |
 
 def cost_model(graph, topology: Topology, workload):
     """The measured model on a topology profiled on this machine, else the roofline model."""
-    from planner.cost import RooflineCost
-    from planner.layer_timing import MeasuredCost, measured_here
+    from planner.cost.model import RooflineCost
+    from planner.cost.timing import MeasuredCost, measured_here
 
     if measured_here(topology):
         return MeasuredCost(graph, topology, workload)
@@ -56,11 +56,11 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
 
     The graph is captured at the largest microbatch of the plan (activation quantities scale
     linearly with the batch from there), in the plan's precision. Returns
-    planner.simulator.SimResult."""
-    from planner.graph import capture_graph
-    from planner.plan import validate_plan
-    from planner.simulator import Simulator
-    from planner.workload import load_plan_workload
+    planner.sim.simulator.SimResult."""
+    from planner.workload.graph import capture_graph
+    from planner.files.plan import validate_plan
+    from planner.sim.simulator import Simulator
+    from planner.workload.load import load_plan_workload
 
     names = {d.name for d in topology.devices}
     validate_plan(plan, str(plan_path), None, names)   # before the (slower) capture

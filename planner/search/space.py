@@ -4,7 +4,7 @@ A `Strategy` is a plan without its batch split: which devices form which pipelin
 stage boundaries are, the desired microbatch count of each pipeline, and the global choices
 (schedule, sync granularity and bucket size, optimizer placement, recompute, precision). A plan is a
 strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
-search solve it directly (planner.search.solve_batches) instead of random-walking fractions.
+search solve it directly (planner.search.mcmc.solve_batches) instead of random-walking fractions.
 
 Every move rewrites one choice and returns a strategy that `to_plan` can turn into a valid plan
 (validate_plan), or None when the move does not apply (e.g. no unused device to add).
@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from planner.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
 
 MiB = 2**20
 BUCKET_CHOICES_BYTES = (1 * MiB, 4 * MiB, 25 * MiB, 100 * MiB)

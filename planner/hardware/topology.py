@@ -15,7 +15,7 @@ from typing import Any
 
 import networkx as nx
 
-from planner.io import InputError, Reader, read_json, write_json_atomic
+from planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 SCHEMA = "hetplan.topology/1"
 DEVICE_NAME = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)/)?(?P<kind>cpu|cuda):(?P<index>\d+)$")
@@ -48,8 +48,8 @@ class Device:
 
     def matmul_flops_per_s_at(self, precision: str) -> float:
         """matmul_flops_per_s_by_precision[precision] when the device has that entry (tf32 on a
-        CPU reads the fp32 entry: planner.precision), else matmul_flops_per_s (what-if devices)."""
-        from planner.precision import matmul_precision
+        CPU reads the fp32 entry: planner.workload.precision), else matmul_flops_per_s (what-if devices)."""
+        from planner.workload.precision import matmul_precision
         table = self.matmul_flops_per_s_by_precision or {}
         return table.get(matmul_precision(self.kind, precision), self.matmul_flops_per_s)
 
@@ -202,7 +202,7 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
 
 def _by_precision(d: Reader) -> dict[str, float] | None:
     """The optional `matmul_flops_per_s_by_precision` object: precisions to positive numbers."""
-    from planner.plan import PRECISIONS
+    from planner.files.plan import PRECISIONS
     key = "matmul_flops_per_s_by_precision"
     if not d.has(key):
         return None

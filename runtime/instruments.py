@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from planner.device import TorchDevice
+from planner.hardware.device import TorchDevice
 
 
 def _status_kib(field: str) -> int | None:
@@ -57,7 +57,7 @@ def _reset_peak_rss() -> bool:
 class BusyTimer:
     """Sums compute time of the calls wrapped in `timer()` over one iteration.
 
-    Times come from the device's timing events (planner.device: CUDA events on a GPU, the host
+    Times come from the device's timing events (planner.hardware.device: CUDA events on a GPU, the host
     clock otherwise), read after a synchronize. While recording (one iteration after
     `start_recording()`), it also keeps each wrapped call as a span (name, kind, start_s, end_s
     relative to the iteration start) for `compare --plot`; spans with busy=False (waits for

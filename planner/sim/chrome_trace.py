@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from planner.io import write_json_atomic
-from planner.simulator import SimResult
+from planner.files.io import write_json_atomic
+from planner.sim.simulator import SimResult
 
 
 def chrome_trace(result: SimResult) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Tasks (per replica x stage x microbatch): forward and backward compute on the stage's device;
 activation / gradient transfers between consecutive stages, one task per link hop of the
-route (store-and-forward); one ring all-reduce per gradient bucket (planner.buckets) among
+route (store-and-forward); one ring all-reduce per gradient bucket (planner.cost.buckets) among
 the devices holding its layers; one optimizer step per device after its gradients are synced
 (under placement "cpu": gradient copy to the host CPU, update there, parameter copy back).
 
@@ -22,10 +22,10 @@ Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo thr
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.
 
-Speed (none of it changes a result, bit for bit): the task graph (planner.taskgraph) is built
+Speed (none of it changes a result, bit for bit): the task graph (planner.sim.taskgraph) is built
 once per plan shape (everything but batch sizes) and its durations are evaluated per plan;
 replicas that are identical and provably independent are simulated once (`Simulator._like`);
-the event loop (planner.eventloop) avoids per-task allocations. A per-plan result cache sits
+the event loop (planner.sim.eventloop) avoids per-task allocations. A per-plan result cache sits
 on top; benchmarks/simulator_speed.py measures with it off.
 """
 from __future__ import annotations
@@ -35,15 +35,15 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.buckets import grad_buckets
-from planner.cost import CostModel, RooflineCost, host_cpu
-from planner.eventloop import run as run_tasks
-from planner.graph import ModelGraph
-from planner.memory import feasible as memory_feasible, peak_memory
-from planner.plan import Plan
-from planner.schedule import make_schedule
-from planner.taskgraph import TaskGraph
-from planner.topology import Topology
+from planner.cost.buckets import grad_buckets
+from planner.cost.model import CostModel, RooflineCost, host_cpu
+from planner.sim.eventloop import run as run_tasks
+from planner.workload.graph import ModelGraph
+from planner.cost.memory import feasible as memory_feasible, peak_memory
+from planner.files.plan import Plan
+from planner.sim.schedule import make_schedule
+from planner.sim.taskgraph import TaskGraph
+from planner.hardware.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -458,7 +458,7 @@ class Simulator:
 def _coarse_buckets(buckets: list) -> list:
     """Coarse sync exchanges each set of devices' gradients in one flat all-reduce, whatever
     the bucket cap (as runtime/sync.py does): buckets merged per device set, in first-ready order."""
-    from planner.buckets import Bucket
+    from planner.cost.buckets import Bucket
     merged: dict[tuple[str, ...], list] = {}
     for b in buckets:
         merged.setdefault(tuple(sorted(b.devices)), []).append(b)

@@ -21,10 +21,10 @@ activations flowing through backward, communication buffers, the CUDA context.
 """
 from __future__ import annotations
 
-from planner.cost import OPTIMIZER_STATE_PER_PARAM_BYTE, host_cpu
-from planner.graph import ModelGraph
-from planner.plan import Plan
-from planner.topology import Topology
+from planner.cost.model import OPTIMIZER_STATE_PER_PARAM_BYTE, host_cpu
+from planner.workload.graph import ModelGraph
+from planner.files.plan import Plan
+from planner.hardware.topology import Topology
 
 
 def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:

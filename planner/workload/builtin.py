@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.io import InputError
+from planner.files.io import InputError
 from planner.workload import Workload
 
 

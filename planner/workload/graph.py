@@ -51,7 +51,7 @@ class ModelGraph:
                                            # every live value, so skip connections are included
     ops: nx.DiGraph = field(default_factory=nx.DiGraph, compare=False, repr=False)
     info: dict[str, Any] = field(default_factory=dict, compare=False)  # capture method, warnings
-    precision: str = "fp32"                # what the capture ran in (planner.precision): bytes
+    precision: str = "fp32"                # what the capture ran in (planner.workload.precision): bytes
                                            # are of the dtypes autocast gives
 
     @property
@@ -68,14 +68,14 @@ class ModelGraph:
 
 # --- capture ---------------------------------------------------------------------------------
 # How: the model is exported to a flat ATen graph and cut into one stage per layer
-# (planner.partition, the same grouping `build_stages` uses). Each stage runs forward and then
+# (planner.workload.partition, the same grouping `build_stages` uses). Each stage runs forward and then
 # backward on its own, its inputs detached leaves that require grad (except the model inputs),
 # so every layer's backward FLOPs are its own: a layer pays for its input gradient unless it is
 # the first. A dispatch mode sees every ATen call: forward calls are charged to the graph node
 # being interpreted, backward calls to the node whose autograd function is running.
 # Not modelled: parameters are left out of bytes moved (weights are read from fast memory in
 # the roofline), so bytes moved scale with the batch; the optimizer step is not part of a layer.
-# Precision: the forward runs under planner.precision.autocast (backward outside it, as in
+# Precision: the forward runs under planner.workload.precision.autocast (backward outside it, as in
 # training), so a bf16 graph's activation, saved and cut bytes are of the dtypes autocast really
 # gives. autocast's bf16 copies of parameters are parameter-like (they do not scale with the
 # batch): they are left out of saved bytes and bytes moved and counted in Layer.cast_param_bytes.
@@ -85,19 +85,19 @@ _PRINTED_WARNINGS: set[str] = set()
 
 def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     """Capture `workload.model` at `batch` samples (inputs from `make_batch(batch, 0)`), its
-    forward run in `precision` (planner.precision.autocast on the CPU).
+    forward run in `precision` (planner.workload.precision.autocast on the CPU).
 
     The model's state is left as it was: RNG, buffers (BatchNorm statistics) and gradients are
     restored after the measuring run.
     """
-    from planner.io import InputError
+    from planner.files.io import InputError
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise InputError(f"--batch: expected a positive integer, got {batch!r}")
     import torch
 
-    from planner import partition
-    from planner.capture import Recorder, preserved
-    from planner.precision import autocast
+    from planner.workload import partition
+    from planner.workload.capture import Recorder, preserved
+    from planner.workload.precision import autocast
 
     model = workload.model
     tr, stages = partition.traced_stages(workload, None, batch)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.graph import ModelGraph
-from planner.plan import Plan
+from planner.workload.graph import ModelGraph
+from planner.files.plan import Plan
 
 
 @dataclass(frozen=True)

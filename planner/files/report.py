@@ -93,7 +93,7 @@ def compare(predicted_iteration_s: float | None, simulated: dict[str, Any], meas
     """Build the comparison.
 
     predicted_iteration_s: the plan's `predicted.iteration_s` or None; simulated: a
-    SimResult.to_json() dict; measured: a planner.measured.Measured. Devices are those of the
+    SimResult.to_json() dict; measured: a planner.files.measured.Measured. Devices are those of the
     simulation in its order, then any only the measurement has."""
     sim_dev = simulated["per_device"]
     devices = list(sim_dev) + [d for d in measured.per_device if d not in sim_dev]

@@ -4,7 +4,7 @@ The model is captured once as a flat graph of ATen operators with
 `torch.export.export(..., strict=False)` (non-strict export runs the Python forward, so
 shape-dependent `if`s and Hugging Face-style code work; `torch.fx.symbolic_trace` is the
 fallback when export fails). Every operator is assigned to a *layer* (`assign_layers`), the
-same grouping `planner.graph.capture_graph` reports:
+same grouping `planner.workload.graph.capture_graph` reports:
 
 - an operator belongs to the module that called it (`node.meta["nn_module_stack"]`), reduced
   to its *layer key*: the top-level child, except that containers are expanded: a

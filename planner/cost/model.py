@@ -3,10 +3,10 @@
 Pure functions carry the formulas (each docstring states its formula); `CostModel` wraps
 them in precomputed tables so the simulator's hot path is a dictionary lookup and a
 subtraction of prefix sums. `RooflineCost` is the contract's what-if model; the measured
-model (`planner.layer_timing.MeasuredCost`) replaces the per-layer times by timings taken on
+model (`planner.cost.timing.MeasuredCost`) replaces the per-layer times by timings taken on
 this machine and keeps everything else.
 
-Calibration (planner.calibration): when the topology carries a `calibration` object (written by
+Calibration (planner.hardware.calibration): when the topology carries a `calibration` object (written by
 `hetplan profile`), the optimizer step and the all-reduce of CPU groups use the figures fitted on
 this machine, and the measured model slows CPU compute by the measured contention factor when
 several CPU workers of a host compute at once. Without one (what-if files) every figure is the
@@ -15,16 +15,16 @@ contract's formula.
 Precision: a cost model prices the precision its graph was captured in (`graph.precision`):
 the roofline divides FLOPs by `Device.matmul_flops_per_s_at(precision)` and the bytes are those
 of the capture's dtypes; the measured model times the layers in that precision. A search over
-several precisions holds one graph and cost model per precision (planner.search).
+several precisions holds one graph and cost model per precision (planner.search.mcmc).
 
 Not modelled: kernel fusion across layers, cache effects between consecutive layers, overlap
 of compute and communication on the same device (a transfer does not slow the compute queue).
 """
 from __future__ import annotations
 
-from planner.calibration import topology_calibration
-from planner.graph import Layer, ModelGraph
-from planner.topology import Device, Topology, parse_device_name
+from planner.hardware.calibration import topology_calibration
+from planner.workload.graph import Layer, ModelGraph
+from planner.hardware.topology import Device, Topology, parse_device_name
 
 # Bytes touched per parameter byte by one optimizer step (memory-bound, foreach-style kernels):
 # SGD (no momentum): read param, read grad, write param = 3.

@@ -7,14 +7,14 @@
   (backward runs outside it, as torch recommends); parameters, gradients and optimizer state
   stay float32 (master weights), so only activations and the casts autocast makes are bf16.
 
-Used by the capture (planner.graph), layer timing (planner.layer_timing) and the runtime
+Used by the capture (planner.workload.graph), layer timing (planner.cost.timing) and the runtime
 (runtime.pipeline), so that what is measured, priced and run is the same computation.
 """
 from __future__ import annotations
 
 import contextlib
 
-from planner.plan import PRECISIONS
+from planner.files.plan import PRECISIONS
 
 
 @contextlib.contextmanager

@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from planner.space import Pipeline, Space, Strategy, realise_microbatches
+from planner.search.space import Pipeline, Space, Strategy, realise_microbatches
 
 
 def device_order(names: Sequence[str], kinds: dict[str, str]) -> tuple[str, ...]:
     """Pipeline order: by node, GPUs before CPUs, then by index ('cuda:10' after 'cuda:9')."""
-    from planner.topology import parse_device_name
+    from planner.hardware.topology import parse_device_name
 
     def key(name: str):
         node, kind, index = parse_device_name(name)

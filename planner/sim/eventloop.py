@@ -1,7 +1,7 @@
 """The simulator's deterministic event loop: list scheduling of a task graph over FIFO resources.
 
 A resource is a device's compute queue or one direction of a link; an all-reduce holds every
-resource of its ring at once. See `run` for the order rules (and planner.simulator for what
+resource of its ring at once. See `run` for the order rules (and planner.sim.simulator for what
 the tasks are).
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ machine and writes the fitted figures as a top-level `"calibration"` object of t
 }                                         #   (memory-bound; default: cpu_contention_factor)
 ```
 
-Each figure is optional; the cost model uses what is present (planner.cost.CostModel) and the
+Each figure is optional; the cost model uses what is present (planner.cost.model.CostModel) and the
 contract's formulas otherwise, so a what-if file (no calibration) keeps roofline semantics.
 Why these figures (measured on a 2-vCPU VM, see docs/guide.md): two CPU workers running at once
 each run ~1.7x slower than alone (shared cores / memory system), gloo's all-reduce costs ~3x the
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.io import Reader
+from planner.files.io import Reader
 
 
 @dataclass(frozen=True)

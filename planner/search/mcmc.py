@@ -2,7 +2,7 @@
 FlexFlow lacked: batch fractions solved directly, and baselines that bound the result.
 
 The search calls one narrow function, `evaluate(plan) -> result` with attributes
-`iteration_s`, `feasible` and `peak_memory_bytes` (planner.simulator's SimResult), and takes a
+`iteration_s`, `feasible` and `peak_memory_bytes` (planner.sim.simulator's SimResult), and takes a
 seeded `random.Random`: no global state. Results are cached by `plan_key`.
 
 Determinism: the search stops after `iterations` proposals, or after half of them without
@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from planner.baselines import baseline_strategies, hybrid_seeds, proportional_batches
-from planner.plan import Plan, plan_key
-from planner.space import Pipeline, Space, Strategy, min_batch, propose, to_plan
+from planner.search.baselines import baseline_strategies, hybrid_seeds, proportional_batches
+from planner.files.plan import Plan, plan_key
+from planner.search.space import Pipeline, Space, Strategy, min_batch, propose, to_plan
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Candidate:
 
     @property
     def strategy(self) -> Strategy:
-        from planner.space import from_plan
+        from planner.search.space import from_plan
         return from_plan(self.plan)[0]
 
 
@@ -239,7 +239,7 @@ class Searcher:
 
 
 def _split(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
-    from planner.space import from_plan
+    from planner.search.space import from_plan
     return from_plan(plan)
 
 
@@ -271,7 +271,7 @@ class _Rejected:
 
 def make_space(topology, num_layers: int, global_batch: int, model, optimizer_name: str,
                lr: float, precisions: tuple[str, ...] = ("fp32",)) -> Space:
-    from planner.baselines import device_order
+    from planner.search.baselines import device_order
     kinds = {d.name: d.kind for d in topology.devices}
     return Space(devices=device_order(list(kinds), kinds), kinds=kinds, num_layers=num_layers,
                  global_batch=global_batch, model=model, optimizer_name=optimizer_name, lr=lr,
@@ -279,7 +279,7 @@ def make_space(topology, num_layers: int, global_batch: int, model, optimizer_na
 
 
 def simulator_problem(simulator, space: Space) -> Problem:
-    """A Problem over planner.simulator.Simulator (or ByPrecision): its cost model gives the layer
+    """A Problem over planner.sim.simulator.Simulator (or ByPrecision): its cost model gives the layer
     shares (at the global batch), the topology the activation transfer at each cut (forward +
     backward); with ByPrecision both are the first precision's, as are the baselines."""
     graph, topology, cost = simulator.graph, simulator.topology, simulator.cost
@@ -315,9 +315,9 @@ def plan_problem(workload, model, global_batch: int, topology, optimizer_name: s
     scale linearly with the batch), the strategy space, and one simulator per precision with the
     cost model the topology calls for (measured on a profile of this machine, else the contract's
     roofline). The graph returned is the first precision's."""
-    from planner.graph import capture_graph
-    from planner.prediction import cost_model
-    from planner.simulator import ByPrecision, Simulator
+    from planner.workload.graph import capture_graph
+    from planner.sim.predict import cost_model
+    from planner.sim.simulator import ByPrecision, Simulator
 
     sims = {}
     for p in precisions:
@@ -332,9 +332,9 @@ def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate
     """The baselines `hetplan plan` evaluated for this plan's workload, batch, optimizer and
     first allowed precision (`predicted.search.precisions`, else the plan's), regenerated as
     plans (the plan file stores only their predicted figures)."""
-    from planner.io import InputError
-    from planner.plan import PRECISIONS
-    from planner.workload import load_plan_workload
+    from planner.files.io import InputError
+    from planner.files.plan import PRECISIONS
+    from planner.workload.load import load_plan_workload
 
     searched = plan.predicted.extra.get("search") if plan.predicted else None
     allowed = searched.get("precisions", [plan.precision]) if isinstance(searched, dict) else [plan.precision]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.io import Reader, read_json, write_json_atomic
+from planner.files.io import Reader, read_json, write_json_atomic
 
 SCHEMA = "hetplan.measured/1"
 

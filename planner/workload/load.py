@@ -1,6 +1,6 @@
 """Workloads: `--model SPEC` and `--model-arg KEY=VALUE`.
 
-SPEC is a built-in name (see planner.models) or `package.module:function`. The function takes
+SPEC is a built-in name (see planner.workload.builtin) or `package.module:function`. The function takes
 the model args as keyword arguments and returns any object with `model`, `make_batch` and
 `loss_fn` (the `Workload` dataclass below is the documented way).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-from planner.io import InputError
+from planner.files.io import InputError
 
 
 @dataclass
@@ -52,7 +52,7 @@ def parse_model_args(items: list[str] | None, flag: str = "--model-arg") -> dict
 
 
 def _resolve(spec: str) -> Callable[..., Any]:
-    from planner import models
+    from planner.workload import builtin as models
     if spec in models.BUILTINS:
         return models.BUILTINS[spec]
     if ":" not in spec:
@@ -107,7 +107,7 @@ def load_workload(spec: str, args: dict[str, Any] | None = None) -> Workload:
 
 
 def load_plan_workload(model, file: str) -> Workload:
-    """`load_workload` for a plan file's `model` (a planner.plan.ModelRef): errors name the
+    """`load_workload` for a plan file's `model` (a planner.files.plan.ModelRef): errors name the
     file and its model.spec / model.args fields instead of the --model flags."""
     try:
         return load_workload(model.spec, model.args)

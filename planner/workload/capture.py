@@ -1,4 +1,4 @@
-"""The measuring run behind `planner.graph.capture_graph`: per-operator FLOPs and bytes.
+"""The measuring run behind `planner.workload.graph.capture_graph`: per-operator FLOPs and bytes.
 
 `Recorder.run_stage` runs one stage (one layer) forward through an `fx.Interpreter` and then
 backward, under a `TorchDispatchMode` that sees every ATen call:
@@ -21,7 +21,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner import flops as F
+from planner.workload import flops as F
 
 _FIELDS = ("fwd_flops", "bwd_flops", "output_bytes", "saved_bytes", "fwd_bytes_moved",
            "bwd_bytes_moved", "fwd_n_ops", "bwd_n_ops", "cast_param_bytes")

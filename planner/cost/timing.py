@@ -2,7 +2,7 @@
 
 Used instead of the roofline when the topology was profiled on this host
 (`topology.measured["host"]["hostname"] == socket.gethostname()`). Each layer runs alone as a
-single-layer stage (planner.partition.build_stages), fed the outputs of layers 0..i-1 for a
+single-layer stage (planner.workload.partition.build_stages), fed the outputs of layers 0..i-1 for a
 real batch, with `torch.set_num_threads(device.threads)` on CPU devices and synchronisation on
 CUDA devices; the figure is the median of `repeats` runs after `warmup` runs.
 
@@ -13,7 +13,7 @@ linearly (what a search that asks for many sizes wants). Results are cached on d
 signature, device kind, threads, batch size and precision.
 
 Precision: the graph's (`graph.precision`). Each layer's forward, and the loss's, runs under
-planner.precision.autocast(device type, precision), its backward outside it, as in training;
+planner.workload.precision.autocast(device type, precision), its backward outside it, as in training;
 the next layer is fed the outputs autocast gives (bf16 activations under bf16).
 
 The first layer's input is the model's data and is timed without its gradient (the runtime
@@ -29,7 +29,7 @@ over-predicted the cnn by 35-95 % and the mlp's single device by 8-33 %, while w
 within 10 % on single-device runs; measured figures in docs/guide.md.
 
 Each layer is timed alone; when several CPU workers of a host compute at once, the times are
-multiplied by the topology's measured contention factor (planner.calibration), so a plan that
+multiplied by the topology's measured contention factor (planner.hardware.calibration), so a plan that
 keeps both workers of a 2-core machine busy is predicted as it runs. Without a calibration
 (an older profile) the times are used as measured, alone.
 """
@@ -45,10 +45,10 @@ import sys
 import time
 from pathlib import Path
 
-from planner.cost import CostModel, RooflineCost
-from planner.io import write_json_atomic
-from planner.precision import autocast, matmul_precision
-from planner.topology import Device, Topology, parse_device_name
+from planner.cost.model import CostModel, RooflineCost
+from planner.files.io import write_json_atomic
+from planner.workload.precision import autocast, matmul_precision
+from planner.hardware.topology import Device, Topology, parse_device_name
 
 
 def measured_here(topology: Topology) -> bool:
@@ -86,7 +86,7 @@ class MeasuredCost(CostModel):
         # The first layer is timed without the gradient of its input (the model's data), so it
         # never shares an entry with an identical later layer.
         first = "|first" if i == 0 else ""
-        from planner.device import standin_gpus
+        from planner.hardware.device import standin_gpus
         kind = device.kind + ("-standin" if device.kind != "cpu" and standin_gpus() else "")
         p = matmul_precision(device.kind, self.precision)   # tf32 on a CPU is fp32
         prec = "" if p == "fp32" else f"|{p}"                # fp32 keys as before precision existed
@@ -114,11 +114,11 @@ class MeasuredCost(CostModel):
         if all(k in disk for k in keys) and len(disk[keys[-1]]) == 4:
             return _from_entries(keys, disk)
         import torch
-        from planner.partition import as_tuple, build_stages, place_stages
+        from planner.workload.partition import as_tuple, build_stages, place_stages
 
         L = self.graph.num_layers
         print(f"measuring {L} layers on {device.name} at batch {batch}", file=sys.stderr)
-        from planner.device import torch_device
+        from planner.hardware.device import torch_device
         dev = torch_device(device.name)
         workload = _model_copy_for(self.workload, dev)
         stages = build_stages(workload, [(i, i + 1) for i in range(L)], batch)
@@ -183,7 +183,7 @@ class MeasuredCost(CostModel):
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         if device.kind != "cpu":
-            from planner.device import gpu_count
+            from planner.hardware.device import gpu_count
             if parse_device_name(device.name)[2] >= gpu_count():
                 # the profiled GPU is absent now: fall back to the roofline
                 return self._roofline.layer_times(device, batch)

@@ -1,7 +1,7 @@
 """The task graph of one plan shape: tasks with resources, dependencies and duration recipes.
 
-Built by `planner.simulator.Simulator` once per plan shape (everything but batch sizes) and
-run by `planner.eventloop.run` with durations evaluated for each plan.
+Built by `planner.sim.simulator.Simulator` once per plan shape (everything but batch sizes) and
+run by `planner.sim.eventloop.run` with durations evaluated for each plan.
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The cost side: cost model, layer timing, memory, gradient buckets."""

@@ -1,0 +1,1 @@
+"""The files that pass between commands: plan, measured, report, plot; JSON I/O."""

@@ -1,0 +1,1 @@
+"""The hardware side: topology, calibration and fits, topology lookup, torch devices."""

@@ -1,0 +1,1 @@
+"""Search: strategy space, baselines, MCMC walk, the planning problem."""

@@ -1,0 +1,1 @@
+"""Simulation: schedules, task graph, event loop, simulator, Chrome trace, plan-file prediction."""
