@@ -1,8 +1,21 @@
 """The model side: workloads and built-in models, layers, graph capture, FLOPs, stages.
 
 `from planner.workload import Workload` is the documented way to write a `--model pkg.mod:fn`
-factory (see shared/CONTRACT.md); keep it importable from here.
+factory (see shared/CONTRACT.md); the class lives here, and this file imports nothing from
+planner, so `load` and `builtin` can both import it without a circle.
 """
-from planner.workload.load import Workload
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 __all__ = ["Workload"]
+
+
+@dataclass
+class Workload:
+    model: Any                                   # torch.nn.Module
+    make_batch: Callable[[int, int], tuple]      # (batch_size, seed) -> (inputs, target)
+    loss_fn: Callable[[Any, Any], Any]           # (output, target) -> scalar (mean over batch)
+    optimizer: str = "adam"                      # the workload's usual optimizer ("sgd"/"adam")
+    lr: float = 1e-3                             # and its learning rate

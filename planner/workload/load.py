@@ -2,7 +2,7 @@
 
 SPEC is a built-in name (see planner.workload.builtin) or `package.module:function`. The function takes
 the model args as keyword arguments and returns any object with `model`, `make_batch` and
-`loss_fn` (the `Workload` dataclass below is the documented way).
+`loss_fn` (the `Workload` dataclass of `planner.workload` is the documented way).
 """
 from __future__ import annotations
 
@@ -10,20 +10,10 @@ import importlib
 import inspect
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
-
 from planner.files.io import InputError
-
-
-@dataclass
-class Workload:
-    model: Any                                   # torch.nn.Module
-    make_batch: Callable[[int, int], tuple]      # (batch_size, seed) -> (inputs, target)
-    loss_fn: Callable[[Any, Any], Any]           # (output, target) -> scalar (mean over batch)
-    optimizer: str = "adam"                      # the workload's usual optimizer ("sgd"/"adam")
-    lr: float = 1e-3                             # and its learning rate
+from planner.workload import Workload
 
 
 def convert_arg(value: str) -> Any:
