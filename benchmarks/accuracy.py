@@ -235,7 +235,7 @@ def missed_targets(summary: dict, targets: dict = TARGETS) -> list[str]:
 def select_plans(topology, only: str | None) -> dict[str, dict]:
     """The plan set for the topology's devices (plan_sets.plans_for), restricted to the
     comma-separated workloads or plan names of `only`. ValueError when no set fits."""
-    from planner.workload.partition import num_layers
+    from planner.workload.layers import num_layers
     from planner.workload.load import load_workload
     layers = {w: num_layers(load_workload(s["spec"], s["args"]), 1)
               for w, s in workloads_for(topology).items()}

@@ -55,7 +55,7 @@ def cluster_64() -> Topology:
 
 
 def gpt_graph(batch: int, layers: int):
-    from planner.workload.graph import capture_graph
+    from planner.workload.capture import capture_graph
     from planner.workload.load import load_workload
     return capture_graph(load_workload("gpt", {"layers": layers}), batch)
 

@@ -13,7 +13,7 @@ from benchmarks.plan_sets import (CPU_WORKLOADS, GPU_WORKLOADS, gpu_transformer_
 from benchmarks.results import (accuracy_payload, plan_quality_payload, read_results,
                                 update_results, validate_results)
 from planner.files.io import InputError
-from planner.workload.partition import num_layers
+from planner.workload.layers import num_layers
 from planner.files.plan import plan_from_dict, validate_plan
 from planner.hardware.topology import topology_from_dict
 from planner.workload.load import load_workload

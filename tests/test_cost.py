@@ -70,7 +70,7 @@ def test_interpolation_and_host_check():
 
 def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
     import socket
-    from planner.workload.graph import capture_graph
+    from planner.workload.capture import capture_graph
     from planner.cost.timing import MeasuredCost, cache_path
     from planner.hardware.topology import Device
     from planner.workload.load import load_workload
@@ -120,7 +120,7 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
 
     import torch
 
-    from planner.workload.graph import capture_graph
+    from planner.workload.capture import capture_graph
     from planner.cost.timing import MeasuredCost, cache_path
     from planner.hardware.topology import Device
     from planner.workload.load import load_workload

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.workload.graph import capture_graph
+from planner.workload.capture import capture_graph
 from planner.files.io import InputError
 from planner.workload.load import load_workload
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.workload.partition import build_stages, trace
+from planner.workload.layers import export_model as trace
+from planner.workload.partition import build_stages
 from planner.workload.load import load_workload
 
 GPT_ARGS = {"layers": 2, "heads": 2, "d_model": 32, "vocab": 64, "context": 8}

@@ -34,7 +34,7 @@ def to_json(graph) -> dict:
 
 
 def main(args) -> int:
-    from planner.workload.graph import capture_graph
+    from planner.workload.capture import capture_graph
     from planner.files.io import InputError
     from planner.workload.load import load_workload, parse_model_args
 

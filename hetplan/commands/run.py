@@ -42,7 +42,7 @@ def default_output(plan_path: str) -> str:
 def check_model(plan, file: str) -> None:
     """The plan's model must load and have the layers the plan's stages cover (exit 2, not a
     worker error). Costs one trace of the model in this process."""
-    from planner.workload.partition import num_layers
+    from planner.workload.layers import num_layers
     from planner.files.plan import validate_plan
     from planner.workload.load import load_plan_workload
     workload = load_plan_workload(plan.model, file)

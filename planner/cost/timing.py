@@ -114,7 +114,8 @@ class MeasuredCost(CostModel):
         if all(k in disk for k in keys) and len(disk[keys[-1]]) == 4:
             return _from_entries(keys, disk)
         import torch
-        from planner.workload.partition import as_tuple, build_stages, place_stages
+        from planner.workload.layers import as_tuple
+        from planner.workload.partition import build_stages, place_stages
 
         L = self.graph.num_layers
         print(f"measuring {L} layers on {device.name} at batch {batch}", file=sys.stderr)

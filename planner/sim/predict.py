@@ -57,7 +57,7 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     The graph is captured at the largest microbatch of the plan (activation quantities scale
     linearly with the batch from there), in the plan's precision. Returns
     planner.sim.simulator.SimResult."""
-    from planner.workload.graph import capture_graph
+    from planner.workload.capture import capture_graph
     from planner.files.plan import validate_plan
     from planner.sim.simulator import Simulator
     from planner.workload.load import load_plan_workload

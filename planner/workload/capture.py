@@ -1,4 +1,5 @@
-"""The measuring run behind `planner.workload.graph.capture_graph`: per-operator FLOPs and bytes.
+"""Graph capture: `capture_graph` runs the model once, layer by layer, and counts each
+operator's FLOPs and bytes (the counting run) into a `ModelGraph`.
 
 `Recorder.run_stage` runs one stage (one layer) forward through an `fx.Interpreter` and then
 backward, under a `TorchDispatchMode` that sees every ATen call:
@@ -14,14 +15,22 @@ backward, under a `TorchDispatchMode` that sees every ATen call:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import sys
 from collections import defaultdict
 
+import networkx as nx
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from planner.files.io import InputError
 from planner.workload import flops as F
+from planner.workload.graph import Layer, ModelGraph
+from planner.workload.layers import example_inputs
+from planner.workload.partition import exported_stages
+from planner.workload.precision import autocast
 
 _FIELDS = ("fwd_flops", "bwd_flops", "output_bytes", "saved_bytes", "fwd_bytes_moved",
            "bwd_bytes_moved", "fwd_n_ops", "bwd_n_ops", "cast_param_bytes")
@@ -51,10 +60,10 @@ class Recorder:
         self.stage_extra: dict[int, dict] = defaultdict(lambda: defaultdict(float))
         self.warnings: set[str] = set()
         self.unattributed_bwd_flops = 0.0
-        self._current: str | None = None     # forward: traced node being interpreted
+        self._current: str | None = None     # forward: exported node being interpreted
         self._phase = "fwd"
         self._stage = 0
-        self._by_seq: dict[int, str] = {}     # autograd sequence number -> traced node
+        self._by_seq: dict[int, str] = {}     # autograd sequence number -> exported node
 
     @staticmethod
     def empty() -> dict:
@@ -166,7 +175,7 @@ class Recorder:
 
 @contextlib.contextmanager
 def preserved(model: torch.nn.Module):
-    """Restore buffers and parameter gradients after a measuring run."""
+    """Restore buffers and parameter gradients after a counting run."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     grads = [(p, p.grad) for p in model.parameters()]
     try:
@@ -177,3 +186,99 @@ def preserved(model: torch.nn.Module):
                 b.copy_(saved)
         for p, g in grads:
             p.grad = g
+
+
+# --- capture ---------------------------------------------------------------------------------
+# How: the model is exported to a flat ATen graph and cut into one stage per layer
+# (planner.workload.layers and .partition, the same grouping `build_stages` uses). Each stage runs forward and then
+# backward on its own, its inputs detached leaves that require grad (except the model inputs),
+# so every layer's backward FLOPs are its own: a layer pays for its input gradient unless it is
+# the first. A dispatch mode sees every ATen call: forward calls are charged to the graph node
+# being interpreted, backward calls to the node whose autograd function is running.
+# Not modelled: parameters are left out of bytes moved (weights are read from fast memory in
+# the roofline), so bytes moved scale with the batch; the optimizer step is not part of a layer.
+# Precision: the forward runs under planner.workload.precision.autocast (backward outside it, as in
+# training), so a bf16 graph's activation, saved and cut bytes are of the dtypes autocast really
+# gives. autocast's bf16 copies of parameters are parameter-like (they do not scale with the
+# batch): they are left out of saved bytes and bytes moved and counted in Layer.cast_param_bytes.
+
+_PRINTED_WARNINGS: set[str] = set()
+
+
+def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
+    """Capture `workload.model` at `batch` samples (inputs from `make_batch(batch, 0)`), its
+    forward run in `precision` (planner.workload.precision.autocast on the CPU).
+
+    The model's state is left as it was: RNG, buffers (BatchNorm statistics) and gradients are
+    restored after the counting run.
+    """
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise InputError(f"--batch: expected a positive integer, got {batch!r}")
+    model = workload.model
+    ex, stages = exported_stages(workload, None, batch)
+    inputs = example_inputs(workload, batch)
+    rec = Recorder(list(model.parameters()), forward_context=lambda: autocast("cpu", precision))
+    with preserved(model), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cut_bytes = [rec.bytes_of(inputs)]
+        h = inputs
+        for k, stage in enumerate(stages):
+            h = rec.run_stage(stage, h, first=(k == 0))
+            cut_bytes.append(rec.bytes_of(h))
+    layers = _layers(ex, stages, rec)
+    g = _op_graph(ex, rec)
+    warnings = sorted(rec.warnings)
+    for w in warnings:
+        if w not in _PRINTED_WARNINGS:
+            _PRINTED_WARNINGS.add(w)
+            print(f"hetplan: warning: {w}", file=sys.stderr)
+    info = {"method": ex.method, "dynamic_batch": ex.dynamic_batch, "warnings": warnings,
+            "unattributed_bwd_flops": rec.unattributed_bwd_flops}
+    return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info,
+                      precision=precision)
+
+
+def _layers(ex, stages, rec) -> list[Layer]:
+    out, owned = [], set()
+    for k, stage in enumerate(stages):
+        names = [n for n in ex.compute_nodes() if ex.layer_of[n] == k]
+        params = [(nm, p) for nm, p in stage.named_parameters() if id(p) not in owned]
+        owned.update(id(p) for _, p in params)
+
+        def tot(field: str, nodes=names) -> float:
+            return sum(rec.ops[n.name][field] for n in nodes if n.name in rec.ops)
+
+        out.append(Layer(
+            index=k, name=ex.names[k],
+            fwd_flops=tot("fwd_flops"), bwd_flops=tot("bwd_flops") + rec.stage_extra[k]["bwd_flops"],
+            param_bytes=sum(p.numel() * p.element_size() for _, p in params),
+            activation_bytes=int(tot("output_bytes")), saved_bytes=int(tot("saved_bytes")),
+            fwd_bytes_moved=tot("fwd_bytes_moved"),
+            bwd_bytes_moved=tot("bwd_bytes_moved") + rec.stage_extra[k]["bwd_bytes_moved"],
+            n_ops=int(tot("fwd_n_ops")), bwd_n_ops=int(tot("bwd_n_ops") + rec.stage_extra[k]["bwd_n_ops"]),
+            param_names=tuple(nm for nm, _ in params),
+            signature=_signature(names, rec), cast_param_bytes=int(tot("cast_param_bytes"))))
+    return out
+
+
+def _signature(nodes, rec) -> str:
+    """sha1 of the layer's (target, output shapes, dtypes) in order: equal layers share costs."""
+    h = hashlib.sha1()
+    for n in nodes:
+        h.update(f"{n.target}|{rec.ops.get(n.name, {}).get('shapes')}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _op_graph(ex, rec) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for n in ex.gm.graph.nodes:
+        if n.op == "placeholder":
+            g.add_node(n.name, kind="input", target="input", layer=-1,
+                       shapes=rec.ops.get(n.name, {}).get("shapes", ()))
+    for n in ex.compute_nodes():
+        g.add_node(n.name, kind="op", target=str(n.target), layer=ex.layer_of[n],
+                   **rec.ops.get(n.name, rec.empty()))
+        for a in n.all_input_nodes:
+            if a.name in g:
+                g.add_edge(a.name, n.name)
+    return g

@@ -1,187 +1,26 @@
 """Executable stages: a workload's model cut into layer ranges.
 
-The model is captured once as a flat graph of ATen operators with
-`torch.export.export(..., strict=False)` (non-strict export runs the Python forward, so
-shape-dependent `if`s and Hugging Face-style code work; `torch.fx.symbolic_trace` is the
-fallback when export fails). Every operator is assigned to a *layer* (`assign_layers`), the
-same grouping `planner.workload.graph.capture_graph` reports:
+`build_stages` exports the model (planner.workload.layers: one flat ATen graph, every operator
+assigned to a layer) and cuts the graph at layer boundaries. Each stage is a
+`torch.fx.GraphModule` whose `get_attr`s point at the original model's parameters and buffers
+under their fully qualified names, so gradients land on the original parameters. A stage returns
+*every* live value that crosses its end cut (skip connections and branches work); the last
+returns `(model_output,)`.
 
-- an operator belongs to the module that called it (`node.meta["nn_module_stack"]`), reduced
-  to its *layer key*: the top-level child, except that containers are expanded: a
-  `ModuleList`/`ModuleDict`/`Sequential` becomes one layer per element (`blocks.3`), and a
-  wrapper module that holds a `ModuleList`/`ModuleDict` (the Hugging Face `transformer` holding
-  `h`) is expanded into its children (`transformer.wte`, `transformer.h.0`, ...);
-- an operator called by no child (a functional op in a forward that is being expanded, e.g.
-  `F.relu`/`view` in the cnn built-in's root forward) joins the layer before it, or the first
-  layer if it runs before any layer;
-- a layer is a maximal run of operators with the same key in execution order, so layers are
-  contiguous; a module that runs again later (weight sharing) starts a new layer `name#2`.
-
-`build_stages` then cuts the graph at layer boundaries. Each stage is a `torch.fx.GraphModule`
-whose `get_attr`s point at the original model's parameters and buffers under their fully
-qualified names, so gradients land on the original parameters. A stage returns *every* live
-value that crosses its end cut (skip connections and branches work); the last returns
-`(model_output,)`.
-
-Batch size: the graph is exported with a dynamic batch dimension (`Dim.AUTO` on dim 0 of every
-input) so a stage built once runs at any batch size. When the model specializes the batch (for
-example `view(32, -1)`) or a non-tensor value (a symbolic size) would cross a cut, the graph is
-exported again with static shapes at `batch`; such stages only run at that batch size
-(`StageModule.batch` says which; `None` means any).
+Batch size: stages cut from a dynamic-batch export run at any batch size. When the model
+specializes the batch (for example `view(32, -1)`) or a non-tensor value (a symbolic size) would
+cross a cut, the graph is exported again with static shapes at `batch`; such stages only run at
+that batch size (`StageModule.batch` says which; `None` means any).
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-_LISTS = (nn.ModuleList, nn.ModuleDict)
-# nodes that check shapes at run time; they are dropped from stages (the stage's own ops still
-# raise on a shape mismatch)
-_DROP_TARGETS = {"_guards_fn"}
-_TRACE_BATCH = 2   # batch used for the dynamic-shape export when the caller gives none
-
-
-@dataclass(frozen=True)
-class Traced:
-    """A model captured as a flat graph, every compute node assigned to a layer."""
-    gm: fx.GraphModule
-    layer_of: dict            # fx.Node -> layer index (placeholders, get_attr: absent)
-    names: tuple[str, ...]    # layer names, execution order
-    dynamic_batch: bool       # True: the graph runs at any batch size
-    batch: int                # batch of the example inputs it was traced with
-    method: str               # "export" or "symbolic_trace"
-    out_spec: Any             # pytree spec of the model output (None for symbolic_trace)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.names)
-
-    def compute_nodes(self) -> list[fx.Node]:
-        return [n for n in self.gm.graph.nodes if n in self.layer_of]
-
-
-def as_tuple(inputs) -> tuple:
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
-def example_inputs(workload, batch: int) -> tuple:
-    inputs, _ = workload.make_batch(batch, 0)
-    return as_tuple(inputs)
-
-
-# --- layer keys --------------------------------------------------------------------------
-def _expand(mod: nn.Module) -> bool:
-    """Containers and wrappers of module lists are split into their children."""
-    return isinstance(mod, _CONTAINERS) or any(isinstance(c, _LISTS) for c in mod.children())
-
-
-def layer_key(model: nn.Module, fqn: str) -> str | None:
-    """'blocks.0.qkv' -> 'blocks.0'; 'conv1' -> 'conv1'; '' (the root) -> None."""
-    if not fqn:
-        return None
-    key, mod = [], model
-    for part in fqn.split("."):
-        mod = getattr(mod, part, None)
-        if not isinstance(mod, nn.Module):
-            break
-        key.append(part)
-        if not _expand(mod):
-            break
-    return ".".join(key) or None
-
-
-def _node_fqn(node: fx.Node) -> str:
-    if node.op == "call_module":            # symbolic_trace leaf module
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [v[0] for v in stack.values() if isinstance(v, tuple) and isinstance(v[0], str)]
-    # export names the root "" and marks module-less nodes with a hook name; keep real paths
-    paths = [p for p in paths if p and not p.startswith("_")]
-    return paths[-1] if paths else ""
-
-
-def assign_layers(gm: fx.GraphModule, model: nn.Module) -> tuple[dict, tuple[str, ...]]:
-    """Map compute nodes to layer indices (see the module docstring for the rule)."""
-    keyed: list[tuple[fx.Node, str | None]] = []
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "get_attr", "output"):
-            continue
-        if n.op == "call_module" and n.target in _DROP_TARGETS:
-            continue
-        if n.op == "call_function" and _is_assert(n):
-            continue
-        keyed.append((n, layer_key(model, _node_fqn(n))))
-    if not any(k for _, k in keyed):
-        raise ValueError("the model has no child modules to group operators into layers")
-    first = next(k for _, k in keyed if k)
-    layer_of, names, seen = {}, [], {}
-    cur = None
-    for n, k in keyed:
-        k = k or cur or first               # module-less op: joins the layer before it
-        if k != cur:
-            seen[k] = seen.get(k, 0) + 1
-            names.append(k if seen[k] == 1 else f"{k}#{seen[k]}")
-            cur = k
-        layer_of[n] = len(names) - 1
-    return layer_of, tuple(names)
-
-
-def _is_assert(n: fx.Node) -> bool:
-    name = getattr(n.target, "__name__", str(n.target))
-    return "assert" in name or "sym_constrain_range" in name
-
-
-# --- capture -----------------------------------------------------------------------------
-def _export(model: nn.Module, inputs: tuple, dynamic: bool):
-    from torch.export import Dim, export
-    shapes = None
-    if dynamic:
-        shapes = tuple({0: Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None
-                       for x in inputs)
-    ep = export(model, inputs, strict=False, dynamic_shapes=shapes)
-    gm = ep.module()
-    dyn = any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
-              and isinstance(n.meta["val"].shape[0], torch.SymInt)
-              for n in gm.graph.nodes if n.op == "placeholder")
-    return gm, dyn, ep.call_spec.out_spec
-
-
-def trace(workload, batch: int | None = None, *, dynamic: bool = True) -> Traced:
-    """Capture `workload.model` on `make_batch(batch, 0)` (see the module docstring)."""
-    model = workload.model
-    b = batch if batch is not None else _TRACE_BATCH
-    inputs = example_inputs(workload, max(b, 2) if dynamic else b)
-    try:
-        gm, dyn, out_spec = _export(model, inputs, dynamic)
-        method = "export"
-    except Exception as e:  # noqa: BLE001 - any export failure falls back to fx
-        print(f"hetplan: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-              "falling back to torch.fx.symbolic_trace", file=sys.stderr)
-        try:
-            gm = fx.symbolic_trace(model)
-        except Exception as e2:  # noqa: BLE001
-            raise ValueError(f"cannot capture the model: torch.export: {str(e).splitlines()[0][:200]}; "
-                             f"symbolic_trace: {str(e2).splitlines()[0][:200]}") from None
-        dyn, out_spec, method = True, None, "symbolic_trace"
-    traced_batch = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else b
-    if method == "export" and not dyn and traced_batch != b:   # specialized at the wrong batch
-        return trace(workload, b, dynamic=False)
-    layer_of, names = assign_layers(gm, model)
-    return Traced(gm, layer_of, names, dyn, int(traced_batch), method, out_spec)
-
-
-def layer_names(workload, batch: int | None = None) -> list[str]:
-    return list(trace(workload, batch).names)
-
-
-def num_layers(workload, batch: int | None = None) -> int:
-    return trace(workload, batch).num_layers
+from planner.workload.layers import Exported, export_model
 
 
 # --- stages ------------------------------------------------------------------------------
@@ -250,14 +89,14 @@ def _resolve_attr(model: nn.Module, gm: fx.GraphModule, target: str):
     return obj
 
 
-def split(tr: Traced, model: nn.Module, ranges) -> list[StageModule]:
-    ranges = _check_ranges(ranges, tr.num_layers)
+def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
+    ranges = _check_ranges(ranges, ex.num_layers)
     stage_of_layer = {l: s for s, (a, b) in enumerate(ranges) for l in range(a, b)}
     S = len(ranges)
-    nodes = list(tr.gm.graph.nodes)
+    nodes = list(ex.gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = next(n for n in nodes if n.op == "output")
-    stage_of = {n: stage_of_layer[l] for n, l in tr.layer_of.items()}
+    stage_of = {n: stage_of_layer[l] for n, l in ex.layer_of.items()}
 
     def last_use(v: fx.Node) -> int:
         uses = [S if u is out_node else stage_of.get(u, -1) for u in v.users]
@@ -285,7 +124,7 @@ def split(tr: Traced, model: nn.Module, ranges) -> list[StageModule]:
 
         def arg(v: fx.Node) -> fx.Node:
             if v not in env and v.op == "get_attr":
-                attrs[v.target] = _resolve_attr(model, tr.gm, v.target)
+                attrs[v.target] = _resolve_attr(model, ex.gm, v.target)
                 env[v] = g.get_attr(v.target)
                 env[v].meta = dict(v.meta)
             return env[v]
@@ -293,11 +132,11 @@ def split(tr: Traced, model: nn.Module, ranges) -> list[StageModule]:
         for n in nodes:
             if stage_of.get(n) == k:
                 if n.op == "call_module":
-                    attrs[n.target] = _resolve_attr(model, tr.gm, n.target)
+                    attrs[n.target] = _resolve_attr(model, ex.gm, n.target)
                 env[n] = g.node_copy(n, arg)
         if k == S - 1:
             flat = [arg(v) if isinstance(v, fx.Node) else v for v in pytree.tree_leaves(out_node.args[0])]
-            result = _unflatten(flat, tr, out_node)
+            result = _unflatten(flat, ex, out_node)
             g.output((result,))
             outs = [v for v in pytree.tree_leaves(out_node.args[0]) if isinstance(v, fx.Node)]
         else:
@@ -306,39 +145,39 @@ def split(tr: Traced, model: nn.Module, ranges) -> list[StageModule]:
         g.lint()
         m = StageModule(attrs, g, class_name=f"Stage{k}")
         m.index, m.start, m.end = k, a, b
-        m.batch = None if tr.dynamic_batch else tr.batch
-        m.layer_names = tr.names[a:b]
+        m.batch = None if ex.dynamic_batch else ex.batch
+        m.layer_names = ex.names[a:b]
         m.input_names = tuple(v.name for v in (placeholders if k == 0 else live_in[k]))
         m.output_names = tuple(v.name for v in outs)
         m.num_stages = S
-        m.node_origin = {new.name: old for old, new in env.items()}   # stage node -> traced node
+        m.node_origin = {new.name: old for old, new in env.items()}   # stage node -> exported node
         stages.append(m)
     return stages
 
 
-def _unflatten(flat: list, tr: Traced, out_node: fx.Node):
+def _unflatten(flat: list, ex: Exported, out_node: fx.Node):
     """The model output rebuilt from graph nodes (tuples/lists/dicts; a tensor stays a tensor)."""
-    if tr.out_spec is None:  # symbolic_trace: output node args already hold the structure
+    if ex.out_spec is None:  # symbolic_trace: output node args already hold the structure
         return pytree.tree_unflatten(flat, pytree.tree_structure(out_node.args[0]))
-    out = pytree.tree_unflatten(flat, tr.out_spec)
+    out = pytree.tree_unflatten(flat, ex.out_spec)
     return out
 
 
-def traced_stages(workload, ranges=None, batch: int | None = None) -> tuple[Traced, list[StageModule]]:
-    """The traced graph and its stages (default ranges: one stage per layer)."""
-    tr = trace(workload, batch)
+def exported_stages(workload, ranges=None, batch: int | None = None) -> tuple[Exported, list[StageModule]]:
+    """The exported graph and its stages (default ranges: one stage per layer)."""
+    ex = export_model(workload, batch)
     try:
-        return tr, split(tr, workload.model, ranges or [(i, i + 1) for i in range(tr.num_layers)])
+        return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
     except _NonTensorCut:
-        if not tr.dynamic_batch:
+        if not ex.dynamic_batch:
             raise
-    tr = trace(workload, batch, dynamic=False)
-    return tr, split(tr, workload.model, ranges or [(i, i + 1) for i in range(tr.num_layers)])
+    ex = export_model(workload, batch, dynamic=False)
+    return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
 
 
 def place_stages(stages: list[StageModule], device) -> list[StageModule]:
     """Move stages to `device` (a torch.device), with the tensors their factory ops create: export
-    records the device the model was traced on (`arange(..., device=cpu)`), so those ops are
+    records the device the model was exported on (`arange(..., device=cpu)`), so those ops are
     retargeted too. Parameters move in place (stages share them with their model)."""
     device = torch.device(device)
     for st in stages:
@@ -362,4 +201,4 @@ def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = No
     original model's (shared, same names). `batch` is the (micro)batch the stages will run at;
     it only matters when the model cannot be exported with a dynamic batch dimension.
     """
-    return traced_stages(workload, ranges, batch)[1]
+    return exported_stages(workload, ranges, batch)[1]

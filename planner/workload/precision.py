@@ -7,7 +7,7 @@
   (backward runs outside it, as torch recommends); parameters, gradients and optimizer state
   stay float32 (master weights), so only activations and the casts autocast makes are bf16.
 
-Used by the capture (planner.workload.graph), layer timing (planner.cost.timing) and the runtime
+Used by the capture (planner.workload.capture), layer timing (planner.cost.timing) and the runtime
 (runtime.pipeline), so that what is measured, priced and run is the same computation.
 """
 from __future__ import annotations
