@@ -12,14 +12,11 @@ import torch
 
 from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
+from planner.workload.layers import as_tuple
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import Link, StageRunner, WholeModel, stage_actions
 from runtime.sync import GradSync, Groups, layer_ranks
-
-
-def _as_tuple(x) -> tuple:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _slice(x, a: int, b: int):
@@ -62,7 +59,7 @@ class Built:
         x, y = self.workload.make_batch(global_batch, iteration)
         m = self.plan.replicas[self.replica].microbatches
         bounds = [(self.offset + k * self.micro, self.offset + (k + 1) * self.micro) for k in range(m)]
-        ins = [_as_tuple(_slice(x, a, b)) for a, b in bounds] if first else None
+        ins = [as_tuple(_slice(x, a, b)) for a, b in bounds] if first else None
         tgts = [_slice(y, a, b) for a, b in bounds] if last else None
         return ins, tgts
 

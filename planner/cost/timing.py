@@ -160,6 +160,8 @@ class MeasuredCost(CostModel):
         """Median (forward, backward) seconds; the forward runs in `in_precision()`."""
         import torch
 
+        from planner.workload.layers import as_tuple
+
         def timed(fn):
             sync()
             t0 = time.perf_counter()
@@ -171,7 +173,7 @@ class MeasuredCost(CostModel):
         for rep in range(self.warmup + self.repeats):
             stage.zero_grad(set_to_none=True)
             with in_precision():
-                f_s, out = timed(lambda: as_tuple_out(stage(*x)))
+                f_s, out = timed(lambda: as_tuple(stage(*x)))
             outs = [o for o in out if o.requires_grad]
             b_s = 0.0
             if outs:
@@ -229,10 +231,6 @@ def _from_entries(keys: list[str], entries: dict) -> tuple[list[float], list[flo
     last = entries[keys[-1]]
     return ([entries[k][0] for k in keys[:-1]] + [last[0] + last[2]],
             [entries[k][1] for k in keys[:-1]] + [last[1] + last[3]])
-
-
-def as_tuple_out(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 __all__ = ["MeasuredCost", "measured_here", "cache_path", "interpolate"]
