@@ -35,7 +35,7 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.cost.buckets import grad_buckets
+from planner.cost.buckets import coarse_buckets, grad_buckets
 from planner.cost.model import CostModel, RooflineCost, host_cpu
 from planner.sim.eventloop import run as run_tasks
 from planner.workload.graph import ModelGraph
@@ -166,7 +166,7 @@ class Simulator:
         # Buckets that need an exchange, indexed by the device holding them in each replica.
         shared = [b for b in buckets if len(b.devices) > 1]
         if not fine:
-            shared = _coarse_buckets(shared)
+            shared = coarse_buckets(shared)
         by_device: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
             for d in b.devices:
@@ -453,17 +453,6 @@ class Simulator:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = result
         return result
-
-
-def _coarse_buckets(buckets: list) -> list:
-    """Coarse sync exchanges each set of devices' gradients in one flat all-reduce, whatever
-    the bucket cap (as runtime/sync.py does): buckets merged per device set, in first-ready order."""
-    from planner.cost.buckets import Bucket
-    merged: dict[tuple[str, ...], list] = {}
-    for b in buckets:
-        merged.setdefault(tuple(sorted(b.devices)), []).append(b)
-    return [Bucket(tuple(l for b in bs for l in b.layers), bs[0].devices, sum(b.bytes for b in bs))
-            for bs in merged.values()]
 
 
 def _overlap(s: float, e: float, spans: list[tuple[float, float]], starts: list[float]) -> float:
