@@ -31,18 +31,16 @@ on top; benchmarks/simulator_speed.py measures with it off.
 from __future__ import annotations
 
 from bisect import bisect_right
-from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from planner.cost.buckets import coarse_buckets, grad_buckets
-from planner.cost.model import CostModel, RooflineCost, host_cpu
+from planner.cost.model import CostModel, RooflineCost
+from planner.sim.build import Builder
 from planner.sim.eventloop import run as run_tasks
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import Plan
-from planner.sim.schedule import make_schedule
-from planner.sim.taskgraph import TaskGraph
+from planner.sim.taskgraph import TIMED, RouteHop, TaskGraph
 from planner.hardware.topology import Topology
 
 
@@ -63,12 +61,30 @@ class SimResult:
 # compute slowed by the overlap measured on the previous timeline (a fixed point; 2 is within
 # 1 % of 5 on the accuracy benchmark's plans).
 CONTENTION_PASSES = 2
+# per-device statistics of a result, in the order SimResult.per_device lists them
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 
-@lru_cache(maxsize=1024)
-def _schedule(name: str, stages: int, microbatches: int):
-    return make_schedule(name, stages, microbatches)
+class ShapeKey(NamedTuple):
+    """A plan's shape (everything but batch sizes) and how its replicas are collapsed; `like`
+    stays last."""
+    replicas: tuple
+    schedule: str
+    sync: Any
+    optimizer: str
+    placement: str
+    recompute: bool
+    like: tuple[int, ...] | None
+
+
+class ResultKey(NamedTuple):
+    """Everything of a plan that its simulation result depends on."""
+    global_batch: int
+    replicas: tuple
+    schedule: str
+    sync: Any
+    optimizer: Any
+    recompute: bool
 
 
 class PrecisionMismatch(RuntimeError):
@@ -87,7 +103,7 @@ class Simulator:
         self._lanes: list[str] = []
         for d in topology.devices:
             self._resource(d.name)
-        self._hops: dict[tuple[str, str], list[tuple[int, float, float, str]]] = {}
+        self._hops: dict[tuple[str, str], list[RouteHop]] = {}
         self._ar: dict[tuple[tuple[str, ...], float], tuple[tuple[int, ...], float]] = {}
         self._cache: dict[Any, SimResult] = {}
         self._cache_size = cache_size
@@ -103,8 +119,8 @@ class Simulator:
             self._lanes.append(key if isinstance(key, str) else f"{key[0]}->{key[1]}")
         return self._rid[key]
 
-    def hops(self, a: str, b: str) -> list[tuple[int, float, float, str]]:
-        """(resource id, latency_s, bandwidth, lane) per link direction on the route a -> b."""
+    def hops(self, a: str, b: str) -> list[RouteHop]:
+        """The link directions of the route a -> b, in order."""
         key = (a, b)
         if key not in self._hops:
             out, cur = [], a
@@ -113,8 +129,8 @@ class Simulator:
                 links = links[::-1]   # Topology.route caches one orientation per pair
             for link in links:
                 nxt = link.b if link.a == cur else link.a
-                out.append((self._resource((cur, nxt)), link.latency_s, link.bandwidth_bytes_per_s,
-                            f"{cur}->{nxt}"))
+                out.append(RouteHop(self._resource((cur, nxt)), link.latency_s,
+                                    link.bandwidth_bytes_per_s, f"{cur}->{nxt}"))
                 cur = nxt
             self._hops[key] = out
         return self._hops[key]
@@ -126,8 +142,8 @@ class Simulator:
             k = len(devices)
             for i in range(k):
                 for h in self.hops(devices[i], devices[(i + 1) % k]):
-                    if h[0] not in res:
-                        res.append(h[0])
+                    if h.resource not in res:
+                        res.append(h.resource)
             # gloo runs the collective on the workers' own CPU cores: with no core to spare it
             # cannot overlap their compute, so it also holds their compute queues
             res += [self._rid[d] for d in devices if d in self._saturated]
@@ -135,152 +151,10 @@ class Simulator:
         return self._ar[key]
 
     # --- building the task graph of a plan shape ---------------------------------------------
-    def _transfer(self, g: TaskGraph, src: str, dst: str, after: int, label, size: tuple) -> int:
-        """Chain one task per hop from `after`; returns the last hop's task id.
-        size: (replica, cut) for activations at the replica's microbatch, or ("const", bytes)."""
-        t = after
-        for rid, lat, bw, lane in self.hops(src, dst):
-            if size[0] == "const":
-                k = g.value(("const", lat + size[1] / bw))
-            else:
-                k = g.value(("hop", size[0], size[1], lat, bw))
-            t = g.add(k, (rid,), (t,), (label, lane, "transfer"))
-            g.count(src, "comm_s", k)
-            g.count(dst, "comm_s", k)
-        return t
-
     def _build(self, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None = None) -> None:
         """Everything of `plan` but its batch sizes becomes tasks of `g`; replica r is simulated
         by replica like[r] where that differs from r (see `_like`)."""
-        graph = self.graph
-        devices = list(plan.devices)
-        if plan.optimizer.placement == "cpu":
-            devices += [h for h in (host_cpu(self.topology, d) for d in plan.devices) if h not in devices]
-        for d in devices:
-            self.topology.device(d)   # raises KeyError naming the device
-            for s in _STATS[:3] + _STATS[4:]:
-                g.stat_seq[(d, s)] = []
-        g.devices = tuple(devices)
-        fine = plan.sync.granularity == "fine"
-        buckets = grad_buckets(plan, graph)
-        # Buckets that need an exchange, indexed by the device holding them in each replica.
-        shared = [b for b in buckets if len(b.devices) > 1]
-        if not fine:
-            shared = coarse_buckets(shared)
-        by_device: dict[str, list[int]] = {}
-        for k, b in enumerate(shared):
-            for d in b.devices:
-                by_device.setdefault(d, []).append(k)
-        chunk_of: dict[tuple[str, int], int] = {}   # (device, bucket) -> task making it final
-        last_b: dict[str, int] = {}                 # device -> its last backward task
-        rec = plan.recompute
-        for r, rep in enumerate(plan.replicas):
-            p, m = len(rep.stages), rep.microbatches
-            sched = _schedule(plan.schedule, p, m)
-            pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
-            g.begin_replica((m, tuple(st.layers for st in rep.stages),
-                             tuple((len(self.hops(a, b)), len(self.hops(b, a))) for a, b in pairs)),
-                            g.replica_tasks[like[r]] if like and like[r] != r else None)
-            fwd = [[None] * m for _ in range(p)]   # task id of F
-            bwd_first = [[None] * m for _ in range(p)]
-            bwd_last = [[None] * m for _ in range(p)]
-            # Tasks are created stage by stage in schedule order; the transfers between stages
-            # are wired afterwards.
-            for s, st in enumerate(rep.stages):
-                dev, rid, a, e = st.device, self._rid[st.device], st.start, st.end
-                f_k = g.value(("fwd", r, dev, a, e))
-                # Chunks of the last microbatch's backward at bucket boundaries (fine sync).
-                chunks = [(e, a, None)]
-                if fine and dev in by_device:
-                    chunks, hi = [], e
-                    ks = by_device[dev]
-                    for j, k in enumerate(ks):
-                        lo = a if j == len(ks) - 1 else min(shared[k].layers)
-                        chunks.append((hi, lo, k))
-                        hi = lo
-                prev = None
-                for act in sched[s]:
-                    i = act.microbatch
-                    if act.kind == "F":
-                        prev = fwd[s][i] = g.add(f_k, (rid,), (prev,), ((r, act), dev, "forward"))
-                        g.count(dev, "fwd_s", f_k)
-                        continue
-                    pieces = chunks if i == m - 1 else [(e, a, None)]
-                    first = None
-                    for hi, lo, k in pieces:
-                        lo_hi = (lo, hi) if len(pieces) > 1 else (a, e)
-                        if rec and first is None:
-                            d_k = g.value(("bwd+fwd", r, dev, *lo_hi, a, e))
-                        else:
-                            d_k = g.value(("bwd", r, dev, *lo_hi))
-                        prev = g.add(d_k, (rid,), (prev,), ((r, act), dev, "backward"))
-                        g.count(dev, "bwd_s", d_k)
-                        if first is None:
-                            first = prev
-                        if k is not None:
-                            chunk_of[(dev, k)] = prev
-                    bwd_first[s][i], bwd_last[s][i] = first, prev
-                last_b[dev] = prev
-            for s in range(1, p):
-                src, dst = rep.stages[s - 1].device, rep.stages[s].device
-                size = (r, rep.stages[s].start)
-                for i in range(m):
-                    t = self._transfer(g, src, dst, fwd[s - 1][i], ("act", r, s - 1, s, i), size)
-                    g.wire(t, fwd[s][i])
-                    t = self._transfer(g, dst, src, bwd_last[s][i], ("grad", r, s, s - 1, i), size)
-                    g.wire(t, bwd_first[s - 1][i])
-            g.end_replica()
-        # Gradient all-reduce per shared bucket.
-        synced: dict[str, list[int]] = {}
-        for k, b in enumerate(shared):
-            res, d = self._allreduce(b.devices, b.bytes)
-            d_k = g.value(("const", d))
-            deps = [chunk_of[(dev, k)] if fine else last_b[dev] for dev in b.devices]
-            t = g.add(d_k, res, deps, (f"allreduce b{k} {b.bytes}B", "+".join(b.devices), "allreduce"))
-            g.sync_res.update(res)
-            for dev in b.devices:
-                g.count(dev, "comm_s", d_k)
-                synced.setdefault(dev, []).append(t)
-        # Optimizer step per device holding parameters.
-        opt, offload = plan.optimizer.name, plan.optimizer.placement == "cpu"
-        for rep in plan.replicas:
-            for st in rep.stages:
-                dev = st.device
-                n = sum(graph.layers[i].param_bytes for i in range(st.start, st.end))
-                if n <= 0:
-                    continue
-                n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
-                deps = synced.get(dev) or [last_b[dev]]
-                host = host_cpu(self.topology, dev) if offload else dev
-                if host == dev:
-                    d_k = g.value(("const", self.cost.optimizer_s(dev, n, opt, n_t)))
-                    t = g.add(d_k, (self._rid[dev],), deps, (f"{opt} step", dev, "optimizer"))
-                    g.memory_bound.add(t)
-                    g.count(dev, "optimizer_s", d_k)
-                    continue
-                join = g.add(g.value(("const", 0.0)), (), deps,
-                             None if g.meta is None else ("sync", dev, "join"))
-                t = self._host_copy(g, dev, host, join, f"grads {dev}->{host}", n)
-                d_k = g.value(("const", self.cost.optimizer_s(host, n, opt, n_t)))
-                t = g.add(d_k, (self._rid[host],), (t,), (f"{opt} step for {dev}", host, "optimizer"))
-                g.memory_bound.add(t)
-                g.count(host, "optimizer_s", d_k)
-                self._host_copy(g, host, dev, t, f"params {host}->{dev}", n)
-
-    def _host_copy(self, g: TaskGraph, src: str, dst: str, after: int, label: str, n: float) -> int:
-        """Gradients to an offloaded optimizer's host, or parameters back: one task on the first
-        hop of the route when the accelerator has a measured host-copy fit (cost.host_copy_s),
-        else a transfer over the links like any other."""
-        gpu, direction = (src, "d2h") if self.topology.device(src).kind != "cpu" else (dst, "h2d")
-        d = self.cost.host_copy_s(gpu, n, direction)
-        hops = self.hops(src, dst)
-        if d is None or not hops:
-            return self._transfer(g, src, dst, after, label, ("const", n))
-        k = g.value(("const", d))
-        t = g.add(k, (hops[0][0],), (after,), (label, hops[0][3], "transfer"))
-        g.count(src, "comm_s", k)
-        g.count(dst, "comm_s", k)
-        return t
+        Builder(self, plan, g, like).build()
 
     def _busy(self, plan: Plan) -> dict[str, int]:
         """Per plan device, how many of the plan's CPU devices share its node (itself included)
@@ -335,8 +209,8 @@ class Simulator:
     def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
         collapsed as `like` says; built afresh when tracing."""
-        key = (tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
-               plan.sync, plan.optimizer.name, plan.optimizer.placement, plan.recompute, like)
+        key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
+                       plan.sync, plan.optimizer.name, plan.optimizer.placement, plan.recompute, like)
         g = None if trace else self._shapes.get(key)
         if g is None:
             g = TaskGraph(trace)
@@ -372,35 +246,20 @@ class Simulator:
                      for r in range(len(g.replica_shape)))
 
     def _evaluate(self, plan: Plan, g: TaskGraph) -> list[float]:
-        """The values of g's duration recipes for plan's batch sizes (microbatch mb = batch / m):
-        fwd/bwd: cost of the layer range at mb; bwd+fwd: backward chunk plus the stage's forward
-        (recompute); hop: latency_s + cut_bytes_at(cut, mb) / bandwidth. Compute is timed alone;
-        contention is applied per task by `_contend`."""
+        """The values of g's duration recipes (planner.sim.taskgraph) for plan's batch sizes,
+        at each replica's microbatch (batch / microbatches). Compute is timed alone; contention
+        is applied per task by `_contend`."""
         cost, graph = self.cost, self.graph
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
-        out = []
-        for rc in g.recipes:
-            kind = rc[0]
-            if kind == "const":
-                out.append(rc[1])
-            elif kind == "fwd":
-                out.append(cost.fwd_s(rc[2], rc[3], rc[4], mbs[rc[1]]))
-            elif kind == "bwd":
-                out.append(cost.bwd_s(rc[2], rc[3], rc[4], mbs[rc[1]]))
-            elif kind == "bwd+fwd":
-                mb = mbs[rc[1]]
-                out.append(cost.bwd_s(rc[2], rc[3], rc[4], mb) + cost.fwd_s(rc[2], rc[5], rc[6], mb))
-            else:   # "hop"
-                out.append(rc[3] + graph.cut_bytes_at(rc[2], mbs[rc[1]]) / rc[4])
-        return out
+        return [rc.seconds(cost, graph, mbs) for rc in g.recipes]
 
     # --- entry point -------------------------------------------------------------------------
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
         if plan.precision != self.graph.precision:
             raise PrecisionMismatch(f"the plan's precision is {plan.precision} but the graph was "
                                     f"captured in {self.graph.precision} (see ByPrecision)")
-        key = (plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
-               plan.recompute)
+        key = ResultKey(plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
+                        plan.recompute)
         if not trace and key in self._cache:
             return self._cache[key]
         g = self._shape(plan, trace)
@@ -436,7 +295,7 @@ class Simulator:
                 else:
                     v[s] = 0.0
             if d in slowed:
-                for s in _STATS[:3]:
+                for s in TIMED:
                     v[s] *= slowed[d]
             v["compute_s"] = v["fwd_s"] + v["bwd_s"] + v["optimizer_s"]
             v["busy_s"] = v["compute_s"]
@@ -444,8 +303,8 @@ class Simulator:
             v["peak_memory_bytes"] = peaks.get(d, 0.0)
         tasks = None
         if trace:
-            tasks = tuple({"name": _name(m[0]), "lane": m[1], "kind": m[2], "start_s": s, "end_s": e}
-                          for m, s, e in zip(g.meta, start, end) if m is not None and m[2] != "join")
+            tasks = tuple({"name": str(m.label), "lane": m.lane, "kind": m.kind, "start_s": s, "end_s": e}
+                          for m, s, e in zip(g.meta, start, end) if m is not None and m.kind != "join")
         result = SimResult(iteration_s=iteration_s, peak_memory_bytes=peaks,
                            feasible=memory_feasible(peaks, self.topology), per_device=stats, tasks=tasks)
         if not trace and self._cache_size > 0:
@@ -465,16 +324,6 @@ def _overlap(s: float, e: float, spans: list[tuple[float, float]], starts: list[
             out += hi - lo
         i += 1
     return out
-
-
-def _name(parts: Any) -> str:
-    """(r, Action) -> "r:1F0"; ("act", r, s0, s1, i) -> "r:act s0->s1 mb i"; strings as they are."""
-    if isinstance(parts, str):
-        return parts
-    if len(parts) == 2:
-        return f"{parts[0]}:{parts[1]}"
-    what, r, a, b, i = parts
-    return f"{r}:{what} {a}->{b} mb{i}"
 
 
 class ByPrecision:
