@@ -30,11 +30,11 @@ on top; benchmarks/simulator_speed.py measures with it off.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from planner.cost.model import CostModel, RooflineCost
+from planner.sim import contention
 from planner.sim.build import Builder
 from planner.sim.eventloop import run as run_tasks
 from planner.workload.graph import ModelGraph
@@ -57,10 +57,6 @@ class SimResult:
                 "feasible": self.feasible, "per_device": {d: dict(v) for d, v in self.per_device.items()}}
 
 
-# Contention (CostModel.contention): simulate alone, then this many times with each CPU worker's
-# compute slowed by the overlap measured on the previous timeline (a fixed point; 2 is within
-# 1 % of 5 on the accuracy benchmark's plans).
-CONTENTION_PASSES = 2
 # per-device statistics of a result, in the order SimResult.per_device lists them
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
@@ -110,7 +106,7 @@ class Simulator:
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
-        self._saturated = saturated_cpus(topology)
+        self._saturated = contention.saturated_cpus(topology)
 
     # --- resources and routes ----------------------------------------------------------------
     def _resource(self, key: Any) -> int:
@@ -156,56 +152,6 @@ class Simulator:
         by replica like[r] where that differs from r (see `_like`)."""
         Builder(self, plan, g, like).build()
 
-    def _busy(self, plan: Plan) -> dict[str, int]:
-        """Per plan device, how many of the plan's CPU devices share its node (itself included)
-        when it is a CPU, else 1: the workers that compete for the host's cores and memory
-        (CostModel.contention)."""
-        kinds = {d: self.topology.device(d).kind for d in plan.devices}
-        nodes = {d: self.topology.device(d).node for d in plan.devices}
-        out = {}
-        for d in plan.devices:
-            out[d] = (sum(1 for e in plan.devices if kinds[e] == "cpu" and nodes[e] == nodes[d])
-                      if kinds[d] == "cpu" else 1)
-        return out
-
-    def _contended(self, plan: Plan) -> dict[str, list[str]]:
-        """Per CPU device of the plan whose compute the cost model slows when other CPU workers
-        of its node compute at once: those other workers. Empty when nothing is contended."""
-        out = {}
-        for d, k in self._busy(plan).items():
-            if k > 1 and self.cost.contention(d, k) != 1.0:
-                node = self.topology.device(d).node
-                out[d] = [e for e in plan.devices if e != d and self.topology.device(e).kind == "cpu"
-                          and self.topology.device(e).node == node]
-        return out
-
-    def _contend(self, contended: dict[str, list[str]], g: TaskGraph, base: list[float],
-                 start: list[float], end: list[float]) -> list[float]:
-        """Task durations slowed by contention, from a simulated timeline (processor sharing
-        approximated by a fixed point: simulate, measure overlaps, slow, simulate again).
-        A compute task t of a contended device d takes base[t] * contention(d, k_t) with
-        k_t = 1 + sum over d's competing workers o of |[start_t, end_t) ∩ compute(o)| / (end_t - start_t);
-        an optimizer step (memory-bound) takes base[t] * memory_contention(d, k_t)."""
-        spans: dict[int, list[tuple[float, float]]] = {}
-        for t, r in enumerate(g.res):
-            if len(r) == 1 and end[t] > start[t]:
-                spans.setdefault(r[0], []).append((start[t], end[t]))
-        for v in spans.values():
-            v.sort()
-        dur = list(base)
-        for d, others in contended.items():
-            rid = self._rid[d]
-            theirs = [(o, [a for a, _ in o]) for o in (spans.get(self._rid[x], []) for x in others)]
-            for t, r in enumerate(g.res):
-                if r == (rid,) and end[t] > start[t]:
-                    s, e = start[t], end[t]
-                    k = 1.0 + sum(_overlap(s, e, o, starts) for o, starts in theirs) / (e - s)
-                    if t in g.memory_bound:
-                        dur[t] = base[t] * self.cost.memory_contention(d, k)
-                        continue
-                    dur[t] = base[t] * self.cost.contention(d, k)
-        return dur
-
     def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
         collapsed as `like` says; built afresh when tracing."""
@@ -248,7 +194,7 @@ class Simulator:
     def _evaluate(self, plan: Plan, g: TaskGraph) -> list[float]:
         """The values of g's duration recipes (planner.sim.taskgraph) for plan's batch sizes,
         at each replica's microbatch (batch / microbatches). Compute is timed alone; contention
-        is applied per task by `_contend`."""
+        is applied per task by `contention.contend`."""
         cost, graph = self.cost, self.graph
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
         return [rc.seconds(cost, graph, mbs) for rc in g.recipes]
@@ -264,7 +210,7 @@ class Simulator:
             return self._cache[key]
         g = self._shape(plan, trace)
         values = self._evaluate(plan, g)
-        contended = self._contended(plan)
+        contended = contention.contended(self.topology, self.cost, plan)
         if self._collapse and g.collapsible and not trace and not contended:
             like = self._like(g, values)
             if like != tuple(range(len(like))):
@@ -273,15 +219,11 @@ class Simulator:
         base = list(map(values.__getitem__, g.dkey))
         start, end = run_tasks(base, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes))
         dur = base
-        for _ in range(CONTENTION_PASSES if contended else 0):
-            dur = self._contend(contended, g, base, start, end)
+        for _ in range(contention.CONTENTION_PASSES if contended else 0):
+            dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
             start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes))
         iteration_s = (max(end) if end else 0.0) + self.cost.iteration_overhead_s(len(plan.devices))
-        slowed = {}   # device -> contended / alone compute time (scales its statistics)
-        for d in contended:
-            rid = self._rid[d]
-            alone = sum(base[t] for t, r in enumerate(g.res) if r == (rid,))
-            slowed[d] = sum(dur[t] for t, r in enumerate(g.res) if r == (rid,)) / alone if alone else 1.0
+        slowed = contention.slowdown(self._rid, contended, g, base, dur)
         peaks = peak_memory(plan, self.graph, self.topology)
         stats: dict[str, dict[str, float]] = {}
         for d in g.devices:
@@ -314,18 +256,6 @@ class Simulator:
         return result
 
 
-def _overlap(s: float, e: float, spans: list[tuple[float, float]], starts: list[float]) -> float:
-    """Length of [s, e) ∩ the union of `spans` (sorted, disjoint; `starts` their start times)."""
-    i = max(0, bisect_right(starts, s) - 1)
-    out = 0.0
-    while i < len(spans) and spans[i][0] < e:
-        lo, hi = max(s, spans[i][0]), min(e, spans[i][1])
-        if hi > lo:
-            out += hi - lo
-        i += 1
-    return out
-
-
 class ByPrecision:
     """Simulators of one workload on one topology, one per precision (each on the graph captured
     in it): `simulate(plan)` uses the plan's. `graph`, `topology` and `cost` are the first
@@ -349,13 +279,3 @@ def simulate(plan: Plan, graph: ModelGraph, topology: Topology, cost: CostModel 
 __all__ = ["SimResult", "Simulator", "ByPrecision", "PrecisionMismatch", "simulate"]
 
 
-def saturated_cpus(topology: Topology) -> frozenset[str]:
-    """CPU devices of a measured topology whose worker threads take every core of the host
-    (`host.cores` <= the CPU workers' threads summed): there, a gloo all-reduce competes with
-    the workers' compute instead of overlapping it (measured on the 2-vCPU VM: fine sync was
-    slower than coarse). What-if topologies (no host facts) are never saturated."""
-    cores = (topology.measured.get("host") or {}).get("cores")
-    cpus = [d for d in topology.devices if d.kind == "cpu" and d.node is None]
-    if not isinstance(cores, int) or not cpus or any(d.threads is None for d in cpus):
-        return frozenset()
-    return frozenset(d.name for d in cpus) if sum(d.threads for d in cpus) >= cores else frozenset()

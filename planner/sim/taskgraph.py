@@ -1,6 +1,6 @@
 """The task graph of one plan shape: tasks with resources, dependencies and duration recipes.
 
-Built by `planner.sim.simulator.Simulator` once per plan shape (everything but batch sizes) and
+Built by `planner.sim.build.Builder` once per plan shape (everything but batch sizes) and
 run by `planner.sim.eventloop.run` with durations evaluated for each plan.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ class TaskGraph:
         self.replica_pattern: list[tuple[int, ...]] = []
         self.replica_res: list[set[int]] = []
         self.sync_res: set[int] = set()          # resources of the gradient all-reduces
-        self.memory_bound: set[int] = set()      # optimizer steps (Simulator._contend)
+        self.memory_bound: set[int] = set()      # optimizer steps (planner.sim.contention.contend)
         self.collapsible = False
         self._ghost: list[int] | None = None
 
