@@ -12,6 +12,7 @@ the buckets that are run. Formation follows torch DDP (`bucket_cap_mb`):
 * Layers without parameters have no gradient and belong to no bucket.
 
 A single-replica plan still has buckets (groups of one device); they need no exchange.
+Coarse sync merges the buckets of each device set into one (`coarse_buckets`).
 """
 from __future__ import annotations
 

@@ -22,11 +22,9 @@ Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo thr
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.
 
-Speed (none of it changes a result, bit for bit): the task graph (planner.sim.taskgraph) is built
-once per plan shape (everything but batch sizes) and its durations are evaluated per plan;
-replicas that are identical and provably independent are simulated once (`Simulator._like`);
-the event loop (planner.sim.eventloop) avoids per-task allocations. A per-plan result cache sits
-on top; benchmarks/simulator_speed.py measures with it off.
+Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build) are cached per plan
+shape; identical independent replicas are simulated once (`_like`); results are cached per plan.
+None of it changes a result. Contention between CPU workers: planner.sim.contention.
 """
 from __future__ import annotations
 
