@@ -12,6 +12,7 @@ the buckets that are run. Formation follows torch DDP (`bucket_cap_mb`):
 * Layers without parameters have no gradient and belong to no bucket.
 
 A single-replica plan still has buckets (groups of one device); they need no exchange.
+Coarse sync merges the buckets of each device set into one (`coarse_buckets`).
 """
 from __future__ import annotations
 
@@ -61,4 +62,14 @@ def grad_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
     return out
 
 
-__all__ = ["Bucket", "grad_buckets", "layer_groups"]
+def coarse_buckets(buckets: list[Bucket]) -> list[Bucket]:
+    """Coarse sync exchanges each set of devices' gradients in one flat all-reduce, whatever
+    the bucket cap (as runtime/sync.py does): buckets merged per device set, in first-ready order."""
+    merged: dict[tuple[str, ...], list[Bucket]] = {}
+    for b in buckets:
+        merged.setdefault(tuple(sorted(b.devices)), []).append(b)
+    return [Bucket(tuple(l for b in bs for l in b.layers), bs[0].devices, sum(b.bytes for b in bs))
+            for bs in merged.values()]
+
+
+__all__ = ["Bucket", "coarse_buckets", "grad_buckets", "layer_groups"]

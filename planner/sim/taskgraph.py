@@ -1,9 +1,117 @@
 """The task graph of one plan shape: tasks with resources, dependencies and duration recipes.
 
-Built by `planner.sim.simulator.Simulator` once per plan shape (everything but batch sizes) and
+Built by `planner.sim.build.Builder` once per plan shape (everything but batch sizes) and
 run by `planner.sim.eventloop.run` with durations evaluated for each plan.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+# Per-device statistics a task graph counts (TaskGraph.count): compute time, then communication.
+TIMED = ("fwd_s", "bwd_s", "optimizer_s")
+COUNTED = TIMED + ("comm_s",)
+
+
+# --- duration recipes: what a task's duration depends on, evaluated per plan -------------------
+# Frozen dataclasses, not NamedTuples: recipes are deduplicated by equality, and tuple equality
+# ignores the type (a forward and a backward over the same range would share one recipe).
+# `seconds(cost, graph, mbs)`: the duration for microbatch sizes mbs (one per replica).
+
+@dataclass(frozen=True, slots=True)
+class Const:
+    """A duration that does not depend on the batch (fixed-size copies, all-reduces, steps)."""
+    duration_s: float
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return self.duration_s
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRange:
+    """Forward (phase "fwd") or backward ("bwd") of layers [start, end) on device, at the
+    replica's microbatch: cost.fwd_s / cost.bwd_s."""
+    phase: str
+    replica: int
+    device: str
+    start: int
+    end: int
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        if self.phase == "fwd":
+            return cost.fwd_s(self.device, self.start, self.end, mbs[self.replica])
+        return cost.bwd_s(self.device, self.start, self.end, mbs[self.replica])
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """Backward of layers [lo, hi) plus the forward of the stage's layers [start, end) again
+    (activation recomputation), at the replica's microbatch."""
+    replica: int
+    device: str
+    lo: int
+    hi: int
+    start: int
+    end: int
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        mb = mbs[self.replica]
+        return cost.bwd_s(self.device, self.lo, self.hi, mb) + cost.fwd_s(self.device, self.start, self.end, mb)
+
+
+@dataclass(frozen=True, slots=True)
+class HopRecipe:
+    """One link hop of the activation (or its gradient) at cut `cut`, at the replica's
+    microbatch: latency_s + cut_bytes_at(cut, mb) / bandwidth."""
+    replica: int
+    cut: int
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return self.latency_s + graph.cut_bytes_at(self.cut, mbs[self.replica]) / self.bandwidth_bytes_per_s
+
+
+Recipe = Const | LayerRange | Recompute | HopRecipe
+
+
+# --- names of routes and tasks ------------------------------------------------------------------
+
+class RouteHop(NamedTuple):
+    """One link direction on a route: the resource id of its queue, and the link's figures."""
+    resource: int
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    lane: str   # "a->b", the trace's lane
+
+
+class ComputeLabel(NamedTuple):
+    """A compute task: replica and schedule action; prints as "r:1F0"."""
+    replica: int
+    action: Any   # planner.sim.schedule.Action
+
+    def __str__(self) -> str:
+        return f"{self.replica}:{self.action}"
+
+
+class TransferLabel(NamedTuple):
+    """An activation ("act") or gradient ("grad") transfer between two stages of a replica for
+    one microbatch; prints as "r:act s0->s1 mb i"."""
+    what: str
+    replica: int
+    src_stage: int
+    dst_stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.replica}:{self.what} {self.src_stage}->{self.dst_stage} mb{self.microbatch}"
+
+
+class TaskMeta(NamedTuple):
+    """What the trace shows of a task: its label (a string or a label above), lane and kind."""
+    label: Any
+    lane: str
+    kind: str
 
 
 class TaskGraph:
@@ -21,9 +129,9 @@ class TaskGraph:
         self.res: list[tuple[int, ...]] = []
         self.succ: list[list[int]] = []
         self.ndeps: list[int] = []
-        self.meta: list[tuple[str, str, str]] | None = [] if trace else None  # (name, lane, kind)
-        self.recipes: list[tuple] = []
-        self._recipe_id: dict[tuple, int] = {}
+        self.meta: list[TaskMeta | None] | None = [] if trace else None
+        self.recipes: list[Recipe] = []
+        self._recipe_id: dict[Recipe, int] = {}
         self.stat_seq: dict[tuple[str, str], list[int]] = {}
         self.devices: tuple[str, ...] = ()
         self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
@@ -35,7 +143,7 @@ class TaskGraph:
         self.replica_pattern: list[tuple[int, ...]] = []
         self.replica_res: list[set[int]] = []
         self.sync_res: set[int] = set()          # resources of the gradient all-reduces
-        self.memory_bound: set[int] = set()      # optimizer steps (Simulator._contend)
+        self.memory_bound: set[int] = set()      # optimizer steps (planner.sim.contention.contend)
         self.collapsible = False
         self._ghost: list[int] | None = None
 
@@ -66,9 +174,8 @@ class TaskGraph:
             self.succ[t].append(v)
             self.ndeps[v] += 1
 
-    def value(self, recipe: tuple) -> int:
-        """Index of a duration recipe: ("const", s), ("fwd"|"bwd", replica, device, start, end),
-        ("bwd+fwd", replica, device, lo, hi, start, end), ("hop", replica, cut, latency_s, bandwidth)."""
+    def value(self, recipe: Recipe) -> int:
+        """Index of a duration recipe (equal recipes share one index)."""
         k = self._recipe_id.get(recipe)
         if k is None:
             k = self._recipe_id[recipe] = len(self.recipes)
@@ -78,8 +185,8 @@ class TaskGraph:
     def count(self, device: str, stat: str, k: int) -> None:
         self.stat_seq[(device, stat)].append(k)
 
-    def add(self, k: int, res: tuple[int, ...], deps=(), meta=None) -> int:
-        """k: value index of the duration; meta: (name parts, lane, kind), kept only when tracing."""
+    def add(self, k: int, res: tuple[int, ...], deps=(), meta: TaskMeta | None = None) -> int:
+        """k: value index of the duration; meta is kept only when tracing."""
         if self._ghost is not None:
             self._ghost_pos += 1
             return self._ghost[self._ghost_pos - 1]
@@ -97,4 +204,5 @@ class TaskGraph:
         return t
 
 
-__all__ = ["TaskGraph"]
+__all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe",
+           "Recipe", "RouteHop", "ComputeLabel", "TransferLabel", "TaskMeta"]
