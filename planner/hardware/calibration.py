@@ -30,11 +30,8 @@ The fits are pure functions, tested on synthetic tables (tests/test_calibration.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from planner.files.io import Reader
 
@@ -93,54 +90,6 @@ class Calibration:
         return self.allreduce_latency_s * steps + n_bytes / self.allreduce_bytes_per_s * volume
 
 
-# --- fits (pure) ------------------------------------------------------------------------------
-def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
-    """Fit s = latency_s + bytes / bytes_per_s to rows {"bytes", "s"} by least squares weighted
-    by 1/s (relative residuals, so small and large sizes count alike). A negative intercept
-    becomes 0; a non-positive slope the best measured bytes/s. Returns (latency_s, bytes_per_s)."""
-    if not rows:
-        raise ValueError("no rows to fit")
-    x = np.array([r["bytes"] for r in rows], dtype=float)
-    y = np.array([r["s"] for r in rows], dtype=float)
-    if len(rows) == 1:
-        return 0.0, float(x[0] / y[0])
-    w = 1.0 / y
-    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    (intercept, slope), *_ = np.linalg.lstsq(a, y * w, rcond=None)
-    bandwidth = 1.0 / slope if slope > 0 else float(np.max(x / y))
-    return max(0.0, float(intercept)), float(bandwidth)
-
-
-def fit_optimizer(rows: list[dict]) -> OptimizerFit:
-    """Fit s = n_tensors * s_per_tensor + bytes * s_per_byte to rows {"tensors", "bytes", "s"}
-    (non-negative least squares with relative residuals, weights 1/s)."""
-    from scipy.optimize import nnls
-    if len(rows) < 2:
-        raise ValueError("need at least two rows to fit the optimizer step")
-    n = np.array([r["tensors"] for r in rows], dtype=float)
-    b = np.array([r["bytes"] for r in rows], dtype=float)
-    y = np.array([r["s"] for r in rows], dtype=float)
-    w = 1.0 / y
-    coef, _ = nnls(np.stack([n, b], axis=1) * w[:, None], y * w)
-    return OptimizerFit(s_per_tensor=float(coef[0]), s_per_byte=float(coef[1]))
-
-
-def memory_contention_factor(alone_rows: list[dict], together_rows: list[dict]) -> float | None:
-    """Median over rows (matched by tensors and bytes) of together s / alone s, at least 1;
-    None without matching rows."""
-    alone = {(r["tensors"], r["bytes"]): r["s"] for r in alone_rows}
-    ratios = [r["s"] / alone[(r["tensors"], r["bytes"])] for r in together_rows
-              if (r["tensors"], r["bytes"]) in alone and alone[(r["tensors"], r["bytes"])] > 0]
-    return max(1.0, statistics.median(ratios)) if ratios else None
-
-
-def contention_factor(alone_s: list[float], together_s: list[float]) -> float:
-    """Median over workers of (time with all workers busy) / (time alone), at least 1."""
-    if not alone_s or len(alone_s) != len(together_s):
-        raise ValueError("need one alone and one together time per worker")
-    return max(1.0, statistics.median(t / a for a, t in zip(alone_s, together_s)))
-
-
 # --- file format ------------------------------------------------------------------------------
 def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
     r = Reader(data, file, "calibration")
@@ -191,5 +140,5 @@ def topology_calibration(topology) -> Calibration | None:
     return cache["c"]
 
 
-__all__ = ["Calibration", "OptimizerFit", "fit_latency_bandwidth", "fit_optimizer",
-           "contention_factor", "memory_contention_factor", "calibration_from_dict", "calibration_to_dict", "topology_calibration"]
+__all__ = ["Calibration", "OptimizerFit", "calibration_from_dict", "calibration_to_dict",
+           "topology_calibration"]
