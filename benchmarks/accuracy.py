@@ -30,7 +30,6 @@ import argparse
 import csv
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.plan_sets import plans_for, workloads_for  # noqa: E402
 from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa: E402
                                 check_results_file, results_target, save_section)
+from planner.hardware.lookup import default_profile_path  # noqa: E402
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
 
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     from planner.files.io import write_json_atomic
     from planner.hardware.topology import load_topology
 
-    topo_path = Path(a.topology) if a.topology else ROOT / "profiles" / f"{socket.gethostname()}.json"
+    topo_path = Path(a.topology) if a.topology else default_profile_path(ROOT)
     ensure_topology(topo_path, 2, again=a.reprofile, wait=not a.quick)
     topology = load_topology(topo_path)
     if a.without_calibration:

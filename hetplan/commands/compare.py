@@ -28,7 +28,8 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
     from planner.files.io import InputError
     from planner.files.measured import load_measured
     from planner.files.plan import load_plan, plan_sha256
-    from planner.sim.predict import find_topology, simulate_plan_file
+    from planner.hardware.lookup import plan_topology
+    from planner.sim.predict import simulate_plan_file
     from planner.files.report import compare
 
     if plot_path is not None and not str(plot_path).lower().endswith(".png"):
@@ -39,7 +40,7 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
     if not matches:
         print(f"{command}: warning: {measured_path} was measured for another plan file "
               f"(sha256 {measured.plan_sha256[:12]}...), not {plan_path}", file=sys.stderr)
-    topology = find_topology(plan, plan_path, topology_path, command)
+    topology = plan_topology(plan, plan_path, topology_path, command)
     result = simulate_plan_file(plan, plan_path, topology, trace=plot_path is not None)
     recorded = plan.predicted.iteration_s if plan.predicted is not None else None
     comparison = compare(recorded, result.to_json(), measured, matches)

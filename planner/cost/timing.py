@@ -51,11 +51,6 @@ from planner.workload.precision import autocast, matmul_precision
 from planner.hardware.topology import Device, Topology, parse_device_name
 
 
-def measured_here(topology: Topology) -> bool:
-    host = topology.measured.get("host")
-    return isinstance(host, dict) and host.get("hostname") == socket.gethostname()
-
-
 def cache_path() -> Path:
     return Path(os.environ.get("HETPLAN_CACHE_DIR", ".hetplan-cache")) / "layer_costs.json"
 
@@ -234,4 +229,4 @@ def as_tuple_out(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-__all__ = ["MeasuredCost", "measured_here", "cache_path", "interpolate"]
+__all__ = ["MeasuredCost", "cache_path", "interpolate"]

@@ -247,23 +247,4 @@ def save_topology(t: Topology, path: str | Path) -> None:
 
 
 __all__ = ["Device", "Link", "Topology", "InputError", "load_topology", "save_topology",
-           "topology_from_dict", "topology_to_dict", "parse_device_name", "file_sha256",
-           "find_topology_by_sha256"]
-
-
-def find_topology_by_sha256(sha256: str, roots: list[str | Path] | None = None) -> Path | None:
-    """The first `*.json` file (sorted, recursively) under `roots` whose bytes have this sha256.
-
-    Default root: `profiles/` in the current directory. Used by `simulate`/`run` to find the
-    topology a plan was made for."""
-    for root in roots if roots is not None else [Path("profiles")]:
-        root = Path(root)
-        if not root.is_dir():
-            continue
-        for p in sorted(root.rglob("*.json")):
-            try:
-                if p.is_file() and file_sha256(p) == sha256:
-                    return p
-            except OSError:
-                continue
-    return None
+           "topology_from_dict", "topology_to_dict", "parse_device_name", "file_sha256"]
