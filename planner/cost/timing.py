@@ -48,6 +48,7 @@ from pathlib import Path
 from planner.cost.model import CostModel, RooflineCost
 from planner.files.io import write_json_atomic
 from planner.workload.precision import autocast, matmul_precision
+from planner.hardware.lookup import measured_here
 from planner.hardware.topology import Device, Topology, parse_device_name
 
 
@@ -192,6 +193,13 @@ class MeasuredCost(CostModel):
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
 
 
+def cost_model(graph, topology: Topology, workload) -> CostModel:
+    """The measured model on a topology profiled on this machine, else the roofline model."""
+    if measured_here(topology):
+        return MeasuredCost(graph, topology, workload)
+    return RooflineCost(graph, topology)
+
+
 def _model_copy_for(workload, dev):
     """The workload with a copy of its model when `dev` is an accelerator: its stages are then
     exported from the copy and moved (`place_stages`), and the user's model stays where it is.
@@ -229,4 +237,4 @@ def as_tuple_out(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-__all__ = ["MeasuredCost", "cache_path", "interpolate"]
+__all__ = ["MeasuredCost", "cost_model", "cache_path", "interpolate"]

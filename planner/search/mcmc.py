@@ -316,7 +316,7 @@ def plan_problem(workload, model, global_batch: int, topology, optimizer_name: s
     cost model the topology calls for (measured on a profile of this machine, else the contract's
     roofline). The graph returned is the first precision's."""
     from planner.workload.graph import capture_graph
-    from planner.sim.predict import cost_model
+    from planner.cost.timing import cost_model
     from planner.sim.simulator import ByPrecision, Simulator
 
     sims = {}

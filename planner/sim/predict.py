@@ -1,9 +1,8 @@
-"""What the simulator predicts for a plan file: find its topology, choose the cost model, simulate.
+"""What the simulator predicts for a plan file: validate it, capture its model's graph, choose
+the cost model (planner.cost.timing.cost_model), simulate.
 
 Shared by `hetplan simulate` and `hetplan compare`, so that both predict the same numbers for the
-same files: the topology is `--topology` when given (a warning when it is not the file the plan
-was made for), else the file under profiles/ whose sha256 the plan records; the cost model is the
-measured one on a topology profiled on this machine, else the roofline model of the contract.
+same files (each finds the topology with planner.hardware.lookup.plan_topology).
 """
 from __future__ import annotations
 
@@ -14,17 +13,6 @@ from planner.files.plan import Plan
 from planner.hardware.topology import Topology
 
 
-def cost_model(graph, topology: Topology, workload):
-    """The measured model on a topology profiled on this machine, else the roofline model."""
-    from planner.cost.model import RooflineCost
-    from planner.cost.timing import MeasuredCost
-    from planner.hardware.lookup import measured_here
-
-    if measured_here(topology):
-        return MeasuredCost(graph, topology, workload)
-    return RooflineCost(graph, topology)
-
-
 def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, trace: bool = False):
     """Validate `plan` against `topology` and its model's graph, and simulate one iteration.
 
@@ -33,6 +21,7 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     planner.sim.simulator.SimResult."""
     from planner.workload.graph import capture_graph
     from planner.files.plan import validate_plan
+    from planner.cost.timing import cost_model
     from planner.sim.simulator import Simulator
     from planner.workload.load import load_plan_workload
 
@@ -49,4 +38,4 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
         raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
 
 
-__all__ = ["cost_model", "simulate_plan_file"]
+__all__ = ["simulate_plan_file"]
