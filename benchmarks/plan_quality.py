@@ -51,7 +51,7 @@ def baseline_plans(plan_path: Path, topology, out: Path) -> dict[str, Path]:
     """Every baseline of the search for the plan's workload, saved as plan files (name -> path);
     the ones identical to the chosen plan are left out (they would be measured twice)."""
     from planner.files.plan import Predicted, TopologyRef, load_plan, plan_key, save_plan
-    from planner.search.mcmc import plan_baselines
+    from planner.search.problem import plan_baselines
 
     plan = load_plan(plan_path)
     seen = {plan_key(plan): "chosen"}
