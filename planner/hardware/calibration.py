@@ -61,22 +61,22 @@ class Calibration:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
         included) compute at once (a mean over time, so fractional): 1 + (F - 1) * (k - 1) / (N - 1),
         linear between alone (1) and all N measured workers (F); capped at F beyond N."""
-        n, k = self.cpu_workers, max(1.0, busy_workers)
-        if n <= 1 or k <= 1:
-            return 1.0
-        return 1.0 + (self.cpu_contention_factor - 1.0) * min(k - 1, n - 1) / (n - 1)
+        return self._interpolate(self.cpu_contention_factor, busy_workers)
 
     def memory_contention(self, busy_workers: float) -> float:
         """Slowdown of a memory-bound step (the optimizer's) when `busy_workers` CPU workers run
         at once: as `contention` with memory_contention_factor (cpu_contention_factor when not
         measured)."""
         f = self.memory_contention_factor
+        return self._interpolate(self.cpu_contention_factor if f is None else f, busy_workers)
+
+    def _interpolate(self, factor: float, busy_workers: float) -> float:
+        """1 + (factor - 1) * (k - 1) / (N - 1) for k busy of N measured workers, capped at k = N;
+        1 alone (k <= 1) or when fitted with one worker."""
         n, k = self.cpu_workers, max(1.0, busy_workers)
-        if f is None:
-            return self.contention(busy_workers)
         if n <= 1 or k <= 1:
             return 1.0
-        return 1.0 + (f - 1.0) * min(k - 1, n - 1) / (n - 1)
+        return 1.0 + (factor - 1.0) * min(k - 1, n - 1) / (n - 1)
 
     def allreduce_s(self, k: int, n_bytes: float) -> float | None:
         """gloo all-reduce of n bytes over k CPU workers, scaled from the fit over N workers by

@@ -13,9 +13,9 @@ import socket
 import sys
 from pathlib import Path
 
-from planner.files.io import InputError
+from planner.files.io import InputError, file_sha256
 from planner.files.plan import Plan
-from planner.hardware.topology import Topology, file_sha256, load_topology
+from planner.hardware.topology import Topology, load_topology
 
 
 def default_profile_path(root: Path = Path(".")) -> Path:
