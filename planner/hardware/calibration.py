@@ -1,32 +1,8 @@
-"""Calibration: figures fitted from this machine's measurements, stored in the topology file.
+"""Calibration: figures fitted on this machine, stored as the topology's optional `calibration`
+object (SI units in the keys; fields: see `Calibration`). The cost model uses each figure that is
+present and the contract's formula otherwise, so what-if files keep roofline semantics.
 
-`hetplan profile` measures, besides the contract's scalars, how training actually behaves on this
-machine and writes the fitted figures as a top-level `"calibration"` object of the topology file
-(units in the names, SI):
-
-```json
-"calibration": {
-  "cpu_workers": 2,                       # CPU worker processes the figures were measured with
-  "cpu_contention_factor": 1.7,           # a step's time with all CPU workers busy / alone
-  "allreduce_latency_s": 2.1e-4,          # gloo all-reduce over the CPU workers:
-  "allreduce_bytes_per_s": 1.4e9,         #   latency_s + bytes / bytes_per_s (fitted)
-  "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 2e-10},   # one step:
-                "sgd":  {"s_per_tensor": 5e-6, "s_per_byte": 8e-11}},   #   n * s_per_tensor + bytes * s_per_byte
-  "iteration_overhead_s": 0.0,            # fixed cost per iteration (not measured yet: 0)
-  "multi_worker_overhead_s": 3e-3,        # added to iterations of 2+ workers: barrier exit skew
-                                          #   and late wake-ups from blocking waits (runtime pattern)
-  "memory_contention_factor": 1.6         # an optimizer step with all CPU workers stepping / alone
-}                                         #   (memory-bound; default: cpu_contention_factor)
-```
-
-Each figure is optional; the cost model uses what is present (planner.cost.model.CostModel) and the
-contract's formulas otherwise, so a what-if file (no calibration) keeps roofline semantics.
-Why these figures (measured on a 2-vCPU VM, see docs/guide.md): two CPU workers running at once
-each run ~1.7x slower than alone (shared cores / memory system), gloo's all-reduce costs ~3x the
-ring formula on the ping-pong link, and torch.optim's per-tensor Python overhead dominates the
-memory-bound formula for small tensors.
-
-The fits are pure functions, tested on synthetic tables (tests/test_calibration.py).
+The fits themselves: planner.hardware.fit. History and figures: docs/tuning.md.
 """
 from __future__ import annotations
 
@@ -48,14 +24,16 @@ class OptimizerFit:
 
 @dataclass(frozen=True)
 class Calibration:
-    cpu_workers: int = 1
-    cpu_contention_factor: float = 1.0
-    allreduce_latency_s: float | None = None
-    allreduce_bytes_per_s: float | None = None
-    optimizer: dict[str, OptimizerFit] = field(default_factory=dict)
-    iteration_overhead_s: float = 0.0
-    multi_worker_overhead_s: float = 0.0
-    memory_contention_factor: float | None = None
+    cpu_workers: int = 1                           # CPU worker processes the figures were measured with
+    cpu_contention_factor: float = 1.0             # a step's time with all CPU workers busy / alone
+    allreduce_latency_s: float | None = None       # gloo all-reduce over the CPU workers:
+    allreduce_bytes_per_s: float | None = None     #   latency_s + bytes / bytes_per_s (fitted)
+    optimizer: dict[str, OptimizerFit] = field(default_factory=dict)   # per torch.optim name
+    iteration_overhead_s: float = 0.0              # fixed cost per iteration (not measured yet: 0)
+    multi_worker_overhead_s: float = 0.0           # added to iterations of 2+ workers (barrier exit
+                                                   #   skew, late wake-ups from blocking waits)
+    memory_contention_factor: float | None = None  # an optimizer step with all CPU workers stepping
+                                                   #   / alone (None: cpu_contention_factor)
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
