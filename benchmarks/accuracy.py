@@ -30,7 +30,6 @@ import argparse
 import csv
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.plan_sets import plans_for, workloads_for  # noqa: E402
 from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa: E402
                                 check_results_file, results_target, save_section)
+from planner.files.io import replace_atomically  # noqa: E402
+from planner.hardware.lookup import default_profile_path  # noqa: E402
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
 
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
     from planner.files.io import write_json_atomic
     from planner.hardware.topology import load_topology
 
-    topo_path = Path(a.topology) if a.topology else ROOT / "profiles" / f"{socket.gethostname()}.json"
+    topo_path = Path(a.topology) if a.topology else default_profile_path(ROOT)
     ensure_topology(topo_path, 2, again=a.reprofile, wait=not a.quick)
     topology = load_topology(topo_path)
     if a.without_calibration:
@@ -386,13 +387,12 @@ def _spread(xs: list[float]) -> float:
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    replace_atomically(path, write)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -33,6 +32,7 @@ from accuracy import (_write_csv, ensure_topology, kendall_tau, load_avg,  # noq
 from benchmarks.plan_sets import workloads_for  # noqa: E402
 from benchmarks.results import (add_results_arguments, check_results_file,  # noqa: E402
                                 plan_quality_payload, results_target, save_section)
+from planner.hardware.lookup import default_profile_path  # noqa: E402
 
 
 def plan_workload(w: str, spec: dict, topo_path: Path, out: Path) -> Path:
@@ -51,7 +51,7 @@ def baseline_plans(plan_path: Path, topology, out: Path) -> dict[str, Path]:
     """Every baseline of the search for the plan's workload, saved as plan files (name -> path);
     the ones identical to the chosen plan are left out (they would be measured twice)."""
     from planner.files.plan import Predicted, TopologyRef, load_plan, plan_key, save_plan
-    from planner.search.mcmc import plan_baselines
+    from planner.search.problem import plan_baselines
 
     plan = load_plan(plan_path)
     seen = {plan_key(plan): "chosen"}
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         return 2
     from planner.hardware.topology import load_topology
 
-    topo_path = Path(a.topology) if a.topology else HERE.parent / "profiles" / f"{socket.gethostname()}.json"
+    topo_path = Path(a.topology) if a.topology else default_profile_path(HERE.parent)
     ensure_topology(topo_path, 2, wait=not a.quick)
     topology = load_topology(topo_path)
     specs = workloads_for(topology)

@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from planner.workload.graph import Layer, ModelGraph  # noqa: E402
 from planner.files.plan import ModelRef  # noqa: E402
-from planner.search.mcmc import SearchConfig, make_space, search, simulator_problem  # noqa: E402
+from planner.search.mcmc import SearchConfig, search  # noqa: E402
+from planner.search.problem import make_space, simulator_problem  # noqa: E402
 from planner.sim.simulator import Simulator  # noqa: E402
 from planner.hardware.topology import Device, Link, Topology, load_topology  # noqa: E402
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from planner.files.io import InputError
 from planner.files.plan import Plan
-from planner.hardware.topology import Topology, load_topology, parse_device_name
+from planner.hardware.topology import Topology, parse_device_name
 from runtime.worker import RunConfig, default_threads, node_of, report_error, run_worker
 
 _POLL_S = 0.05
@@ -56,22 +56,6 @@ def check_devices(plan: Plan, file: str) -> None:
             if index >= n_gpu:
                 raise InputError(f"{file}: replicas[{i}].stages[{j}].device: {st.device!r} is not on "
                                  f"this machine ({n_gpu} CUDA device(s)); expected a device present here")
-
-
-def find_topology(plan: Plan, path: str | None) -> Topology | None:
-    """--topology T, else profiles/<hostname>.json when it holds every plan device, else None."""
-    if path:
-        from planner.sim.predict import load_given_topology
-        return load_given_topology(plan, path, "hetplan run")
-    default = Path("profiles") / f"{socket.gethostname()}.json"
-    if default.exists():
-        try:
-            t = load_topology(default)
-        except InputError:
-            return None
-        if all(t.has_device(d) for d in plan.devices):
-            return t
-    return None
 
 
 def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:

@@ -35,6 +35,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from planner.hardware.device import STANDIN_ENV, TorchDevice, gpu_count, torch_device
 from planner.files.io import InputError, write_json_atomic
+from planner.hardware.fit import fit_latency_bandwidth, host_copy_fit
 from planner.hardware.topology import Device, Link, Topology
 from runtime import profile_bench as bench
 
@@ -170,7 +171,7 @@ def _measure_device(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
     if dev.accelerator:
         out["host_copy_table"] = bench.host_copy_table(dev, list(s.comm_sizes), s.min_time_s,
                                                        s.repeats)
-        out["host_copy"] = bench.host_copy_fit(out["host_copy_table"])
+        out["host_copy"] = host_copy_fit(out["host_copy_table"])
         if dev.native:
             out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
             out["model"] = torch.cuda.get_device_name(device)
@@ -211,7 +212,7 @@ def _low_precision_matmuls(device: torch.device, s: Settings, fp32_flops_per_s: 
 def _measure_calibration(workers: list[WorkerSpec], s: Settings) -> dict:
     """What planner.hardware.calibration fits (CPU workers only): a reference training step timed alone
     (one worker at a time, the others waiting in a barrier) and with every worker running it at
-    once; rank 0 also times torch.optim steps alone (planner.hardware.calibration.fit_optimizer)."""
+    once; rank 0 also times torch.optim steps alone (planner.hardware.fit.fit_optimizer)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     me, out = workers[rank], {}
     step = bench.reference_step() if me.kind == "cpu" else None
@@ -276,8 +277,8 @@ def _multi_worker_overhead(repeats: int, busy_s: float = 0.010) -> float:
 
 def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[dict]) -> dict:
     """The topology's "calibration" object (planner.hardware.calibration) from the workers' raw results."""
-    from planner.hardware.calibration import (Calibration, calibration_to_dict, contention_factor,
-                                              fit_latency_bandwidth, fit_optimizer, memory_contention_factor)
+    from planner.hardware.calibration import Calibration, calibration_to_dict
+    from planner.hardware.fit import contention_factor, fit_optimizer, memory_contention_factor
     cpus = [(w, r.get("calibration", {})) for w, r in zip(workers, results) if w.kind == "cpu"]
     timed = [c for _, c in cpus if "reference_alone_s" in c and "reference_together_s" in c]
     factor = contention_factor([c["reference_alone_s"] for c in timed],
@@ -412,7 +413,7 @@ def assemble(workers: list[WorkerSpec], results: list[dict], settings: Settings,
             threads=w.threads, measured=extra,
             matmul_flops_per_s_by_precision=d.get("matmul_flops_per_s_by_precision")))
         for peer, rows in res["links"].items():
-            latency_s, bandwidth = bench.fit_latency_bandwidth(rows)
+            latency_s, bandwidth = fit_latency_bandwidth(rows)
             links.append(Link(a=w.name, b=peer, bandwidth_bytes_per_s=bandwidth, latency_s=latency_s,
                               measured={"p2p_table": rows,
                                         "method": "gloo ping-pong, one-way = round trip / 2; "

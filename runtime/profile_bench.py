@@ -129,19 +129,6 @@ def host_copy_table(dev: TorchDevice, sizes: list[int], min_time_s: float,
     return rows
 
 
-def host_copy_fit(rows: list[dict]) -> dict:
-    """Latency + bytes/bandwidth fits of a host_copy_table, per kind and direction:
-    {"pinned": {"h2d": {"latency_s", "bytes_per_s"}, "d2h": ...}, "pageable": {...}}."""
-    out: dict = {}
-    for kind, prefix in (("pageable", ""), ("pinned", "pinned_")):
-        out[kind] = {}
-        for direction in ("h2d", "d2h"):
-            lat, bw = fit_latency_bandwidth([{"bytes": r["bytes"], "s": r[f"{prefix}{direction}_s"]}
-                                             for r in rows])
-            out[kind][direction] = {"latency_s": lat, "bytes_per_s": bw}
-    return out
-
-
 # --- between worker processes ---------------------------------------------------------------
 def round_trips(n_bytes: int) -> int:
     """Round trips per sample: enough to move ~4 MiB, 1..50. A pure function of the size, so
@@ -215,25 +202,6 @@ def allreduce_table(sizes: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
-    """Fit time = latency_s + bytes / bandwidth_bytes_per_s by least squares on the medians,
-    weighted by 1/time so that small and large sizes count alike (relative residuals).
-
-    A negative intercept (noise at small sizes) is replaced by the smallest measured time,
-    an upper bound of the latency; a non-positive slope by the best measured bytes/s.
-    """
-    x = np.array([r["bytes"] for r in rows], dtype=float)
-    y = np.array([r["s"] for r in rows], dtype=float)
-    if len(rows) >= 2:
-        slope, intercept = np.polyfit(x, y, 1, w=1.0 / y)
-    else:
-        slope, intercept = y[0] / x[0], 0.0
-    bandwidth = 1.0 / slope if slope > 0 else float(np.max(x / y))
-    latency = float(intercept) if intercept > 0 else float(np.min(y))
-    return latency, float(bandwidth)
-
-
-# --- calibration (planner/hardware/calibration.py) ----------------------------------------------------
 def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
     """A small training step shaped like the built-in workloads' layers (linear layers with a
     GELU and a LayerNorm, forward + backward + Adam on a 64-sample batch, ~34 MB of weights,

@@ -87,7 +87,8 @@ def run_worker(cfg: RunConfig) -> None:
     import torch.distributed as dist
 
     from planner.hardware.device import torch_device
-    from planner.files.plan import load_plan, plan_sha256
+    from planner.files.io import file_sha256
+    from planner.files.plan import load_plan
     from runtime import instruments as measure, stage
 
     env = os.environ
@@ -112,7 +113,7 @@ def run_worker(cfg: RunConfig) -> None:
         dist.gather_object(record, records, dst=0)
         params = _gather_params(cfg, built, rank, world)
         if rank == 0:
-            result = measure.build_measured(plan_sha256(cfg.plan), records, cfg.warmup, {
+            result = measure.build_measured(file_sha256(cfg.plan), records, cfg.warmup, {
                 "iters": cfg.iters, "warmup": cfg.warmup, "world_size": world,
                 "timing": "max over ranks of each rank's step after a barrier", **cfg.extra})
             if params is not None:

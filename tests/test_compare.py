@@ -61,7 +61,7 @@ def test_compare_rows_from_hand_made_inputs():
 @pytest.fixture(scope="module")
 def run_files(tmp_path_factory):
     """A two-stage pipeline of a tiny MLP on cpu:0 and cpu:1, run for 3 iterations with gloo."""
-    from planner.hardware.topology import file_sha256
+    from planner.files.io import file_sha256
     d = tmp_path_factory.mktemp("compare")
     topo = d / "topo.json"
     topo.write_text(json.dumps(TOPOLOGY))

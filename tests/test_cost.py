@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from planner.cost.model import RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s
-from planner.cost.timing import interpolate, measured_here
+from planner.cost.timing import interpolate
+from planner.hardware.lookup import measured_here
 from planner.hardware.topology import Topology
 from simhelpers import device, graph, layer, link, topology
 

@@ -13,7 +13,8 @@ import torch
 from planner.files.io import InputError
 from planner.hardware.topology import load_topology
 from runtime import profile
-from runtime.profile_bench import fit_latency_bandwidth, stats
+from planner.hardware.fit import fit_latency_bandwidth
+from runtime.profile_bench import stats
 
 
 def _hetplan(*args, env=None, timeout=120):

@@ -89,7 +89,7 @@ def test_cli_writes_measured_file(tmp_path):
     summary = json.loads(r.stdout)
     assert summary["measured"] == str(out)
     from planner.files.measured import load_measured
-    from planner.files.plan import plan_sha256
+    from planner.files.io import file_sha256 as plan_sha256
     m = load_measured(out)
     assert m.plan_sha256 == plan_sha256(p)
     assert len(m.iterations_s) == 3 and len(m.losses) == 3

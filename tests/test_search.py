@@ -193,7 +193,7 @@ def test_nothing_fits_reports_least_memory():
 # --- with the real simulator -------------------------------------------------------------------
 from planner.workload.graph import Layer, ModelGraph  # noqa: E402
 from planner.files.plan import load_plan  # noqa: E402
-from planner.search.mcmc import make_space, simulator_problem  # noqa: E402
+from planner.search.problem import make_space, simulator_problem  # noqa: E402
 from planner.sim.simulator import Simulator  # noqa: E402
 from planner.hardware.topology import Device, Link, Topology, save_topology  # noqa: E402
 

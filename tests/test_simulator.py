@@ -237,7 +237,7 @@ def test_cli_json_and_trace(tmp_path):
 
 
 def test_cli_finds_topology_by_sha256_and_prints_grid(tmp_path):
-    from planner.hardware.topology import file_sha256
+    from planner.files.io import file_sha256
     (tmp_path / "profiles" / "x").mkdir(parents=True)
     (tmp_path / "profiles" / "x" / "ws.json").write_bytes(WORKSTATION.read_bytes())
     plan = {**CLI_PLAN, "topology": {"name": "ws", "sha256": file_sha256(WORKSTATION)}}

@@ -25,21 +25,22 @@ def add_arguments(p):
 def compare_files(plan_path: str, measured_path: str, topology_path: str | None = None,
                   plot_path: str | None = None, command: str = "hetplan compare"):
     """Load, simulate and compare; optionally write the plot. Returns planner.files.report.Comparison."""
-    from planner.files.io import InputError
+    from planner.files.io import InputError, file_sha256
     from planner.files.measured import load_measured
-    from planner.files.plan import load_plan, plan_sha256
-    from planner.sim.predict import find_topology, simulate_plan_file
+    from planner.files.plan import load_plan
+    from planner.hardware.lookup import plan_topology
+    from planner.sim.predict import simulate_plan_file
     from planner.files.report import compare
 
     if plot_path is not None and not str(plot_path).lower().endswith(".png"):
         raise InputError(f"--plot: expected a file name ending in .png, got {plot_path!r}")
     plan = load_plan(plan_path)
     measured = load_measured(measured_path)
-    matches = measured.plan_sha256 == plan_sha256(plan_path)
+    matches = measured.plan_sha256 == file_sha256(plan_path)
     if not matches:
         print(f"{command}: warning: {measured_path} was measured for another plan file "
               f"(sha256 {measured.plan_sha256[:12]}...), not {plan_path}", file=sys.stderr)
-    topology = find_topology(plan, plan_path, topology_path, command)
+    topology = plan_topology(plan, plan_path, topology_path, command)
     result = simulate_plan_file(plan, plan_path, topology, trace=plot_path is not None)
     recorded = plan.predicted.iteration_s if plan.predicted is not None else None
     comparison = compare(recorded, result.to_json(), measured, matches)

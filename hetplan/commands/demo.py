@@ -61,7 +61,7 @@ def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str,
 
     from planner.files.io import InputError
     from planner.files.plan import Predicted, load_plan, plan_key, save_plan
-    from planner.search.mcmc import plan_baselines
+    from planner.search.problem import plan_baselines
     from planner.hardware.topology import load_topology
 
     plan = load_plan(plan_path)

@@ -78,7 +78,8 @@ def main(args) -> int:
 
     from planner.files.io import InputError
     from planner.files.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
-    from planner.search.mcmc import CAPTURE_BATCH, SearchConfig, memory_error, plan_problem, search
+    from planner.search.mcmc import SearchConfig, memory_error, search
+    from planner.search.problem import CAPTURE_BATCH, plan_problem
     from planner.hardware.topology import load_topology
     from planner.workload.load import load_workload, parse_model_args
 

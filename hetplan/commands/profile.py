@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 from pathlib import Path
 
 from planner.files.io import InputError
+from planner.hardware.lookup import default_profile_path as default_path  # demo and tests import it here
 
 HELP = "measure this machine's devices and links for real and write a topology file"
 
@@ -47,11 +47,6 @@ def _print_table(s: dict) -> None:
               f"latency {l['latency_s'] * 1e6:.1f} us")
     print(f"wrote {s['path']} in {s['duration_s']:.1f} s; largest spread of a repeated "
           f"measurement {s['max_spread']:.1%}")
-
-
-def default_path() -> Path:
-    """profiles/<hostname>.json, relative to the working directory (the contract's default)."""
-    return Path("profiles") / f"{socket.gethostname()}.json"
 
 
 def main(args) -> int:

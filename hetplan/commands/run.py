@@ -53,7 +53,8 @@ def check_model(plan, file: str) -> None:
 def main(args) -> int:
     from planner.files.io import InputError, write_json_atomic
     from planner.files.plan import load_plan
-    from runtime.launch import RunError, check_devices, find_topology, launch, thread_shares
+    from planner.hardware.lookup import local_topology
+    from runtime.launch import RunError, check_devices, launch, thread_shares
     from runtime.worker import RunConfig
 
     if args.iters < 1:
@@ -65,7 +66,7 @@ def main(args) -> int:
     plan = load_plan(args.plan)
     check_devices(plan, args.plan)
     check_model(plan, args.plan)
-    topology = find_topology(plan, args.topology)
+    topology = local_topology(plan, args.topology)
     out = args.output or default_output(args.plan)
     extra = {"topology": topology.name if topology is not None else None}
     cfg = RunConfig(plan=str(args.plan), iters=args.iters, warmup=args.warmup, out=out,

@@ -15,11 +15,6 @@ def add_arguments(p):
     p.add_argument("--grid", action="store_true", help="print each replica's schedule as a step x device grid")
 
 
-def _find_topology(args, plan):
-    from planner.sim.predict import find_topology
-    return find_topology(plan, args.plan, args.topology, "hetplan simulate")
-
-
 def _summary(result, topology) -> str:
     lines = [f"iteration: {result.iteration_s * 1e3:.3f} ms   feasible: {'yes' if result.feasible else 'NO'}",
              f"{'device':<16} {'busy ms':>10} {'fwd ms':>9} {'bwd ms':>9} {'optim ms':>9} "
@@ -35,12 +30,13 @@ def _summary(result, topology) -> str:
 
 def main(args) -> int:
     from planner.files.plan import load_plan
+    from planner.hardware.lookup import plan_topology
     from planner.sim.predict import simulate_plan_file
     from planner.sim.schedule import grid, make_schedule
     from planner.sim.chrome_trace import write_chrome_trace
 
     plan = load_plan(args.plan)
-    topology = _find_topology(args, plan)
+    topology = plan_topology(plan, args.plan, args.topology, "hetplan simulate")
     result = simulate_plan_file(plan, args.plan, topology, trace=bool(args.trace))
     if args.trace:
         write_chrome_trace(result, args.trace)

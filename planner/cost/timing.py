@@ -1,37 +1,15 @@
-"""Measured layer costs (FlexFlow-style): time each layer's forward and backward on this machine.
+"""Per-layer times measured on this machine (FlexFlow-style): each layer runs alone as a one-layer
+stage on a real batch, warm, median of `repeats` after `warmup`; the loss is timed as a pseudo-layer
+added to the last layer; the first layer gets no input gradient (as in the runtime). Cached in
+`$HETPLAN_CACHE_DIR/layer_costs.json` by host, signature, device kind, threads, batch and
+precision. Without `exact`, interpolated between the powers of two around the batch. History and
+figures: docs/tuning.md.
 
-Used instead of the roofline when the topology was profiled on this host
-(`topology.measured["host"]["hostname"] == socket.gethostname()`). Each layer runs alone as a
-single-layer stage (planner.workload.partition.build_stages), fed the outputs of layers 0..i-1 for a
-real batch, with `torch.set_num_threads(device.threads)` on CPU devices and synchronisation on
-CUDA devices; the figure is the median of `repeats` runs after `warmup` runs.
-
-Batch sizes: with `exact=True` (what `simulate` uses) the requested microbatch size is measured
-as is; otherwise the two powers of two around it are measured and the time is interpolated
-linearly (what a search that asks for many sizes wants). Results are cached on disk in
-`$HETPLAN_CACHE_DIR/layer_costs.json` (default `.hetplan-cache/`), keyed by host, layer
-signature, device kind, threads, batch size and precision.
-
-Precision: the graph's (`graph.precision`). Each layer's forward, and the loss's, runs under
-planner.workload.precision.autocast(device type, precision), its backward outside it, as in training;
-the next layer is fed the outputs autocast gives (bf16 activations under bf16).
-
-The first layer's input is the model's data and is timed without its gradient (the runtime
-computes none): with it, the cnn's first convolution's backward cost twice the runtime's and the
-cnn was over-predicted by 35-80 % on the 2-vCPU VM.
-
-The loss (workload.loss_fn on the last layer's output, forward and backward) is timed as a
-pseudo-layer and added to the last layer: the runtime computes it in the last stage.
-
-Layers are timed warm (the same layer back to back). Evicting the caches before each timed
-pass was tried on the 2-vCPU VM: evicting L2 (4 MiB) or everything (64 MiB) before each pass
-over-predicted the cnn by 35-95 % and the mlp's single device by 8-33 %, while warm timing is
-within 10 % on single-device runs; measured figures in docs/guide.md.
-
-Each layer is timed alone; when several CPU workers of a host compute at once, the times are
-multiplied by the topology's measured contention factor (planner.hardware.calibration), so a plan that
-keeps both workers of a 2-core machine busy is predicted as it runs. Without a calibration
-(an older profile) the times are used as measured, alone.
+Each layer's forward (and the loss's) runs under planner.workload.precision.autocast in the
+graph's precision, its backward outside it, as in training. When several CPU workers of a host
+compute at once, the times are multiplied by the topology's contention factor
+(planner.hardware.calibration); without a calibration they are used as measured, alone.
+`cost_model` picks this model on a topology profiled on this host, else the roofline.
 """
 from __future__ import annotations
 
@@ -48,12 +26,8 @@ from pathlib import Path
 from planner.cost.model import CostModel, RooflineCost
 from planner.files.io import write_json_atomic
 from planner.workload.precision import autocast, matmul_precision
+from planner.hardware.lookup import measured_here
 from planner.hardware.topology import Device, Topology, parse_device_name
-
-
-def measured_here(topology: Topology) -> bool:
-    host = topology.measured.get("host")
-    return isinstance(host, dict) and host.get("hostname") == socket.gethostname()
 
 
 def cache_path() -> Path:
@@ -200,6 +174,13 @@ class MeasuredCost(CostModel):
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
 
 
+def cost_model(graph, topology: Topology, workload) -> CostModel:
+    """The measured model on a topology profiled on this machine, else the roofline model."""
+    if measured_here(topology):
+        return MeasuredCost(graph, topology, workload)
+    return RooflineCost(graph, topology)
+
+
 def _model_copy_for(workload, dev):
     """The workload with a copy of its model when `dev` is an accelerator: its stages are then
     exported from the copy and moved (`place_stages`), and the user's model stays where it is.
@@ -233,4 +214,4 @@ def _from_entries(keys: list[str], entries: dict) -> tuple[list[float], list[flo
             [entries[k][1] for k in keys[:-1]] + [last[1] + last[3]])
 
 
-__all__ = ["MeasuredCost", "measured_here", "cache_path", "interpolate"]
+__all__ = ["MeasuredCost", "cost_model", "cache_path", "interpolate"]

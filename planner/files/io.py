@@ -2,11 +2,12 @@
 
 Every file from outside goes through `Reader`, so a bad value always produces one line that
 names the file, the field and what was expected (raised as `InputError`, exit code 2 in the
-CLI). Every file we write goes through `write_json_atomic`, so a failure never leaves a
-half-written file behind.
+CLI). Every file we write goes through `replace_atomically` (JSON: `write_json_atomic`), so a
+failure never leaves a half-written file behind.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -46,21 +47,31 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     except ValueError:
         raise InputError(f"{p}: not written: a value is NaN or infinite") from None
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        replace_atomically(p, lambda tmp: tmp.write_text(text))
     except OSError as e:
         raise InputError(f"{p}: cannot write: {e.strerror}") from None
+
+
+def replace_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Create or replace `path` with what `write(temporary path)` writes: a temporary file beside
+    `path` (its folder is created), then an atomic rename, so a reader never sees half a file.
+    The temporary file is removed on any failure; the file gets the usual mode (umask)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600; give the file the usual mode
+        write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600
         os.replace(tmp, p)
-    except OSError as e:
-        _unlink_quietly(tmp)
-        raise InputError(f"{p}: cannot write: {e.strerror}") from None
     except BaseException:
         _unlink_quietly(tmp)
         raise
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of the file's bytes, hex: how a plan names its topology and a measured file its plan."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _umask() -> int:

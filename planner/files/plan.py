@@ -5,7 +5,6 @@ devices; each stage holds a half-open layer range [start, end). See ../shared/CO
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,6 +19,12 @@ OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.workload.precision)
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
+
+
+def min_microbatches(stages: int, schedule: str) -> int:
+    """The fewest microbatches a pipeline of `stages` stages may run: 1F1B needs one per stage
+    (its warm-up holds one per stage), GPipe one."""
+    return stages if schedule == "1f1b" else 1
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                       f"expected a divisor of the replica's batch {batches[i]}, got {rep.microbatches}")
         if not rep.stages:
             raise err(f"{where}.stages", "expected at least one stage")
-        if plan.schedule == "1f1b" and rep.microbatches < len(rep.stages):
+        if rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
             raise err(f"{where}.microbatches",
                       f"1f1b needs microbatches >= stages ({len(rep.stages)}), got {rep.microbatches}")
         expect_start = 0
@@ -268,10 +273,6 @@ def save_plan(plan: Plan, path: str | Path) -> None:
     write_json_atomic(path, plan_to_dict(plan))
 
 
-def plan_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def plan_key(plan: Plan) -> str:
     """A stable identity of the strategy (no prediction), for caches and dedup in search."""
     d = plan_to_dict(plan.without_prediction())
@@ -280,5 +281,5 @@ def plan_key(plan: Plan) -> str:
 
 
 __all__ = ["Plan", "Replica", "Stage", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
-           "validate_plan", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan", "plan_sha256",
+           "validate_plan", "min_microbatches", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan",
            "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from planner.files.io import replace_atomically
+
 COLORS = {"forward": "#4c78a8", "backward": "#f58518", "optimizer": "#54a24b",
           "transfer": "#9d9d9d", "allreduce": "#e45756", "compute": "#4c78a8"}
 WAITS = ("transfer", "allreduce")   # measured spans that are waits, not compute
@@ -80,12 +82,10 @@ def plot_timeline(tasks: list[dict[str, Any]], simulated_s: float, devices: list
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)   # written aside, then renamed: never a half-written PNG
-    plt.close(fig)
-    tmp.replace(path)
+    try:   # written aside, then renamed: never a half-written PNG
+        replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 __all__ = ["plot_timeline"]

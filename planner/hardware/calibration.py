@@ -1,40 +1,13 @@
-"""Calibration: figures fitted from this machine's measurements, stored in the topology file.
+"""Calibration: figures fitted on this machine, stored as the topology's optional `calibration`
+object (SI units in the keys; fields: see `Calibration`). The cost model uses each figure that is
+present and the contract's formula otherwise, so what-if files keep roofline semantics.
 
-`hetplan profile` measures, besides the contract's scalars, how training actually behaves on this
-machine and writes the fitted figures as a top-level `"calibration"` object of the topology file
-(units in the names, SI):
-
-```json
-"calibration": {
-  "cpu_workers": 2,                       # CPU worker processes the figures were measured with
-  "cpu_contention_factor": 1.7,           # a step's time with all CPU workers busy / alone
-  "allreduce_latency_s": 2.1e-4,          # gloo all-reduce over the CPU workers:
-  "allreduce_bytes_per_s": 1.4e9,         #   latency_s + bytes / bytes_per_s (fitted)
-  "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 2e-10},   # one step:
-                "sgd":  {"s_per_tensor": 5e-6, "s_per_byte": 8e-11}},   #   n * s_per_tensor + bytes * s_per_byte
-  "iteration_overhead_s": 0.0,            # fixed cost per iteration (not measured yet: 0)
-  "multi_worker_overhead_s": 3e-3,        # added to iterations of 2+ workers: barrier exit skew
-                                          #   and late wake-ups from blocking waits (runtime pattern)
-  "memory_contention_factor": 1.6         # an optimizer step with all CPU workers stepping / alone
-}                                         #   (memory-bound; default: cpu_contention_factor)
-```
-
-Each figure is optional; the cost model uses what is present (planner.cost.model.CostModel) and the
-contract's formulas otherwise, so a what-if file (no calibration) keeps roofline semantics.
-Why these figures (measured on a 2-vCPU VM, see docs/guide.md): two CPU workers running at once
-each run ~1.7x slower than alone (shared cores / memory system), gloo's all-reduce costs ~3x the
-ring formula on the ping-pong link, and torch.optim's per-tensor Python overhead dominates the
-memory-bound formula for small tensors.
-
-The fits are pure functions, tested on synthetic tables (tests/test_calibration.py).
+The fits themselves: planner.hardware.fit. History and figures: docs/tuning.md.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from planner.files.io import Reader
 
@@ -51,35 +24,37 @@ class OptimizerFit:
 
 @dataclass(frozen=True)
 class Calibration:
-    cpu_workers: int = 1
-    cpu_contention_factor: float = 1.0
-    allreduce_latency_s: float | None = None
-    allreduce_bytes_per_s: float | None = None
-    optimizer: dict[str, OptimizerFit] = field(default_factory=dict)
-    iteration_overhead_s: float = 0.0
-    multi_worker_overhead_s: float = 0.0
-    memory_contention_factor: float | None = None
+    cpu_workers: int = 1                           # CPU worker processes the figures were measured with
+    cpu_contention_factor: float = 1.0             # a step's time with all CPU workers busy / alone
+    allreduce_latency_s: float | None = None       # gloo all-reduce over the CPU workers:
+    allreduce_bytes_per_s: float | None = None     #   latency_s + bytes / bytes_per_s (fitted)
+    optimizer: dict[str, OptimizerFit] = field(default_factory=dict)   # per torch.optim name
+    iteration_overhead_s: float = 0.0              # fixed cost per iteration (not measured yet: 0)
+    multi_worker_overhead_s: float = 0.0           # added to iterations of 2+ workers (barrier exit
+                                                   #   skew, late wake-ups from blocking waits)
+    memory_contention_factor: float | None = None  # an optimizer step with all CPU workers stepping
+                                                   #   / alone (None: cpu_contention_factor)
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
         included) compute at once (a mean over time, so fractional): 1 + (F - 1) * (k - 1) / (N - 1),
         linear between alone (1) and all N measured workers (F); capped at F beyond N."""
-        n, k = self.cpu_workers, max(1.0, busy_workers)
-        if n <= 1 or k <= 1:
-            return 1.0
-        return 1.0 + (self.cpu_contention_factor - 1.0) * min(k - 1, n - 1) / (n - 1)
+        return self._interpolate(self.cpu_contention_factor, busy_workers)
 
     def memory_contention(self, busy_workers: float) -> float:
         """Slowdown of a memory-bound step (the optimizer's) when `busy_workers` CPU workers run
         at once: as `contention` with memory_contention_factor (cpu_contention_factor when not
         measured)."""
         f = self.memory_contention_factor
+        return self._interpolate(self.cpu_contention_factor if f is None else f, busy_workers)
+
+    def _interpolate(self, factor: float, busy_workers: float) -> float:
+        """1 + (factor - 1) * (k - 1) / (N - 1) for k busy of N measured workers, capped at k = N;
+        1 alone (k <= 1) or when fitted with one worker."""
         n, k = self.cpu_workers, max(1.0, busy_workers)
-        if f is None:
-            return self.contention(busy_workers)
         if n <= 1 or k <= 1:
             return 1.0
-        return 1.0 + (f - 1.0) * min(k - 1, n - 1) / (n - 1)
+        return 1.0 + (factor - 1.0) * min(k - 1, n - 1) / (n - 1)
 
     def allreduce_s(self, k: int, n_bytes: float) -> float | None:
         """gloo all-reduce of n bytes over k CPU workers, scaled from the fit over N workers by
@@ -91,54 +66,6 @@ class Calibration:
         steps = (k - 1) / (n - 1)
         volume = ((k - 1) / k) / ((n - 1) / n)
         return self.allreduce_latency_s * steps + n_bytes / self.allreduce_bytes_per_s * volume
-
-
-# --- fits (pure) ------------------------------------------------------------------------------
-def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
-    """Fit s = latency_s + bytes / bytes_per_s to rows {"bytes", "s"} by least squares weighted
-    by 1/s (relative residuals, so small and large sizes count alike). A negative intercept
-    becomes 0; a non-positive slope the best measured bytes/s. Returns (latency_s, bytes_per_s)."""
-    if not rows:
-        raise ValueError("no rows to fit")
-    x = np.array([r["bytes"] for r in rows], dtype=float)
-    y = np.array([r["s"] for r in rows], dtype=float)
-    if len(rows) == 1:
-        return 0.0, float(x[0] / y[0])
-    w = 1.0 / y
-    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    (intercept, slope), *_ = np.linalg.lstsq(a, y * w, rcond=None)
-    bandwidth = 1.0 / slope if slope > 0 else float(np.max(x / y))
-    return max(0.0, float(intercept)), float(bandwidth)
-
-
-def fit_optimizer(rows: list[dict]) -> OptimizerFit:
-    """Fit s = n_tensors * s_per_tensor + bytes * s_per_byte to rows {"tensors", "bytes", "s"}
-    (non-negative least squares with relative residuals, weights 1/s)."""
-    from scipy.optimize import nnls
-    if len(rows) < 2:
-        raise ValueError("need at least two rows to fit the optimizer step")
-    n = np.array([r["tensors"] for r in rows], dtype=float)
-    b = np.array([r["bytes"] for r in rows], dtype=float)
-    y = np.array([r["s"] for r in rows], dtype=float)
-    w = 1.0 / y
-    coef, _ = nnls(np.stack([n, b], axis=1) * w[:, None], y * w)
-    return OptimizerFit(s_per_tensor=float(coef[0]), s_per_byte=float(coef[1]))
-
-
-def memory_contention_factor(alone_rows: list[dict], together_rows: list[dict]) -> float | None:
-    """Median over rows (matched by tensors and bytes) of together s / alone s, at least 1;
-    None without matching rows."""
-    alone = {(r["tensors"], r["bytes"]): r["s"] for r in alone_rows}
-    ratios = [r["s"] / alone[(r["tensors"], r["bytes"])] for r in together_rows
-              if (r["tensors"], r["bytes"]) in alone and alone[(r["tensors"], r["bytes"])] > 0]
-    return max(1.0, statistics.median(ratios)) if ratios else None
-
-
-def contention_factor(alone_s: list[float], together_s: list[float]) -> float:
-    """Median over workers of (time with all workers busy) / (time alone), at least 1."""
-    if not alone_s or len(alone_s) != len(together_s):
-        raise ValueError("need one alone and one together time per worker")
-    return max(1.0, statistics.median(t / a for a, t in zip(alone_s, together_s)))
 
 
 # --- file format ------------------------------------------------------------------------------
@@ -191,5 +118,5 @@ def topology_calibration(topology) -> Calibration | None:
     return cache["c"]
 
 
-__all__ = ["Calibration", "OptimizerFit", "fit_latency_bandwidth", "fit_optimizer",
-           "contention_factor", "memory_contention_factor", "calibration_from_dict", "calibration_to_dict", "topology_calibration"]
+__all__ = ["Calibration", "OptimizerFit", "calibration_from_dict", "calibration_to_dict",
+           "topology_calibration"]

@@ -6,7 +6,6 @@ only the scalar fields of the contract. Units are in the field names, SI through
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,7 +14,7 @@ from typing import Any
 
 import networkx as nx
 
-from planner.files.io import InputError, Reader, read_json, write_json_atomic
+from planner.files.io import InputError, Reader, file_sha256, read_json, write_json_atomic
 
 SCHEMA = "hetplan.topology/1"
 DEVICE_NAME = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)/)?(?P<kind>cpu|cuda):(?P<index>\d+)$")
@@ -27,6 +26,11 @@ def parse_device_name(name: str) -> tuple[str | None, str, int]:
     if not m:
         raise ValueError(f"bad device name {name!r}")
     return m.group("node"), m.group("kind"), int(m.group("index"))
+
+
+def natural_key(name: str) -> list[str | int]:
+    """Sort key with digit runs compared as numbers: 'node2' < 'node10'."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 @dataclass(frozen=True)
@@ -231,10 +235,6 @@ def topology_to_dict(t: Topology) -> dict[str, Any]:
     return {"schema": SCHEMA, "name": t.name, "devices": devices, "links": links, **t.measured}
 
 
-def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def load_topology(path: str | Path) -> Topology:
     data = read_json(path, "topology file")
     t = topology_from_dict(data, str(path))
@@ -247,23 +247,4 @@ def save_topology(t: Topology, path: str | Path) -> None:
 
 
 __all__ = ["Device", "Link", "Topology", "InputError", "load_topology", "save_topology",
-           "topology_from_dict", "topology_to_dict", "parse_device_name", "file_sha256",
-           "find_topology_by_sha256"]
-
-
-def find_topology_by_sha256(sha256: str, roots: list[str | Path] | None = None) -> Path | None:
-    """The first `*.json` file (sorted, recursively) under `roots` whose bytes have this sha256.
-
-    Default root: `profiles/` in the current directory. Used by `simulate`/`run` to find the
-    topology a plan was made for."""
-    for root in roots if roots is not None else [Path("profiles")]:
-        root = Path(root)
-        if not root.is_dir():
-            continue
-        for p in sorted(root.rglob("*.json")):
-            try:
-                if p.is_file() and file_sha256(p) == sha256:
-                    return p
-            except OSError:
-                continue
-    return None
+           "topology_from_dict", "topology_to_dict", "parse_device_name", "natural_key"]

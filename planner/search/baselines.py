@@ -21,33 +21,14 @@ from planner.search.space import Pipeline, Space, Strategy, realise_microbatches
 
 
 def device_order(names: Sequence[str], kinds: dict[str, str]) -> tuple[str, ...]:
-    """Pipeline order: by node, GPUs before CPUs, then by index ('cuda:10' after 'cuda:9')."""
-    from planner.hardware.topology import parse_device_name
+    """Pipeline order: by node in natural order ('node10' after 'node9'), GPUs before CPUs, then
+    by index ('cuda:10' after 'cuda:9')."""
+    from planner.hardware.topology import natural_key, parse_device_name
 
     def key(name: str):
         node, kind, index = parse_device_name(name)
-        return (node or "", kinds.get(name, kind) != "cuda", index)
+        return (natural_key(node or ""), kinds.get(name, kind) != "cuda", index)
     return tuple(sorted(names, key=key))
-
-
-def roofline_shares(graph, topology) -> dict[str, tuple[float, ...]]:
-    """Per device, each layer's share of the whole model's compute time under the contract's
-    what-if formula: max(flops / matmul_flops_per_s, bytes_moved / memory_bytes_per_s)
-    + n_ops * op_overhead_s (forward + backward). Shares sum to 1 per device.
-
-    Only the *relative* layer costs are taken from here; the search scales them by the
-    simulator's single-device time, so a measured cost model still sets the absolute figures.
-    """
-    out = {}
-    for d in topology.devices:
-        times = []
-        for l in graph.layers:
-            fwd = max(l.fwd_flops / d.matmul_flops_per_s, l.fwd_bytes_moved / d.memory_bytes_per_s)
-            bwd = max(l.bwd_flops / d.matmul_flops_per_s, l.bwd_bytes_moved / d.memory_bytes_per_s)
-            times.append(fwd + bwd + (l.n_ops + l.bwd_n_ops) * d.op_overhead_s)
-        total = sum(times)
-        out[d.name] = tuple(t / total if total > 0 else 1 / len(times) for t in times)
-    return out
 
 
 def proportional_batches(total: int, weights: Sequence[float], lows: Sequence[int]) -> tuple[int, ...]:

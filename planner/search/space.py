@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync, min_microbatches
 
 MiB = 2**20
 BUCKET_CHOICES_BYTES = (1 * MiB, 4 * MiB, 25 * MiB, 100 * MiB)
@@ -79,14 +79,14 @@ class Strategy:
 
 # --- strategy -> plan ---------------------------------------------------------------------
 def min_batch(p: Pipeline, schedule: str) -> int:
-    """Smallest replica batch a pipeline can take: 1F1B needs microbatches >= stages."""
-    return len(p.devices) if schedule == "1f1b" else 1
+    """Smallest replica batch a pipeline can take: one sample per microbatch it needs."""
+    return min_microbatches(len(p.devices), schedule)
 
 
 def realise_microbatches(desired: int, batch: int, stages: int, schedule: str) -> int:
     """The divisor m of `batch` closest to `desired` (in ratio; ties -> smaller) with m >= stages
     under 1F1B. Raises ValueError when none exists (batch < stages under 1F1B)."""
-    low = stages if schedule == "1f1b" else 1
+    low = min_microbatches(stages, schedule)
     divs = [m for m in range(low, batch + 1) if batch % m == 0]
     if not divs:
         raise ValueError(f"no microbatch count >= {low} divides batch {batch}")
@@ -341,8 +341,7 @@ def enumerate_plans(space: Space) -> Iterator[Plan]:
                 if sum(lows) > B:
                     continue
                 for batches in _compositions(B, len(pipes), lows):
-                    low = [len(p.devices) if sched == "1f1b" else 1 for p in pipes]
-                    mb_sets = [[m for m in range(lo, b + 1) if b % m == 0] for lo, b in zip(low, batches)]
+                    mb_sets = [[m for m in range(lo, b + 1) if b % m == 0] for lo, b in zip(lows, batches)]
                     for mbs in itertools.product(*mb_sets):
                         s = Strategy(tuple(replace(p, microbatches=m) for p, m in zip(pipes, mbs)),
                                      sched, gran, bucket, place, rec, prec)

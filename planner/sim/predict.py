@@ -1,54 +1,16 @@
-"""What the simulator predicts for a plan file: find its topology, choose the cost model, simulate.
+"""What the simulator predicts for a plan file: validate it, capture its model's graph, choose
+the cost model (planner.cost.timing.cost_model), simulate.
 
 Shared by `hetplan simulate` and `hetplan compare`, so that both predict the same numbers for the
-same files: the topology is `--topology` when given (a warning when it is not the file the plan
-was made for), else the file under profiles/ whose sha256 the plan records; the cost model is the
-measured one on a topology profiled on this machine, else the roofline model of the contract.
+same files (each finds the topology with planner.hardware.lookup.plan_topology).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from planner.files.io import InputError
 from planner.files.plan import Plan
-from planner.hardware.topology import Topology, find_topology_by_sha256, load_topology
-
-
-def load_given_topology(plan: Plan, topology_path: str | Path, command: str = "hetplan") -> Topology:
-    """The topology file the user named; a warning (not a failure) when it is not the file the
-    plan was made for (the contract: `simulate` and `run` accept another one)."""
-    topo = load_topology(topology_path)
-    if plan.topology is not None and topo.sha256 != plan.topology.sha256:
-        print(f"{command}: warning: {topology_path} is not the topology the plan was made "
-              f"for ({plan.topology.name}, sha256 {plan.topology.sha256[:12]}...)", file=sys.stderr)
-    return topo
-
-
-def find_topology(plan: Plan, plan_path: str | Path, topology_path: str | Path | None,
-                  command: str = "hetplan") -> Topology:
-    """The topology to simulate `plan` on (see the module docstring); warnings go to stderr."""
-    if topology_path:
-        return load_given_topology(plan, topology_path, command)
-    if plan.topology is None:
-        raise InputError(f"{plan_path}: topology: the plan names no topology; pass --topology FILE")
-    plan_dir = Path(plan_path).resolve().parent
-    roots = [Path("profiles"), plan_dir, plan_dir / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
-    path = find_topology_by_sha256(plan.topology.sha256, roots)
-    if path is None:
-        raise InputError(f"{plan_path}: topology: no file under profiles/ or beside the plan has sha256 "
-                         f"{plan.topology.sha256[:12]}... ({plan.topology.name}); pass --topology FILE")
-    return load_topology(path)
-
-
-def cost_model(graph, topology: Topology, workload):
-    """The measured model on a topology profiled on this machine, else the roofline model."""
-    from planner.cost.model import RooflineCost
-    from planner.cost.timing import MeasuredCost, measured_here
-
-    if measured_here(topology):
-        return MeasuredCost(graph, topology, workload)
-    return RooflineCost(graph, topology)
+from planner.hardware.topology import Topology
 
 
 def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, trace: bool = False):
@@ -59,6 +21,7 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     planner.sim.simulator.SimResult."""
     from planner.workload.capture import capture_graph
     from planner.files.plan import validate_plan
+    from planner.cost.timing import cost_model
     from planner.sim.simulator import Simulator
     from planner.workload.load import load_plan_workload
 
@@ -75,4 +38,4 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
         raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
 
 
-__all__ = ["load_given_topology", "find_topology", "cost_model", "simulate_plan_file"]
+__all__ = ["simulate_plan_file"]

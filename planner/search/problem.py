@@ -1,0 +1,106 @@
+"""The search problem for real inputs: the strategy space of a topology, and a Problem whose
+`evaluate` is the simulator (planner.search.mcmc searches it).
+
+`plan_problem` is what `hetplan plan` searches: the workload's graph captured at a small batch
+in each allowed precision and one simulator per precision with the cost model the topology calls
+for; `plan_baselines` regenerates the baselines a plan file was compared against.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import random
+from dataclasses import dataclass, field
+
+from planner.cost.timing import cost_model
+from planner.files.plan import Plan
+from planner.search.baselines import device_order
+from planner.search.mcmc import Candidate, Problem, Searcher
+from planner.search.space import Space
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    """What `evaluate` returns for a plan the simulator refuses (no route, no host CPU)."""
+    iteration_s: float = math.inf
+    feasible: bool = False
+    peak_memory_bytes: dict = field(default_factory=dict)
+
+
+def make_space(topology, num_layers: int, global_batch: int, model, optimizer_name: str,
+               lr: float, precisions: tuple[str, ...] = ("fp32",)) -> Space:
+    kinds = {d.name: d.kind for d in topology.devices}
+    return Space(devices=device_order(list(kinds), kinds), kinds=kinds, num_layers=num_layers,
+                 global_batch=global_batch, model=model, optimizer_name=optimizer_name, lr=lr,
+                 precisions=tuple(precisions))
+
+
+def simulator_problem(simulator, space: Space) -> Problem:
+    """A Problem over planner.sim.simulator.Simulator (or ByPrecision): its cost model gives the layer
+    shares (at the global batch), the topology the activation transfer at each cut (forward +
+    backward); with ByPrecision both are the first precision's, as are the baselines."""
+    graph, topology, cost = simulator.graph, simulator.topology, simulator.cost
+    B = space.global_batch
+    shares = {}
+    for d in space.devices:
+        times = [sum(cost.layer_s(d, i, B)) for i in range(graph.num_layers)]
+        total = sum(times)
+        shares[d] = tuple(t / total if total > 0 else 1 / len(times) for t in times)
+
+    def evaluate(plan: Plan):
+        try:
+            return simulator.simulate(plan)
+        except ValueError:        # no path of links between two stages, no host CPU to offload to
+            return _Rejected()
+
+    @functools.lru_cache(maxsize=None)   # the pipeline DP asks O(S·L²) times for few distinct cuts
+    def cut_s(a: str, b: str, i: int) -> float:
+        try:
+            return 2 * topology.transfer_s(a, b, graph.cut_bytes_at(i, B))
+        except ValueError:
+            return math.inf
+    return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s)
+
+
+CAPTURE_BATCH = 8   # graphs for planning are captured at min(global batch, this) and scaled
+
+
+def plan_problem(workload, model, global_batch: int, topology, optimizer_name: str, lr: float,
+                 precisions: tuple[str, ...] = ("fp32",)):
+    """(graph, problem) for planning `workload` on `topology`: the operator graph captured at
+    min(global_batch, CAPTURE_BATCH) samples in each allowed precision (FLOPs and activations
+    scale linearly with the batch), the strategy space, and one simulator per precision with the
+    cost model the topology calls for (measured on a profile of this machine, else the contract's
+    roofline). The graph returned is the first precision's."""
+    from planner.workload.capture import capture_graph
+    from planner.sim.simulator import ByPrecision, Simulator
+
+    sims = {}
+    for p in precisions:
+        graph = capture_graph(workload, min(global_batch, CAPTURE_BATCH), p)
+        sims[p] = Simulator(graph, topology, cost_model(graph, topology, workload))
+    first = sims[precisions[0]].graph
+    space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions)
+    return first, simulator_problem(ByPrecision(sims), space)
+
+
+def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate]:
+    """The baselines `hetplan plan` evaluated for this plan's workload, batch, optimizer and
+    first allowed precision (`predicted.search.precisions`, else the plan's), regenerated as
+    plans (the plan file stores only their predicted figures)."""
+    from planner.files.io import InputError
+    from planner.files.plan import PRECISIONS
+    from planner.workload.load import load_plan_workload
+
+    searched = plan.predicted.extra.get("search") if plan.predicted else None
+    allowed = searched.get("precisions", [plan.precision]) if isinstance(searched, dict) else [plan.precision]
+    if not (isinstance(allowed, list) and allowed and all(a in PRECISIONS for a in allowed)):
+        raise InputError(f"{file}: predicted.search.precisions: expected a non-empty list of "
+                         f"{', '.join(PRECISIONS)}, got {str(allowed)[:60]}")
+    workload = load_plan_workload(plan.model, file)
+    _, problem = plan_problem(workload, plan.model, plan.global_batch, topology,
+                              plan.optimizer.name, plan.optimizer.lr, (allowed[0],))
+    return Searcher(problem, random.Random(0)).baselines()
+
+
+__all__ = ["CAPTURE_BATCH", "make_space", "simulator_problem", "plan_problem", "plan_baselines"]
