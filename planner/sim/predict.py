@@ -41,13 +41,14 @@ def find_topology(plan: Plan, plan_path: str | Path, topology_path: str | Path |
     return load_topology(path)
 
 
-def cost_model(graph, topology: Topology, workload):
-    """The measured model on a topology profiled on this machine, else the roofline model."""
+def cost_model(graph, topology: Topology, workload, global_batch: int):
+    """On a topology profiled on this machine, the measured model with its cost curve over
+    `batch_grid(global_batch)` (so `plan` and `simulate` price a plan alike); else the roofline."""
     from planner.cost.model import RooflineCost
-    from planner.cost.timing import MeasuredCost, measured_here
+    from planner.cost.timing import MeasuredCost, batch_grid, measured_here
 
     if measured_here(topology):
-        return MeasuredCost(graph, topology, workload)
+        return MeasuredCost(graph, topology, workload, sizes=batch_grid(global_batch))
     return RooflineCost(graph, topology)
 
 
@@ -68,7 +69,7 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
     graph = capture_graph(workload, batch, plan.precision)
     validate_plan(plan, str(plan_path), graph.num_layers, names)
-    cost = cost_model(graph, topology, workload)
+    cost = cost_model(graph, topology, workload, plan.global_batch)
     try:
         return Simulator(graph, topology, cost).simulate(plan, trace=trace)
     except (ValueError, KeyError) as e:
