@@ -146,3 +146,70 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
     # tf32 on a CPU is fp32: served from the fp32 entries, never measured again
     monkeypatch.setattr(MeasuredCost, "_time_layer", lambda *a: pytest.fail("re-measured"))
     MeasuredCost(replace(g32, precision="tf32"), t, w).layer_times(t.device("cpu:0"), 4)
+
+
+def test_batch_grid_and_the_cost_curve_between_and_beyond_measured_sizes():
+    from planner.cost.timing import MeasuredCost, batch_grid
+    assert batch_grid(1) == (1,)
+    assert batch_grid(12) == (1, 2, 4, 8, 12)
+    assert batch_grid(16) == (1, 2, 4, 8, 16)
+    t = topology([device("cpu:0")])
+    g = graph([layer(0), layer(1)])
+    m = MeasuredCost(g, t, workload=None, sizes=batch_grid(12))
+    timed = []
+
+    def fake(dev, b):   # layer 0: 1 ms + 1 ms/sample forward; backward twice; layer 1: 5 ms flat
+        timed.append(b)
+        return [1e-3 + 1e-3 * b, 5e-3], [2e-3 + 2e-3 * b, 5e-3]
+    m._measure = fake
+    f, b = m.layer_times(t.device("cpu:0"), 6)            # between 4 and 8: on the line
+    assert f == pytest.approx([7e-3, 5e-3]) and b == pytest.approx([14e-3, 5e-3])
+    f, _ = m.layer_times(t.device("cpu:0"), 20)           # beyond 12: the line through 8 and 12
+    assert f == pytest.approx([21e-3, 5e-3])
+    assert set(timed) <= set(batch_grid(12))              # only the grid is ever timed
+    fit = m.fit_report("cpu:0")                           # whole model: 13 ms + 3 ms/sample
+    assert fit["fixed_s"] == pytest.approx(13e-3) and fit["per_sample_s"] == pytest.approx(3e-3)
+    assert fit["residual_pct"] == pytest.approx(0.0, abs=1e-9) and fit["sizes"] == [1, 2, 4, 8, 12]
+
+
+def test_planning_on_a_measured_host_times_layers_once_before_the_search(tmp_path, monkeypatch):
+    import random
+    import socket
+
+    from planner.cost.timing import MeasuredCost, batch_grid
+    from planner.files.plan import ModelRef
+    from planner.hardware.topology import Device, Link
+    from planner.search.mcmc import SearchConfig, search
+    from planner.search.problem import plan_problem
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 2})
+    cpus = tuple(Device(f"cpu:{i}", "cpu", 1e9, 1e10, 1e9, 0.0, 1) for i in range(2))
+    t = Topology("h", cpus, (Link("cpu:0", "cpu:1", 1e9, 1e-5),), {"host": {"hostname": socket.gethostname()}})
+    timed = []
+    real = MeasuredCost._measure
+
+    def counting(self, dev, b):
+        timed.append((dev.name, b))
+        return real(self, dev, b)
+    monkeypatch.setattr(MeasuredCost, "_measure", counting)
+    monkeypatch.setattr(MeasuredCost, "_time_layer", _fail_after_prepare(MeasuredCost._time_layer))
+    _, problem = plan_problem(w, ModelRef("mlp", {"hidden": 32, "depth": 2}), 24, t, "adam", 1e-3)
+    assert {b for _, b in timed} == set(batch_grid(24))
+    _fail_after_prepare.armed = True          # from here on, timing a layer fails the test
+    try:
+        result = search(problem, random.Random(0), SearchConfig(iterations=200, time_limit_s=60))
+    finally:
+        _fail_after_prepare.armed = False
+    assert result.best is not None and result.stopped_by != "time limit"
+
+
+def _fail_after_prepare(fn):
+    def wrapper(*args, **kwargs):
+        if _fail_after_prepare.armed:
+            pytest.fail("a layer was timed during the search")
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+_fail_after_prepare.armed = False

@@ -72,6 +72,12 @@ def _table(best, baselines):
     return df.to_string(index=False, float_format=lambda v: f"{v:.3f}")
 
 
+def _cost_fit(cost, devices) -> dict:
+    """{"layer_cost_fit": {device: affine fit of its measured cost curve}} where measured."""
+    fits = {d: f for d in devices if (f := cost.fit_report(d)) is not None}
+    return {"layer_cost_fit": fits} if fits else {}
+
+
 def main(args) -> int:
     import random
     from dataclasses import replace
@@ -112,7 +118,8 @@ def main(args) -> int:
                        "baselines": baselines,
                        "search": {"seed": args.seed, "precisions": list(precisions),
                                   "iterations": result.iterations,
-                                  "simulations": result.evaluations, "stopped_by": result.stopped_by}}))
+                                  "simulations": result.evaluations, "stopped_by": result.stopped_by},
+                       **_cost_fit(problem.cost, best.plan.devices)}))
     validate_plan(plan, args.output, graph.num_layers, {d.name for d in topology.devices})
     save_plan(plan, args.output)
     if args.json:

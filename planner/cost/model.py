@@ -100,6 +100,13 @@ class CostModel:
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         raise NotImplementedError
 
+    def prepare(self, devices) -> None:
+        """Measure now whatever pricing `devices` will need (formulas need nothing)."""
+
+    def fit_report(self, device: str) -> dict | None:
+        """How a measured cost curve fits its measurements (formulas: None)."""
+        return None
+
     def _tables(self, device: str, batch: float):
         key = (device, batch)
         if key not in self._prefix:

@@ -2,8 +2,12 @@
 stage on a real batch, warm, median of `repeats` after `warmup`; the loss is timed as a pseudo-layer
 added to the last layer; the first layer gets no input gradient (as in the runtime). Cached in
 `$HETPLAN_CACHE_DIR/layer_costs.json` by host, signature, device kind, threads, batch and
-precision. Without `exact`, interpolated between the powers of two around the batch. History and
-figures: docs/tuning.md.
+precision. History and figures: docs/tuning.md.
+
+Batch sizes: a cost curve. With `sizes` (`batch_grid(global_batch)` when planning or predicting a
+plan) layers are timed at those microbatch sizes only, all before a search starts (`prepare`); a
+microbatch in between costs the straight line through the two measured sizes around it (beyond the
+largest, the line through the last two). Without `sizes`, each size is timed as asked.
 
 Each layer's forward (and the loss's) runs under planner.workload.precision.autocast in the
 graph's precision, its backward outside it, as in training. When several CPU workers of a host
@@ -13,9 +17,9 @@ compute at once, the times are multiplied by the topology's contention factor
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
-import math
 import os
 import socket
 import statistics
@@ -39,11 +43,35 @@ def interpolate(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
     return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+# A layer whose forward + backward takes this long is timed SLOW_LAYER_REPEATS times after a
+# single warm-up (relative noise is small there), so that a cost curve up to large batches is
+# measured in seconds; faster layers get `warmup` + `repeats` runs.
+SLOW_LAYER_S = 0.02
+SLOW_LAYER_REPEATS = 3
+
+
+def batch_grid(global_batch: int) -> tuple[int, ...]:
+    """The microbatch sizes layers are timed at for a workload of `global_batch` samples: the
+    powers of two below it and the batch itself (every microbatch of a plan is in [1, batch])."""
+    if global_batch < 1:
+        raise ValueError(f"global batch must be positive, got {global_batch}")
+    return tuple(sorted({1 << k for k in range(global_batch.bit_length())} | {global_batch}))
+
+
+def _neighbours(sizes: tuple[int, ...], batch: float) -> tuple[int, int]:
+    """The two sizes whose line prices `batch`: around it, else the two nearest ends."""
+    if len(sizes) == 1:
+        return sizes[0], sizes[0]
+    i = min(max(bisect.bisect_left(sizes, batch), 1), len(sizes) - 1)
+    return sizes[i - 1], sizes[i]
+
+
 class MeasuredCost(CostModel):
-    def __init__(self, graph, topology: Topology, workload, exact: bool = True,
+    def __init__(self, graph, topology: Topology, workload, sizes: tuple[int, ...] | None = None,
                  warmup: int = 2, repeats: int = 5):
         super().__init__(graph, topology)
-        self.workload, self.exact, self.warmup, self.repeats = workload, exact, warmup, repeats
+        self.workload, self.warmup, self.repeats = workload, warmup, repeats
+        self.sizes = tuple(sorted(set(sizes))) if sizes else None   # None: time what is asked
         self._roofline = RooflineCost(graph, topology)
         self._disk: dict[str, list[float]] | None = None
 
@@ -144,7 +172,9 @@ class MeasuredCost(CostModel):
             return time.perf_counter() - t0, out
 
         f_times, b_times = [], []
-        for rep in range(self.warmup + self.repeats):
+        runs = self.warmup + self.repeats
+        rep = 0
+        while rep < runs:
             stage.zero_grad(set_to_none=True)
             with in_precision():
                 f_s, out = timed(lambda: as_tuple(stage(*x)))
@@ -156,28 +186,63 @@ class MeasuredCost(CostModel):
             if rep >= self.warmup:
                 f_times.append(f_s)
                 b_times.append(b_s)
+            elif f_s + b_s >= SLOW_LAYER_S:   # slow: timer noise is small, one warm-up will do
+                runs = self.warmup + min(self.repeats, SLOW_LAYER_REPEATS)
+                rep = self.warmup - 1
+            rep += 1
         return statistics.median(f_times), statistics.median(b_times)
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
-        if device.kind != "cpu":
-            from planner.hardware.device import gpu_count
-            if parse_device_name(device.name)[2] >= gpu_count():
-                # the profiled GPU is absent now: fall back to the roofline
-                return self._roofline.layer_times(device, batch)
-        if self.exact and float(batch).is_integer():
+        if not _present(device):
+            return self._roofline.layer_times(device, batch)
+        if self.sizes is None:
             return self._measure(device, int(batch))
-        lo = 2 ** math.floor(math.log2(max(batch, 1)))
-        hi = lo if lo == batch else lo * 2
+        lo, hi = _neighbours(self.sizes, batch)
         f0, b0 = self._measure(device, lo)
         f1, b1 = self._measure(device, hi)
         return ([interpolate(batch, lo, a, hi, b) for a, b in zip(f0, f1)],
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
 
+    def prepare(self, devices) -> None:
+        """Time every layer at every size of the curve on each of `devices` (names) now, so that a
+        search over them never times anything (devices of one kind and thread count share)."""
+        for name in devices:
+            dev = self.topology.device(name)
+            if _present(dev):
+                for b in self.sizes or ():
+                    self._measure(dev, b)
 
-def cost_model(graph, topology: Topology, workload) -> CostModel:
-    """The measured model on a topology profiled on this machine, else the roofline model."""
+    def fit_report(self, device: str) -> dict[str, float] | None:
+        """The curve of one device's whole model (forward + backward, every layer): its least-squares
+        line `fixed_s + per_sample_s * batch` and the largest relative distance of a measured
+        size from it (`residual_pct`); None for a device priced by the roofline or no curve."""
+        dev = self.topology.device(device)
+        if self.sizes is None or len(self.sizes) < 2 or not _present(dev):
+            return None
+        xs = [float(b) for b in self.sizes]
+        ys = [sum(f) + sum(b) for f, b in (self._measure(dev, int(x)) for x in xs)]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fixed = my - slope * mx
+        worst = max(abs(fixed + slope * x - y) / y for x, y in zip(xs, ys))
+        return {"fixed_s": fixed, "per_sample_s": slope, "residual_pct": 100 * worst,
+                "sizes": list(self.sizes)}
+
+
+def _present(device: Device) -> bool:
+    """A CPU, or an accelerator this process can use (a profiled GPU absent now is priced by
+    the roofline)."""
+    if device.kind == "cpu":
+        return True
+    from planner.hardware.device import gpu_count
+    return parse_device_name(device.name)[2] < gpu_count()
+
+
+def cost_model(graph, topology: Topology, workload, global_batch: int) -> CostModel:
+    """On a topology profiled on this machine, the measured model with its cost curve over
+    `batch_grid(global_batch)` (so `plan` and `simulate` price a plan alike); else the roofline."""
     if measured_here(topology):
-        return MeasuredCost(graph, topology, workload)
+        return MeasuredCost(graph, topology, workload, sizes=batch_grid(global_batch))
     return RooflineCost(graph, topology)
 
 
@@ -214,4 +279,4 @@ def _from_entries(keys: list[str], entries: dict) -> tuple[list[float], list[flo
             [entries[k][1] for k in keys[:-1]] + [last[1] + last[3]])
 
 
-__all__ = ["MeasuredCost", "cost_model", "cache_path", "interpolate"]
+__all__ = ["MeasuredCost", "cost_model", "cache_path", "interpolate", "batch_grid"]

@@ -43,6 +43,7 @@ class Problem:
     memory_bytes: dict[str, float]                  # device capacity
     shares: dict[str, tuple[float, ...]]            # per device, each layer's share of model time
     cut_s: Callable[[str, str, int], float] | None = None  # activations at cut i between two devices
+    cost: Any = None                                # the cost model (first precision's)
 
 
 @dataclass(frozen=True)

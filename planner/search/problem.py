@@ -59,7 +59,8 @@ def simulator_problem(simulator, space: Space) -> Problem:
             return 2 * topology.transfer_s(a, b, graph.cut_bytes_at(i, B))
         except ValueError:
             return math.inf
-    return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s)
+    return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s,
+                   cost)
 
 
 CAPTURE_BATCH = 8   # graphs for planning are captured at min(global batch, this) and scaled
@@ -78,7 +79,9 @@ def plan_problem(workload, model, global_batch: int, topology, optimizer_name: s
     sims = {}
     for p in precisions:
         graph = capture_graph(workload, min(global_batch, CAPTURE_BATCH), p)
-        sims[p] = Simulator(graph, topology, cost_model(graph, topology, workload))
+        cost = cost_model(graph, topology, workload, global_batch)
+        cost.prepare(d.name for d in topology.devices)   # measured once; the search never times
+        sims[p] = Simulator(graph, topology, cost)
     first = sims[precisions[0]].graph
     space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions)
     return first, simulator_problem(ByPrecision(sims), space)

@@ -31,7 +31,7 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
     graph = capture_graph(workload, batch, plan.precision)
     validate_plan(plan, str(plan_path), graph.num_layers, names)
-    cost = cost_model(graph, topology, workload)
+    cost = cost_model(graph, topology, workload, plan.global_batch)
     try:
         return Simulator(graph, topology, cost).simulate(plan, trace=trace)
     except (ValueError, KeyError) as e:
