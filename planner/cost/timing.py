@@ -29,7 +29,7 @@ from pathlib import Path
 
 from planner.cost.model import CostModel, RooflineCost
 from planner.files.io import write_json_atomic
-from planner.workload.precision import autocast, matmul_precision
+from planner.workload.precision import autocast
 from planner.hardware.lookup import measured_here
 from planner.hardware.topology import Device, Topology, parse_device_name
 
@@ -90,7 +90,7 @@ class MeasuredCost(CostModel):
         first = "|first" if i == 0 else ""
         from planner.hardware.device import standin_gpus
         kind = device.kind + ("-standin" if device.kind != "cpu" and standin_gpus() else "")
-        p = matmul_precision(device.kind, self.precision)   # tf32 on a CPU is fp32
+        p = device.matmul_precision(self.precision)   # tf32 on a CPU is fp32
         prec = "" if p == "fp32" else f"|{p}"                # fp32 keys as before precision existed
         return f"{socket.gethostname()}|{sig}|{kind}|{device.threads}|{batch}|loss{first}{prec}"
 

@@ -50,12 +50,15 @@ class Device:
     def node(self) -> str | None:
         return parse_device_name(self.name)[0]
 
+    def matmul_precision(self, precision: str) -> str:
+        """The precision this device's matmuls run at: tf32 is fp32 on a CPU (no TF32 units)."""
+        return "fp32" if precision == "tf32" and self.kind != "cuda" else precision
+
     def matmul_flops_per_s_at(self, precision: str) -> float:
-        """matmul_flops_per_s_by_precision[precision] when the device has that entry (tf32 on a
-        CPU reads the fp32 entry: planner.workload.precision), else matmul_flops_per_s (what-if devices)."""
-        from planner.workload.precision import matmul_precision
+        """matmul_flops_per_s_by_precision at `matmul_precision(precision)` when the device has
+        that entry, else matmul_flops_per_s (what-if devices)."""
         table = self.matmul_flops_per_s_by_precision or {}
-        return table.get(matmul_precision(self.kind, precision), self.matmul_flops_per_s)
+        return table.get(self.matmul_precision(precision), self.matmul_flops_per_s)
 
 
 @dataclass(frozen=True)

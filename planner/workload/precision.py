@@ -41,9 +41,4 @@ def autocast(device_type: str, precision: str):
     return contextlib.nullcontext()
 
 
-def matmul_precision(device_kind: str, precision: str) -> str:
-    """The precision a device's matmuls run at: tf32 is fp32 on a CPU (no TF32 units)."""
-    return "fp32" if precision == "tf32" and device_kind != "cuda" else precision
-
-
-__all__ = ["PRECISIONS", "autocast", "matmul_precision"]
+__all__ = ["PRECISIONS", "autocast"]
