@@ -162,7 +162,7 @@ class StageRunner:
         self.precision = precision  # forward and loss under planner.workload.precision.autocast
         self.prev, self.next, self.scale = prev, next, scale
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
-        self.saved_tracker = None   # measure.SavedTracker, used while `track` is True
+        self.saved_tracker = None   # instruments.SavedTracker, used while `track` is True
         self.track = False
 
     def run(self, actions: list[Action], inputs: list[tuple] | None,

@@ -88,7 +88,8 @@ def run_worker(cfg: RunConfig) -> None:
 
     from planner.hardware.device import torch_device
     from planner.files.plan import load_plan, plan_sha256
-    from runtime import instruments as measure, stage
+    from runtime import stage
+    from runtime.results import build_measured
 
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -112,7 +113,7 @@ def run_worker(cfg: RunConfig) -> None:
         dist.gather_object(record, records, dst=0)
         params = _gather_params(cfg, built, rank, world)
         if rank == 0:
-            result = measure.build_measured(plan_sha256(cfg.plan), records, cfg.warmup, {
+            result = build_measured(plan_sha256(cfg.plan), records, cfg.warmup, {
                 "iters": cfg.iters, "warmup": cfg.warmup, "world_size": world,
                 "timing": "max over ranks of each rank's step after a barrier", **cfg.extra})
             if params is not None:
@@ -127,9 +128,9 @@ def run_worker(cfg: RunConfig) -> None:
 def _train(cfg, plan, built, rank, device, name) -> dict:
     import torch
 
-    from runtime import instruments as measure
+    from runtime.instruments import MemoryTracker
     param_bytes = sum(p.numel() * p.element_size() for p in built.params)
-    timer, mem = built.timer, measure.MemoryTracker(device.device, param_bytes)
+    timer, mem = built.timer, MemoryTracker(device.device, param_bytes)
     fault = os.environ.get(FAULT_ENV, "")
     iter_s, busy_s, losses, events = [], [], [], None
     shown = -1e9                                   # progress on stderr at most once a second
