@@ -22,6 +22,7 @@ from pathlib import Path
 from planner.files.io import InputError
 from planner.files.plan import Plan
 from planner.hardware.topology import Topology, load_topology, parse_device_name
+from runtime.rendezvous import env_vars, free_port
 from runtime.worker import RunConfig, default_threads, node_of, report_error, run_worker
 
 _POLL_S = 0.05
@@ -30,12 +31,6 @@ _TERMINATE_GRACE_S = 5.0
 
 class RunError(Exception):
     """A worker failed; the message is one line naming the rank and device."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_devices(plan: Plan, file: str) -> None:
@@ -88,9 +83,7 @@ def _child(rank: int, world: int, addr: str, port: int, cfg_json: str, env: dict
     """Worker process: take the launcher's environment (a forkserver child would otherwise
     see the server's, from when it started), set the env:// variables and run the worker."""
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR=addr,
-                      MASTER_PORT=str(port))
+    os.environ.update(env_vars(rank, world, addr, port))
     cfg = RunConfig.from_json(cfg_json)
     try:
         run_worker(cfg)
