@@ -268,13 +268,11 @@ def per_call_in_window(fn: Callable[[], None], window_s: float) -> float:
 
 def optimizer_table(repeats: int, min_time_s: float,
                     barrier: Callable[[], None] | None = None) -> dict[str, list[dict]]:
-    """torch.optim Adam and SGD (as runtime.optim builds them) over parameter sets of different
-    tensor counts and sizes: rows {"tensors", "bytes", "s"} (median seconds per step). Each step
-    is timed alone after evicting the caches (a 64 MiB copy): in training the forward and
-    backward pass run between two steps, so the parameters and moments come from memory (timed
-    back to back, steps ran ~1.7x faster than in `hetplan run` on the 2-vCPU VM). With
-    `barrier` (called before each timed step), every worker runs the table at once: the steps
-    after a synchronous all-reduce, which compete for memory bandwidth."""
+    """torch.optim Adam and SGD steps (as runtime.optim builds them) over parameter sets of
+    several tensor counts and sizes, each timed alone after evicting the caches (a 64 MiB copy;
+    in training, forward and backward run between two steps): rows {"tensors", "bytes", "s"}
+    (median seconds per step). With `barrier` (called before each timed step), every worker
+    steps at once."""
     shapes = [(1, 1 << 20), (4, 1 << 18), (16, 1 << 16), (64, 1 << 12), (64, 1 << 14), (8, 1 << 20)]
     junk_src, junk_dst = torch.ones(16 << 20), torch.empty(16 << 20)
     out: dict[str, list[dict]] = {}
