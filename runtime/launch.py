@@ -23,7 +23,8 @@ from planner.files.io import InputError
 from planner.files.plan import Plan
 from planner.hardware.topology import Topology, load_topology, parse_device_name
 from runtime.rendezvous import env_vars, free_port
-from runtime.worker import RunConfig, default_threads, node_of, report_error, run_worker
+from runtime.placement import default_threads, node_of
+from runtime.worker import RunConfig, report_error, run_worker
 
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 5.0
@@ -71,7 +72,7 @@ def find_topology(plan: Plan, path: str | None) -> Topology | None:
 
 def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:
     """Intra-op threads of each worker: the topology's `threads` of the device when it has one,
-    else worker.default_threads (cores // CPU workers; GPU workers 1 beside CPU workers)."""
+    else placement.default_threads (cores // CPU workers; GPU workers 1 beside CPU workers)."""
     out = {}
     for d in plan.devices:
         t = topology.device(d).threads if topology is not None and topology.has_device(d) else None
