@@ -134,16 +134,16 @@ def _device_tables(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
         if dist.get_rank() == 0:
             log(f"matmul n={n} on {dist.get_world_size()} worker(s) at once")
         dist.barrier()  # every worker runs the same size at the same time
-        table.append(bench.matmul_row(n, device, s.min_time_s, s.repeats))
+        table.append(bench.matmul_row(n, dev, s.min_time_s, s.repeats))
     if dist.get_rank() == 0:
         log("memory copy and per-op overhead")
     dist.barrier()
     copy_bytes = s.cuda_copy_bytes if dev.native else s.cpu_copy_bytes
-    copy = bench.memory_copy(copy_bytes, device, s.min_time_s, s.repeats)
+    copy = bench.memory_copy(copy_bytes, dev, s.min_time_s, s.repeats)
     dist.barrier()
-    overhead = bench.op_overhead(device, s.min_time_s, s.repeats)
+    overhead = bench.op_overhead(dev, s.min_time_s, s.repeats)
     out = {"matmul_table": table, "memory_copy": copy, "op_overhead": overhead,
-           **_low_precision_matmuls(device, s, table[-1]["flops_per_s"])}
+           **_low_precision_matmuls(dev, s, table[-1]["flops_per_s"])}
     if dev.accelerator:
         out["host_copy_table"] = bench.host_copy_table(dev, list(s.comm_sizes), s.min_time_s,
                                                        s.repeats)
@@ -160,12 +160,12 @@ def _device_tables(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
     return out
 
 
-def _low_precision_matmuls(device: torch.device, s: Settings, fp32_flops_per_s: float) -> dict:
+def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: float) -> dict:
     """`matmul_<p>_table` for tf32 (CUDA only: on a CPU, a stand-in GPU's included, tf32 is fp32,
     so the fp32 figure is copied) and bf16 (measured for real everywhere: a CPU without native
     bf16 is slow at it and is priced so), and `matmul_flops_per_s_by_precision` from each
     table's largest size."""
-    native = device.type == "cuda"
+    native = dev.native
     sizes = s.cuda_low_precision_sizes if native else s.cpu_low_precision_sizes
     out: dict = {}
     rates = {"fp32": fp32_flops_per_s}
@@ -178,7 +178,7 @@ def _low_precision_matmuls(device: torch.device, s: Settings, fp32_flops_per_s: 
         rows = []
         for n in sizes:
             dist.barrier()   # every worker runs the same size at the same time
-            rows.append(bench.matmul_row(n, device, s.min_time_s, s.repeats, precision=p))
+            rows.append(bench.matmul_row(n, dev, s.min_time_s, s.repeats, precision=p))
         out[f"matmul_{p}_table"] = rows
         rates[p] = rows[-1]["flops_per_s"]
     out["matmul_flops_per_s_by_precision"] = rates

@@ -15,7 +15,7 @@ from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
-from runtime.pipeline import Link, StageRunner, WholeModel, stage_actions
+from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
 from runtime.sync import GradSync, Groups, layer_ranks
 
 
@@ -159,9 +159,9 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     groups = Groups(kinds, pairs, list(set(ranks_of_layer)), timeout, nccl=standin_gpus() == 0)
     my_ranks = replica_ranks[rep_i]
 
-    def link(peer: int) -> Link:
+    def link(peer: int) -> PeerLink:
         send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
-        return Link(peer=peer, send_group=send, recv_group=recv, device=device,
+        return PeerLink(peer=peer, send_group=send, recv_group=recv, device=device,
                     host_staged=device.accelerator and send is groups.world)
 
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
