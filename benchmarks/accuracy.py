@@ -18,11 +18,8 @@ average) is printed before and after: the figures are only meaningful on a quiet
 The run's figures go to the `accuracy` section of benchmarks/results/<hostname>.json
 (benchmarks/results.py).
 
-Workloads are sized like real training steps: one iteration takes ~50-200 ms on one core of the
-2-vCPU VM. At the 10-20 ms of the first version, fixed per-message and per-op costs (gloo
-wake-ups, Python dispatch) and OS scheduling noise of a few milliseconds were a third of an
-iteration; the cost model carries them only as averages (calibration.multi_worker_overhead_s,
-op overheads inside measured layers), so micro-steps measured the noise rather than the model.
+Workloads are sized like training steps (iterations of 50-200 ms) so fixed per-message costs and
+scheduling noise stay small against an iteration.
 """
 from __future__ import annotations
 
@@ -191,8 +188,8 @@ def _run_once(plan_path: Path, topology_path: Path, iters: int, warmup: int, out
     return json.loads(out.read_text()), foreign
 
 
-def measure(plan_path: Path, topology_path: Path, iters: int, warmup: int, out_dir: Path,
-            max_foreign: float = 0.05, attempts: int = 4) -> dict:
+def run_plan(plan_path: Path, topology_path: Path, iters: int, warmup: int, out_dir: Path,
+             max_foreign: float = 0.05, attempts: int = 4) -> dict:
     """`hetplan run` on a quiet machine: a run during which other processes used more than
     `max_foreign` of the CPU is repeated (up to `attempts` runs; the quietest is kept). The
     result carries `foreign_cpu` and `attempts`."""
@@ -247,7 +244,7 @@ def select_plans(topology, only: str | None) -> dict[str, dict]:
     return plans
 
 
-def main(argv=None) -> int:
+def _parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
     p.add_argument("--csv", default="out/accuracy.csv")
@@ -277,16 +274,13 @@ def main(argv=None) -> int:
         a.iters, a.warmup = 3, 1
     if a.iters <= a.warmup or a.warmup < 0:
         p.error("--iters must exceed --warmup >= 0")
-    results_path = results_target(a)
-    if not check_results_file("accuracy", results_path):   # fail now, not after the runs
-        return 2
+    return p, a
 
-    os.environ["HETPLAN_CACHE_DIR"] = a.cache_dir
-    if not a.keep_cache:
-        (Path(a.cache_dir) / "layer_costs.json").unlink(missing_ok=True)
-    from planner.files.io import write_json_atomic
+
+def _topology(a):
+    """(path, Topology) to predict on: --topology or profiles/<hostname>.json, profiled when
+    missing (or with --reprofile); without its calibration under --without-calibration."""
     from planner.hardware.topology import load_topology
-
     topo_path = Path(a.topology) if a.topology else default_profile_path(ROOT)
     ensure_topology(topo_path, 2, again=a.reprofile, wait=not a.quick)
     topology = load_topology(topo_path)
@@ -294,57 +288,99 @@ def main(argv=None) -> int:
         from dataclasses import replace
         topology = replace(topology, measured={k: v for k, v in topology.measured.items()
                                                 if k != "calibration"})
-    reused = {}
-    if a.reuse:
-        with open(a.reuse) as f:
-            reused = {r["plan"]: r for r in csv.DictReader(f)}
+    return topo_path, topology
+
+
+def _plans(p, a, topology, topo_path: Path) -> dict[str, dict]:
+    """The plans to run (select_plans); a usage error when none fits or --only matches none."""
     try:
         plans = select_plans(topology, a.only)
     except ValueError as e:
         p.error(f"{topo_path}: {e}")
     if not plans:
         p.error(f"--only: no plan of this topology's set matches {a.only!r}")
+    return plans
+
+
+def _reused(p, a, plans: dict) -> dict[str, dict]:
+    """--reuse: the earlier CSV's row of every plan (a usage error when one is missing)."""
+    if not a.reuse:
+        return {}
+    with open(a.reuse) as f:
+        reused = {r["plan"]: r for r in csv.DictReader(f)}
+    for name in plans:
+        if name not in reused:
+            p.error(f"{a.reuse}: no row for plan {name}")
+    return reused
+
+
+def _row(name: str, plan: dict, a, topology, topo_path: Path, tmp: Path, reused: dict) -> dict:
+    """One plan: write it, predict it, then run it (or take its earlier measurement)."""
+    from planner.files.io import write_json_atomic
+    plan["topology"] = {"name": topology.name, "sha256": topology.sha256}
+    path = tmp / (name.replace("/", "__") + ".json")
+    write_json_atomic(path, plan)
+    on_linux = Path("/proc/stat").exists()
+    busy = wait_quiet() if on_linux and not (a.predict_only or a.reuse or a.quick) else 0.0
+    pred = predict(path, topology)   # may time layers (MeasuredCost): on a quiet machine
+    row = {"plan": name, "workload": name.split("/")[0], "predicted_s": pred}
+    if a.reuse:
+        m_s = float(reused[name]["measured_s"])
+        row.update(measured_s=m_s, error_pct=100.0 * (pred - m_s) / m_s,
+                   spread_pct=float(reused[name]["spread_pct"]), reused=a.reuse)
+    elif not a.predict_only:
+        row["busy_before"] = busy
+        t0 = time.perf_counter()
+        m = run_plan(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
+        row.update(measured_s=m["iteration_s"], foreign_cpu=m["foreign_cpu"],
+                   attempts=m["attempts"],
+                   error_pct=100.0 * (pred - m["iteration_s"]) / m["iteration_s"],
+                   spread_pct=100.0 * _spread(m["iterations_s"][a.warmup:]),
+                   run_s=time.perf_counter() - t0)
+        print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms  measured "
+              f"{m['iteration_s'] * 1e3:8.2f} ms  error {row['error_pct']:+6.1f} %",
+              file=sys.stderr)
+    else:
+        print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms", file=sys.stderr)
+    return row
+
+
+def _print_table(rows: list[dict], summary: dict, csv_path: str) -> None:
+    print(f"{'plan':<24}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}{'spread %':>10}")
+    for r in rows:
+        print(f"{r['plan']:<24}{r['predicted_s'] * 1e3:>14.2f}{r['measured_s'] * 1e3:>13.2f}"
+              f"{r['error_pct']:>+9.1f}{r['spread_pct']:>10.1f}")
+    for w, s in summary["per_workload"].items():
+        print(f"  {w}: MAPE {s['mape_pct']:.1f} %, worst {s['worst_pct']:.1f} %, tau {s['tau']:.2f}")
+    print(f"MAPE {summary['mape_pct']:.1f} % (target <= {TARGETS['mape_pct']:g}), worst "
+          f"{summary['worst_pct']:.1f} % ({summary['worst_plan']}; target <= "
+          f"{TARGETS['worst_pct']:g}), Kendall tau {summary['tau']:.3f} (target >= "
+          f"{TARGETS['tau']:g}), mean signed error {summary['mean_signed_pct']:+.1f} %")
+    print(f"load average {summary['load_before']:.2f} before, {summary['load_after']:.2f} after; "
+          f"wrote {csv_path}")
+
+
+def main(argv=None) -> int:
+    p, a = _parse_args(argv)
+    results_path = results_target(a)
+    if not check_results_file("accuracy", results_path):   # fail now, not after the runs
+        return 2
+    os.environ["HETPLAN_CACHE_DIR"] = a.cache_dir
+    if not a.keep_cache:
+        (Path(a.cache_dir) / "layer_costs.json").unlink(missing_ok=True)
+    topo_path, topology = _topology(a)
+    plans = _plans(p, a, topology, topo_path)
+    reused = _reused(p, a, plans)
     load_before = load_avg()
     print(f"accuracy: {len(plans)} plans on {topo_path.name}; load average {load_before:.2f}",
           file=sys.stderr)
-    rows = []
-    on_linux = Path("/proc/stat").exists()
     with tempfile.TemporaryDirectory(prefix="hetplan-accuracy-") as tmp:
-        tmp = Path(tmp)
-        for name, plan in plans.items():
-            plan["topology"] = {"name": topology.name, "sha256": topology.sha256}
-            path = tmp / (name.replace("/", "__") + ".json")
-            write_json_atomic(path, plan)
-            busy = wait_quiet() if on_linux and not (a.predict_only or a.reuse or a.quick) else 0.0
-            pred = predict(path, topology)   # may time layers (MeasuredCost): on a quiet machine
-            row = {"plan": name, "workload": name.split("/")[0], "predicted_s": pred}
-            if a.reuse:
-                if name not in reused:
-                    p.error(f"{a.reuse}: no row for plan {name}")
-                old = reused[name]
-                m_s = float(old["measured_s"])
-                row.update(measured_s=m_s, error_pct=100.0 * (pred - m_s) / m_s,
-                           spread_pct=float(old["spread_pct"]), reused=a.reuse)
-            elif not a.predict_only:
-                row["busy_before"] = busy
-                t0 = time.perf_counter()
-                m = measure(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
-                row.update(measured_s=m["iteration_s"], foreign_cpu=m["foreign_cpu"],
-                           attempts=m["attempts"],
-                           error_pct=100.0 * (pred - m["iteration_s"]) / m["iteration_s"],
-                           spread_pct=100.0 * _spread(m["iterations_s"][a.warmup:]),
-                           run_s=time.perf_counter() - t0)
-                print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms  measured "
-                      f"{m['iteration_s'] * 1e3:8.2f} ms  error {row['error_pct']:+6.1f} %",
-                      file=sys.stderr)
-            else:
-                print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms", file=sys.stderr)
-            rows.append(row)
+        rows = [_row(name, plan, a, topology, topo_path, Path(tmp), reused)
+                for name, plan in plans.items()]
     if a.predict_only:
         return 0
-    load_after = load_avg()
     summary = summarise(rows)
-    summary.update(load_before=load_before, load_after=load_after, topology=str(topo_path),
+    summary.update(load_before=load_before, load_after=load_avg(), topology=str(topo_path),
                    per_workload={w: summarise([r for r in rows if r["workload"] == w])
                                  for w in sorted({r["workload"] for r in rows})})
     _write_csv(Path(a.csv), rows)
@@ -356,17 +392,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps({"summary": summary, "rows": rows}))
     else:
-        print(f"{'plan':<24}{'predicted ms':>14}{'measured ms':>13}{'error %':>9}{'spread %':>10}")
-        for r in rows:
-            print(f"{r['plan']:<24}{r['predicted_s'] * 1e3:>14.2f}{r['measured_s'] * 1e3:>13.2f}"
-                  f"{r['error_pct']:>+9.1f}{r['spread_pct']:>10.1f}")
-        for w, s in summary["per_workload"].items():
-            print(f"  {w}: MAPE {s['mape_pct']:.1f} %, worst {s['worst_pct']:.1f} %, tau {s['tau']:.2f}")
-        print(f"MAPE {summary['mape_pct']:.1f} % (target <= {TARGETS['mape_pct']:g}), worst "
-              f"{summary['worst_pct']:.1f} % ({summary['worst_plan']}; target <= "
-              f"{TARGETS['worst_pct']:g}), Kendall tau {summary['tau']:.3f} (target >= "
-              f"{TARGETS['tau']:g}), mean signed error {summary['mean_signed_pct']:+.1f} %")
-        print(f"load average {load_before:.2f} before, {load_after:.2f} after; wrote {a.csv}")
+        _print_table(rows, summary, a.csv)
     if a.check and missed:
         print(f"accuracy: missed target(s): {', '.join(missed)}", file=sys.stderr)
         return 1

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from accuracy import (_write_csv, ensure_topology, kendall_tau, load_avg,  # noqa: E402
-                      measure, predict, wait_quiet)
+                      predict, run_plan, wait_quiet)
 from benchmarks.plan_sets import workloads_for  # noqa: E402
 from benchmarks.results import (add_results_arguments, check_results_file,  # noqa: E402
                                 plan_quality_payload, results_target, save_section)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             for name, path in plans.items():
                 busy = 0.0 if a.quick else wait_quiet()
                 pred = predict(path, topology)
-                m = measure(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
+                m = run_plan(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
                 res.append({"workload": w, "plan": name, "predicted_s": pred,
                             "measured_s": m["iteration_s"], "busy_before": busy,
                             "error_pct": 100 * (pred - m["iteration_s"]) / m["iteration_s"]})

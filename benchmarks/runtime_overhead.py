@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from planner.workload.load import load_workload  # noqa: E402
-from runtime.launch import free_port, launch  # noqa: E402
+from runtime.launch import launch  # noqa: E402
+from runtime.rendezvous import env_vars, free_port  # noqa: E402
 from runtime.worker import RunConfig  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def plain_rank(rank, world, port, model, batch, iters, threads, out):
     """Plain loop (world 1) or torch DDP (world > 1): per-iteration step times of this rank."""
     torch.set_num_threads(threads)
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(env_vars(rank, world, "127.0.0.1", port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     w = load_workload(model["spec"], model["args"])
     net = w.model

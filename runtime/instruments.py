@@ -1,10 +1,5 @@
-"""What a run measures, and the measured file (`hetplan.measured/1`) built from it.
+"""What a rank measures while it trains (the measured file is assembled in runtime.results).
 
-- Iteration time: every rank passes a barrier, then times its own step with perf_counter (CUDA:
-  after a synchronize); the iteration's time is the MAX over ranks of these durations (the
-  barrier aligns the starts to within its own skew, tens of microseconds on loopback). The batch
-  is made before the barrier: data loading is not part of an iteration, as in the simulator.
-  `iteration_s` is the median after the warm-up iterations.
 - Busy time per device: compute only — forward, loss, backward and optimizer calls (not sends,
   receives or waits for the gradient all-reduce), timed with the device's timing events (CUDA
   events on a GPU, the host clock otherwise; BusyTimer). Reported as the median per iteration.
@@ -20,13 +15,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import resource
-import socket
-import statistics
-import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,6 +44,14 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+class Span(NamedTuple):
+    """One wrapped call of the recorded iteration; start and end are the device's timing events."""
+    name: str      # "F3", "B3", "optimizer", "recv act 3", ...
+    kind: str      # "forward", "backward", "optimizer", "transfer", "allreduce"
+    start: Any
+    end: Any
+
+
 class BusyTimer:
     """Sums compute time of the calls wrapped in `timer()` over one iteration.
 
@@ -69,7 +67,7 @@ class BusyTimer:
         self._events: list[tuple[Any, Any]] = []
         self._recording = False
         self._origin: Any = None
-        self._spans: list[tuple[str, str, Any, Any]] = []
+        self._spans: list[Span] = []
 
     def start_recording(self) -> None:
         """Record spans from now (the iteration start) until `take_spans()`."""
@@ -86,7 +84,7 @@ class BusyTimer:
         if busy:
             self._events.append((start, end))
         if self._recording:
-            self._spans.append((name, kind, start, end))
+            self._spans.append(Span(name, kind, start, end))
 
     def take(self) -> float:
         """Busy seconds since the last take."""
@@ -99,8 +97,8 @@ class BusyTimer:
         """The recorded spans as {"name", "kind", "start_s", "end_s"}; stops recording."""
         self.device.synchronize()
         rel = self._origin.elapsed_time
-        out = [{"name": n, "kind": k, "start_s": rel(a) / 1e3, "end_s": rel(b) / 1e3}
-               for n, k, a, b in self._spans]
+        out = [{"name": sp.name, "kind": sp.kind, "start_s": rel(sp.start) / 1e3,
+                "end_s": rel(sp.end) / 1e3} for sp in self._spans]
         self._recording, self._spans = False, []
         return out
 
@@ -173,38 +171,3 @@ class SavedTracker:
 
     def release(self, mb: int) -> None:
         self.live.pop(mb, None)
-
-
-def host_info() -> dict[str, Any]:
-    return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpu_count": os.cpu_count()}
-
-
-def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int,
-                   extra: dict[str, Any]) -> dict[str, Any]:
-    """Combine every rank's record into the measured file's fields.
-
-    per_rank[r]: {"device", "iter_s": [...], "busy_s": [...], "loss": [...] (weighted, last
-    stages only, else zeros), "peak_memory_bytes", ...}. Iteration i's time is the max over ranks;
-    its loss is the sum over replicas' last stages of (b_r / G) * loss_r.
-    """
-    n = len(per_rank[0]["iter_s"])
-    iterations = [max(r["iter_s"][i] for r in per_rank) for i in range(n)]
-    losses = [sum(r["loss"][i] for r in per_rank) for i in range(n)]
-    kept = iterations[warmup:] or iterations
-    per_device = {}
-    for r in per_rank:
-        busy = r["busy_s"][warmup:] or r["busy_s"]
-        per_device[r["device"]] = {
-            "busy_s": statistics.median(busy), "peak_memory_bytes": r["peak_memory_bytes"],
-            "rank": r["rank"], "threads": r.get("threads"), "param_bytes": r["param_bytes"],
-            "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"]}
-        for k in ("saved_activation_peak_bytes", "rss_growth_bytes"):
-            if r.get(k) is not None:
-                per_device[r["device"]][k] = r[k]
-        if r.get("events") is not None:   # one iteration's spans on this device (compare --plot)
-            per_device[r["device"]]["events"] = r["events"]
-            per_device[r["device"]]["events_iteration"] = r["events_iteration"]
-    return {"plan_sha256": plan_sha256, "iterations_s": iterations,
-            "iteration_s": statistics.median(kept), "losses": losses, "per_device": per_device,
-            "host": host_info(), "torch": torch.__version__, **extra}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -22,7 +21,9 @@ from pathlib import Path
 from planner.files.io import InputError
 from planner.files.plan import Plan
 from planner.hardware.topology import Topology, parse_device_name
-from runtime.worker import RunConfig, default_threads, node_of, report_error, run_worker
+from runtime.rendezvous import env_vars, free_port
+from runtime.placement import default_threads, node_of
+from runtime.worker import RunConfig, report_error, run_worker
 
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 5.0
@@ -30,12 +31,6 @@ _TERMINATE_GRACE_S = 5.0
 
 class RunError(Exception):
     """A worker failed; the message is one line naming the rank and device."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_devices(plan: Plan, file: str) -> None:
@@ -60,7 +55,7 @@ def check_devices(plan: Plan, file: str) -> None:
 
 def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:
     """Intra-op threads of each worker: the topology's `threads` of the device when it has one,
-    else worker.default_threads (cores // CPU workers; GPU workers 1 beside CPU workers)."""
+    else placement.default_threads (cores // CPU workers; GPU workers 1 beside CPU workers)."""
     out = {}
     for d in plan.devices:
         t = topology.device(d).threads if topology is not None and topology.has_device(d) else None
@@ -72,9 +67,7 @@ def _child(rank: int, world: int, addr: str, port: int, cfg_json: str, env: dict
     """Worker process: take the launcher's environment (a forkserver child would otherwise
     see the server's, from when it started), set the env:// variables and run the worker."""
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR=addr,
-                      MASTER_PORT=str(port))
+    os.environ.update(env_vars(rank, world, addr, port))
     cfg = RunConfig.from_json(cfg_json)
     try:
         run_worker(cfg)

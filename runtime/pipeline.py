@@ -7,7 +7,7 @@ predicted. `StageRunner.run` executes one iteration's actions.
 Transfers between stages: activations go forward, gradients of the activations go backward.
 Sends are asynchronous (`isend`, waited at the end of the iteration) and receives block, so the
 schedules cannot deadlock. Over gloo, CUDA tensors are staged through pinned host memory
-(gloo has no CUDA send/recv; see `Link`); two CUDA stages talk over NCCL, one communicator per
+(gloo has no CUDA send/recv; see `PeerLink`); two CUDA stages talk over NCCL, one communicator per
 direction. The first exchange on a link
 carries a small header (count, dtypes, shapes, requires_grad), cached afterwards: shapes are
 fixed after the first iteration because every microbatch has the same size.
@@ -35,14 +35,14 @@ from torch.utils.checkpoint import checkpoint
 from planner.hardware.device import TorchDevice
 from planner.workload.precision import autocast
 
-Action = tuple[str, int]   # ("F", microbatch) or ("B", microbatch)
+Step = tuple[str, int]   # ("F", microbatch) or ("B", microbatch): a schedule Action of this stage
 
 # dtype codes of the header; only these dtypes cross a stage boundary
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.bool, torch.uint8]
 
 
-def stage_actions(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[Action]:
+def stage_actions(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[Step]:
     """This stage's action order: exactly the simulator's schedule (planner.sim.schedule)."""
     from planner.sim.schedule import make_schedule
     return [(a.kind, a.microbatch) for a in make_schedule(schedule, n_stages, n_micro)[stage]]
@@ -50,7 +50,7 @@ def stage_actions(schedule: str, stage: int, n_stages: int, n_micro: int) -> lis
 
 # --- point-to-point ---------------------------------------------------------------------------
 @dataclass
-class Link:
+class PeerLink:
     """One direction-agnostic pipeline link between this rank and a peer rank.
 
     Host staging (gloo beside an accelerator): a tensor to send is copied into a pinned host
@@ -155,17 +155,17 @@ class StageRunner:
     """
 
     def __init__(self, module: torch.nn.Module, device: torch.device, loss_fn: Callable,
-                 prev: Link | None, next: Link | None, scale: float,
+                 prev: PeerLink | None, next: PeerLink | None, scale: float,
                  busy: Callable[[], Any], recompute: bool = False, precision: str = "fp32"):
         self.module, self.device, self.loss_fn = module, device, loss_fn
         self.recompute = recompute  # keep only the stage input; rerun forward in backward
         self.precision = precision  # forward and loss under planner.workload.precision.autocast
         self.prev, self.next, self.scale = prev, next, scale
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
-        self.saved_tracker = None   # measure.SavedTracker, used while `track` is True
+        self.saved_tracker = None   # instruments.SavedTracker, used while `track` is True
         self.track = False
 
-    def run(self, actions: list[Action], inputs: list[tuple] | None,
+    def run(self, actions: list[Step], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
         """Execute the actions; return the weighted loss sum (last stage) or None."""
         saved: dict[int, tuple[list, list]] = {}

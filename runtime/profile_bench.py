@@ -3,8 +3,9 @@ host<->device copies) and one pair or group of worker processes (ping-pong, all-
 
 Every measurement is repeated; a table row holds the median and its spread, the relative
 inter-quartile range `(p75 - p25) / median`. Timing uses `time.perf_counter` around a batch of
-calls, with a device synchronisation before and after on CUDA, so one sample is never shorter
-than `min_time_s` (short samples are dominated by timer and scheduler noise). Rows also keep
+calls, with a device synchronisation before and after on CUDA (`TorchDevice.synchronize`), so
+one sample is never shorter than `min_time_s` (short samples are dominated by timer and
+scheduler noise). Device benchmarks take the worker's TorchDevice. Rows also keep
 the best sample (`best_s`, `best_flops_per_s`): on a loaded machine the median is what training
 will see, the best is what the hardware can do.
 """
@@ -30,12 +31,6 @@ def stats(samples: list[float]) -> tuple[float, float]:
     return med, float((p75 - p25) / med) if med > 0 else 0.0
 
 
-def _sync_for(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def _wait(dev: TorchDevice) -> None:
     """Wait for the copies queued so far on the current stream (what the runtime does before
     handing a host buffer to gloo)."""
@@ -44,11 +39,11 @@ def _wait(dev: TorchDevice) -> None:
     done.synchronize()
 
 
-def time_per_call(fn: Callable[[], object], device: torch.device, min_time_s: float,
+def time_per_call(fn: Callable[[], object], dev: TorchDevice, min_time_s: float,
                   repeats: int) -> list[float]:
     """`repeats` samples of the seconds per call of `fn`; the call count per sample is
     calibrated (after one warm-up call) so that each sample lasts at least `min_time_s`."""
-    sync = _sync_for(device)
+    sync = dev.synchronize
     fn()  # warm-up: allocations, kernel selection, thread-pool start
     sync()
     t0 = time.perf_counter()
@@ -67,38 +62,39 @@ def time_per_call(fn: Callable[[], object], device: torch.device, min_time_s: fl
     return out
 
 
-def matmul_row(n: int, device: torch.device, min_time_s: float, repeats: int,
+def matmul_row(n: int, dev: TorchDevice, min_time_s: float, repeats: int,
                precision: str = "fp32") -> dict:
     """n x n @ n x n at `precision`: 2 n^3 FLOPs (a multiply-add counts 2, as
     torch.utils.flop_counter). fp32 and tf32 on float32 tensors (tf32 with CUDA's allow_tf32,
     planner.workload.precision); bf16 on bfloat16 tensors, the kernel autocast runs."""
     from planner.workload.precision import autocast
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    device = dev.device
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
     with autocast(device.type, "fp32" if precision == "bf16" else precision):   # tf32 switches
-        samples = time_per_call(lambda: torch.matmul(a, b, out=out), device, min_time_s, repeats)
+        samples = time_per_call(lambda: torch.matmul(a, b, out=out), dev, min_time_s, repeats)
     rates = [2 * n ** 3 / s for s in samples]
     med, spread = stats(rates)
     return {"n": n, "flops_per_s": med, "spread": spread, "best_flops_per_s": max(rates),
             "samples": repeats}
 
 
-def memory_copy(n_bytes: int, device: torch.device, min_time_s: float, repeats: int) -> dict:
+def memory_copy(n_bytes: int, dev: TorchDevice, min_time_s: float, repeats: int) -> dict:
     """dst.copy_(src) of n_bytes: counted as 2 n_bytes moved (read + write), as STREAM copy."""
-    src = torch.ones(n_bytes // 4, device=device)
+    src = torch.ones(n_bytes // 4, device=dev.device)
     dst = torch.empty_like(src)
-    samples = time_per_call(lambda: dst.copy_(src), device, min_time_s, repeats)
+    samples = time_per_call(lambda: dst.copy_(src), dev, min_time_s, repeats)
     med, spread = stats([2 * src.numel() * 4 / s for s in samples])
     return {"bytes": src.numel() * 4, "bytes_per_s": med, "spread": spread, "samples": repeats}
 
 
-def op_overhead(device: torch.device, min_time_s: float, repeats: int) -> dict:
+def op_overhead(dev: TorchDevice, min_time_s: float, repeats: int) -> dict:
     """Time of one tiny eager op (torch.add on 1-element tensors, allocating its result):
     dispatch + allocation + launch; on CUDA, launches are timed back to back (throughput)."""
-    x = torch.ones(1, device=device)
-    samples = time_per_call(lambda: torch.add(x, x), device, min_time_s, repeats)
+    x = torch.ones(1, device=dev.device)
+    samples = time_per_call(lambda: torch.add(x, x), dev, min_time_s, repeats)
     med, spread = stats(samples)
     return {"s": med, "spread": spread, "samples": repeats}
 
@@ -116,7 +112,7 @@ def host_copy_table(dev: TorchDevice, sizes: list[int], min_time_s: float,
         on_dev = pageable.to(device)
 
         def timed(fn) -> tuple[float, float]:
-            return stats(time_per_call(fn, device, min_time_s, repeats))
+            return stats(time_per_call(fn, dev, min_time_s, repeats))
 
         row = {"bytes": n}
         row["h2d_s"], row["h2d_spread"] = timed(lambda: pageable.to(device))
@@ -236,13 +232,11 @@ def per_call_in_window(fn: Callable[[], None], window_s: float) -> float:
 
 def optimizer_table(repeats: int, min_time_s: float,
                     barrier: Callable[[], None] | None = None) -> dict[str, list[dict]]:
-    """torch.optim Adam and SGD (as runtime.optim builds them) over parameter sets of different
-    tensor counts and sizes: rows {"tensors", "bytes", "s"} (median seconds per step). Each step
-    is timed alone after evicting the caches (a 64 MiB copy): in training the forward and
-    backward pass run between two steps, so the parameters and moments come from memory (timed
-    back to back, steps ran ~1.7x faster than in `hetplan run` on the 2-vCPU VM). With
-    `barrier` (called before each timed step), every worker runs the table at once: the steps
-    after a synchronous all-reduce, which compete for memory bandwidth."""
+    """torch.optim Adam and SGD steps (as runtime.optim builds them) over parameter sets of
+    several tensor counts and sizes, each timed alone after evicting the caches (a 64 MiB copy;
+    in training, forward and backward run between two steps): rows {"tensors", "bytes", "s"}
+    (median seconds per step). With `barrier` (called before each timed step), every worker
+    steps at once."""
     shapes = [(1, 1 << 20), (4, 1 << 18), (16, 1 << 16), (64, 1 << 12), (64, 1 << 14), (8, 1 << 20)]
     junk_src, junk_dst = torch.ones(16 << 20), torch.empty(16 << 20)
     out: dict[str, list[dict]] = {}

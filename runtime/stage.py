@@ -12,10 +12,11 @@ import torch
 
 from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
+from planner.hardware.topology import parse_device_name
 from planner.workload.layers import as_tuple
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
-from runtime.pipeline import Link, StageRunner, WholeModel, stage_actions
+from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
 from runtime.sync import GradSync, Groups, layer_ranks
 
 
@@ -150,14 +151,14 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         ranks_by_bucket_layer = ranks_of_layer
         buckets = _buckets(plan, names_by_layer, full)
 
-    kinds = [torch_kind(d) for d in names]
+    kinds = [parse_device_name(d)[1] for d in names]
     pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
     groups = Groups(kinds, pairs, list(set(ranks_of_layer)), timeout, nccl=standin_gpus() == 0)
     my_ranks = replica_ranks[rep_i]
 
-    def link(peer: int) -> Link:
+    def link(peer: int) -> PeerLink:
         send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
-        return Link(peer=peer, send_group=send, recv_group=recv, device=device,
+        return PeerLink(peer=peer, send_group=send, recv_group=recv, device=device,
                     host_staged=device.accelerator and send is groups.world)
 
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
@@ -173,7 +174,3 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                  module, runner, sync, optimizer, groups, timer, actions)
-
-
-def torch_kind(device_name: str) -> str:
-    return "cuda" if "cuda:" in device_name else "cpu"

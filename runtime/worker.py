@@ -3,20 +3,21 @@
 It runs the same way under the local launcher (runtime.launch sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT and calls `run_worker`) and under torchrun
 (`torchrun ... -m runtime.worker PLAN [-o MEASURED] [--iters N] ...`). Each rank maps itself to
-one plan device (see `my_device`), builds its stage, trains `iters` iterations as the plan says,
-and rank 0 gathers every rank's record and writes the measured file atomically.
+one plan device (runtime.placement.my_device), builds its stage, trains `iters` iterations as
+the plan says, and rank 0 gathers every rank's record and writes the measured file atomically.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+
+from runtime.placement import default_threads, my_device
 
 FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise|hang" makes that rank fail
 
@@ -42,45 +43,6 @@ class RunConfig:
         return RunConfig(**json.loads(text))
 
 
-def _natural(name: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def node_of(device: str) -> str:
-    return device.split("/", 1)[0] if "/" in device else ""
-
-
-def my_device(devices: tuple[str, ...], env) -> str:
-    """The plan device of this process.
-
-    Nodes are the distinct node prefixes of the plan's device names in natural order (node0,
-    node1, ..., node10); torchrun's node rank (GROUP_RANK) picks one, and LOCAL_RANK picks the
-    node's devices in plan order. Without prefixes the plan is one node.
-    """
-    nodes = sorted({node_of(d) for d in devices}, key=_natural)
-    node_rank = int(env.get("GROUP_RANK", "0"))
-    if node_rank >= len(nodes):
-        raise ValueError(f"node rank {node_rank} but the plan has {len(nodes)} node(s)")
-    local = [d for d in devices if node_of(d) == nodes[node_rank]]
-    local_world = int(env.get("LOCAL_WORLD_SIZE", len(local)))
-    if local_world != len(local):
-        raise ValueError(f"node {nodes[node_rank] or 'local'} runs {local_world} processes but the plan "
-                         f"has {len(local)} device(s) there ({', '.join(local)})")
-    return local[int(env.get("LOCAL_RANK", env.get("RANK", "0")))]
-
-
-def default_threads(devices: tuple[str, ...], name: str, cores: int | None = None) -> int:
-    """Intra-op threads of a worker when no topology says: the node's cores are split evenly
-    among its CPU workers; a GPU worker gets 1 when CPU workers share its node (it mostly
-    launches kernels; more would steal their cores), else an even split among GPU workers."""
-    cores = cores or os.cpu_count() or 1
-    local = [d for d in devices if node_of(d) == node_of(name)]
-    cpus = [d for d in local if "cpu:" in d]
-    if "cpu:" in name:
-        return max(1, cores // len(cpus))
-    return 1 if cpus else max(1, cores // len(local))
-
-
 def run_worker(cfg: RunConfig) -> None:
     """Train the plan on this rank (env:// rendezvous) and, on rank 0, write the results."""
     import torch
@@ -89,7 +51,8 @@ def run_worker(cfg: RunConfig) -> None:
     from planner.hardware.device import torch_device
     from planner.files.io import file_sha256
     from planner.files.plan import load_plan
-    from runtime import instruments as measure, stage
+    from runtime import stage
+    from runtime.results import build_measured
 
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -113,11 +76,13 @@ def run_worker(cfg: RunConfig) -> None:
         dist.gather_object(record, records, dst=0)
         params = _gather_params(cfg, built, rank, world)
         if rank == 0:
-            result = measure.build_measured(file_sha256(cfg.plan), records, cfg.warmup, {
+            result = build_measured(file_sha256(cfg.plan), records, cfg.warmup, {
                 "iters": cfg.iters, "warmup": cfg.warmup, "world_size": world,
                 "timing": "max over ranks of each rank's step after a barrier", **cfg.extra})
             if params is not None:
-                _save_atomic(params, cfg.save_params)
+                import torch
+                from planner.files.io import replace_atomically
+                replace_atomically(cfg.save_params, lambda tmp: torch.save(params, tmp))
             from planner.files.measured import measured_from_dict, save_measured
             save_measured(measured_from_dict({"schema": "hetplan.measured/1", **result}, cfg.out),
                           cfg.out)
@@ -128,9 +93,9 @@ def run_worker(cfg: RunConfig) -> None:
 def _train(cfg, plan, built, rank, device, name) -> dict:
     import torch
 
-    from runtime import instruments as measure
+    from runtime.instruments import MemoryTracker
     param_bytes = sum(p.numel() * p.element_size() for p in built.params)
-    timer, mem = built.timer, measure.MemoryTracker(device.device, param_bytes)
+    timer, mem = built.timer, MemoryTracker(device.device, param_bytes)
     fault = os.environ.get(FAULT_ENV, "")
     iter_s, busy_s, losses, events = [], [], [], None
     shown = -1e9                                   # progress on stderr at most once a second
@@ -209,15 +174,6 @@ def _gather_params(cfg, built, rank, world):
     for d in out:
         merged.update(d)
     return merged
-
-
-def _save_atomic(obj, path: str) -> None:
-    import torch
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, p)
 
 
 def report_error(cfg: RunConfig, exc: BaseException) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetplan.cli import main as cli_main
-from runtime.launch import free_port
+from runtime.rendezvous import free_port
 from test_runtime import plan, reference
 
 ROOT = Path(__file__).resolve().parent.parent

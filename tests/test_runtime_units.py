@@ -7,10 +7,10 @@ import pytest
 from planner.files.plan import plan_from_dict
 from planner.hardware.topology import topology_from_dict
 from runtime.launch import thread_shares
-from runtime.instruments import build_measured
+from runtime.results import build_measured
 from runtime.pipeline import stage_actions
 from runtime.sync import _split_by_ranks, layer_ranks
-from runtime.worker import default_threads, my_device
+from runtime.placement import default_threads, my_device
 
 
 def test_default_threads():

@@ -57,7 +57,7 @@ def main(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        topology = profile.measure(args.cpu_workers, quick=args.quick)
+        topology = profile.profile_machine(args.cpu_workers, quick=args.quick)
     except profile.ProfileError as e:
         print(f"hetplan profile: error: {e} (no file written)", file=sys.stderr)
         return 1

@@ -1,0 +1,248 @@
+"""The worker side of `hetplan profile`: what one worker process measures.
+
+`profile_worker` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (env://), so the same
+function runs under `torchrun`; runtime.profile launches it. Every worker runs the device
+benchmarks at the same time (as during training), then pairs of workers are measured one pair
+at a time, then an all-reduce over all of them; each worker writes its raw tables to
+`out_dir/rankR.json` for runtime.profile.assemble.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.files.io import write_json_atomic
+from planner.hardware.fit import host_copy_fit
+from planner.hardware.device import STANDIN_ENV, TorchDevice, torch_device
+from runtime import profile_bench as bench
+
+KiB, MiB = 1 << 10, 1 << 20
+FAIL_ENV = "HETPLAN_PROFILE_FAIL_RANK"  # fault injection for tests: that rank raises after init
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How thoroughly to measure; `quick()` targets ~20 s, `full()` ~2 min on 2 cores."""
+    cpu_matmul_sizes: tuple[int, ...]
+    cuda_matmul_sizes: tuple[int, ...]
+    cpu_low_precision_sizes: tuple[int, ...]    # bf16 matmuls (the last: the device's figure)
+    cuda_low_precision_sizes: tuple[int, ...]   # tf32 and bf16 matmuls
+    comm_sizes: tuple[int, ...]       # bytes, ping-pong and all-reduce
+    cpu_copy_bytes: int               # memory-bandwidth tensor; larger than last-level caches
+    cuda_copy_bytes: int
+    repeats: int                      # samples per measurement (median + spread)
+    min_time_s: float                 # shortest sample
+
+    @staticmethod
+    def quick() -> "Settings":
+        return Settings(cpu_matmul_sizes=(64, 256, 1024), cuda_matmul_sizes=(256, 1024, 4096),
+                        cpu_low_precision_sizes=(256, 1024), cuda_low_precision_sizes=(1024, 4096),
+                        comm_sizes=(4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB),
+                        cpu_copy_bytes=64 * MiB, cuda_copy_bytes=256 * MiB,
+                        repeats=3, min_time_s=0.02)
+
+    @staticmethod
+    def full() -> "Settings":
+        return Settings(cpu_matmul_sizes=(64, 128, 256, 512, 1024, 2048),
+                        cuda_matmul_sizes=(256, 512, 1024, 2048, 4096, 8192),
+                        cpu_low_precision_sizes=(512, 2048), cuda_low_precision_sizes=(2048, 8192),
+                        comm_sizes=tuple(4 * KiB * 4 ** i for i in range(8)),  # 4 KiB .. 64 MiB
+                        cpu_copy_bytes=128 * MiB, cuda_copy_bytes=1024 * MiB,
+                        repeats=9, min_time_s=0.1)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One profile worker: the device it measures and its intra-op threads."""
+    name: str            # device name, "cpu:1" / "cuda:0"
+    kind: str
+    index: int
+    threads: int
+
+
+def log(msg: str) -> None:
+    print(f"profile: {msg}", file=sys.stderr, flush=True)
+
+
+def available_ram_bytes() -> int:
+    """Available host memory (MemAvailable), in bytes."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) -> None:
+    """Measure this rank's device, its pairs and the all-reduce; write `out_dir/rankR.json`."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    me = workers[rank]
+    torch.set_num_threads(me.threads)
+    device = torch_device(me.name)
+    device.set_current()
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        if os.environ.get(FAIL_ENV) == str(rank):
+            raise RuntimeError(f"injected failure ({FAIL_ENV}={rank})")
+        result = {"device": _device_tables(me, device, settings), "links": {}}
+        result["calibration"] = _calibration_tables(workers, settings)
+        if rank == 0 and world > 1:
+            log(f"point-to-point between {world * (world - 1) // 2} pair(s) of workers")
+        for first, second in itertools.combinations(range(world), 2):
+            dist.barrier()  # one pair at a time: an uncontended link
+            if rank in (first, second):
+                rows = bench.ping_pong(rank, first, second, list(settings.comm_sizes), device,
+                                       settings.repeats)
+                if rows is not None:
+                    result["links"][workers[second].name] = rows
+        if rank == 0 and world > 1:
+            log(f"all-reduce over {world} workers")
+        result["allreduce"] = bench.allreduce_table(list(settings.comm_sizes), settings.repeats) \
+            if world > 1 else []
+        write_json_atomic(Path(out_dir) / f"rank{rank}.json", result)
+        # Tear down together: a rank that destroys its gloo group while a peer is still inside
+        # the last collective can abort the peer ("terminate called without an active exception").
+        dist.barrier()
+    except Exception as e:
+        # Recorded before this process group goes down: the peers then fail too ("connection
+        # closed"), and the launcher reports the earliest error, the cause.
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        write_json_atomic(Path(out_dir) / f"rank{rank}.error",
+                          {"time": time.time(), "error": f"{type(e).__name__}: {first_line}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _device_tables(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
+    """This worker's device tables (matmul per size and precision, memory copy, per-op overhead;
+    on an accelerator its host copies and memory), every worker running each size at once."""
+    device = dev.device
+    sizes = s.cuda_matmul_sizes if dev.native else s.cpu_matmul_sizes
+    table = []
+    for n in sizes:
+        if dist.get_rank() == 0:
+            log(f"matmul n={n} on {dist.get_world_size()} worker(s) at once")
+        dist.barrier()  # every worker runs the same size at the same time
+        table.append(bench.matmul_row(n, dev, s.min_time_s, s.repeats))
+    if dist.get_rank() == 0:
+        log("memory copy and per-op overhead")
+    dist.barrier()
+    copy_bytes = s.cuda_copy_bytes if dev.native else s.cpu_copy_bytes
+    copy = bench.memory_copy(copy_bytes, dev, s.min_time_s, s.repeats)
+    dist.barrier()
+    overhead = bench.op_overhead(dev, s.min_time_s, s.repeats)
+    out = {"matmul_table": table, "memory_copy": copy, "op_overhead": overhead,
+           **_low_precision_matmuls(dev, s, table[-1]["flops_per_s"])}
+    if dev.accelerator:
+        out["host_copy_table"] = bench.host_copy_table(dev, list(s.comm_sizes), s.min_time_s,
+                                                       s.repeats)
+        out["host_copy"] = host_copy_fit(out["host_copy_table"])
+        if dev.native:
+            out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+            out["model"] = torch.cuda.get_device_name(device)
+        else:   # a CPU stand-in (planner.hardware.device): host memory, shared with the CPU workers
+            out["memory_bytes"] = available_ram_bytes() // dist.get_world_size()
+            out["model"] = f"CPU stand-in ({STANDIN_ENV})"
+    log(f"[{me.name}] {me.threads} thread(s): matmul {table[-1]['flops_per_s'] / 1e9:.1f} GFLOP/s "
+        f"at n={table[-1]['n']}, copy {copy['bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"op {overhead['s'] * 1e6:.1f} us")
+    return out
+
+
+def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: float) -> dict:
+    """`matmul_<p>_table` for tf32 (CUDA only: on a CPU, a stand-in GPU's included, tf32 is fp32,
+    so the fp32 figure is copied) and bf16 (measured for real everywhere: a CPU without native
+    bf16 is slow at it and is priced so), and `matmul_flops_per_s_by_precision` from each
+    table's largest size."""
+    native = dev.native
+    sizes = s.cuda_low_precision_sizes if native else s.cpu_low_precision_sizes
+    out: dict = {}
+    rates = {"fp32": fp32_flops_per_s}
+    for p in ("tf32", "bf16"):
+        if p == "tf32" and not native:
+            rates[p] = fp32_flops_per_s
+            continue
+        if dist.get_rank() == 0:
+            log(f"{p} matmul n={', '.join(map(str, sizes))}")
+        rows = []
+        for n in sizes:
+            dist.barrier()   # every worker runs the same size at the same time
+            rows.append(bench.matmul_row(n, dev, s.min_time_s, s.repeats, precision=p))
+        out[f"matmul_{p}_table"] = rows
+        rates[p] = rows[-1]["flops_per_s"]
+    out["matmul_flops_per_s_by_precision"] = rates
+    return out
+
+
+def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
+    """What planner.hardware.calibration fits (CPU workers only): a reference training step timed alone
+    (one worker at a time, the others waiting in a barrier) and with every worker running it at
+    once; rank 0 also times torch.optim steps alone (planner.hardware.calibration.fit_optimizer)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me, out = workers[rank], {}
+    step = bench.reference_step() if me.kind == "cpu" else None
+    if rank == 0:
+        log("calibration: reference step alone and with all workers busy; optimizer steps")
+    window_s = 2 * s.min_time_s
+    alone, together = [], []
+    for _ in range(s.repeats):   # alternate, so slow drift of the machine hits both alike
+        for r in range(world):
+            dist.barrier()       # one worker at a time
+            if r == rank and step is not None:
+                alone.append(bench.per_call_in_window(step, window_s))
+        dist.barrier()           # every worker at once, as during training
+        if step is not None:
+            together.append(bench.per_call_in_window(step, window_s))
+    dist.barrier()
+    if step is not None:
+        out["reference_alone_s"] = bench.stats(alone)[0]
+        out["reference_together_s"] = bench.stats(together)[0]
+    if rank == 0 and me.kind == "cpu":
+        out["optimizer"] = bench.optimizer_table(s.repeats, s.min_time_s)
+    dist.barrier()
+    if world > 1 and all(w.kind == "cpu" for w in workers):   # every worker stepping at once
+        together = bench.optimizer_table(s.repeats, s.min_time_s, barrier=dist.barrier)
+        if rank == 0:
+            out["optimizer_together"] = together
+    dist.barrier()
+    out["multi_worker_overhead_s"] = _multi_worker_overhead(max(20, 4 * s.repeats)) if world > 1 else 0.0
+    return out
+
+
+def _multi_worker_overhead(repeats: int, busy_s: float = 0.010) -> float:
+    """What a multi-worker iteration costs beyond its work, in the runtime's own pattern (skewed
+    barrier: rank 1 sleeps 10 ms first; uneven compute: busy_s on rank 0, busy_s / 2 on the
+    others; 4-byte all-reduce; max over ranks): median of (iteration - busy - hot all-reduce)."""
+    rank = dist.get_rank()
+    t, span = torch.zeros(1), torch.zeros(1)
+    a = torch.randn(128, 128)
+    hot, over = [], []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)                      # both ranks hot: the all-reduce itself
+        hot.append(time.perf_counter() - t0)
+        if rank == 1:
+            time.sleep(0.010)
+        dist.barrier()
+        t0 = time.perf_counter()
+        mine = busy_s if rank == 0 else busy_s / 2
+        while time.perf_counter() - t0 < mine:
+            torch.mm(a, a)
+        dist.all_reduce(t)
+        span[0] = time.perf_counter() - t0
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)
+        over.append(float(span[0]) - busy_s)
+    return max(0.0, bench.stats(over[1:])[0] - bench.stats(hot[1:])[0])

@@ -1,0 +1,53 @@
+"""The measured file (`hetplan.measured/1`) built from every rank's record.
+
+- Iteration time: every rank passes a barrier, then times its own step with perf_counter (CUDA:
+  after a synchronize); the iteration's time is the MAX over ranks of these durations (the
+  barrier aligns the starts to within its own skew, tens of microseconds on loopback). The batch
+  is made before the barrier: data loading is not part of an iteration, as in the simulator.
+  `iteration_s` is the median after the warm-up iterations.
+- Busy time, timeline and peak memory per device: as the rank measured them (runtime.instruments).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+from typing import Any
+
+import torch
+
+
+def host_info() -> dict[str, Any]:
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+
+
+def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int,
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    """Combine every rank's record into the measured file's fields.
+
+    per_rank[r]: {"device", "iter_s": [...], "busy_s": [...], "loss": [...] (weighted, last
+    stages only, else zeros), "peak_memory_bytes", ...}. Iteration i's time is the max over ranks;
+    its loss is the sum over replicas' last stages of (b_r / G) * loss_r.
+    """
+    n = len(per_rank[0]["iter_s"])
+    iterations = [max(r["iter_s"][i] for r in per_rank) for i in range(n)]
+    losses = [sum(r["loss"][i] for r in per_rank) for i in range(n)]
+    kept = iterations[warmup:] or iterations
+    per_device = {}
+    for r in per_rank:
+        busy = r["busy_s"][warmup:] or r["busy_s"]
+        per_device[r["device"]] = {
+            "busy_s": statistics.median(busy), "peak_memory_bytes": r["peak_memory_bytes"],
+            "rank": r["rank"], "threads": r.get("threads"), "param_bytes": r["param_bytes"],
+            "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"]}
+        for k in ("saved_activation_peak_bytes", "rss_growth_bytes"):
+            if r.get(k) is not None:
+                per_device[r["device"]][k] = r[k]
+        if r.get("events") is not None:   # one iteration's spans on this device (compare --plot)
+            per_device[r["device"]]["events"] = r["events"]
+            per_device[r["device"]]["events_iteration"] = r["events_iteration"]
+    return {"plan_sha256": plan_sha256, "iterations_s": iterations,
+            "iteration_s": statistics.median(kept), "losses": losses, "per_device": per_device,
+            "host": host_info(), "torch": torch.__version__, **extra}
