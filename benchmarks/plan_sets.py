@@ -11,8 +11,7 @@ A plan here is a plan-file dict (`hetplan.plan/1`) without `topology` and `predi
 """
 from __future__ import annotations
 
-# Sized like training steps, not micro-steps: one iteration takes ~50-200 ms on one core of the
-# 2-vCPU VM (at 10-20 ms fixed per-message and per-op costs were a third of an iteration).
+# Sized like training steps: iterations of ~50-200 ms on one core (history: docs/tuning.md).
 CPU_WORKLOADS = {
     "mlp": {"spec": "mlp", "args": {"hidden": 1024, "depth": 4}, "batch": 512},
     "gpt": {"spec": "gpt", "args": {"layers": 4, "d_model": 128, "heads": 4, "vocab": 2048,

@@ -1,7 +1,8 @@
 """The one place where hetplan's commands are registered.
 
 Each command is a module in `hetplan.commands` with HELP, add_arguments(parser) and
-main(args) -> int. Bad input from outside raises `planner.files.io.InputError`; it is printed here as
+main(args) -> int; `args.hetplan` is this module's `main`, for a command that runs others (demo),
+so no command imports the registry. Bad input from outside raises `planner.files.io.InputError`; it is printed here as
 one line on stderr with exit code 2, never as a traceback.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.hetplan = main
     try:
         return int(args._main(args) or 0)
     except InputError as e:

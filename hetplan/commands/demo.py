@@ -1,10 +1,10 @@
 """`hetplan demo`: profile (if needed) -> plan -> run the plan and the best baseline -> compare.
 
 The defaults fit a small CPU machine in about two minutes: the MNIST-shaped MLP at batch 512
-(iterations of ~100 ms; at ~20 ms, a few ms of OS scheduling noise dominate the comparison), with
-this machine profiled as one CPU worker per core (up to two) when no GPU is present, so the
-planner has two devices to split the work between. Every step calls the other commands' own
-entry points (hetplan.cli.main), in this process; the files go to --out (default out/demo/).
+(iterations of ~100 ms), with this machine profiled as one CPU worker per core (up to two) when no
+GPU is present, so the planner has two devices to split the work between. Every step runs the
+other commands through the CLI's entry point (`args.hetplan`), in this process; the files go to
+--out (default out/demo/).
 """
 from __future__ import annotations
 
@@ -32,13 +32,12 @@ def add_arguments(p):
     p.add_argument("--out", default="out/demo", metavar="DIR", help="where the demo's files go (default out/demo/)")
 
 
-def _step(title: str, argv: list[str], quiet: bool) -> None:
-    """Run one hetplan command in this process; its stdout goes to stderr under --json."""
-    from hetplan.cli import main as cli_main
-
+def _step(run, title: str, argv: list[str], quiet: bool) -> None:
+    """Run one hetplan command in this process with `run` (the CLI's entry point, `args.hetplan`);
+    its stdout goes to stderr under --json."""
     print(f"\n== hetplan demo: {title}: hetplan {' '.join(argv)}", file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(sys.stderr if quiet else sys.stdout):
-        rc = cli_main(argv)
+        rc = run(argv)
     if rc != 0:
         raise _StepFailed(f"hetplan {argv[0]} failed (exit {rc})", rc)
 
@@ -103,20 +102,20 @@ def main(args) -> int:
     try:
         if not topo.exists():
             workers = args.cpu_workers or _default_cpu_workers()
-            _step("profile this machine", ["profile", "--cpu-workers", str(workers), "-o", str(topo),
+            _step(args.hetplan, "profile this machine", ["profile", "--cpu-workers", str(workers), "-o", str(topo),
                                            *(["--quick"] if args.quick else [])], quiet)
         else:
             print(f"hetplan demo: using the profile {topo}", file=sys.stderr)
         model = ["--model", args.model, *[a for kv in args.model_arg for a in ("--model-arg", kv)]]
         plan = out / "plan.json"
-        _step("plan", ["plan", *model, "--batch", str(args.batch), "--topology", str(topo), "-o", str(plan)], quiet)
+        _step(args.hetplan, "plan", ["plan", *model, "--batch", str(args.batch), "--topology", str(topo), "-o", str(plan)], quiet)
         print("\n== hetplan demo: regenerating the best baseline", file=sys.stderr, flush=True)
         base_name, base = best_baseline(plan, topo, out)
         runs = [("plan", plan)] + ([("baseline", base)] if base is not None else [])
         results = {}
         for label, path in runs:
             measured = out / f"{label}.measured.json"
-            _step(f"run the {label}", ["run", str(path), "--iters", str(args.iters), "--warmup", str(warmup),
+            _step(args.hetplan, f"run the {label}", ["run", str(path), "--iters", str(args.iters), "--warmup", str(warmup),
                                         "--topology", str(topo), "-o", str(measured)], quiet)
             png = out / f"{label}.png"
             c = compare_files(str(path), str(measured), str(topo), str(png), "hetplan demo")
