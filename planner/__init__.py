@@ -1,3 +1,5 @@
-"""hetplan's planner: workloads, operator graph, topology, cost model, plan, simulator, search.
+"""hetplan's planner, one subpackage per concept (map: docs/design.md).
 
-Never imports `runtime`."""
+files (plan, measured, io) -> hardware (topology, calibration, devices) and workload (models,
+layers, capture) -> cost -> sim -> search. Never imports `runtime`.
+"""
