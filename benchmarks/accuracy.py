@@ -1,15 +1,17 @@
 """Prediction accuracy: the simulator's iteration time vs `hetplan run` on this machine.
 
-For a fixed set of hand-written plans over three workloads (mlp, gpt, cnn; benchmarks/plan_sets.py),
-predict one iteration with the simulator and the measured cost model (what `hetplan simulate`
-does on a topology profiled here), run the plan for real (`hetplan run`, median after
-warm-up), and report MAPE, the worst error and Kendall's tau of the two rankings. The plan set
-follows the topology: on CPU workers only, 20 plans over two workers; with a GPU, plans of
-the GPU alone and of the CPU and the GPU together (batch split, CPU pipeline stage, optimizer
-on the CPU).
+For a fixed set of hand-written plans (benchmarks/plan_sets.py), predict one iteration with the
+simulator and the measured cost model (what `hetplan simulate` does on a topology profiled here),
+run the plan for real `--repeats` times (`hetplan run`, median after warm-up; the plan's time is
+the median of the runs, their spread shown beside it), and report MAPE, the worst error and
+Kendall's tau, overall, per workload and per size class (microbatch, iteration time, pipeline
+depth, sync). The plan set follows the topology: on CPU workers only, 38 plans over mlp, gpt,
+cnn, a small-microbatch mlp and two Hugging Face models (Llama, ResNet; when `transformers` is
+installed); with a GPU, plans of the GPU alone and of the CPU and the GPU together (batch split,
+CPU pipeline stage, optimizer on the CPU).
 
     python benchmarks/accuracy.py [--topology profiles/<host>.json] [--csv out/accuracy.csv]
-                                  [--iters 12] [--warmup 3] [--only mlp,gpt] [--check]
+                                  [--iters 12] [--warmup 3] [--repeats 3] [--only mlp,gpt] [--check]
                                   [--quick] [--results PATH | --no-results]
 
 The topology is profiled (`hetplan profile --cpu-workers 2`) when missing. `--check` exits 1
@@ -36,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.plan_sets import plans_for, workloads_for  # noqa: E402
+from benchmarks.plan_sets import plans_for, size_classes, workloads_for  # noqa: E402
 from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa: E402
                                 check_results_file, results_target, save_section)
 from planner.files.io import replace_atomically  # noqa: E402
@@ -223,6 +225,22 @@ def summarise(rows: list[dict]) -> dict:
             "mean_signed_pct": statistics.fmean(r["error_pct"] for r in rows)}
 
 
+def per_class(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """{dimension: {class: summary + median run-to-run spread}} over the rows' `class_*` keys;
+    `spread_exceeds_error` marks a class whose measurements move more between runs than the
+    prediction misses by (its error is not resolved by this machine)."""
+    out: dict[str, dict[str, dict]] = {}
+    dims = sorted({k[len("class_"):] for r in rows for k in r if k.startswith("class_")})
+    for dim in dims:
+        for value in sorted({r[f"class_{dim}"] for r in rows if f"class_{dim}" in r}):
+            mine = [r for r in rows if r.get(f"class_{dim}") == value]
+            s = summarise(mine)
+            s["run_spread_pct"] = statistics.median(r.get("run_spread_pct", 0.0) for r in mine)
+            s["spread_exceeds_error"] = s["run_spread_pct"] > s["mape_pct"]
+            out.setdefault(dim, {})[value] = s
+    return out
+
+
 def missed_targets(summary: dict, targets: dict = TARGETS) -> list[str]:
     """The targets a summary misses: MAPE and worst error above their bounds, tau below."""
     return [k for k, bad in (("mape_pct", summary["mape_pct"] > targets["mape_pct"]),
@@ -250,6 +268,8 @@ def _parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--csv", default="out/accuracy.csv")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="separate runs of each plan; its time is their median, their spread shown")
     p.add_argument("--only", default=None, help="comma-separated workloads or plan names")
     p.add_argument("--predict-only", action="store_true", help="skip the runs (prediction only)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
@@ -274,6 +294,8 @@ def _parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         a.iters, a.warmup = 3, 1
     if a.iters <= a.warmup or a.warmup < 0:
         p.error("--iters must exceed --warmup >= 0")
+    if a.repeats < 1:
+        p.error(f"--repeats: expected a positive integer, got {a.repeats}")
     return p, a
 
 
@@ -331,14 +353,19 @@ def _row(name: str, plan: dict, a, topology, topo_path: Path, tmp: Path, reused:
     elif not a.predict_only:
         row["busy_before"] = busy
         t0 = time.perf_counter()
-        m = run_plan(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
-        row.update(measured_s=m["iteration_s"], foreign_cpu=m["foreign_cpu"],
-                   attempts=m["attempts"],
-                   error_pct=100.0 * (pred - m["iteration_s"]) / m["iteration_s"],
-                   spread_pct=100.0 * _spread(m["iterations_s"][a.warmup:]),
+        runs = [run_plan(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
+                for _ in range(1 if a.quick else a.repeats)]
+        times = [m["iteration_s"] for m in runs]
+        m_s = statistics.median(times)
+        row.update(measured_s=m_s, foreign_cpu=max(m["foreign_cpu"] for m in runs),
+                   attempts=sum(m["attempts"] for m in runs), runs=len(runs),
+                   error_pct=100.0 * (pred - m_s) / m_s,
+                   spread_pct=100.0 * statistics.median(_spread(m["iterations_s"][a.warmup:]) for m in runs),
+                   run_spread_pct=100.0 * (max(times) - min(times)) / m_s,
                    run_s=time.perf_counter() - t0)
+        row.update({f"class_{k}": v for k, v in size_classes(plan, m_s).items()})
         print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms  measured "
-              f"{m['iteration_s'] * 1e3:8.2f} ms  error {row['error_pct']:+6.1f} %",
+              f"{m_s * 1e3:8.2f} ms  error {row['error_pct']:+6.1f} %",
               file=sys.stderr)
     else:
         print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms", file=sys.stderr)
@@ -352,6 +379,11 @@ def _print_table(rows: list[dict], summary: dict, csv_path: str) -> None:
               f"{r['error_pct']:>+9.1f}{r['spread_pct']:>10.1f}")
     for w, s in summary["per_workload"].items():
         print(f"  {w}: MAPE {s['mape_pct']:.1f} %, worst {s['worst_pct']:.1f} %, tau {s['tau']:.2f}")
+    for dim, classes in summary.get("per_class", {}).items():
+        for value, s in classes.items():
+            flag = "  (run-to-run spread > error)" if s["spread_exceeds_error"] else ""
+            print(f"  {dim} {value}: {s['plans']} plans, MAPE {s['mape_pct']:.1f} %, worst "
+                  f"{s['worst_pct']:.1f} %, spread between runs {s['run_spread_pct']:.1f} %{flag}")
     print(f"MAPE {summary['mape_pct']:.1f} % (target <= {TARGETS['mape_pct']:g}), worst "
           f"{summary['worst_pct']:.1f} % ({summary['worst_plan']}; target <= "
           f"{TARGETS['worst_pct']:g}), Kendall tau {summary['tau']:.3f} (target >= "
@@ -382,7 +414,8 @@ def main(argv=None) -> int:
     summary = summarise(rows)
     summary.update(load_before=load_before, load_after=load_avg(), topology=str(topo_path),
                    per_workload={w: summarise([r for r in rows if r["workload"] == w])
-                                 for w in sorted({r["workload"] for r in rows})})
+                                 for w in sorted({r["workload"] for r in rows})},
+                   per_class=per_class(rows))
     _write_csv(Path(a.csv), rows)
     missed = summary["missed"] = missed_targets(summary)
     if results_path and not save_section("accuracy", "accuracy",
@@ -401,7 +434,8 @@ def main(argv=None) -> int:
 
 def _run_facts(a) -> dict:
     """How the figures were measured (recorded beside them in the results file)."""
-    return {"iters": a.iters, "warmup": a.warmup, "quick": a.quick, "reused": a.reuse}
+    return {"iters": a.iters, "warmup": a.warmup, "repeats": 1 if a.quick else a.repeats,
+            "quick": a.quick, "reused": a.reuse}
 
 
 def _spread(xs: list[float]) -> float:
@@ -415,7 +449,7 @@ def _spread(xs: list[float]) -> float:
 def _write_csv(path: Path, rows: list[dict]) -> None:
     def write(tmp: Path) -> None:
         with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()
             w.writerows(rows)
     replace_atomically(path, write)

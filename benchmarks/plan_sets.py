@@ -18,6 +18,14 @@ CPU_WORKLOADS = {
                                     "context": 64}, "batch": 16},
     "cnn": {"spec": "cnn", "args": {}, "batch": 512},
 }
+# What users also run: small microbatches and short iterations (a few ms per microbatch, where
+# per-op, per-message and per-microbatch costs weigh), and models we did not write (Hugging Face
+# transformers, random init; skipped where `transformers` is not installed).
+SMALL_WORKLOADS = {
+    "mlp-small": {"spec": "mlp", "args": {"hidden": 256, "depth": 4}, "batch": 32},
+    "llama": {"spec": "benchmarks.hf_models:llama", "args": {}, "batch": 16, "needs": "transformers"},
+    "resnet": {"spec": "benchmarks.hf_models:resnet", "args": {}, "batch": 32, "needs": "transformers"},
+}
 
 # Sized for one datacenter GPU beside the host's CPU worker: the GPU part takes ~10-30 ms
 # (estimated from FLOPs at fp32, not yet measured). `cpu_share` is the CPU replica's batch
@@ -43,8 +51,15 @@ def has_gpu(topology) -> bool:
 
 
 def workloads_for(topology) -> dict[str, dict]:
-    """The workloads sized for this topology's devices."""
-    return GPU_WORKLOADS if has_gpu(topology) else CPU_WORKLOADS
+    """The workloads sized for this topology's devices (those whose package is installed)."""
+    if has_gpu(topology):
+        return GPU_WORKLOADS
+    return {**CPU_WORKLOADS, **{w: s for w, s in SMALL_WORKLOADS.items() if _installed(s)}}
+
+
+def _installed(workload: dict) -> bool:
+    import importlib.util
+    return "needs" not in workload or importlib.util.find_spec(workload["needs"]) is not None
 
 
 def plans_for(topology, num_layers: dict[str, int]) -> dict[str, dict]:
@@ -82,6 +97,9 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
     W = CPU_WORKLOADS
     out = {}
     for w, L in num_layers.items():
+        if w in SMALL_WORKLOADS:
+            out.update(_small_plans(w, SMALL_WORKLOADS[w], L, a, b))
+            continue
         half = L // 2
         full = [(a, (0, L))]
         pipe = [(a, (0, half)), (b, (half, L))]
@@ -102,6 +120,36 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
         out["mlp/hybrid"] = make_plan(W["mlp"], [(0.5, 1, [(a, (0, L))]),
                                                  (0.5, 2, [(b, (0, L // 2)), (c, (L // 2, L))])],
                                       sync="fine", bucket_bytes=256 << 10)
+    return out
+
+
+def _small_plans(w: str, spec: dict, L: int, a: str, b: str) -> dict[str, dict]:
+    """Single device, even DP (coarse, fine), a 30/70 split, and two-stage pipelines of small
+    microbatches (GPipe with 2, 1F1B with 4)."""
+    full, other = [(a, (0, L))], [(b, (0, L))]
+    pipe = [(a, (0, L // 2)), (b, (L // 2, L))]
+    plan = lambda replicas, **kw: make_plan(spec, replicas, **kw)  # noqa: E731
+    return {
+        f"{w}/single": plan([(1.0, 1, full)]),
+        f"{w}/dp-even-coarse": plan([(0.5, 1, full), (0.5, 1, other)]),
+        f"{w}/dp-even-fine": plan([(0.5, 1, full), (0.5, 1, other)], sync="fine", bucket_bytes=64 << 10),
+        f"{w}/dp-30-70": plan([(0.25, 1, full), (0.75, 1, other)]),
+        f"{w}/gpipe-2mb": plan([(1.0, 2, pipe)], schedule="gpipe"),
+        f"{w}/1f1b-4mb": plan([(1.0, 4, pipe)], schedule="1f1b"),
+    }
+
+
+def size_classes(plan: dict, measured_s: float) -> dict[str, str]:
+    """The classes a plan belongs to, by what dominates its cost: the microbatch (largest, in
+    samples: <= 8, >= 64, or between), the measured iteration (< 20 ms, > 100 ms, or between),
+    the pipeline depth (1 stage, 2+), and the gradient sync of a multi-replica plan."""
+    G = plan["global_batch"]
+    micro = max(round(r["batch_fraction"] * G) / r["microbatches"] for r in plan["replicas"])
+    out = {"microbatch": "<=8" if micro <= 8 else ">=64" if micro >= 64 else "9-63",
+           "iteration": "<20ms" if measured_s < 0.02 else ">100ms" if measured_s > 0.1 else "20-100ms",
+           "stages": "1" if max(len(r["stages"]) for r in plan["replicas"]) == 1 else "2+"}
+    if len(plan["replicas"]) > 1:
+        out["sync"] = plan["sync"]["granularity"]
     return out
 
 

@@ -132,10 +132,18 @@ def accuracy_payload(rows: list[dict], summary: dict, plans: dict[str, dict],
         entry = {"name": row["plan"], "devices": plan_devices(plan), "predicted_s": row["predicted_s"],
                  "measured_s": row["measured_s"], "error_pct": row["error_pct"],
                  "workload": row["workload"], "class": plan_class(plan)}
-        entry.update({k: row[k] for k in ("spread_pct", "foreign_cpu") if k in row})
+        entry.update({k: row[k] for k in ("spread_pct", "run_spread_pct", "foreign_cpu") if k in row})
+        entry["size_classes"] = {k[len("class_"):]: v for k, v in row.items() if k.startswith("class_")}
         out.append(entry)
+    classes = {dim: {value: {"plans": c["plans"], "mape_pct": c["mape_pct"], "worst_pct": c["worst_pct"],
+                             "kendall_tau": _number_or_none(c["tau"]),
+                             "run_spread_pct": c["run_spread_pct"],
+                             "spread_exceeds_error": c["spread_exceeds_error"]}
+                     for value, c in by_value.items()}
+               for dim, by_value in summary.get("per_class", {}).items()}
     return {"mape_pct": summary["mape_pct"], "worst_pct": summary["worst_pct"],
-            "kendall_tau": _number_or_none(summary["tau"]), "plans": out, "run": run or {}}
+            "kendall_tau": _number_or_none(summary["tau"]), "plans": out, "classes": classes,
+            "run": run or {}}
 
 
 def plan_quality_payload(summary: dict[str, dict], rows: list[dict], run: dict | None = None) -> dict:

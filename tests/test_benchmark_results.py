@@ -8,8 +8,8 @@ import socket
 import pytest
 import torch
 
-from benchmarks.plan_sets import (CPU_WORKLOADS, GPU_WORKLOADS, gpu_transformer_plans,
-                                  hybrid_kinds, plan_class, plans_for)
+from benchmarks.plan_sets import (GPU_WORKLOADS, gpu_transformer_plans, hybrid_kinds, make_plan,
+                                  plan_class, plans_for, size_classes, workloads_for)
 from benchmarks.results import (accuracy_payload, plan_quality_payload, read_results,
                                 update_results, validate_results)
 from planner.files.io import InputError
@@ -182,10 +182,25 @@ def test_gpu_transformer_plans_train_in_bf16():
             if not n.startswith("gpt/")} == {"fp32"}
 
 
+def test_size_classes_of_a_plan():
+    plan = make_plan({"spec": "mlp", "args": {}, "batch": 32},
+                     [(0.25, 1, [("cpu:0", (0, 4))]), (0.75, 3, [("cpu:1", (0, 2)), ("cpu:2", (2, 4))])],
+                     sync="fine")
+    # replica batches 8 and 24 in 1 and 3 microbatches: the largest microbatch has 8 samples
+    assert size_classes(plan, 0.015) == {"microbatch": "<=8", "iteration": "<20ms", "stages": "2+",
+                                         "sync": "fine"}
+    single = make_plan({"spec": "mlp", "args": {}, "batch": 512}, [(1.0, 4, [("cpu:0", (0, 4))])])
+    assert size_classes(single, 0.5) == {"microbatch": ">=64", "iteration": ">100ms", "stages": "1"}
+
+
 def test_cpu_plan_set_on_cpu_workers_only():
-    layers = _layer_counts(CPU_WORKLOADS)
-    plans = plans_for(_topology(["cpu:0", "cpu:1"]), layers)
-    assert len(plans) == 20 and {plan_class(p) for p in plans.values()} == {"cpu"}
+    pytest.importorskip("transformers")
+    topo = _topology(["cpu:0", "cpu:1"])
+    layers = _layer_counts(workloads_for(topo))
+    plans = plans_for(topo, layers)
+    assert len(plans) >= 30 and {plan_class(p) for p in plans.values()} == {"cpu"}
+    workloads = {n.split("/")[0] for n in plans}
+    assert len(workloads) >= 4 and {"llama", "resnet"} <= workloads      # models we did not write
     _check_valid(plans, layers, {"cpu:0", "cpu:1"})
     with pytest.raises(ValueError, match="two CPU workers"):
         plans_for(_topology(["cpu:0"]), layers)

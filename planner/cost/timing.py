@@ -138,7 +138,7 @@ class MeasuredCost(CostModel):
             x = tuple(t.to(dev) for t in as_tuple(inputs))
             for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
                 # the model's input is data: as in the runtime, no gradient is computed for it
-                x = tuple(t.detach().requires_grad_(i > 0 and t.is_floating_point()) for t in x)
+                x = _leaf_inputs(x, grad=i > 0)
                 f_s, b_s = self._time_layer(stage, x, sync, in_precision)
                 fwd.append(f_s)
                 bwd.append(b_s)
@@ -161,6 +161,7 @@ class MeasuredCost(CostModel):
     def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext) -> tuple[float, float]:
         """Median (forward, backward) seconds; the forward runs in `in_precision()`."""
         import torch
+        from torch.utils._pytree import tree_leaves
 
         from planner.workload.layers import as_tuple
 
@@ -178,7 +179,7 @@ class MeasuredCost(CostModel):
             stage.zero_grad(set_to_none=True)
             with in_precision():
                 f_s, out = timed(lambda: as_tuple(stage(*x)))
-            outs = [o for o in out if o.requires_grad]
+            outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
             b_s = 0.0
             if outs:
                 grads = [torch.ones_like(o) for o in outs]
@@ -244,6 +245,15 @@ def cost_model(graph, topology: Topology, workload, global_batch: int) -> CostMo
     if measured_here(topology):
         return MeasuredCost(graph, topology, workload, sizes=batch_grid(global_batch))
     return RooflineCost(graph, topology)
+
+
+def _leaf_inputs(x: tuple, grad: bool) -> tuple:
+    """A layer's inputs as fresh leaves (tensors anywhere in tuples or dicts, as a stage passes
+    them on): floating-point ones require grad when `grad` (not for the model's data)."""
+    import torch
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.detach().requires_grad_(grad and t.is_floating_point())
+                    if isinstance(t, torch.Tensor) else t, x)
 
 
 def _model_copy_for(workload, dev):
