@@ -9,9 +9,11 @@ never leaves a measured file at the user's path.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -23,7 +25,8 @@ from planner.files.plan import Plan
 from planner.hardware.topology import Topology, parse_device_name
 from runtime.rendezvous import env_vars, free_port
 from runtime.placement import default_threads, node_of
-from runtime.worker import RunConfig, report_error, run_worker
+from runtime.startup import Marks, launcher_phases, rank_phases
+from runtime.worker import RunConfig, is_input_error, report_error, run_worker
 
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 5.0
@@ -31,6 +34,36 @@ _TERMINATE_GRACE_S = 5.0
 
 class RunError(Exception):
     """A worker failed; the message is one line naming the rank and device."""
+
+
+class Stopped(Exception):
+    """The launcher got SIGINT or SIGTERM; the run exits 128 + the signal number (130, 143)."""
+
+    def __init__(self, signum: int):
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGINT and SIGTERM raise `Stopped` (once: a second signal is ignored, so stopping the
+    workers is not itself interrupted). `launch` stops every worker on any exception."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield                       # signal handlers belong to the main thread
+        return
+
+    def handler(signum, frame):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def check_devices(plan: Plan, file: str) -> None:
@@ -63,38 +96,59 @@ def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:
     return out
 
 
-def _child(rank: int, world: int, addr: str, port: int, cfg_json: str, env: dict) -> None:
+def _child(rank: int, world: int, addr: str, port: int, cfg_json: str, env: dict,
+           spawn_t: float) -> None:
     """Worker process: take the launcher's environment (a forkserver child would otherwise
     see the server's, from when it started), set the env:// variables and run the worker."""
+    marks = Marks(spawn=spawn_t, entered=time.time())
+    # Ctrl-C reaches the whole process group: the launcher alone handles it (it terminates
+    # the workers), so a worker prints no KeyboardInterrupt of its own; SIGTERM ends it at once
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     os.environ.update(env_vars(rank, world, addr, port))
     cfg = RunConfig.from_json(cfg_json)
     try:
-        run_worker(cfg)
+        run_worker(cfg, marks)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher as one line
-        print(f"hetplan run: error: {report_error(cfg, e)}", file=sys.stderr, flush=True)
+        line = report_error(cfg, e)
+        if not is_input_error(e):  # bad input: the launcher prints its one line
+            print(f"hetplan run: error: {line}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
 def _context(mp):
     """Fresh worker processes. forkserver (where available) forks them from a server that has
     already imported torch and the runtime, which saves seconds per worker over plain spawn;
-    both start clean processes that share nothing with the launcher."""
+    both start clean processes that share nothing with the launcher. torch.export and
+    torch._dynamo are preloaded even for workers that export nothing: torch.optim imports
+    torch._dynamo on its first step (~2 s of imports)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.export", "torch._dynamo",
                                 "runtime.stage", "runtime.worker", "planner.workload.partition",
-                                "planner.workload.builtin"])   # torch.export: ~3 s of lazy imports
+                                "planner.workload.builtin"])
     return ctx
 
 
+def prestart() -> None:
+    """Start the forkserver now, so that its imports overlap the launcher's own work."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    if "forkserver" in mp.get_all_start_methods():
+        _context(mp)
+        forkserver.ensure_running()
+
+
 def launch(cfg: RunConfig, devices: tuple[str, ...], master_addr: str = "127.0.0.1",
-           master_port: int | None = None) -> dict:
+           master_port: int | None = None, marks: Marks | None = None) -> dict:
     """Run the plan on one local process per device (rank r = devices[r]); return the
-    measured file's dict."""
+    measured file's dict, with the start-up breakdown under "startup_s" (runtime.startup;
+    `marks` holds the launcher's own marks so far)."""
     import multiprocessing as mp
 
+    marks = marks or Marks()
     run_dir = tempfile.mkdtemp(prefix="hetplan-run-")
     try:
         wcfg = replace(cfg, out=str(Path(run_dir) / "measured.json"), error_dir=run_dir)
@@ -102,18 +156,33 @@ def launch(cfg: RunConfig, devices: tuple[str, ...], master_addr: str = "127.0.0
         port = master_port or free_port()
         ctx = _context(mp)
         env = dict(os.environ)
-        procs = [ctx.Process(target=_child, args=(r, world, master_addr, port, wcfg.to_json(), env),
-                             name=f"hetplan-rank{r}") for r in range(world)]
+        procs = []
         try:
-            for p in procs:
-                p.start()
+            for r in range(world):      # the spawn mark of each is taken just before its start
+                procs.append(ctx.Process(target=_child, name=f"hetplan-rank{r}", args=(
+                    r, world, master_addr, port, wcfg.to_json(), env, time.time())))
+                procs[-1].start()
+            marks.mark("spawned")
             _watch(procs, devices, run_dir)
-        except BaseException:      # RunError, Ctrl-C: leave no worker behind
+            marks.mark("exited")
+        except BaseException:      # RunError, Stopped (a signal): leave no worker behind
             _stop(procs)
             raise
-        return json.loads(Path(wcfg.out).read_text())
+        result = json.loads(Path(wcfg.out).read_text())
+        result["startup_s"] = _startup(marks, devices, run_dir)
+        return result
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _startup(marks: Marks, devices, run_dir: str) -> dict:
+    """Start-up phases of the launcher and of each rank (runtime.startup)."""
+    out = {"launcher": launcher_phases(marks.at)}
+    for r, d in enumerate(devices):
+        f = Path(run_dir, f"startup-rank{r}.json")
+        if f.exists():
+            out[d] = rank_phases({**Marks.load(f).at, "exited": marks.at["exited"]})
+    return out
 
 
 def _watch(procs, devices, run_dir: str) -> None:
@@ -126,6 +195,9 @@ def _watch(procs, devices, run_dir: str) -> None:
             lines = [_failure_line(r, devices[r], p.exitcode, run_dir) for r, p in failed]
             primary = [l for l in lines if not _is_echo(l)] or lines
             _stop(procs)
+            bad_input = sorted(Path(run_dir).glob("input-rank*.txt"))
+            if bad_input:          # the plan's model was refused: bad input, not a fault
+                raise InputError(bad_input[0].read_text().strip())
             raise RunError(primary[0])
         if all(p.exitcode == 0 for p in procs):
             return

@@ -77,13 +77,6 @@ class Built:
         return loss
 
 
-def _layer_params(workload, num_layers: int, micro: int) -> list[tuple[str, ...]]:
-    """Parameter names of each layer (the partitioner's grouping, one-layer stages)."""
-    from planner.workload.partition import build_stages
-    stages = build_stages(workload, [(l, l + 1) for l in range(num_layers)], batch=micro)
-    return [tuple(n for n, _ in s.named_parameters()) for s in stages]
-
-
 def _buckets(plan: Plan, names_by_layer, named: dict) -> list[tuple[int, ...]]:
     """The simulator's gradient buckets (planner.cost.buckets), as layer tuples.
 
@@ -116,9 +109,23 @@ def _check_ownership(named: dict, names_by_layer) -> None:
         raise ValueError(f"parameters {missing[:3]} belong to no layer of the partition")
 
 
-def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None) -> Built:
-    """What rank `rank` runs; `device` is its planner.hardware.device.TorchDevice."""
-    from planner.workload.load import load_workload
+def check_model(plan: Plan, file: str):
+    """The plan's workload, built; its model must load and have the layers the plan's stages
+    cover, else InputError naming `file` (the launcher turns it into exit 2). The layer count
+    comes from the layer-map cache (planner.workload.layer_cache); a miss costs one export."""
+    from planner.files.plan import validate_plan
+    from planner.workload.layer_cache import layer_map, plan_batch
+    from planner.workload.load import load_plan_workload
+    workload = load_plan_workload(plan.model, file)     # torch.manual_seed(0) inside
+    found = layer_map(workload, plan.model.spec, plan.model.args, plan_batch(plan))
+    validate_plan(plan, file, num_layers=found.num_layers)
+    return workload
+
+
+def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None,
+          marks=None, file: str = "<plan>") -> Built:
+    """What rank `rank` runs; `device` is its planner.hardware.device.TorchDevice; `marks`
+    (runtime.startup.Marks) gets "model" once the workload is built and checked."""
 
     rank_of = {d: r for r, d in enumerate(names)}
     where = {st.device: (i, j) for i, rep in enumerate(plan.replicas) for j, st in enumerate(rep.stages)}
@@ -126,14 +133,17 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     rep = plan.replicas[rep_i]
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
-    workload = load_workload(plan.model.spec, plan.model.args)   # torch.manual_seed(0) inside
+    workload = check_model(plan, file)
+    if marks is not None:
+        marks.mark("model")
 
+    exported = None
     if len(rep.stages) == 1:
         module = WholeModel(workload.model).to(device.device)
     else:
-        from planner.workload.partition import build_stages, place_stages
-        module = build_stages(workload, [st.layers for st in rep.stages], batch=micro)[st_j]
-        place_stages([module], device.device)
+        from planner.workload.partition import exported_stages, place_stages
+        exported, stages = exported_stages(workload, [st.layers for st in rep.stages], batch=micro)
+        module = place_stages([stages[st_j]], device.device)[0]
 
     # who holds which layer: one rank per replica
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
@@ -145,7 +155,10 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         params_by_layer, ranks_by_bucket_layer, buckets = {0: list(named.values())}, [ranks_of_layer[0]], [(0,)]
     else:
         full = dict(workload.model.named_parameters())
-        names_by_layer = _layer_params(workload, plan.num_layers, micro)
+        from planner.workload.layer_cache import layer_map, plan_batch
+        b = plan_batch(plan)
+        reuse = exported if exported is not None and micro == b else None   # export at that batch
+        names_by_layer = layer_map(workload, plan.model.spec, plan.model.args, b, reuse).params
         params_by_layer = {l: [named[n] for n in ns if n in named] for l, ns in enumerate(names_by_layer)}
         _check_ownership(named, names_by_layer)
         ranks_by_bucket_layer = ranks_of_layer

@@ -43,8 +43,10 @@ class RunConfig:
         return RunConfig(**json.loads(text))
 
 
-def run_worker(cfg: RunConfig) -> None:
-    """Train the plan on this rank (env:// rendezvous) and, on rank 0, write the results."""
+def run_worker(cfg: RunConfig, marks=None) -> None:
+    """Train the plan on this rank (env:// rendezvous) and, on rank 0, write the results.
+    `marks` (runtime.startup.Marks) collects the start-up marks; saved as startup-rank<R>.json
+    in `cfg.error_dir` when the run ends well."""
     import torch
     import torch.distributed as dist
 
@@ -54,6 +56,9 @@ def run_worker(cfg: RunConfig) -> None:
     from runtime import stage
     from runtime.results import build_measured
 
+    from runtime.startup import Marks
+    marks = marks or Marks()
+    marks.mark("imported")
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     plan = load_plan(cfg.plan)
@@ -70,8 +75,13 @@ def run_worker(cfg: RunConfig) -> None:
         dist.all_gather_object(names, name)
         if sorted(names) != sorted(plan.devices):
             raise ValueError(f"ranks map to devices {names}; expected each plan device once")
-        built = stage.build(plan, names, rank, device, timeout)
-        record = _train(cfg, plan, built, rank, device, name)
+        marks.mark("rendezvous")
+        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan)
+        marks.mark("stages")
+        if rank == 0:      # after the model check: bad input stays one line on stderr
+            print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations",
+                  file=sys.stderr, flush=True)
+        record = _train(cfg, plan, built, rank, device, name, marks)
         records: list = [None] * world if rank == 0 else None
         dist.gather_object(record, records, dst=0)
         params = _gather_params(cfg, built, rank, world)
@@ -88,9 +98,11 @@ def run_worker(cfg: RunConfig) -> None:
                           cfg.out)
     finally:
         dist.destroy_process_group()
+    if cfg.error_dir:
+        marks.save(Path(cfg.error_dir, f"startup-rank{rank}.json"))
 
 
-def _train(cfg, plan, built, rank, device, name) -> dict:
+def _train(cfg, plan, built, rank, device, name, marks) -> dict:
     import torch
 
     from runtime.instruments import MemoryTracker
@@ -120,10 +132,13 @@ def _train(cfg, plan, built, rank, device, name) -> dict:
             if i == cfg.iters - 1:
                 events = timer.take_spans()
             losses.append(float(loss) if loss is not None else 0.0)
+            if i == 0:
+                marks.mark("first_iteration")
             if rank == 0 and (time.monotonic() - shown > 1.0 or i + 1 == cfg.iters):
                 shown = time.monotonic()
                 print(f"hetplan run: iteration {i + 1}/{cfg.iters}: {iter_s[-1] * 1e3:.2f} ms (rank 0)",
                       file=sys.stderr, flush=True)
+    marks.mark("trained")
     if cfg.trace_dir:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(cfg.trace_dir) / f"rank{rank}.json"))
@@ -188,7 +203,14 @@ def report_error(cfg: RunConfig, exc: BaseException) -> str:
     line = f"rank {rank} ({dev}): {type(exc).__name__}: {msg}"
     if cfg.error_dir:
         Path(cfg.error_dir, f"rank{rank}.txt").write_text(line + "\n")
+        if is_input_error(exc):   # bad input (the plan's model): the launcher exits 2 with it
+            Path(cfg.error_dir, f"input-rank{rank}.txt").write_text(msg + "\n")
     return line
+
+
+def is_input_error(exc: BaseException) -> bool:
+    from planner.files.io import InputError
+    return isinstance(exc, InputError)
 
 
 def _cli(argv=None) -> int:

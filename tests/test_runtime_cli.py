@@ -127,3 +127,58 @@ def test_torchrun_two_nodes(tmp_path):
     got = torch.load(params)
     for name, ref in ref_params.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc): the forkserver and the workers it forked."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit():
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    out, todo = set(), [pid]
+    while todo:
+        here = todo.pop()
+        kids = [c for c, p in parent.items() if p == here]
+        out.update(kids)
+        todo.extend(kids)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the workers")
+@pytest.mark.parametrize("sig,code", [(2, 130), (15, 143)])   # SIGINT, SIGTERM
+def test_signal_stops_every_worker(tmp_path, sig, code):
+    """Ctrl-C or SIGTERM to `hetplan run` mid-training: exit 128+signal within 10 s, one line
+    on stderr about it, no measured file, no process of the run left (workers, forkserver)."""
+    out = tmp_path / "measured.json"
+    proc = subprocess.Popen([sys.executable, "-m", "hetplan", "run", str(write(tmp_path, DP2)),
+                             "--iters", "100000", "-o", str(out)], cwd=ROOT, text=True,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    lines = []
+    for line in proc.stderr:                     # wait until training is under way
+        lines.append(line)
+        if "iteration" in line:
+            break
+    workers = _descendants(proc.pid)
+    assert len(workers) >= 3, lines              # the forkserver and two workers
+    t0 = time.monotonic()
+    os.kill(proc.pid, sig)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == code, rest
+    while any(_alive(p) for p in workers) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert time.monotonic() - t0 <= 10.0
+    assert not [p for p in workers if _alive(p)]
+    stop_lines = [l for l in rest.splitlines() if "iteration" not in l]
+    assert len(stop_lines) == 1 and "stopped by" in stop_lines[0], rest
+    assert not out.exists() and not list(tmp_path.glob("measured*"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 HELP = "execute a plan with torch.distributed on this machine and write the measured file"
@@ -32,6 +33,10 @@ def add_arguments(p):
                    help="save the final parameters (torch.save of name -> tensor)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a collective may wait for a peer (default 60)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print where the start-up went (per process: imports, rendezvous, model "
+                        "and stage build, first iteration, teardown; also under startup_s in the "
+                        "measured file)")
 
 
 def default_output(plan_path: str) -> str:
@@ -39,24 +44,28 @@ def default_output(plan_path: str) -> str:
     return str(p.with_name(f"{p.stem}.measured.json"))
 
 
-def check_model(plan, file: str) -> None:
-    """The plan's model must load and have the layers the plan's stages cover (exit 2, not a
-    worker error). Costs one trace of the model in this process."""
-    from planner.workload.layers import num_layers
-    from planner.files.plan import validate_plan
-    from planner.workload.load import load_plan_workload
-    workload = load_plan_workload(plan.model, file)
-    b = plan.global_batch // max(r.microbatches for r in plan.replicas)
-    validate_plan(plan, file, num_layers=num_layers(workload, max(1, b)))
-
-
 def main(args) -> int:
+    """SIGINT/SIGTERM stop every worker (runtime.launch.stop_on_signals): exit 130/143, one line
+    on stderr, no measured file."""
+    from runtime.launch import Stopped, stop_on_signals
+    try:
+        with stop_on_signals():
+            return _run(args)
+    except Stopped as e:
+        print(f"hetplan run: {e}; every worker ended, no measured file written", file=sys.stderr)
+        return e.exit_code
+
+
+def _run(args) -> int:
     from planner.files.io import InputError, write_json_atomic
     from planner.files.plan import load_plan
     from planner.hardware.lookup import local_topology
-    from runtime.launch import RunError, check_devices, launch, thread_shares
+    from runtime.launch import RunError, check_devices, launch, prestart, thread_shares
+    from runtime.startup import Marks, format_lines, process_start_time
     from runtime.worker import RunConfig
 
+    marks = Marks(process=process_start_time() or time.time())
+    marks.mark("main")
     if args.iters < 1:
         raise InputError(f"--iters: expected a positive integer, got {args.iters}")
     if not 0 <= args.warmup < args.iters:
@@ -65,21 +74,23 @@ def main(args) -> int:
         raise InputError(f"--timeout: expected a positive number, got {args.timeout}")
     plan = load_plan(args.plan)
     check_devices(plan, args.plan)
-    check_model(plan, args.plan)
+    prestart()          # the workers' imports overlap the rest; the model is checked by them
+    # (runtime.stage.check_model: a bad model or layer range there is exit 2 as well)
     topology = local_topology(plan, args.topology)
+    marks.mark("checked")
     out = args.output or default_output(args.plan)
     extra = {"topology": topology.name if topology is not None else None}
     cfg = RunConfig(plan=str(args.plan), iters=args.iters, warmup=args.warmup, out=out,
                     trace_dir=args.trace, save_params=args.save_params,
                     threads=thread_shares(plan, topology), timeout_s=args.timeout, extra=extra)
-    print(f"hetplan run: {len(plan.devices)} worker(s) on {', '.join(plan.devices)}; "
-          f"{args.iters} iterations", file=sys.stderr)
     try:
-        result = launch(cfg, plan.devices, args.master_addr, args.master_port)
+        result = launch(cfg, plan.devices, args.master_addr, args.master_port, marks)
     except RunError as e:
         print(f"hetplan run: error: {e}", file=sys.stderr)
         return 1
     write_json_atomic(out, result)
+    if args.verbose:
+        print("\n".join(format_lines(result["startup_s"])), file=sys.stderr)
     summary = {"measured": out, "iteration_s": result["iteration_s"], "losses": result["losses"],
                "per_device": {d: {"busy_s": v["busy_s"], "peak_memory_bytes": v["peak_memory_bytes"]}
                               for d, v in result["per_device"].items()}}

@@ -1,0 +1,96 @@
+"""A workload's layer map (its layers and the parameters of each), cached by content.
+
+Exporting a model (planner.workload.layers) costs seconds; `run` needs from it only the number of
+layers (to validate the plan) and each layer's parameter names (gradient buckets, the fine sync),
+so those are kept in `$HETPLAN_CACHE_DIR/layer_maps/<key>.json` (default `.hetplan-cache/`).
+
+The key is the sha256 of: the model spec and args, the batch, the torch version, the bytes of the
+source files of the factory and of the model's class, and the model's state_dict structure (every
+name, shape and dtype). A change to any of them is a different key, so an entry is never stale
+for what it records; code outside those two files that changes the layer grouping without
+changing the parameters is the limit (delete the cache folder then).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.files.io import write_json_atomic
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    names: tuple[str, ...]                  # layer names, execution order
+    params: tuple[tuple[str, ...], ...]     # parameter names of each layer (one-layer stages)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HETPLAN_CACHE_DIR", ".hetplan-cache")) / "layer_maps"
+
+
+def _source_bytes(obj) -> bytes:
+    try:
+        return Path(inspect.getsourcefile(obj) or "").read_bytes()
+    except (OSError, TypeError):
+        return b""        # no source file (a builtin, a REPL class): the other fields still key it
+
+
+def cache_key(workload, spec: str, args: dict, batch: int) -> str:
+    import torch
+    from planner.workload.load import _resolve
+
+    h = hashlib.sha256()
+    h.update(json.dumps([spec, args, int(batch), torch.__version__], sort_keys=True, default=str).encode())
+    h.update(_source_bytes(_resolve(spec)))
+    h.update(_source_bytes(type(workload.model)))
+    for name, t in workload.model.state_dict().items():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()
+
+
+def compute_layer_map(workload, batch: int, exported=None) -> LayerMap:
+    """Export (or reuse `exported`, a planner.workload.layers.Exported of this workload) and
+    cut it into one stage per layer: the partitioner's grouping of parameters."""
+    from planner.workload.partition import _NonTensorCut, exported_stages, split
+
+    stages = None
+    if exported is not None:
+        try:
+            stages = split(exported, workload.model, [(l, l + 1) for l in range(exported.num_layers)])
+        except _NonTensorCut:
+            stages = None
+    if stages is None:
+        exported, stages = exported_stages(workload, None, batch)
+    return LayerMap(tuple(exported.names), tuple(tuple(n for n, _ in s.named_parameters()) for s in stages))
+
+
+def plan_batch(plan) -> int:
+    """The batch a plan's layer map is keyed and exported at (the launcher's check and every
+    worker use this one, so they share one cache entry): its largest microbatch."""
+    return max(1, plan.global_batch // max(r.microbatches for r in plan.replicas))
+
+
+def layer_map(workload, spec: str, args: dict, batch: int, exported=None) -> LayerMap:
+    """The layer map of `workload` (built from `spec`, `args`), from the cache or computed
+    (`compute_layer_map`) and stored."""
+    path = cache_dir() / f"{cache_key(workload, spec, args, batch)}.json"
+    try:
+        data = json.loads(path.read_text())
+        return LayerMap(tuple(data["names"]), tuple(tuple(p) for p in data["params"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    found = compute_layer_map(workload, batch, exported)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"names": list(found.names), "params": [list(p) for p in found.params]})
+    except Exception:  # noqa: BLE001 - a cache that cannot be written only costs time
+        pass
+    return found
