@@ -114,3 +114,27 @@ def test_bad_ranges_rejected(ranges):
     w = load_workload("mlp", {"hidden": 8, "depth": 2})   # 3 layers
     with pytest.raises(ValueError):
         build_stages(w, ranges)
+
+
+def test_layer_map_cache_hits_the_same_workload_and_misses_another(tmp_path, monkeypatch):
+    from planner.workload import layer_cache
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    computed = []
+    real = layer_cache.compute_layer_map
+
+    def counting(workload, batch, exported=None):
+        computed.append(batch)
+        return real(workload, batch, exported)
+    monkeypatch.setattr(layer_cache, "compute_layer_map", counting)
+    args = {"hidden": 16, "depth": 2}
+    first = layer_cache.layer_map(load_workload("mlp", args), "mlp", args, 4)
+    again = layer_cache.layer_map(load_workload("mlp", args), "mlp", args, 4)
+    assert again == first and computed == [4]                       # the second is a cache hit
+    assert first.names == ("layers.0", "layers.1", "out")
+    assert first.params[2] == ("out.weight", "out.bias")
+    wider = {"hidden": 32, "depth": 2}                                 # other shapes: another key
+    layer_cache.layer_map(load_workload("mlp", wider), "mlp", wider, 4)
+    deeper = {"hidden": 16, "depth": 3}                                # other layers: another key
+    assert layer_cache.layer_map(load_workload("mlp", deeper), "mlp", deeper, 4).num_layers == 4
+    assert computed == [4, 4, 4]
