@@ -13,7 +13,7 @@ import torch
 from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
-from planner.workload.layers import as_tuple
+from planner.workload.inputs import as_tuple
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions

@@ -221,7 +221,7 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     with preserved(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         cut_bytes = [rec.bytes_of(inputs)]
-        h = inputs
+        h = ex.flat_inputs(inputs)
         for k, stage in enumerate(stages):
             h = rec.run_stage(stage, h, first=(k == 0))
             cut_bytes.append(rec.bytes_of(h))
