@@ -51,7 +51,8 @@ def _tokens(batch_size: int, seed: int):
 def gpt2(layers: int = 2) -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=layers, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                     bos_token_id=0, eos_token_id=0)
     return Workload(model=LM(GPT2LMHeadModel(cfg)), make_batch=_tokens, loss_fn=_lm_loss)
 
 
