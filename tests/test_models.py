@@ -123,3 +123,16 @@ def test_two_replicas_train_like_one_device(tmp_path, name):
     L = len(LAYERS[name])
     check(tmp_path, plan([(0.5, 1, [("cpu:0", (0, L))]), (0.5, 1, [("cpu:1", (0, L))])],
                          model=model_ref(name), global_batch=4, sync="fine", bucket_bytes=4096, opt="sgd", lr=0.1))
+
+
+CENTERED = {"spec": "tests.runtime_models:centered", "args": {"width": 16}}   # a buffer the forward uses
+
+
+@pytest.mark.parametrize("replicas,sync", [
+    ([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])], "coarse"),     # whole models
+    ([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 2, [("cpu:1", (0, 2)), ("cpu:2", (2, 4))])], "fine"),  # hybrid
+], ids=["data-parallel", "hybrid"])
+def test_buffers_follow_the_first_replica(tmp_path, replicas, sync):
+    # without the broadcast, the second replica keeps its own running mean from iteration 1 on
+    # and its losses drift from the reference's (every replica starts from the first's buffers)
+    check(tmp_path, plan(replicas, model=CENTERED, global_batch=8, sync=sync, opt="sgd", lr=0.1))
