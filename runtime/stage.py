@@ -150,8 +150,8 @@ def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, micro: 
     names_by_layer, buffers_by_layer = _layer_names(workload, plan.num_layers, micro)
     _check_ownership(named, names_by_layer)
     tied = _tied(names_by_layer)
-    # a tied weight is exchanged on its own; the buckets count it in its first layer (as capture)
-    owned = [tuple(n for n in ns if n not in tied or tied[n][0] == l) for l, ns in enumerate(names_by_layer)]
+    # a tied weight is exchanged on its own, in no layer's bucket (planner.cost.buckets)
+    owned = [tuple(n for n in ns if n not in tied) for ns in names_by_layer]
     params_by_layer = {l: [named[n] for n in ns if n in named and n not in tied]
                        for l, ns in enumerate(names_by_layer)}
     ties = [Tied(named.get(n), tuple(sorted({r for l in ls for r in ranks_of_layer[l]})), ls[0])

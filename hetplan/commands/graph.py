@@ -34,6 +34,7 @@ def to_json(graph) -> dict:
              "n_ops": sum(l.n_ops for l in graph.layers)}
     return {"batch": graph.batch, "layers": layers, "total": total,
             "cut_bytes": list(graph.cut_bytes), "method": graph.info.get("method"),
+            "tied": [{"name": t.name, "bytes": t.bytes, "layers": list(t.layers)} for t in graph.tied],
             "warnings": graph.info.get("warnings", [])}
 
 
