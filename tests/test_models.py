@@ -136,3 +136,78 @@ def test_buffers_follow_the_first_replica(tmp_path, replicas, sync):
     # without the broadcast, the second replica keeps its own running mean from iteration 1 on
     # and its losses drift from the reference's (every replica starts from the first's buffers)
     check(tmp_path, plan(replicas, model=CENTERED, global_batch=8, sync=sync, opt="sgd", lr=0.1))
+
+
+# --- --layers, plans on two CPU workers, models that cannot be captured ---------------------------
+def hetplan(*args):
+    import os
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "hetplan", *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def one_error_line(r, *needles):
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if "error" in l]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+BLOCKS = "hf.resnet.encoder.stages.*.layers.*"   # one layer per residual block, not per stage
+RESNET2 = {"spec": "tests.hf_models:resnet", "args": {"depths": 2}, "layers": BLOCKS}
+
+
+def test_layers_pattern_regroups_graph_and_pipeline(tmp_path):
+    r = hetplan("graph", "--model", "tests.hf_models:resnet", "--model-arg", "depths=2", "--layers", BLOCKS,
+                "--batch", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    names = [l["name"] for l in json.loads(r.stdout)["layers"]]
+    assert names == ["hf.resnet.embedder", *[f"hf.resnet.encoder.stages.{s}.layers.{b}" for s in (0, 1) for b in (0, 1)],
+                     "hf.resnet.pooler", "hf.classifier"]
+    # a cut between the two blocks of the first stage, which the automatic rule keeps together;
+    # the plan's model.layers reaches the runtime's stages and gradient buckets
+    check(tmp_path, plan([(1.0, 2, [("cpu:0", (0, 2)), ("cpu:1", (2, 7))])], model=RESNET2,
+                         global_batch=4, sync="fine", bucket_bytes=4096, opt="sgd", lr=0.1))
+
+
+def test_layers_pattern_matching_nothing_is_refused(tmp_path):
+    one_error_line(hetplan("graph", "--model", "tests.hf_models:gpt2", "--layers", "hf.model.layers.*",
+                           "--batch", "2"), "--layers", "matches no module", "hf.transformer.h.*")
+    p = plan([(1.0, 1, [("cpu:0", (0, 7))])], model={**model_ref("gpt2"), "layers": "nope.*"}, global_batch=2)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(p))
+    one_error_line(hetplan("run", path, "--iters", "1", "--warmup", "0"), str(path), "model.layers", "nope.*")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_model_that_cannot_be_captured_is_named(tmp_path):
+    out = tmp_path / "plan.json"
+    one_error_line(hetplan("plan", "--model", "tests.factories:data_dependent", "--batch", "4",
+                           "--topology", two_cpus(tmp_path), "-o", out), "'gate' (Gate)", "exportable")
+    assert not out.exists()
+
+
+def two_cpus(tmp_path) -> Path:
+    """A what-if topology of two CPU workers."""
+    devices = [{"name": f"cpu:{i}", "kind": "cpu", "threads": 1, "memory_bytes": 8e9,
+                "matmul_flops_per_s": 2e10, "memory_bytes_per_s": 1e10, "op_overhead_s": 1e-5}
+               for i in range(2)]
+    path = tmp_path / "two-cpus.json"
+    path.write_text(json.dumps({"schema": "hetplan.topology/1", "name": "two-cpus", "devices": devices,
+                                "links": [{"a": "cpu:0", "b": "cpu:1", "bandwidth_bytes_per_s": 5e9,
+                                           "latency_s": 2e-5}]}))
+    return path
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_plan_on_two_cpu_workers(tmp_path, name):
+    from hetplan.cli import main as cli_main
+    from planner.files.plan import load_plan
+    out = tmp_path / "plan.json"
+    layers = ["--layers", "hf.transformer.h.*"] if name == "gpt2" else []
+    assert cli_main(["plan", "--model", f"tests.hf_models:{name}", *layers, "--batch", "8", "--topology",
+                     str(two_cpus(tmp_path)), "--iterations", "200", "-o", str(out)]) == 0
+    p = load_plan(out)
+    assert p.num_layers == len(LAYERS[name]) and p.predicted.iteration_s > 0
+    assert p.model.layers == ("hf.transformer.h.*" if name == "gpt2" else None)

@@ -253,7 +253,7 @@ def _export(model: nn.Module, inputs, dynamic: bool):
     if keys is not None:
         model, args, kwargs = _Keywords(model, keys), tuple(kwargs.values()), {}
     shapes = _dynamic_shapes(model, args, kwargs) if dynamic else None
-    with _module_trail() as trail:
+    with _module_trail() as trail, _quiet_torch_logs():
         try:
             ep = export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
         except Exception as e:  # noqa: BLE001 - re-raised with the module that was running
@@ -295,6 +295,26 @@ def _module_trail():
         post.remove()
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch.export logs a failed guard and prints the partial graph to stderr; the failure is
+    reported once, as one line, by `export_model`'s caller. (Anything else written to stderr
+    during the export is dropped too.)"""
+    import io
+    import logging
+    loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch._export",
+                                              "torch.export", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _where(trail: list[nn.Module], model: nn.Module) -> str:
     names = {id(m): n for n, m in model.named_modules()}
     inner = [names[id(m)] for m in trail if id(m) in names]
@@ -307,8 +327,9 @@ def _describe_failure(model: nn.Module, err: CaptureError, fx_err: BaseException
     where = f"module {mod!r} ({kind})" if mod else f"the model's own forward ({kind})"
     return (f"cannot capture the model: torch.export failed in {where}: {err} "
             f"(torch.fx.symbolic_trace: {str(fx_err).strip().splitlines()[0][:120] if str(fx_err).strip() else type(fx_err).__name__}); "
-            "hetplan needs the whole forward as one graph: make that module exportable "
-            "(no data-dependent Python control flow; torch.library custom op for opaque code)")
+            "hetplan needs the whole forward as one graph (--layers only regroups it): make that "
+            "module exportable (no Python control flow on tensor values; a torch.library custom op "
+            "for opaque code)")
 
 
 def export_model(workload, batch: int | None = None, *, dynamic: bool = True) -> Exported:
@@ -320,12 +341,12 @@ def export_model(workload, batch: int | None = None, *, dynamic: bool = True) ->
         gm, dyn, out_spec, (in_spec, in_keys) = _export(model, inputs, dynamic)
         method = "export"
     except CaptureError as e:
-        print(f"hetplan: torch.export failed ({e}); falling back to torch.fx.symbolic_trace",
-              file=sys.stderr)
         try:
             gm = fx.symbolic_trace(model)
         except Exception as e2:  # noqa: BLE001
             raise ValueError(_describe_failure(model, e, e2)) from None
+        print(f"hetplan: torch.export failed ({e}); captured with torch.fx.symbolic_trace instead",
+              file=sys.stderr)
         dyn, out_spec, in_spec, in_keys, method = True, None, None, None, "symbolic_trace"
     first = next(iter(pytree.tree_leaves(inputs)), None)
     export_batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else b
