@@ -30,9 +30,11 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from planner.hardware.device import TorchDevice
+from planner.workload.inputs import to_device
 from planner.workload.precision import autocast
 
 Step = tuple[str, int]   # ("F", microbatch) or ("B", microbatch): a schedule Action of this stage
@@ -192,8 +194,10 @@ class StageRunner:
                 link.flush(block)
 
     def _forward(self, mb, inputs, targets, saved, losses) -> None:
-        if self.prev is None:
-            args = [a.to(self.device, non_blocking=True) for a in inputs[mb]]
+        kwargs = {}
+        if self.prev is None:              # (args, kwargs) of the model or the first stage
+            args, kwargs = to_device(inputs[mb], self.device)
+            args = list(args)
         else:
             with self.busy(f"recv act {mb}", "transfer", busy=False):
                 self._flush()
@@ -204,11 +208,12 @@ class StageRunner:
         with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()), \
                 autocast(self.device.type, self.precision):
             if track is not None and self.recompute:   # checkpoint keeps just the stage input
-                track.add_bytes(mb, sum(a.numel() * a.element_size() for a in args))
+                track.add_bytes(mb, sum(a.numel() * a.element_size()
+                                        for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)))
             if self.recompute:
-                out = checkpoint(self.module, *args, use_reentrant=False)
+                out = checkpoint(self.module, *args, use_reentrant=False, **kwargs)
             else:
-                out = self.module(*args)
+                out = self.module(*args, **kwargs)
             if self.next is None:
                 target = targets[mb].to(self.device, non_blocking=True)
                 losses[mb] = self.loss_fn(out[0], target) * self.scale
@@ -245,8 +250,11 @@ class WholeModel(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *inputs):
-        return (self.model(*inputs),)
+    def forward(self, *args, **kwargs):
+        return (self.model(*args, **kwargs),)
 
     def named_parameters(self, *args, **kwargs):  # keep the original model's names
         return self.model.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.model.named_buffers(*args, **kwargs)

@@ -13,17 +13,11 @@ import torch
 from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
-from planner.workload.layers import as_tuple
+from planner.workload.inputs import call_args, slice_inputs
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
-from runtime.sync import GradSync, Groups, layer_ranks
-
-
-def _slice(x, a: int, b: int):
-    if isinstance(x, (tuple, list)):
-        return type(x)(_slice(v, a, b) for v in x)
-    return x[a:b]
+from runtime.sync import BufferSync, GradSync, Groups, Tied, layer_ranks
 
 
 @dataclass
@@ -42,6 +36,7 @@ class Built:
     groups: Groups
     timer: BusyTimer
     actions: list
+    buffers: BufferSync
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -60,15 +55,24 @@ class Built:
         x, y = self.workload.make_batch(global_batch, iteration)
         m = self.plan.replicas[self.replica].microbatches
         bounds = [(self.offset + k * self.micro, self.offset + (k + 1) * self.micro) for k in range(m)]
-        ins = [as_tuple(_slice(x, a, b)) for a, b in bounds] if first else None
-        tgts = [_slice(y, a, b) for a, b in bounds] if last else None
+        ins = [self._call_args(slice_inputs(x, a, b)) for a, b in bounds] if first else None
+        tgts = [slice_inputs(y, a, b) for a, b in bounds] if last else None
         return ins, tgts
+
+    def _call_args(self, inputs) -> tuple[tuple, dict]:
+        """(args, kwargs) for this rank's module: the model's own call for a whole model, the
+        flat leaves (planner.workload.partition.stage_inputs) for a first stage."""
+        if isinstance(self.module, WholeModel):
+            return call_args(inputs)
+        return self.module.flat_inputs(inputs), {}
 
     def begin(self) -> None:
         self.optimizer.zero_grad()
         self.sync.begin()
 
     def step(self, batch) -> torch.Tensor | None:
+        with self.timer.timer("buffer broadcast", "allreduce", busy=False):
+            self.buffers.broadcast()
         loss = self.runner.run(self.actions, *batch)
         with self.timer.timer("grad sync wait", "allreduce", busy=False):
             self.sync.finish()
@@ -94,19 +98,76 @@ def _buckets(plan: Plan, names_by_layer, named: dict) -> list[tuple[int, ...]]:
     return [b.layers for b in grad_buckets(plan, graph)]
 
 
-def _check_ownership(named: dict, names_by_layer) -> None:
-    """Every parameter of the stage must belong to exactly one layer, or its gradient would be
-    left out of (or counted twice in) the sync. Weight tying across layers is not supported."""
-    owners: dict[str, int] = {}
+def _tied(names_by_layer) -> dict[str, tuple[int, ...]]:
+    """Parameters used by several layers (tied weights) -> those layers."""
+    layers: dict[str, list[int]] = {}
     for layer, names in enumerate(names_by_layer):
         for n in names:
-            if n in owners:
-                raise ValueError(f"parameter {n!r} is used by layers {owners[n]} and {layer}; "
-                                 "tied weights across layers are not supported by the runtime")
-            owners[n] = layer
-    missing = [n for n in named if n not in owners]
+            layers.setdefault(n, []).append(layer)
+    return {n: tuple(ls) for n, ls in layers.items() if len(ls) > 1}
+
+
+def _check_ownership(named: dict, names_by_layer) -> None:
+    """Every parameter of the stage must belong to a layer, or its gradient would be left out of
+    the sync."""
+    owned = {n for names in names_by_layer for n in names}
+    missing = [n for n in named if n not in owned]
     if missing:
         raise ValueError(f"parameters {missing[:3]} belong to no layer of the partition")
+
+
+@dataclass
+class _Layout:
+    """What this rank exchanges with which ranks: gradients by layer, tied weights, buffers."""
+    params_by_layer: dict[int, list[torch.nn.Parameter]]
+    ranks_of_layer: list[tuple[int, ...]]
+    buckets: list[tuple[int, ...]]
+    tied: list[Tied]
+    buffers: list[tuple[tuple[int, ...], int, list[torch.Tensor]]]   # (ranks, source, tensors)
+
+    @property
+    def sync_sets(self) -> list[tuple[int, ...]]:
+        return sorted(set(self.ranks_of_layer) | {t.ranks for t in self.tied})
+
+
+def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, micro: int,
+            exported=None) -> _Layout:
+    named = dict(module.named_parameters())
+    if len(set(ranks_of_layer)) == 1 and plan.sync.granularity == "coarse":
+        # every layer has the same ranks: one flat bucket; no need to know the layers
+        buffers = [(ranks_of_layer[0], replica_ranks[0][0], [b for _, b in module.named_buffers()])]
+        return _Layout({0: list(named.values())}, [ranks_of_layer[0]], [(0,)], [], buffers)
+    from planner.workload.layer_cache import layer_map, plan_batch
+    b = plan_batch(plan)
+    reuse = exported if exported is not None and micro == b else None   # exported at that batch
+    found = layer_map(workload, plan.model.spec, plan.model.args, b, reuse)
+    names_by_layer, buffers_by_layer = found.params, found.buffers
+    _check_ownership(named, names_by_layer)
+    tied = _tied(names_by_layer)
+    # a tied weight is exchanged on its own, in no layer's bucket (planner.cost.buckets)
+    owned = [tuple(n for n in ns if n not in tied) for ns in names_by_layer]
+    params_by_layer = {l: [named[n] for n in ns if n in named and n not in tied]
+                       for l, ns in enumerate(names_by_layer)}
+    ties = [Tied(named.get(n), tuple(sorted({r for l in ls for r in ranks_of_layer[l]})), ls[0])
+            for n, ls in sorted(tied.items())]
+    buckets = _buckets(plan, owned, dict(workload.model.named_parameters()))
+    buffers = _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer)
+    return _Layout(params_by_layer, ranks_of_layer, buckets, ties, buffers)
+
+
+def _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer) -> list:
+    """(ranks, first replica's rank, this rank's buffers) per rank set holding a layer's buffers;
+    a buffer used by several layers goes with the first."""
+    mine, seen = dict(module.named_buffers()), set()
+    first = set(replica_ranks[0])
+    out: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for layer, names in enumerate(buffers_by_layer):
+        ranks = ranks_of_layer[layer]
+        for n in names:
+            if n not in seen:
+                seen.add(n)
+                out.setdefault(ranks, []).extend([mine[n]] if n in mine else [])
+    return [(r, next(x for x in r if x in first), bufs) for r, bufs in sorted(out.items())]
 
 
 def check_model(plan: Plan, file: str):
@@ -133,40 +194,21 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     rep = plan.replicas[rep_i]
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
-    workload = check_model(plan, file)
+    workload = check_model(plan, file)     # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
-
-    exported = None
-    if len(rep.stages) == 1:
-        module = WholeModel(workload.model).to(device.device)
-    else:
-        from planner.workload.partition import exported_stages, place_stages
-        exported, stages = exported_stages(workload, [st.layers for st in rep.stages], batch=micro)
-        module = place_stages([stages[st_j]], device.device)[0]
+    module, exported = _module(workload, rep, st_j, micro, device)
 
     # who holds which layer: one rank per replica
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
     ranks_of_layer = layer_ranks([[st.layers for st in r.stages] for r in plan.replicas],
                                  replica_ranks, plan.num_layers)
+    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, micro, exported)
     named = dict(module.named_parameters())
-    if len(set(ranks_of_layer)) == 1 and plan.sync.granularity == "coarse":
-        # every layer has the same ranks: one flat bucket; no need to know the layers
-        params_by_layer, ranks_by_bucket_layer, buckets = {0: list(named.values())}, [ranks_of_layer[0]], [(0,)]
-    else:
-        full = dict(workload.model.named_parameters())
-        from planner.workload.layer_cache import layer_map, plan_batch
-        b = plan_batch(plan)
-        reuse = exported if exported is not None and micro == b else None   # export at that batch
-        names_by_layer = layer_map(workload, plan.model.spec, plan.model.args, b, reuse).params
-        params_by_layer = {l: [named[n] for n in ns if n in named] for l, ns in enumerate(names_by_layer)}
-        _check_ownership(named, names_by_layer)
-        ranks_by_bucket_layer = ranks_of_layer
-        buckets = _buckets(plan, names_by_layer, full)
 
     kinds = [parse_device_name(d)[1] for d in names]
     pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
-    groups = Groups(kinds, pairs, list(set(ranks_of_layer)), timeout, nccl=standin_gpus() == 0)
+    groups = Groups(kinds, pairs, layout.sync_sets, timeout, nccl=standin_gpus() == 0)
     my_ranks = replica_ranks[rep_i]
 
     def link(peer: int) -> PeerLink:
@@ -181,9 +223,19 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
                          scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
-    sync = GradSync(groups, rank, params_by_layer, ranks_by_bucket_layer, buckets,
-                    plan.sync.granularity, rep.microbatches, device)
+    sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
+                    plan.sync.granularity, rep.microbatches, device, layout.tied)
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
-                 module, runner, sync, optimizer, groups, timer, actions)
+                 module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
+
+
+def _module(workload, rep, st_j: int, micro: int, device: TorchDevice):
+    """(the whole model (a one-stage replica) or this rank's stage, on its device; the export the
+    stage was cut from, None for the whole model)."""
+    if len(rep.stages) == 1:
+        return WholeModel(workload.model).to(device.device), None
+    from planner.workload.partition import exported_stages, place_stages
+    exported, stages = exported_stages(workload, [st.layers for st in rep.stages], batch=micro)
+    return place_stages([stages[st_j]], device.device)[0], exported

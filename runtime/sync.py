@@ -11,6 +11,15 @@ share of the global batch (see pipeline.StageRunner), so the sum is the global-b
   microbatch). Within one group, buckets launch in a fixed order (reverse layer order), as torch
   DDP does, so collectives match on every rank whatever order autograd finishes them in.
 
+Tied weights (a parameter used by several layers, GPT-2's embedding and output head): every
+stage using one holds it, and its gradient is summed over every rank holding any of those layers
+(Megatron's embedding all-reduce), in a bucket of its own that is final once the earliest of
+those layers' backward is done (`Tied`).
+
+Buffers (`BufferSync`): DDP's semantics. Before each iteration's first forward, the buffers of
+every layer held by several replicas are broadcast from the rank of the first replica holding it
+(one flat broadcast per rank set and dtype); within a pipeline each buffer stays with its layer.
+
 Groups whose ranks are all CUDA use NCCL; any group with a CPU rank uses gloo and the gradients
 are staged through host memory.
 """
@@ -79,11 +88,20 @@ class Groups:
         return "cuda" in kinds and (kinds != {"cuda"} or not self.nccl)
 
 
+@dataclass(frozen=True)
+class Tied:
+    """A parameter used by several layers: summed over `ranks`, every rank holding one of them."""
+    param: torch.nn.Parameter | None  # None where this rank holds none of its layers
+    ranks: tuple[int, ...]
+    first_layer: int                  # its gradient is final after this layer's backward
+
+
 @dataclass
 class _Bucket:
     ranks: tuple[int, ...]
     params: list[torch.nn.Parameter]
     needed: int                       # accumulations until final: len(params) * microbatches
+    order: int = 0                    # launch order within a group: highest first (backward order)
     seen: int = 0
     work: Any = None
     flat: torch.Tensor | None = None  # persistent flat buffer (host memory when staged)
@@ -94,7 +112,7 @@ class GradSync:
 
     def __init__(self, groups: Groups, rank: int, params_by_layer: dict[int, list[torch.nn.Parameter]],
                  ranks_of_layer: list[tuple[int, ...]], buckets: list[tuple[int, ...]],
-                 granularity: str, microbatches: int, device: TorchDevice):
+                 granularity: str, microbatches: int, device: TorchDevice, tied: list[Tied] = ()):
         self.groups, self.fine, self.device = groups, granularity == "fine", device
         if not self.fine:   # coarse: one bucket per rank set, all of its layers
             by_set: dict[tuple[int, ...], list[int]] = {}
@@ -108,7 +126,11 @@ class GradSync:
                 continue
             params = [p for l in layers for p in params_by_layer.get(l, []) if p.requires_grad]
             if params:
-                self.buckets.append(_Bucket(ranks, params, len(params) * microbatches))
+                self.buckets.append(_Bucket(ranks, params, len(params) * microbatches, max(layers)))
+        for t in tied:
+            if t.param is not None and rank in t.ranks and len(t.ranks) > 1 and t.param.requires_grad:
+                self.buckets.append(_Bucket(t.ranks, [t.param], microbatches, t.first_layer))
+        self.buckets.sort(key=lambda b: -b.order)    # stable: the same order on every rank
         if self.fine:
             self._owner = {}
             for b in self.buckets:
@@ -175,6 +197,37 @@ class GradSync:
                 else:
                     p.grad.copy_(g, non_blocking=True)
                 off += n
+
+
+class BufferSync:
+    """Broadcast buffers from the first replica before each iteration (DDP's broadcast_buffers).
+
+    `sets`: (ranks, source rank, this rank's buffers of the layers those ranks hold), in the same
+    order on every rank."""
+
+    def __init__(self, groups: Groups, sets: list[tuple[tuple[int, ...], int, list[torch.Tensor]]]):
+        self.groups = groups
+        self.sets = [(r, src, bufs) for r, src, bufs in sets if len(r) > 1 and bufs]
+
+    def broadcast(self) -> None:
+        for ranks, src, bufs in self.sets:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for b in bufs:
+                by_dtype.setdefault(b.dtype, []).append(b)
+            for dtype in sorted(by_dtype, key=str):
+                self._one(ranks, src, by_dtype[dtype])
+
+    def _one(self, ranks, src: int, bufs: list[torch.Tensor]) -> None:
+        flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+        staged = self.groups.host_staged(ranks)
+        if staged:
+            flat = flat.cpu()
+        dist.broadcast(flat, src=src, group=self.groups.sync[ranks])
+        off = 0
+        with torch.no_grad():
+            for b in bufs:
+                b.copy_(flat[off:off + b.numel()].view_as(b))
+                off += b.numel()
 
 
 def _split_by_ranks(buckets: list[tuple[int, ...]], ranks_of_layer) -> list[tuple[int, ...]]:

@@ -121,3 +121,28 @@ def no_formula(n: int = 8) -> Workload:
 
 def not_a_workload():
     return object()
+
+
+class Gate(nn.Module):
+    """Python control flow on a tensor's value: neither torch.export nor symbolic_trace can
+    capture it."""
+    def __init__(self, n: int):
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -x
+
+
+class Gated(nn.Module):
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(n, n)
+        self.gate = Gate(n)
+
+    def forward(self, x):
+        return self.gate(self.inp(x))
+
+
+def data_dependent(n: int = 8) -> Workload:
+    return Workload(model=Gated(n), make_batch=_batch((n,)), loss_fn=F.mse_loss)

@@ -31,3 +31,37 @@ def skipnet(width: int = 16) -> Workload:
         g = torch.Generator().manual_seed(int(seed))
         return torch.randn(batch_size, 8, generator=g), torch.randint(0, 3, (batch_size,), generator=g)
     return Workload(model=SkipNet(width), make_batch=make_batch, loss_fn=F.cross_entropy)
+
+
+class RunningCenter(nn.Module):
+    """Subtracts a running mean of its inputs, kept in a buffer and updated in place by every
+    forward: unlike BatchNorm's running statistics in training, the buffer changes the output,
+    so replicas that do not share it (DDP's broadcast from the first replica) train differently."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x):
+        y = x - self.mean
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return y
+
+
+class CenteredNet(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.center = RunningCenter(width)
+        self.mid = nn.Linear(width, width)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(self.center(self.inp(x)))))
+
+
+def centered(width: int = 16) -> Workload:
+    """Four layers (inp, center, mid, out); `center` holds a buffer that its forward uses."""
+    w = skipnet(width)
+    return Workload(model=CenteredNet(width), make_batch=w.make_batch, loss_fn=F.cross_entropy)

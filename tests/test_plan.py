@@ -53,6 +53,20 @@ def test_precision_round_trip_and_default(tmp_path):
     assert plan_key(plan) != plan_key(plan_from_dict(copy.deepcopy(BASE), "p.json"))
 
 
+def test_layers_pattern_round_trip_and_checked_type(tmp_path):
+    d = copy.deepcopy(BASE)
+    d["model"]["layers"] = "llm.model.layers.*"
+    plan = plan_from_dict(d, "p.json")
+    save_plan(plan, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json") == plan and plan.model.layers == "llm.model.layers.*"
+    assert plan_to_dict(plan) == d
+    assert "layers" not in plan_to_dict(plan_from_dict(copy.deepcopy(BASE), "p.json"))["model"]
+    for bad in (3, "  "):
+        d["model"]["layers"] = bad
+        with pytest.raises(InputError, match=r"p.json: model.layers: expected a module name pattern"):
+            plan_from_dict(d, "p.json")
+
+
 def _set(d, path, value):
     keys = path.split(".")
     for k in keys[:-1]:

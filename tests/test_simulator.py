@@ -383,3 +383,26 @@ def test_gloo_allreduce_cannot_overlap_compute_when_the_workers_take_every_core(
     # serializes with backward: 2 s forward + 4 s backward + 4 x 1 s all-reduce + 0.12 s SGD
     assert _dp4_cpu("fine", host_cores=2).iteration_s == approx(10.0 + 0.12)
     assert _dp4_cpu("coarse", host_cores=2).iteration_s == approx(10.0 + 0.12)
+
+
+def test_tied_weight_copy_and_its_allreduce_between_two_stages():
+    # layer 0 (embedding) and layer 1 (head) share a 1e6 B weight, counted in layer 0. Two stages
+    # on 1e9 FLOP/s, one microbatch of 2 samples: forward 1 s, backward 2 s each, in series, plus
+    # the activation and its gradient (0 B) at 10 ms latency each: stage 0's backward ends at
+    # 6.02 s. The tied all-reduce over cuda:0 + cuda:1 at 1e6 B/s and 10 ms:
+    # 2*1*0.01 + 2*1/2*1e6/1e6 = 1.02 s; then SGD on 1e6 B at 1e8 B/s: 3 * 1e6 / 1e8 = 0.03 s.
+    from planner.workload.graph import TiedParam
+    base = graph([layer(0, param_bytes=10**6), layer(1)], batch=2)
+    g = type(base)(layers=base.layers, batch=2, cut_bytes=base.cut_bytes,
+                   tied=(TiedParam("l0.weight", 10**6, (0, 1)),))
+    t = topology([device("cuda:0", mem_bw=1e8), device("cuda:1", mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    pl = plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2)
+    r = simulate(pl, g, t)
+    assert r.iteration_s == approx(6.02 + 1.02 + 0.03)
+    assert r.per_device["cuda:1"]["comm_s"] >= 1.02
+    # each stage holds the weight and its gradient (SGD: no state)
+    assert peak_memory(pl, g, t) == {"cuda:0": 2e6, "cuda:1": 2e6}
+    # untied, the head stage holds nothing and nothing is exchanged
+    r0 = simulate(pl, base, t)
+    assert r0.iteration_s == approx(6.02 + 0.03) and peak_memory(pl, base, t)["cuda:1"] == 0

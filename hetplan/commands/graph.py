@@ -12,6 +12,10 @@ def add_arguments(p):
                    help="built-in (mlp, gpt, cnn) or package.module:function")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="argument for the model factory (repeatable)")
+    p.add_argument("--layers", default=None, metavar="PATTERN",
+                   help="layer boundaries: modules matching this dotted glob are layers, e.g. "
+                        "'hf.model.layers.*' (comma-separated for several; default: every element "
+                        "of the model's outermost module lists, see docs/guide.md)")
     p.add_argument("--batch", required=True, type=int, metavar="B", help="batch size (samples)")
 
 
@@ -30,6 +34,7 @@ def to_json(graph) -> dict:
              "n_ops": sum(l.n_ops for l in graph.layers)}
     return {"batch": graph.batch, "layers": layers, "total": total,
             "cut_bytes": list(graph.cut_bytes), "method": graph.info.get("method"),
+            "tied": [{"name": t.name, "bytes": t.bytes, "layers": list(t.layers)} for t in graph.tied],
             "warnings": graph.info.get("warnings", [])}
 
 
@@ -40,7 +45,7 @@ def main(args) -> int:
 
     if args.batch < 1:
         raise InputError(f"--batch: expected a positive integer, got {args.batch}")
-    workload = load_workload(args.model, parse_model_args(args.model_arg))
+    workload = load_workload(args.model, parse_model_args(args.model_arg), args.layers)
     print(f"capturing {args.model} at batch {args.batch} ...", file=sys.stderr)
     try:
         graph = capture_graph(workload, args.batch)

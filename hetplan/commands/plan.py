@@ -15,6 +15,10 @@ def add_arguments(p):
     p.add_argument("--model", required=True, metavar="M", help="built-in name or package.module:function")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V",
                    help="argument of the model factory (repeatable)")
+    p.add_argument("--layers", default=None, metavar="PATTERN",
+                   help="layer boundaries: modules matching this dotted glob are layers, e.g. "
+                        "'hf.model.layers.*' (comma-separated for several; default: every element "
+                        "of the model's outermost module lists, see docs/guide.md)")
     p.add_argument("--batch", required=True, type=int, metavar="B", help="global batch size (samples)")
     p.add_argument("--topology", required=True, metavar="T", help="topology file (hetplan.topology/1)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the search (default 0)")
@@ -92,13 +96,16 @@ def main(args) -> int:
     _check_flags(args)
     model_args = parse_model_args(args.model_arg)
     topology = load_topology(args.topology)
-    workload = load_workload(args.model, model_args)
+    workload = load_workload(args.model, model_args, args.layers)
     print(f"hetplan plan: capturing {args.model} at batch {min(args.batch, CAPTURE_BATCH)} "
           f"in {args.precision}", file=sys.stderr)
     precisions = parse_precisions(args.precision)
-    graph, problem = plan_problem(workload, ModelRef(args.model, model_args), args.batch, topology,
-                                  args.optimizer or workload.optimizer,
-                                  args.lr if args.lr is not None else workload.lr, precisions)
+    try:
+        graph, problem = plan_problem(workload, ModelRef(args.model, model_args, args.layers), args.batch,
+                                      topology, args.optimizer or workload.optimizer,
+                                      args.lr if args.lr is not None else workload.lr, precisions)
+    except ValueError as e:       # the model could not be captured or grouped into layers
+        raise InputError(f"--model: {args.model}: {e}") from None
     space = problem.space
     config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit)
     print(f"hetplan plan: searching {len(space.devices)} devices x {graph.num_layers} layers "

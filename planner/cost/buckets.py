@@ -11,6 +11,9 @@ the buckets that are run. Formation follows torch DDP (`bucket_cap_mb`):
   larger than the cap is a bucket on its own. A change of group always starts a new bucket.
 * Layers without parameters have no gradient and belong to no bucket.
 
+* A tied parameter (planner.workload.graph.TiedParam) is not in its layer's bucket: it is
+  exchanged on its own among every device holding one of the layers using it (`tied_buckets`).
+
 A single-replica plan still has buckets (groups of one device); they need no exchange.
 Coarse sync merges the buckets of each device set into one (`coarse_buckets`).
 """
@@ -48,7 +51,7 @@ def grad_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
     cur_group: tuple[str, ...] | None = None
     cur_bytes = 0
     for i in range(graph.num_layers - 1, -1, -1):
-        n = graph.layers[i].param_bytes
+        n = graph.exchanged_param_bytes(i)
         if n <= 0:
             continue
         if cur_layers and (groups[i] != cur_group or cur_bytes + n > cap):
@@ -62,6 +65,18 @@ def grad_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
     return out
 
 
+def tied_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
+    """One bucket per tied parameter held by more than one device: its gradient is summed over
+    every device holding a layer that uses it (Megatron's embedding all-reduce)."""
+    groups = layer_groups(plan, graph.num_layers)
+    out = []
+    for t in graph.tied:
+        devices = tuple(dict.fromkeys(d for l in t.layers for d in groups[l]))
+        if len(devices) > 1:
+            out.append(Bucket(t.layers, devices, t.bytes))
+    return out
+
+
 def coarse_buckets(buckets: list[Bucket]) -> list[Bucket]:
     """Coarse sync exchanges each set of devices' gradients in one flat all-reduce, whatever
     the bucket cap (as runtime/sync.py does): buckets merged per device set, in first-ready order."""
@@ -72,4 +87,4 @@ def coarse_buckets(buckets: list[Bucket]) -> list[Bucket]:
             for bs in merged.values()]
 
 
-__all__ = ["Bucket", "coarse_buckets", "grad_buckets", "layer_groups"]
+__all__ = ["Bucket", "coarse_buckets", "grad_buckets", "layer_groups", "tied_buckets"]

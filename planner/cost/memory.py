@@ -4,7 +4,9 @@ peak(device) = parameters + gradients + optimizer state + saved activations in f
 for the stage a device holds (layers [a, b), microbatch of `mb` samples, p stages, m
 microbatches, stage index s):
 
-* parameters and gradients: sum of param_bytes over [a, b), each.
+* parameters and gradients: sum of param_bytes over [a, b), each, plus a copy of every tied
+  parameter a layer of [a, b) uses whose first layer is in another stage
+  (ModelGraph.stage_param_bytes).
 * optimizer state: OPTIMIZER_STATE_PER_PARAM_BYTE (Adam 2x params, SGD 0). Under placement
   "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients.
 * activations: saved_bytes of one microbatch (sum over [a, b), scaled to mb) times the
@@ -56,7 +58,7 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
     out: dict[str, float] = {}
     for r, rep in enumerate(plan.replicas):
         for s, st in enumerate(rep.stages):
-            params = float(sum(graph.layers[i].param_bytes for i in range(st.start, st.end)))
+            params = float(graph.stage_param_bytes(st.start, st.end))
             acts = activation_bytes(plan, graph, r, s)
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts
             host = host_cpu(topology, st.device) if offload else st.device

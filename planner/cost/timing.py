@@ -116,8 +116,8 @@ class MeasuredCost(CostModel):
         if all(k in disk for k in keys) and len(disk[keys[-1]]) == 4:
             return _from_entries(keys, disk)
         import torch
-        from planner.workload.layers import as_tuple
-        from planner.workload.partition import build_stages, place_stages
+        from planner.workload.inputs import as_tuple
+        from planner.workload.partition import build_stages, place_stages, stage_inputs
 
         L = self.graph.num_layers
         print(f"measuring {L} layers on {device.name} at batch {batch}", file=sys.stderr)
@@ -135,7 +135,7 @@ class MeasuredCost(CostModel):
         fwd, bwd = [], []
         try:
             inputs, target = self.workload.make_batch(batch, 0)
-            x = tuple(t.to(dev) for t in as_tuple(inputs))
+            x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
             for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
                 # the model's input is data: as in the runtime, no gradient is computed for it
                 x = _leaf_inputs(x, grad=i > 0)
@@ -163,7 +163,7 @@ class MeasuredCost(CostModel):
         import torch
         from torch.utils._pytree import tree_leaves
 
-        from planner.workload.layers import as_tuple
+        from planner.workload.inputs import as_tuple
 
         def timed(fn):
             sync()

@@ -69,6 +69,7 @@ class Optimizer:
 class ModelRef:
     spec: str                          # built-in name or "package.module:function"
     args: dict[str, Any] = field(default_factory=dict)
+    layers: str | None = None          # layer pattern (planner.workload.layers); None: automatic
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,9 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     if schema != SCHEMA:
         raise r.error("schema", f"expected {SCHEMA!r}, got {schema!r}")
     m = r.sub("model")
-    model = ModelRef(spec=m.get("spec", str), args=dict(m.get("args", dict, default={})))
+    model = ModelRef(spec=m.get("spec", str), args=dict(m.get("args", dict, default={})),
+                     layers=m.get("layers", str, default=None, check=lambda v: bool(v.strip()),
+                                  expected="a module name pattern such as \"model.layers.*\""))
     replicas = []
     for rr in r.readers("replicas"):
         stages = []
@@ -246,6 +249,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "model": {"spec": plan.model.spec, "args": dict(plan.model.args)},
         "global_batch": plan.global_batch,
     }
+    if plan.model.layers is not None:
+        out["model"]["layers"] = plan.model.layers
     if plan.topology is not None:
         out["topology"] = {"name": plan.topology.name, "sha256": plan.topology.sha256}
     out["replicas"] = [

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, NamedTuple, Protocol
 
-from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets
+from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buckets
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import Plan, Replica, Stage
 from planner.hardware.topology import Topology
@@ -42,10 +42,12 @@ class SimulatorView(Protocol):
 
 class Exchange(NamedTuple):
     """The gradient buckets held by more than one device (merged per device set under coarse
-    sync), and per device the indices of those it holds, in ready order."""
+    sync), and per device the indices of those it holds, in ready order; under fine sync the
+    tied parameters' buckets apart (exchanged after their devices' last backward)."""
     fine: bool
     buckets: list[Bucket]
     by_device: dict[str, list[int]]
+    tied: list[Bucket] = []
 
 
 class Chunk(NamedTuple):
@@ -104,13 +106,14 @@ class Builder:
     def exchanged_buckets(self) -> Exchange:
         fine = self.plan.sync.granularity == "fine"
         shared = [b for b in grad_buckets(self.plan, self.sim.graph) if len(b.devices) > 1]
+        tied = tied_buckets(self.plan, self.sim.graph)
         if not fine:
-            shared = coarse_buckets(shared)
+            shared, tied = coarse_buckets(shared + tied), []
         by_device: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
             for d in b.devices:
                 by_device.setdefault(d, []).append(k)
-        return Exchange(fine, shared, by_device)
+        return Exchange(fine, shared, by_device, tied)
 
     # --- one replica: compute per stage, then the transfers between stages --------------------
     def replica(self, r: int, rep: Replica) -> None:
@@ -236,21 +239,28 @@ class Builder:
     # --- gradient exchange and optimizer steps -------------------------------------------------
     def allreduces(self) -> dict[str, list[int]]:
         """One ring all-reduce per exchanged bucket, once its gradients are final on every device
-        of its group (fine) or after those devices' last backward (coarse). Returns each
+        of its group (fine) or after those devices' last backward (coarse); a tied parameter's
+        after its devices' last backward (the runtime may start it earlier). Returns each
         device's all-reduce tasks."""
-        g, ex, progress = self.g, self.exchange, self.progress
+        ex, progress = self.exchange, self.progress
         synced: dict[str, list[int]] = {}
         for k, b in enumerate(ex.buckets):
-            res, d = self.sim._allreduce(b.devices, b.bytes)
-            d_k = g.value(Const(d))
             deps = [progress.chunk_of[(dev, k)] if ex.fine else progress.last_backward[dev]
                     for dev in b.devices]
-            t = g.add(d_k, res, deps, TaskMeta(f"allreduce b{k} {b.bytes}B", "+".join(b.devices), "allreduce"))
-            g.sync_res.update(res)
-            for dev in b.devices:
-                g.count(dev, "comm_s", d_k)
-                synced.setdefault(dev, []).append(t)
+            self.allreduce(f"b{k}", b, deps, synced)
+        for k, b in enumerate(ex.tied):
+            self.allreduce(f"tied{k}", b, [progress.last_backward[dev] for dev in b.devices], synced)
         return synced
+
+    def allreduce(self, name: str, b: Bucket, deps: list[int], synced: dict[str, list[int]]) -> None:
+        g = self.g
+        res, d = self.sim._allreduce(b.devices, b.bytes)
+        d_k = g.value(Const(d))
+        t = g.add(d_k, res, deps, TaskMeta(f"allreduce {name} {b.bytes}B", "+".join(b.devices), "allreduce"))
+        g.sync_res.update(res)
+        for dev in b.devices:
+            g.count(dev, "comm_s", d_k)
+            synced.setdefault(dev, []).append(t)
 
     def optimizer_steps(self, synced: dict[str, list[int]]) -> None:
         """One step per device holding parameters, after its all-reduces (its last backward when
@@ -260,7 +270,7 @@ class Builder:
         for rep in self.plan.replicas:
             for st in rep.stages:
                 dev = st.device
-                n = sum(graph.layers[i].param_bytes for i in range(st.start, st.end))
+                n = graph.stage_param_bytes(st.start, st.end)
                 if n <= 0:
                     continue
                 n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))

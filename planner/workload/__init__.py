@@ -19,3 +19,5 @@ class Workload:
     loss_fn: Callable[[Any, Any], Any]           # (output, target) -> scalar (mean over batch)
     optimizer: str = "adam"                      # the workload's usual optimizer ("sgd"/"adam")
     lr: float = 1e-3                             # and its learning rate
+    layers: str | None = None                    # layer pattern, e.g. "llm.model.layers.*" (None:
+                                                 # the automatic rule of planner.workload.layers)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.files.io import InputError
 from planner.workload import flops as F
-from planner.workload.graph import Layer, ModelGraph
+from planner.workload.graph import Layer, ModelGraph, TiedParam
 from planner.workload.layers import example_inputs
 from planner.workload.partition import exported_stages
 from planner.workload.precision import autocast
@@ -221,11 +221,12 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     with preserved(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         cut_bytes = [rec.bytes_of(inputs)]
-        h = inputs
+        h = ex.flat_inputs(inputs)
         for k, stage in enumerate(stages):
             h = rec.run_stage(stage, h, first=(k == 0))
             cut_bytes.append(rec.bytes_of(h))
     layers = _layers(ex, stages, rec)
+    tied = _tied(stages)
     g = _op_graph(ex, rec)
     warnings = sorted(rec.warnings)
     for w in warnings:
@@ -235,7 +236,18 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     info = {"method": ex.method, "dynamic_batch": ex.dynamic_batch, "warnings": warnings,
             "unattributed_bwd_flops": rec.unattributed_bwd_flops}
     return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info,
-                      precision=precision)
+                      precision=precision, tied=tied)
+
+
+def _tied(stages) -> tuple[TiedParam, ...]:
+    """Parameters that more than one layer (one-layer stage) uses, by their first name."""
+    used: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    for k, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            used.setdefault(name, []).append(k)
+            size[name] = p.numel() * p.element_size()
+    return tuple(TiedParam(n, size[n], tuple(ls)) for n, ls in sorted(used.items()) if len(ls) > 1)
 
 
 def _layers(ex, stages, rec) -> list[Layer]:

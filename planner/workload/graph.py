@@ -40,6 +40,16 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class TiedParam:
+    """A parameter used by several layers (tied weights, e.g. GPT-2's embedding and output head).
+    Its bytes count in the first layer's param_bytes; every other stage using it holds a copy,
+    and the copies' gradients are summed each iteration (planner.cost.buckets.tied_buckets)."""
+    name: str
+    bytes: int
+    layers: tuple[int, ...]    # the layers using it, ascending
+
+
+@dataclass(frozen=True)
 class ModelGraph:
     layers: tuple[Layer, ...]
     batch: int                             # the batch size the graph was captured at
@@ -50,6 +60,7 @@ class ModelGraph:
     info: dict[str, Any] = field(default_factory=dict, compare=False)  # capture method, warnings
     precision: str = "fp32"                # what the capture ran in (planner.workload.precision): bytes
                                            # are of the dtypes autocast gives
+    tied: tuple[TiedParam, ...] = ()       # parameters used by several layers
 
     @property
     def num_layers(self) -> int:
@@ -61,3 +72,15 @@ class ModelGraph:
     @property
     def param_bytes(self) -> int:
         return sum(l.param_bytes for l in self.layers)
+
+    def stage_param_bytes(self, start: int, end: int) -> int:
+        """Parameter bytes a stage of layers [start, end) holds: its layers' own, plus a copy of
+        each tied parameter that one of them uses but whose first layer is elsewhere."""
+        copies = sum(t.bytes for t in self.tied
+                     if not start <= t.layers[0] < end and any(start <= l < end for l in t.layers))
+        return sum(l.param_bytes for l in self.layers[start:end]) + copies
+
+    def exchanged_param_bytes(self, i: int) -> int:
+        """Layer i's parameter bytes exchanged in its gradient bucket: tied ones are exchanged
+        on their own (planner.cost.buckets.tied_buckets)."""
+        return self.layers[i].param_bytes - sum(t.bytes for t in self.tied if t.layers[0] == i)

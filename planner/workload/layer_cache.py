@@ -4,7 +4,7 @@ Exporting a model (planner.workload.layers) costs seconds; `run` needs from it o
 layers (to validate the plan) and each layer's parameter names (gradient buckets, the fine sync),
 so those are kept in `$HETPLAN_CACHE_DIR/layer_maps/<key>.json` (default `.hetplan-cache/`).
 
-The key is the sha256 of: the model spec and args, the batch, the torch version, the bytes of the
+The key is the sha256 of: the model spec, args and layer pattern, the batch, the torch version, the bytes of the
 source files of the factory and of the model's class, and the model's state_dict structure (every
 name, shape and dtype). A change to any of them is a different key, so an entry is never stale
 for what it records; code outside those two files that changes the layer grouping without
@@ -25,7 +25,9 @@ from planner.files.io import write_json_atomic
 @dataclass(frozen=True)
 class LayerMap:
     names: tuple[str, ...]                  # layer names, execution order
-    params: tuple[tuple[str, ...], ...]     # parameter names of each layer (one-layer stages)
+    params: tuple[tuple[str, ...], ...]     # parameter names of each layer (one-layer stages;
+                                            # a tied weight in every layer that uses it)
+    buffers: tuple[tuple[str, ...], ...]    # the model's buffer names each layer uses
 
     @property
     def num_layers(self) -> int:
@@ -48,7 +50,8 @@ def cache_key(workload, spec: str, args: dict, batch: int) -> str:
     from planner.workload.load import _resolve
 
     h = hashlib.sha256()
-    h.update(json.dumps([spec, args, int(batch), torch.__version__], sort_keys=True, default=str).encode())
+    h.update(json.dumps([spec, args, getattr(workload, "layers", None), int(batch), torch.__version__],
+                        sort_keys=True, default=str).encode())
     h.update(_source_bytes(_resolve(spec)))
     h.update(_source_bytes(type(workload.model)))
     for name, t in workload.model.state_dict().items():
@@ -69,7 +72,9 @@ def compute_layer_map(workload, batch: int, exported=None) -> LayerMap:
             stages = None
     if stages is None:
         exported, stages = exported_stages(workload, None, batch)
-    return LayerMap(tuple(exported.names), tuple(tuple(n for n, _ in s.named_parameters()) for s in stages))
+    model_buffers = dict(workload.model.named_buffers())
+    return LayerMap(tuple(exported.names), tuple(tuple(n for n, _ in s.named_parameters()) for s in stages),
+                    tuple(tuple(n for n, _ in s.named_buffers() if n in model_buffers) for s in stages))
 
 
 def plan_batch(plan) -> int:
@@ -84,13 +89,15 @@ def layer_map(workload, spec: str, args: dict, batch: int, exported=None) -> Lay
     path = cache_dir() / f"{cache_key(workload, spec, args, batch)}.json"
     try:
         data = json.loads(path.read_text())
-        return LayerMap(tuple(data["names"]), tuple(tuple(p) for p in data["params"]))
+        return LayerMap(tuple(data["names"]), tuple(tuple(p) for p in data["params"]),
+                        tuple(tuple(b) for b in data["buffers"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     found = compute_layer_map(workload, batch, exported)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"names": list(found.names), "params": [list(p) for p in found.params]})
+        write_json_atomic(path, {"names": list(found.names), "params": [list(p) for p in found.params],
+                                 "buffers": [list(b) for b in found.buffers]})
     except Exception:  # noqa: BLE001 - a cache that cannot be written only costs time
         pass
     return found

@@ -61,8 +61,10 @@ def _resolve(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def load_workload(spec: str, args: dict[str, Any] | None = None) -> Workload:
-    """Build the workload: torch.manual_seed(0), then the factory with the converted args."""
+def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | None = None) -> Workload:
+    """Build the workload: torch.manual_seed(0), then the factory with the converted args.
+    `layers` (`--layers`): the layer pattern, overriding the factory's `layers`; it must match
+    a module of the model."""
     import torch
 
     args = {k: convert_arg(v) for k, v in (args or {}).items()}
@@ -92,15 +94,34 @@ def load_workload(spec: str, args: dict[str, Any] | None = None) -> Workload:
         raise InputError(f"--model: {spec} returned a model that is not a torch.nn.Module")
     if not isinstance(w, Workload):
         w = Workload(model=w.model, make_batch=w.make_batch, loss_fn=w.loss_fn,
-                     optimizer=getattr(w, "optimizer", "adam"), lr=getattr(w, "lr", 1e-3))
+                     optimizer=getattr(w, "optimizer", "adam"), lr=getattr(w, "lr", 1e-3),
+                     layers=getattr(w, "layers", None))
+    if layers is not None:
+        w.layers = layers
+    _check_layers(w, spec, flag="--layers" if layers is not None else "--model")
     return w
+
+
+def _check_layers(w: Workload, spec: str, flag: str) -> None:
+    """The layer pattern must be a non-empty string matching a module of the model."""
+    from planner.workload.layers import LayerPatternError, pattern_targets
+    if w.layers is None:
+        return
+    if not isinstance(w.layers, str) or not w.layers.strip():
+        raise InputError(f"{flag}: expected a module name pattern such as 'model.layers.*', got {w.layers!r}")
+    try:
+        pattern_targets(w.model, w.layers)
+    except LayerPatternError as e:
+        what = "" if flag == "--layers" else f"{spec}'s layers: "
+        raise InputError(f"{flag}: {what}{e}") from None
 
 
 def load_plan_workload(model, file: str) -> Workload:
     """`load_workload` for a plan file's `model` (a planner.files.plan.ModelRef): errors name the
-    file and its model.spec / model.args fields instead of the --model flags."""
+    file and its model.spec / model.args / model.layers fields instead of the flags."""
     try:
-        return load_workload(model.spec, model.args)
+        return load_workload(model.spec, model.args, model.layers)
     except InputError as e:
-        msg = str(e).replace("--model-arg", "model.args", 1).replace("--model:", "model.spec:", 1)
+        msg = (str(e).replace("--model-arg", "model.args", 1).replace("--model:", "model.spec:", 1)
+               .replace("--layers:", "model.layers:", 1))
         raise InputError(f"{file}: {msg}") from None

@@ -89,6 +89,18 @@ def _resolve_attr(model: nn.Module, gm: fx.GraphModule, target: str):
     return obj
 
 
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of a parameter or buffer -> its first name (`model.named_parameters()`'s):
+    a tied weight (GPT-2's `lm_head.weight` is `transformer.wte.weight`) has one name in every
+    stage, the one single-device training reports."""
+    out: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        first: dict[int, str] = {}
+        for name, t in named(remove_duplicate=False):
+            out[name] = first.setdefault(id(t), name)
+    return out
+
+
 def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
     ranges = _check_ranges(ranges, ex.num_layers)
     stage_of_layer = {l: s for s, (a, b) in enumerate(ranges) for l in range(a, b)}
@@ -97,6 +109,7 @@ def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = next(n for n in nodes if n.op == "output")
     stage_of = {n: stage_of_layer[l] for n, l in ex.layer_of.items()}
+    canonical = canonical_names(model)
 
     def last_use(v: fx.Node) -> int:
         uses = [S if u is out_node else stage_of.get(u, -1) for u in v.users]
@@ -124,8 +137,9 @@ def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
 
         def arg(v: fx.Node) -> fx.Node:
             if v not in env and v.op == "get_attr":
-                attrs[v.target] = _resolve_attr(model, ex.gm, v.target)
-                env[v] = g.get_attr(v.target)
+                target = canonical.get(v.target, v.target)
+                attrs[target] = _resolve_attr(model, ex.gm, target)
+                env[v] = g.get_attr(target)
                 env[v].meta = dict(v.meta)
             return env[v]
 
@@ -150,6 +164,7 @@ def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
         m.input_names = tuple(v.name for v in (placeholders if k == 0 else live_in[k]))
         m.output_names = tuple(v.name for v in outs)
         m.num_stages = S
+        m.flat_inputs = ex.flat_inputs          # model inputs -> stage 0's arguments
         m.node_origin = {new.name: old for old, new in env.items()}   # stage node -> exported node
         stages.append(m)
     return stages
@@ -175,6 +190,12 @@ def exported_stages(workload, ranges=None, batch: int | None = None) -> tuple[Ex
     return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
 
 
+def stage_inputs(stage: StageModule, inputs) -> tuple:
+    """The first stage's arguments for model inputs as make_batch returns them (tensor, tuple or
+    dict of keyword arguments): their leaves in the export's order."""
+    return stage.flat_inputs(inputs)
+
+
 def place_stages(stages: list[StageModule], device) -> list[StageModule]:
     """Move stages to `device` (a torch.device), with the tensors their factory ops create: export
     records the device the model was exported on (`arange(..., device=cpu)`), so those ops are
@@ -196,7 +217,8 @@ def place_stages(stages: list[StageModule], device) -> list[StageModule]:
 def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = None) -> list[StageModule]:
     """Executable stages for half-open layer `ranges` that cover [0, L) in order.
 
-    Stage 0 takes the model inputs positionally, stage k>0 the tuple stage k-1 returned; each
+    Stage 0 takes the model inputs' leaves positionally (`Exported.flat_inputs`; `stage_inputs`
+    for a dict of keyword arguments), stage k>0 the tuple stage k-1 returned; each
     returns a tuple of tensors, the last `(model_output,)`. Parameters and buffers are the
     original model's (shared, same names). `batch` is the (micro)batch the stages will run at;
     it only matters when the model cannot be exported with a dynamic batch dimension.
