@@ -211,3 +211,18 @@ def test_plan_on_two_cpu_workers(tmp_path, name):
     p = load_plan(out)
     assert p.num_layers == len(LAYERS[name]) and p.predicted.iteration_s > 0
     assert p.model.layers == ("hf.transformer.h.*" if name == "gpt2" else None)
+
+
+def test_transformer_blocks_forward_flops_match_the_analytic_count():
+    # matmul FLOPs (a multiply-add = 2) of one block at batch B, sequence T, width d:
+    # GPT-2: qkv 6BTd^2 + proj 2BTd^2 + MLP 16BTd^2 + scores and weighted sum 4BT^2 d;
+    # Llama: q, o 2BTd^2 each, k, v 2BTd(K hd) each (K key-value heads), scores 4BT^2 d, MLP 6BTdI
+    from tests.hf_models import HIDDEN as d, SEQ as T, gpt2, llama
+    B = 4
+    blocks = {l.name: l for l in capture_graph(gpt2(), B).layers}
+    assert blocks["hf.transformer.h.0"].fwd_flops == pytest.approx(24 * B * T * d * d + 4 * B * T * T * d, rel=0.01)
+    blocks = {l.name: l for l in capture_graph(llama(), B).layers}
+    heads, kv_heads, inner = 2, 1, 32
+    hd = d // heads
+    llama_block = 2 * B * T * d * (2 * d + 2 * kv_heads * hd) + 4 * B * T * T * d + 6 * B * T * d * inner
+    assert blocks["hf.model.layers.0"].fwd_flops == pytest.approx(llama_block, rel=0.01)
