@@ -17,7 +17,7 @@ def _hetplan(*args, cwd=None):
                           text=True, env=env, cwd=cwd, timeout=120)
 
 
-def _one_error_line(r, *needles):
+def one_error_line(r, *needles):
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if "error" in l]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -42,9 +42,9 @@ def test_write_json_atomic_refuses_nan_and_unwritable_paths(tmp_path):
 def test_plan_rejects_infinite_lr_and_unwritable_output(tmp_path):
     base = ["plan", "--model", "mlp", "--model-arg", "hidden=16", "--model-arg", "depth=1",
             "--batch", "8", "--topology", WORKSTATION, "--iterations", "5"]
-    _one_error_line(_hetplan(*base, "--lr", "inf", "-o", tmp_path / "p.json"), "--lr")
-    _one_error_line(_hetplan(*base, "--time-limit", "nan", "-o", tmp_path / "p.json"), "--time-limit")
-    _one_error_line(_hetplan(*base, "-o", tmp_path), str(tmp_path), "cannot write")
+    one_error_line(_hetplan(*base, "--lr", "inf", "-o", tmp_path / "p.json"), "--lr")
+    one_error_line(_hetplan(*base, "--time-limit", "nan", "-o", tmp_path / "p.json"), "--time-limit")
+    one_error_line(_hetplan(*base, "-o", tmp_path), str(tmp_path), "cannot write")
     assert not list(tmp_path.glob("*"))
 
 
@@ -53,10 +53,10 @@ def test_plan_file_model_errors_name_the_plan_field(tmp_path):
             "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:0", "layers": [0, 3]}]}]}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(plan))
-    _one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "model.spec")
+    one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "model.spec")
     plan["model"] = {"spec": "mlp", "args": {"nosucharg": 1}}
     path.write_text(json.dumps(plan))
-    _one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "model.args")
+    one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "model.args")
 
 
 def test_user_factory_in_the_working_directory(tmp_path):

@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 from planner.workload.capture import capture_graph  # noqa: E402
 from planner.workload.inputs import call_model, slice_inputs  # noqa: E402
 from planner.workload.load import load_workload  # noqa: E402
+from tests.test_cli_inputs import one_error_line  # noqa: E402
 from tests.test_runtime import plan, run_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,14 +145,6 @@ def hetplan(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "hetplan", *map(str, args)], capture_output=True,
                           text=True, env=env, timeout=300)
-
-
-def one_error_line(r, *needles):
-    assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if "error" in l]
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 BLOCKS = "hf.resnet.encoder.stages.*.layers.*"   # one layer per residual block, not per stage
