@@ -71,6 +71,7 @@ class PeerLink:
     pending: list = field(default_factory=list)              # outstanding isend works
     staged: list = field(default_factory=list)               # [(event | None, host tensors, sources)]
     copy_stream: Any = None
+    posted: list = field(default_factory=list)               # receives posted ahead: [(works, buffers)]
 
     def send(self, key: str, tensors: list[torch.Tensor]) -> None:
         if key not in self.headers:
@@ -127,17 +128,23 @@ class PeerLink:
                 spec.append((dtype, tuple(meta[i + 3:i + 3 + nd]), rg))
                 i += 3 + nd
             self.headers[key] = spec
-        out = []
-        for dtype, shape, rg in self.headers[key]:
-            if self.host_staged:
-                buf = self.device.host_buffer(shape, dtype)
-                dist.recv(buf, self.peer, group=self.recv_group)
-                out.append(buf.to(self.device.device, non_blocking=True))
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=self.device.device)
-                dist.recv(buf, self.peer, group=self.recv_group)
-                out.append(buf)
-        return out
+        if not self.posted:
+            self.post(key)
+        works, bufs = self.posted.pop(0)
+        for w in works:
+            w.wait()
+        if self.host_staged:
+            return [b.to(self.device.device, non_blocking=True) for b in bufs]
+        return bufs
+
+    def post(self, key: str) -> None:
+        """Post the next receive of `key` now (irecv into fresh buffers; its header must be
+        known): the message lands while this rank computes, and `recv` only waits for it.
+        A link receives one kind of message, so posted receives match the peer's sends in order."""
+        bufs = [self.device.host_buffer(shape, dtype) if self.host_staged
+                else torch.empty(shape, dtype=dtype, device=self.device.device)
+                for dtype, shape, _ in self.headers[key]]
+        self.posted.append(([dist.irecv(b, self.peer, group=self.recv_group) for b in bufs], bufs))
 
     def drain(self) -> None:
         self.flush(block=True)
@@ -172,8 +179,13 @@ class StageRunner:
         """Execute the actions; return the weighted loss sum (last stage) or None."""
         saved: dict[int, tuple[list, list]] = {}
         losses: dict[int, torch.Tensor] = {}
+        # receives still to come this iteration: an activation per F (not on the first stage),
+        # a gradient per B (not on the last)
+        self._left = {"act": sum(k == "F" for k, _ in actions) if self.prev else 0,
+                      "grad": sum(k == "B" for k, _ in actions) if self.next else 0}
         for kind, mb in actions:
             self._flush(block=False)   # sends whose host copy finished during the last action
+            self._post_ahead()
             if kind == "F":
                 self._forward(mb, inputs, targets, saved, losses)
             else:
@@ -185,6 +197,19 @@ class StageRunner:
         if self.next is None:
             return sum(l.detach() for l in losses.values())
         return None
+
+    def _post_ahead(self) -> None:
+        """Keep the next receive of each link posted (once its header is known), so a message
+        arrives during the compute before it is needed; never more than this iteration still
+        receives (a receive left posted would outlive the run)."""
+        for link, key in ((self.prev, "act"), (self.next, "grad")):
+            if link is not None and key in link.headers and not link.posted and self._left[key] > 0:
+                link.post(key)
+
+    def _recv(self, link: PeerLink, key: str) -> list[torch.Tensor]:
+        self._flush()
+        self._left[key] -= 1
+        return link.recv(key)
 
     def _flush(self, block: bool = True) -> None:
         """Issue queued sends on both links; before blocking in a receive, all of them
@@ -200,8 +225,7 @@ class StageRunner:
             args = list(args)
         else:
             with self.busy(f"recv act {mb}", "transfer", busy=False):
-                self._flush()
-                args = self.prev.recv("act")
+                args = self._recv(self.prev, "act")
             args = [a.requires_grad_(rg) if a.is_floating_point() else a
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
         track = self.saved_tracker if self.track else None
@@ -230,8 +254,7 @@ class StageRunner:
                 losses[mb].backward()
         else:
             with self.busy(f"recv grad {mb}", "transfer", busy=False):
-                self._flush()
-                grads = self.next.recv("grad")
+                grads = self._recv(self.next, "grad")
             with self.busy(f"B{mb}", "backward"):
                 if outs:
                     torch.autograd.backward(outs, grads)
