@@ -56,9 +56,7 @@ class StageOptimizer:
                 m.grad = None
             else:
                 m.grad = g.copy_(p.grad, non_blocking=True)
-        copied = self.device.event()
-        copied.record()
-        copied.synchronize()
+        self.device.wait_queued()
         self.opt.step()                                     # update on the CPU
         for p, m in zip(self.params, self.master):          # parameters back
             p.copy_(m, non_blocking=True)

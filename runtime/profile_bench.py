@@ -31,14 +31,6 @@ def stats(samples: list[float]) -> tuple[float, float]:
     return med, float((p75 - p25) / med) if med > 0 else 0.0
 
 
-def _wait(dev: TorchDevice) -> None:
-    """Wait for the copies queued so far on the current stream (what the runtime does before
-    handing a host buffer to gloo)."""
-    done = dev.event()
-    done.record()
-    done.synchronize()
-
-
 def time_per_call(fn: Callable[[], object], dev: TorchDevice, min_time_s: float,
                   repeats: int) -> list[float]:
     """`repeats` samples of the seconds per call of `fn`; the call count per sample is
@@ -120,7 +112,7 @@ def host_copy_table(dev: TorchDevice, sizes: list[int], min_time_s: float,
         row["pinned_h2d_s"], row["pinned_h2d_spread"] = timed(
             lambda: on_dev.copy_(pinned, non_blocking=True))
         row["pinned_d2h_s"], row["pinned_d2h_spread"] = timed(
-            lambda: (pinned.copy_(on_dev, non_blocking=True), _wait(dev)))
+            lambda: (pinned.copy_(on_dev, non_blocking=True), dev.wait_queued()))
         rows.append(row)
     return rows
 
@@ -137,7 +129,7 @@ def _send(dev: TorchDevice, buf: torch.Tensor, host: torch.Tensor, peer: int) ->
     # runtime's pipeline links do
     if dev.accelerator:
         host.copy_(buf, non_blocking=True)
-        _wait(dev)
+        dev.wait_queued()
         buf = host
     dist.send(buf, peer)
 

@@ -176,9 +176,7 @@ class GradSync:
                 b.flat[off:off + n].copy_(p.grad.reshape(-1), non_blocking=staged)
             off += n
         if staged:
-            copied = self.device.event()
-            copied.record()
-            copied.synchronize()
+            self.device.wait_queued()
         b.work = dist.all_reduce(b.flat, group=self.groups.sync[b.ranks], async_op=True)
 
     def finish(self) -> None:

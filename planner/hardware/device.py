@@ -93,6 +93,13 @@ class TorchDevice:
         """An event to record on a stream and wait for (query / synchronize)."""
         return self.module.Event()
 
+    def wait_queued(self) -> None:
+        """Block until the work queued so far on the current stream is done (a non-blocking copy
+        into a host buffer, before gloo or the CPU reads the buffer); no-op on the host."""
+        done = self.event()
+        done.record()
+        done.synchronize()
+
     def timing_event(self):
         """An event with `elapsed_time(other)` in ms: device events on a GPU, the clock else."""
         return self.module.Event(enable_timing=True) if self.native else _ClockEvent()
