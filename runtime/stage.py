@@ -130,17 +130,13 @@ class _Layout:
         return sorted(set(self.ranks_of_layer) | {t.ranks for t in self.tied})
 
 
-def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, micro: int,
-            exported=None) -> _Layout:
+def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found) -> _Layout:
+    """`found`: the workload's planner.workload.layer_cache.LayerMap."""
     named = dict(module.named_parameters())
     if len(set(ranks_of_layer)) == 1 and plan.sync.granularity == "coarse":
         # every layer has the same ranks: one flat bucket; no need to know the layers
         buffers = [(ranks_of_layer[0], replica_ranks[0][0], [b for _, b in module.named_buffers()])]
         return _Layout({0: list(named.values())}, [ranks_of_layer[0]], [(0,)], [], buffers)
-    from planner.workload.layer_cache import layer_map, plan_batch
-    b = plan_batch(plan)
-    reuse = exported if exported is not None and micro == b else None   # exported at that batch
-    found = layer_map(workload, plan.model.spec, plan.model.args, b, reuse)
     names_by_layer, buffers_by_layer = found.params, found.buffers
     _check_ownership(named, names_by_layer)
     tied = _tied(names_by_layer)
@@ -171,16 +167,17 @@ def _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer) -> lis
 
 
 def check_model(plan: Plan, file: str):
-    """The plan's workload, built; its model must load and have the layers the plan's stages
-    cover, else InputError naming `file` (the launcher turns it into exit 2). The layer count
-    comes from the layer-map cache (planner.workload.layer_cache); a miss costs one export."""
+    """(the plan's workload, built; its layer map): the model must load and have the layers the
+    plan's stages cover, else InputError naming `file` (the launcher turns it into exit 2). The
+    layer map comes from the layer-map cache (planner.workload.layer_cache); a miss costs one
+    export."""
     from planner.files.plan import validate_plan
     from planner.workload.layer_cache import layer_map, plan_batch
     from planner.workload.load import load_plan_workload
     workload = load_plan_workload(plan.model, file)     # torch.manual_seed(0) inside
     found = layer_map(workload, plan.model.spec, plan.model.args, plan_batch(plan))
     validate_plan(plan, file, num_layers=found.num_layers)
-    return workload
+    return workload, found
 
 
 def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None,
@@ -194,16 +191,16 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     rep = plan.replicas[rep_i]
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
-    workload = check_model(plan, file)     # torch.manual_seed(0) inside
+    workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
-    module, exported = _module(workload, rep, st_j, micro, device)
+    module = _module(workload, rep, st_j, micro, device)
 
     # who holds which layer: one rank per replica
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
     ranks_of_layer = layer_ranks([[st.layers for st in r.stages] for r in plan.replicas],
                                  replica_ranks, plan.num_layers)
-    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, micro, exported)
+    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, found)
     named = dict(module.named_parameters())
 
     kinds = [parse_device_name(d)[1] for d in names]
@@ -231,11 +228,10 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
                  module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
 
 
-def _module(workload, rep, st_j: int, micro: int, device: TorchDevice):
-    """(the whole model (a one-stage replica) or this rank's stage, on its device; the export the
-    stage was cut from, None for the whole model)."""
+def _module(workload, rep, st_j: int, micro: int, device: TorchDevice) -> torch.nn.Module:
+    """The whole model (a one-stage replica) or this rank's stage, on its device."""
     if len(rep.stages) == 1:
-        return WholeModel(workload.model).to(device.device), None
-    from planner.workload.partition import exported_stages, place_stages
-    exported, stages = exported_stages(workload, [st.layers for st in rep.stages], batch=micro)
-    return place_stages([stages[st_j]], device.device)[0], exported
+        return WholeModel(workload.model).to(device.device)
+    from planner.workload.partition import build_stages, place_stages
+    return place_stages([build_stages(workload, [st.layers for st in rep.stages], batch=micro)[st_j]],
+                        device.device)[0]

@@ -123,9 +123,9 @@ def test_layer_map_cache_hits_the_same_workload_and_misses_another(tmp_path, mon
     computed = []
     real = layer_cache.compute_layer_map
 
-    def counting(workload, batch, exported=None):
+    def counting(workload, batch):
         computed.append(batch)
-        return real(workload, batch, exported)
+        return real(workload, batch)
     monkeypatch.setattr(layer_cache, "compute_layer_map", counting)
     args = {"hidden": 16, "depth": 2}
     first = layer_cache.layer_map(load_workload("mlp", args), "mlp", args, 4)

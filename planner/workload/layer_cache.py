@@ -59,19 +59,12 @@ def cache_key(workload, spec: str, args: dict, batch: int) -> str:
     return h.hexdigest()
 
 
-def compute_layer_map(workload, batch: int, exported=None) -> LayerMap:
-    """Export (or reuse `exported`, a planner.workload.layers.Exported of this workload) and
-    cut it into one stage per layer: the partitioner's grouping of parameters."""
-    from planner.workload.partition import _NonTensorCut, exported_stages, split
+def compute_layer_map(workload, batch: int) -> LayerMap:
+    """Export the workload and cut it into one stage per layer: the partitioner's grouping of
+    parameters and buffers."""
+    from planner.workload.partition import exported_stages
 
-    stages = None
-    if exported is not None:
-        try:
-            stages = split(exported, workload.model, [(l, l + 1) for l in range(exported.num_layers)])
-        except _NonTensorCut:
-            stages = None
-    if stages is None:
-        exported, stages = exported_stages(workload, None, batch)
+    exported, stages = exported_stages(workload, None, batch)
     model_buffers = dict(workload.model.named_buffers())
     return LayerMap(tuple(exported.names), tuple(tuple(n for n, _ in s.named_parameters()) for s in stages),
                     tuple(tuple(n for n, _ in s.named_buffers() if n in model_buffers) for s in stages))
@@ -83,7 +76,7 @@ def plan_batch(plan) -> int:
     return max(1, plan.global_batch // max(r.microbatches for r in plan.replicas))
 
 
-def layer_map(workload, spec: str, args: dict, batch: int, exported=None) -> LayerMap:
+def layer_map(workload, spec: str, args: dict, batch: int) -> LayerMap:
     """The layer map of `workload` (built from `spec`, `args`), from the cache or computed
     (`compute_layer_map`) and stored."""
     path = cache_dir() / f"{cache_key(workload, spec, args, batch)}.json"
@@ -93,7 +86,7 @@ def layer_map(workload, spec: str, args: dict, batch: int, exported=None) -> Lay
                         tuple(tuple(b) for b in data["buffers"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    found = compute_layer_map(workload, batch, exported)
+    found = compute_layer_map(workload, batch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {"names": list(found.names), "params": [list(p) for p in found.params],
