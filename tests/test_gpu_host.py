@@ -5,6 +5,7 @@ host-copy and staging measurements, planning over CPU + GPU."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ from planner.workload.load import load_workload
 def gpu_host(tmp_path_factory):
     """A quick measured profile of this machine with one stand-in GPU: (env, profile path)."""
     root = tmp_path_factory.mktemp("gpu-host")
-    env = {**__import__("os").environ, STANDIN_ENV: "1", "HETPLAN_CACHE_DIR": str(root / "cache")}
+    env = {**os.environ, STANDIN_ENV: "1", "HETPLAN_CACHE_DIR": str(root / "cache")}
     profile = root / "profiles" / "here.json"
     r = subprocess.run([sys.executable, "-m", "hetplan", "profile", "--quick", "--cpu-workers", "1",
                         "-o", str(profile)], capture_output=True, text=True, env=env, timeout=300)
