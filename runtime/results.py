@@ -1,10 +1,13 @@
 """The measured file (`hetplan.measured/1`) built from every rank's record.
 
-- Iteration time: every rank passes a barrier, then times its own step with perf_counter (CUDA:
-  after a synchronize); the iteration's time is the MAX over ranks of these durations (the
-  barrier aligns the starts to within its own skew, tens of microseconds on loopback). The batch
-  is made before the barrier: data loading is not part of an iteration, as in the simulator.
-  `iteration_s` is the median after the warm-up iterations.
+- Iteration time: the ranks pass one barrier, then train without another, as under torchrun
+  (a barrier per iteration would add its exit skew, milliseconds on a busy host, to every
+  iteration). Each rank times from the end of its previous iteration (the barrier for the first)
+  to the end of this one (CUDA: after a synchronize), less the time spent making its batch (data
+  loading is not part of an iteration, as in the simulator). Iteration 0, which starts from the
+  barrier, is the MAX over ranks; a later one is the MEAN over ranks: in steady state every rank
+  goes round in the same time (the collectives and messages couple them), and the mean does not
+  add each rank's jitter the way the max does. `iteration_s` is the median after the warm-up.
 - Busy time, timeline and peak memory per device: as the rank measured them (runtime.instruments).
 """
 from __future__ import annotations
@@ -28,11 +31,13 @@ def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int
     """Combine every rank's record into the measured file's fields.
 
     per_rank[r]: {"device", "iter_s": [...], "busy_s": [...], "loss": [...] (weighted, last
-    stages only, else zeros), "peak_memory_bytes", ...}. Iteration i's time is the max over ranks;
+    stages only, else zeros), "peak_memory_bytes", ...}. Iteration 0's time is the max over ranks,
+    a later one's the mean;
     its loss is the sum over replicas' last stages of (b_r / G) * loss_r.
     """
     n = len(per_rank[0]["iter_s"])
-    iterations = [max(r["iter_s"][i] for r in per_rank) for i in range(n)]
+    iterations = [max(r["iter_s"][i] for r in per_rank) if i == 0 else
+                  statistics.fmean(r["iter_s"][i] for r in per_rank) for i in range(n)]
     losses = [sum(r["loss"][i] for r in per_rank) for i in range(n)]
     kept = iterations[warmup:] or iterations
     per_device = {}

@@ -88,7 +88,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         if rank == 0:
             result = build_measured(file_sha256(cfg.plan), records, cfg.warmup, {
                 "iters": cfg.iters, "warmup": cfg.warmup, "world_size": world,
-                "timing": "max over ranks of each rank's step after a barrier", **cfg.extra})
+                "timing": "iteration 0: max over ranks from a common barrier; then the mean over ranks of the time between iteration ends, data loading left out", **cfg.extra})
             if params is not None:
                 import torch
                 from planner.files.io import replace_atomically
@@ -113,21 +113,24 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
     shown = -1e9                                   # progress on stderr at most once a second
     prof = _profiler(cfg, device)
     with prof:
+        built.groups.barrier()              # one barrier: the ranks start together, then run
+        device.synchronize()                # free, as under torchrun (see runtime.results)
+        end = time.perf_counter()
         for i in range(cfg.iters):
             if fault:
                 _maybe_fail(fault, rank, i)
+            t_load = time.perf_counter()
             batch = built.microbatches(plan.global_batch, i)      # data loading: not timed
-            built.begin()
-            built.groups.barrier()
-            device.synchronize()
+            load_s = time.perf_counter() - t_load
             if i == cfg.iters - 1:          # the last (post-warm-up) iteration's timeline
                 timer.start_recording()     # and its saved activations
                 built.runner.track = True
                 built.runner.saved_tracker.reset()
-            t0 = time.perf_counter()
+            built.begin()
             loss = built.step(batch)
             device.synchronize()
-            iter_s.append(time.perf_counter() - t0)
+            iter_s.append(time.perf_counter() - end - load_s)
+            end = time.perf_counter()
             busy_s.append(timer.take())
             if i == cfg.iters - 1:
                 events = timer.take_spans()
