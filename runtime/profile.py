@@ -76,9 +76,8 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     opt_rows = results[0].get("calibration", {}).get("optimizer", {})
     together_rows = results[0].get("calibration", {}).get("optimizer_together", {})
     mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
-    skew = results[0].get("calibration", {}).get("multi_worker_overhead_s", 0.0)
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
-                    allreduce_bytes_per_s=bw, multi_worker_overhead_s=skew,
+                    allreduce_bytes_per_s=bw,
                     memory_contention_factor=mem,
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
     tables = ("optimizer", "optimizer_together")

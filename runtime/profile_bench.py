@@ -170,23 +170,35 @@ def ping_pong(rank: int, first: int, second: int, sizes: list[int], dev: TorchDe
     return rows if rank == first else None
 
 
-def allreduce_table(sizes: list[int], repeats: int) -> list[dict]:
-    """Sum all-reduce of n bytes (float32, host memory) over the default group; every rank
-    times it, the caller keeps rank 0's table. A barrier starts each size together."""
+def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> list[dict]:
+    """Sum all-reduce of n bytes (float32, host memory) in the runtime's pattern (runtime.sync):
+    launched async on its own group and waited for, rank 0 arriving last, `lead_s` after the
+    others, which wait blocked (so their wake-up is part of it, as in training). Rank 0 times
+    from its launch to the end of its wait: what the simulator's all-reduce task lasts (it
+    starts at the last arrival). The caller keeps rank 0's table."""
+    group = dist.new_group(backend="gloo")
+    rank, a = dist.get_rank(), torch.randn(64, 64)
     rows = []
     for n in sizes:
-        t = torch.ones(n // 4)
-        trips = round_trips(n)
+        t = torch.zeros(n // 4)
+        trips = max(1, round_trips(n) // 5)
         samples = []
         for rep in range(repeats + 1):
             dist.barrier()
-            t0 = time.perf_counter()
+            total = 0.0
             for _ in range(trips):
-                dist.all_reduce(t)
+                if rank == 0:
+                    end = time.perf_counter() + lead_s
+                    while time.perf_counter() < end:
+                        torch.mm(a, a)
+                t0 = time.perf_counter()
+                dist.all_reduce(t, group=group, async_op=True).wait()
+                total += time.perf_counter() - t0
             if rep:
-                samples.append((time.perf_counter() - t0) / trips)
+                samples.append(total / trips)
         med, spread = stats(samples)
         rows.append({"bytes": n, "s": med, "spread": spread, "best_s": min(samples), "samples": repeats})
+    dist.destroy_process_group(group)
     return rows
 
 

@@ -217,32 +217,4 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
         if rank == 0:
             out["optimizer_together"] = together
     dist.barrier()
-    out["multi_worker_overhead_s"] = _multi_worker_overhead(max(20, 4 * s.repeats)) if world > 1 else 0.0
     return out
-
-
-def _multi_worker_overhead(repeats: int, busy_s: float = 0.010) -> float:
-    """What a multi-worker iteration costs beyond its work, in the runtime's own pattern (skewed
-    barrier: rank 1 sleeps 10 ms first; uneven compute: busy_s on rank 0, busy_s / 2 on the
-    others; 4-byte all-reduce; max over ranks): median of (iteration - busy - hot all-reduce)."""
-    rank = dist.get_rank()
-    t, span = torch.zeros(1), torch.zeros(1)
-    a = torch.randn(128, 128)
-    hot, over = [], []
-    for i in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)                      # both ranks hot: the all-reduce itself
-        hot.append(time.perf_counter() - t0)
-        if rank == 1:
-            time.sleep(0.010)
-        dist.barrier()
-        t0 = time.perf_counter()
-        mine = busy_s if rank == 0 else busy_s / 2
-        while time.perf_counter() - t0 < mine:
-            torch.mm(a, a)
-        dist.all_reduce(t)
-        span[0] = time.perf_counter() - t0
-        dist.all_reduce(span, op=dist.ReduceOp.MAX)
-        over.append(float(span[0]) - busy_s)
-    return max(0.0, bench.stats(over[1:])[0] - bench.stats(hot[1:])[0])

@@ -26,6 +26,14 @@ def host_info() -> dict[str, Any]:
             "python": platform.python_version(), "cpu_count": os.cpu_count()}
 
 
+def iteration_times(iter_s: list[list[float]]) -> list[float]:
+    """Each iteration's time from every rank's own times (iter_s[rank][i]): iteration 0 (from
+    the common barrier) the max over ranks, a later one the mean (see the module docstring)."""
+    n = len(iter_s[0])
+    return [max(r[i] for r in iter_s) if i == 0 else statistics.fmean(r[i] for r in iter_s)
+            for i in range(n)]
+
+
 def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int,
                    extra: dict[str, Any]) -> dict[str, Any]:
     """Combine every rank's record into the measured file's fields.
@@ -36,8 +44,7 @@ def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int
     its loss is the sum over replicas' last stages of (b_r / G) * loss_r.
     """
     n = len(per_rank[0]["iter_s"])
-    iterations = [max(r["iter_s"][i] for r in per_rank) if i == 0 else
-                  statistics.fmean(r["iter_s"][i] for r in per_rank) for i in range(n)]
+    iterations = iteration_times([r["iter_s"] for r in per_rank])
     losses = [sum(r["loss"][i] for r in per_rank) for i in range(n)]
     kept = iterations[warmup:] or iterations
     per_device = {}

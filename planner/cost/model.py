@@ -191,13 +191,11 @@ class CostModel:
         return self.topology.allreduce_s(devices, n_bytes)
 
     def iteration_overhead_s(self, n_devices: int = 1) -> float:
-        """Fixed cost per iteration of a plan on `n_devices` workers: calibration's
-        iteration_overhead_s, plus multi_worker_overhead_s when n_devices > 1 (barrier skew and late
-        wake-ups from blocking waits, measured in the runtime's pattern); 0 without calibration."""
+        """Fixed cost per iteration: calibration's iteration_overhead_s; 0 without calibration.
+        (multi_worker_overhead_s of older profiles is not added: it was the exit skew of a
+        barrier per iteration, which the runtime no longer has.)"""
         c = self.calibration
-        if c is None:
-            return 0.0
-        return c.iteration_overhead_s + (c.multi_worker_overhead_s if n_devices > 1 else 0.0)
+        return 0.0 if c is None else c.iteration_overhead_s
 
 
 class RooflineCost(CostModel):

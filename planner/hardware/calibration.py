@@ -30,8 +30,8 @@ class Calibration:
     allreduce_bytes_per_s: float | None = None     #   latency_s + bytes / bytes_per_s (fitted)
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)   # per torch.optim name
     iteration_overhead_s: float = 0.0              # fixed cost per iteration (not measured yet: 0)
-    multi_worker_overhead_s: float = 0.0           # added to iterations of 2+ workers (barrier exit
-                                                   #   skew, late wake-ups from blocking waits)
+    multi_worker_overhead_s: float = 0.0           # older profiles only, not used (a per-iteration
+                                                   #   barrier's exit skew; see runtime.results)
     memory_contention_factor: float | None = None  # an optimizer step with all CPU workers stepping
                                                    #   / alone (None: cpu_contention_factor)
 
@@ -101,7 +101,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
         out["optimizer"] = {k: {"s_per_tensor": v.s_per_tensor, "s_per_byte": v.s_per_byte}
                             for k, v in sorted(c.optimizer.items())}
     out["iteration_overhead_s"] = c.iteration_overhead_s
-    out["multi_worker_overhead_s"] = c.multi_worker_overhead_s
+    if c.multi_worker_overhead_s:
+        out["multi_worker_overhead_s"] = c.multi_worker_overhead_s
     if c.memory_contention_factor is not None:
         out["memory_contention_factor"] = c.memory_contention_factor
     return out
