@@ -78,6 +78,7 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
                     allreduce_bytes_per_s=bw,
+                    wake_latency_s=results[0].get("calibration", {}).get("wake_latency_s") or 0.0,
                     memory_contention_factor=mem,
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
     tables = ("optimizer", "optimizer_together")

@@ -202,6 +202,34 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
     return rows
 
 
+def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
+    """How much later a worker blocked in a receive (irecv + wait, as runtime.pipeline waits)
+    answers than one that just started waiting: ranks 0 and 1 ping-pong 4 bytes, back to back
+    (hot), then with rank 0 computing `lead_s` before each ping (rank 1 blocked meanwhile);
+    the difference of the median round trips, >= 0, on rank 0 (None elsewhere; other ranks
+    idle)."""
+    rank, t, a = dist.get_rank(), torch.zeros(1), torch.randn(64, 64)
+    rounds: dict[bool, list[float]] = {False: [], True: []}
+    for cold in (False, True):
+        for i in range(repeats + 1):
+            if rank == 0:
+                if cold:
+                    end = time.perf_counter() + lead_s
+                    while time.perf_counter() < end:
+                        torch.mm(a, a)
+                t0 = time.perf_counter()
+                dist.isend(t, 1).wait()
+                dist.irecv(t, 1).wait()
+                if i:
+                    rounds[cold].append(time.perf_counter() - t0)
+            elif rank == 1:
+                dist.irecv(t, 0).wait()
+                dist.isend(t, 0).wait()
+    if rank != 0:
+        return None
+    return max(0.0, stats(rounds[True])[0] - stats(rounds[False])[0])
+
+
 def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
     """A small training step shaped like the built-in workloads' layers (linear layers with a
     GELU and a LayerNorm, forward + backward + Adam on a 64-sample batch, ~34 MB of weights,

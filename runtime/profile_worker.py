@@ -217,4 +217,7 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
         if rank == 0:
             out["optimizer_together"] = together
     dist.barrier()
+    if world > 1 and workers[0].kind == workers[1].kind == "cpu":
+        out["wake_latency_s"] = bench.wake_latency(max(20, 4 * s.repeats))
+    dist.barrier()
     return out

@@ -22,7 +22,7 @@ CAL = {"cpu_workers": 2, "cpu_contention_factor": 2.0, "allreduce_latency_s": 1e
        "allreduce_bytes_per_s": 1e9,
        "optimizer": {"adam": {"s_per_tensor": 2e-5, "s_per_byte": 5e-10},
                      "sgd": {"s_per_tensor": 1e-6, "s_per_byte": 1e-10}},
-       "iteration_overhead_s": 0.0}
+       "iteration_overhead_s": 0.0, "wake_latency_s": 0.0}
 
 
 def _topo(cal=None, bw=1e9, lat=1e-5):
@@ -245,3 +245,30 @@ def test_accuracy_check_fails_when_an_error_exceeds_its_bound():
     assert acc.missed_targets(acc.summarise(rows)) == ["worst_pct"]
     swapped = [dict(r, predicted_s=5 - r["predicted_s"]) for r in rows]   # ranking reversed
     assert "tau" in acc.missed_targets(acc.summarise(swapped))
+
+
+def test_a_blocked_receiver_resumes_wake_latency_after_its_message_and_a_busy_one_does_not():
+    # 2 layers (forward 1 s, backward 2 s per sample), one per device, link latency 0.5 s
+    g = graph([layer(0), layer(1)])
+    w = 0.25
+
+    def run(wake, microbatches):
+        t = _topo({**CAL, "cpu_contention_factor": 1.0, "wake_latency_s": wake}, bw=1e30, lat=0.5)
+        p = plan([(1.0, microbatches, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], microbatches, "gpipe")
+        return Simulator(g, t, _Contended(g, t)).simulate(p, trace=True)
+
+    spans = {x["name"]: (x["start_s"], x["end_s"]) for x in run(w, 1).tasks}
+    assert spans["0:1F0"] == pytest.approx((1.5, 2.75))     # idle since 0: resumes w late
+    assert spans["0:1B0"] == pytest.approx((2.75, 4.75))    # its own forward before it: no wake
+    assert spans["0:0B0"] == pytest.approx((5.25, 7.5))     # idle since 1: w late again
+    assert run(w, 1).iteration_s - run(0.0, 1).iteration_s == pytest.approx(2 * w, rel=1e-12)
+    # two microbatches: the second activation lands at 2.5 while cpu:1 still computes the
+    # first forward (until 2.75), so it starts when that ends, without a wake-up
+    spans = {x["name"]: (x["start_s"], x["end_s"]) for x in run(w, 2).tasks}
+    assert spans["0:1F0"] == pytest.approx((1.5, 2.75))
+    assert spans["0:1F1"] == pytest.approx((2.75, 3.75))
+    # all-reduces are measured with their waiters' wake-up (runtime pattern): nothing added
+    dp = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2)
+    sims = [Simulator(g, t, _Contended(g, t)).simulate(dp).iteration_s
+            for t in (_topo({**CAL, "wake_latency_s": x}) for x in (0.0, w))]
+    assert sims[0] == sims[1]

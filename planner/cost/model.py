@@ -190,6 +190,14 @@ class CostModel:
                     return t
         return self.topology.allreduce_s(devices, n_bytes)
 
+    def wake_latency_s(self, device: str) -> float:
+        """How much later than its message a CPU worker blocked in a receive resumes
+        (calibration's wake_latency_s); 0 for other devices and without calibration."""
+        c = self.calibration
+        if c is None or self.topology.device(device).kind != "cpu":
+            return 0.0
+        return c.wake_latency_s
+
     def iteration_overhead_s(self, n_devices: int = 1) -> float:
         """Fixed cost per iteration: calibration's iteration_overhead_s; 0 without calibration.
         (multi_worker_overhead_s of older profiles is not added: it was the exit skew of a

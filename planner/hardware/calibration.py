@@ -34,6 +34,8 @@ class Calibration:
                                                    #   barrier's exit skew; see runtime.results)
     memory_contention_factor: float | None = None  # an optimizer step with all CPU workers stepping
                                                    #   / alone (None: cpu_contention_factor)
+    wake_latency_s: float = 0.0                    # a CPU worker blocked in a receive for a while
+                                                   #   resumes this much after the message lands
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -90,7 +92,9 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         multi_worker_overhead_s=r.get("multi_worker_overhead_s", float, default=0.0,
                              check=lambda v: v >= 0, expected="a non-negative number"),
         memory_contention_factor=r.get("memory_contention_factor", float, default=None,
-                                       check=lambda v: v >= 1, expected="a number >= 1"))
+                                       check=lambda v: v >= 1, expected="a number >= 1"),
+        wake_latency_s=r.get("wake_latency_s", float, default=0.0,
+                             check=lambda v: v >= 0, expected="a non-negative number"))
 
 
 def calibration_to_dict(c: Calibration) -> dict[str, Any]:
@@ -105,6 +109,7 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
         out["multi_worker_overhead_s"] = c.multi_worker_overhead_s
     if c.memory_contention_factor is not None:
         out["memory_contention_factor"] = c.memory_contention_factor
+    out["wake_latency_s"] = c.wake_latency_s
     return out
 
 

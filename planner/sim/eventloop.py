@@ -10,7 +10,8 @@ import heapq
 
 
 def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], ndeps: list[int],
-         shared_res: tuple[int, ...], n_res: int) -> tuple[list[float], list[float]]:
+         shared_res: tuple[int, ...], n_res: int,
+         wake: dict[int, float] | None = None) -> tuple[list[float], list[float]]:
     """Deterministic list scheduling over FIFO resources; returns start and end times.
 
     All events (task ends) at one time are applied before any task starts. A queue serves
@@ -18,6 +19,8 @@ def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], nde
     all-reduce) starts when all of them are free; queues are served in resource id order,
     so such a task may take a free resource before a single-resource task of a later id.
     `ndeps` is consumed; `shared_res` are the resources of multi-resource tasks.
+    `wake` (task -> seconds) lengthens such a single-resource task by its wake-up when it
+    starts on a resource that sat idle before it (its worker was blocked waiting for it).
 
     Speed without changing the order: a waiting entry is the int `rank * n + t` (rank
     counts distinct event times), which orders exactly as (ready time, task id); the tasks
@@ -28,6 +31,8 @@ def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], nde
     start: list[float | None] = [None] * n
     end = [0.0] * n
     busy = [False] * n_res
+    free_at = [0.0] * n_res             # when each resource last became free
+    wake = wake or {}
     solo = [True] * n_res
     for x in shared_res:
         solo[x] = False
@@ -48,7 +53,7 @@ def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], nde
                 if solo[x] and not busy[x] and not waiting[x]:
                     busy[x] = True
                     start[t] = now
-                    e = end[t] = now + dur[t]
+                    e = end[t] = now + dur[t] + (wake.get(t, 0.0) if free_at[x] < now else 0.0)
                     if e in ends:
                         ends[e].append(t)
                     else:
@@ -83,11 +88,12 @@ def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], nde
                     continue
                 for y in r:
                     busy[y] = True
+                e = end[t] = now + dur[t]
             else:
                 pop(w)
                 busy[x] = True
+                e = end[t] = now + dur[t] + (wake.get(t, 0.0) if free_at[x] < now else 0.0)
             start[t] = now
-            e = end[t] = now + dur[t]
             if e in ends:
                 ends[e].append(t)
             else:
@@ -104,6 +110,7 @@ def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], nde
         for t in ends.pop(e):
             for x in res[t]:
                 busy[x] = False
+                free_at[x] = e
                 if waiting[x]:
                     touched.append(x)
             for v in succ[t]:

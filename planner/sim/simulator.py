@@ -178,6 +178,24 @@ class Simulator:
                 self._shapes[key] = g
         return g
 
+    def _wakes(self, g: TaskGraph) -> dict[int, float]:
+        """The wake-up of each task that receives a message (a transfer hop precedes it) on a
+        device whose worker blocks for it (cost.wake_latency_s); the event loop adds it when
+        the device sat idle waiting. Cached on the graph."""
+        wake = g.__dict__.get("_wake")
+        if wake is None:
+            per_res = {self._rid[d.name]: self.cost.wake_latency_s(d.name) for d in self.topology.devices}
+            link = {x for x, lane in enumerate(self._lanes) if "->" in lane and x not in per_res}
+            wake = {}
+            for t, (r, nxt) in enumerate(zip(g.res, g.succ)):
+                if len(r) == 1 and r[0] in link:
+                    for v in nxt:
+                        rv = g.res[v]
+                        if len(rv) == 1 and per_res.get(rv[0], 0.0) > 0.0:
+                            wake[v] = per_res[rv[0]]
+            g.__dict__["_wake"] = wake
+        return wake
+
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
         """For each replica, the first replica it is identical to: the same structure (microbatches,
@@ -215,11 +233,12 @@ class Simulator:
                 g = self._shape(plan, trace, like)
                 values = self._evaluate(plan, g)
         base = list(map(values.__getitem__, g.dkey))
-        start, end = run_tasks(base, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes))
+        wake = self._wakes(g)
+        start, end = run_tasks(base, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
         dur = base
         for _ in range(contention.CONTENTION_PASSES if contended else 0):
             dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-            start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes))
+            start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
         iteration_s = (max(end) if end else 0.0) + self.cost.iteration_overhead_s(len(plan.devices))
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         peaks = peak_memory(plan, self.graph, self.topology)
