@@ -118,3 +118,46 @@ def random_twin_case(rng: random.Random):
               bucket_bytes=rng.choice([10**5, 10**6, 1 << 40]), optimizer=rng.choice(["sgd", "adam"]),
               placement=rng.choice(["device", "device", "cpu"]), recompute=rng.random() < 0.3)
     return g, topology([device(d, mem_bw=1e9) for d in names], links), pl
+
+
+def build_one_by_one(builder, r, rep):
+    """Replica r's tasks added one at a time, as the builder did before templates
+    (planner.sim.template): each stage's compute in schedule order, then per stage pair and
+    microbatch the activation's hops and the gradient's hops. For equivalence tests."""
+    from planner.sim.build import Chunk
+    from planner.sim.schedule import make_schedule
+    from planner.sim.taskgraph import LayerRange
+    g, sim, m = builder.g, builder.sim, rep.microbatches
+    pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
+    g.begin_replica((m, tuple(st.layers for st in rep.stages),
+                     tuple((len(sim.hops(a, b)), len(sim.hops(b, a))) for a, b in pairs)), None)
+    sched = make_schedule(builder.plan.schedule, len(rep.stages), m)
+    fwd, first, last = [], [], []
+    for s, st in enumerate(rep.stages):
+        rid, dev = sim._rid[st.device], st.device
+        f_k = g.value(LayerRange("fwd", r, dev, st.start, st.end))
+        pieces = builder.backward_values(r, st, builder.backward_chunks(st))
+        other = builder.backward_values(r, st, [Chunk(st.end, st.start, None)]) if m > 1 else []
+        f, b0, b1, prev = [None] * m, [None] * m, [None] * m, None
+        for act in sched[s]:
+            i = act.microbatch
+            if act.kind == "F":
+                prev = f[i] = g.add(f_k, (rid,), (prev,))
+                g.count(dev, "fwd_s", f_k)
+                continue
+            for j, (k, bucket) in enumerate(pieces if i == m - 1 else other):
+                prev = g.add(k, (rid,), (prev,))
+                g.count(dev, "bwd_s", k)
+                b0[i] = prev if j == 0 else b0[i]
+                if bucket is not None:
+                    builder.progress.chunk_of[(dev, bucket)] = prev
+            b1[i] = prev
+        builder.progress.last_backward[dev] = prev
+        fwd.append(f), first.append(b0), last.append(b1)
+    for s in range(1, len(rep.stages)):
+        src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
+        ahead, back = builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
+        for i in range(m):
+            g.wire(builder.chain(ahead, src, dst, fwd[s - 1][i], None), fwd[s][i])
+            g.wire(builder.chain(back, dst, src, last[s][i], None), first[s - 1][i])
+    g.end_replica()

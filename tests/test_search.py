@@ -336,3 +336,68 @@ def test_precision_is_a_global_choice_only_when_several_are_allowed():
     assert all((toggle_global(one, s, random.Random(i)) or s).precision == "fp32" for i in range(50))
     with pytest.raises(ValueError, match="precision 'bf16' is not allowed"):
         to_plan(one, Strategy((Pipeline(("cpu:0",), ()),), precision="bf16"), (2,))
+
+
+# --- pipeline x DP grids, the no-improvement stop (issue 16) ----------------------------------
+def _two_nodes(batch=16, layers=8):
+    from dataclasses import replace
+    speeds = {f"node{n}/cuda:{g}": 1.0 for n in range(2) for g in range(4)}
+    problem = toy_problem(speeds, {d: BIG for d in speeds}, batch=batch, layers=layers)
+    return replace(problem, shares={d: (1 / layers,) * layers for d in speeds})   # equal layers
+
+
+def test_grid_shapes_cover_every_degree_node_by_node_and_rail_by_rail():
+    from planner.search.baselines import grid_shapes
+    problem = _two_nodes()
+    shapes = grid_shapes(problem.space, {d: 1.0 for d in problem.space.devices}, problem.shares)
+    got = {(g.degree, g.order): [p.devices for p in g.strategy.pipelines] for g in shapes}
+    n = lambda i, j: f"node{i}/cuda:{j}"   # noqa: E731
+    assert sorted(got) == [(1, "within nodes"), (2, "across nodes"), (2, "within nodes"),
+                           (4, "across nodes"), (4, "within nodes"), (8, "within nodes")]
+    assert got[(2, "across nodes")] == [(n(0, j), n(1, j)) for j in range(4)]          # rails
+    assert got[(4, "within nodes")] == [tuple(n(i, j) for j in range(4)) for i in range(2)]
+    assert got[(4, "across nodes")] == [(n(0, 0), n(1, 0), n(0, 1), n(1, 1)), (n(0, 2), n(1, 2), n(0, 3), n(1, 3))]
+    assert {(g.degree, g.order) for g in shapes if g.baseline} == {(4, "within nodes"), (2, "across nodes")}
+    for g in shapes:   # equal batches, 4p microbatches, even cuts on equal devices
+        assert g.batches == (16 // (8 // g.degree),) * (8 // g.degree)
+        assert all(p.microbatches == (min(4 * g.degree, b) if g.degree > 1 else 1)
+                   for p, b in zip(g.strategy.pipelines, g.batches))
+        assert all(p.cuts == tuple(range(8 // g.degree, 8, 8 // g.degree)) for p in g.strategy.pipelines)
+
+
+def test_search_is_never_slower_than_any_grid_and_reports_its_stop():
+    from planner.search.mcmc import patience
+    problem = _two_nodes()
+    r = search(problem, random.Random(3), SearchConfig(iterations=100000, time_limit_s=600, patience=40))
+    assert r.stopped_by == "no improvement" and r.patience == 40
+    assert r.iterations < 100000 and 0 < r.accepted <= r.iterations
+    assert r.acceptance_rate == r.accepted / r.iterations
+    s = Searcher(problem, random.Random(0))
+    s.baselines()
+    grids = [s.evaluate(to_plan(problem.space, g.strategy, g.batches)) for g in s._grid]
+    assert r.best.iteration_s <= min(c.iteration_s for c in grids if c.feasible)
+    names = {c.name for c in r.baselines}
+    assert {"pipeline within nodes x data parallel across nodes (4 x 2)",
+            "pipeline across nodes x data parallel within nodes (2 x 4)"} <= names
+    # the default stop: about one try per one-choice neighbour, at least 500, at most half the budget
+    big = Space(devices=tuple(f"d{i}" for i in range(64)), kinds={}, num_layers=96, global_batch=256,
+                model=ModelRef("toy"))
+    assert patience(big, 20000) == 64 * 63 // 2 + 4 * 64 + 2 * 64 + 16
+    assert patience(problem.space, 20000) == 500 and patience(problem.space, 300) == 150
+
+
+def test_grid_move_changes_the_degree_of_every_pipeline_in_one_proposal():
+    problem = _two_nodes()
+    s = Searcher(problem, random.Random(1))
+    s.baselines()
+    dp = Strategy(tuple(Pipeline((d,), ()) for d in problem.space.devices), schedule="gpipe")
+    degrees = set()
+    for _ in range(40):
+        c = s.grid_move(dp)
+        if c is None:
+            continue
+        st = c.strategy
+        assert len({len(p.devices) for p in st.pipelines}) == 1 and st.schedule == "gpipe"
+        assert st.used == frozenset(problem.space.devices)
+        degrees.add(len(st.pipelines[0].devices))
+    assert degrees == {1, 2, 4, 8}

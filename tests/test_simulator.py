@@ -406,3 +406,25 @@ def test_tied_weight_copy_and_its_allreduce_between_two_stages():
     # untied, the head stage holds nothing and nothing is exchanged
     r0 = simulate(pl, base, t)
     assert r0.iteration_s == approx(6.02 + 0.03) and peak_memory(pl, base, t)["cuda:1"] == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
+    # planner.sim.template: same task ids, durations, resources, edges and statistics order
+    from planner.sim.build import Builder
+    from planner.sim.taskgraph import TaskGraph
+    from simreference import build_one_by_one
+    rng = random.Random(seed)
+    for _ in range(60):
+        g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
+        graphs = []
+        for one_by_one in (False, True):
+            if one_by_one:
+                monkeypatch.setattr(Builder, "replica", build_one_by_one)
+            sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
+            tg = TaskGraph(False)
+            sim._build(pl, tg)
+            graphs.append((tg.dkey, tg.res, tg.succ, tg.ndeps, tg.recipes, tg.stat_seq,
+                           tg.replica_shape, tg.replica_pattern, sim.simulate(pl)))
+            monkeypatch.undo()
+        assert graphs[0] == graphs[1]

@@ -22,8 +22,9 @@ def add_arguments(p):
     p.add_argument("--batch", required=True, type=int, metavar="B", help="global batch size (samples)")
     p.add_argument("--topology", required=True, metavar="T", help="topology file (hetplan.topology/1)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the search (default 0)")
-    p.add_argument("--iterations", type=int, default=2000,
-                   help="proposals to try; the deterministic budget (default 2000)")
+    p.add_argument("--iterations", type=int, default=20000,
+                   help="most proposals to try; the deterministic budget (default 20000; the search "
+                        "usually stops earlier, when the best has not improved for a while)")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
                    help="wall-clock cap in seconds (default 10); a safety net, not the usual stop")
     p.add_argument("--optimizer", choices=("sgd", "adam"), help="default: the workload's optimizer")
@@ -45,6 +46,12 @@ def _check_flags(args) -> None:
     if args.lr is not None and not 0 < args.lr < float("inf"):
         raise InputError(f"--lr: expected a positive number, got {args.lr}")
     parse_precisions(args.precision)
+
+
+def _why(result) -> str:
+    if result.stopped_by == "no improvement":
+        return f": no better plan in the last {result.patience} proposals"
+    return ""
 
 
 def parse_precisions(text: str) -> tuple[str, ...]:
@@ -125,7 +132,9 @@ def main(args) -> int:
                        "baselines": baselines,
                        "search": {"seed": args.seed, "precisions": list(precisions),
                                   "iterations": result.iterations,
-                                  "simulations": result.evaluations, "stopped_by": result.stopped_by},
+                                  "simulations": result.evaluations, "stopped_by": result.stopped_by,
+                                  "acceptance_rate": result.acceptance_rate,
+                                  "patience": result.patience},
                        **_cost_fit(problem.cost, best.plan.devices)}))
     validate_plan(plan, args.output, graph.num_layers, {d.name for d in topology.devices})
     save_plan(plan, args.output)
@@ -138,6 +147,7 @@ def main(args) -> int:
           f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}, recompute {'on' if plan.recompute else 'off'}, "
           f"precision {plan.precision}")
     print(_table(best, result.baselines))
-    print(f"searched {result.iterations} iterations, {result.evaluations} simulations in "
-          f"{result.elapsed_s:.1f} s (stopped by {result.stopped_by}); wrote {args.output}")
+    print(f"searched {result.iterations} proposals, {result.evaluations} simulations in "
+          f"{result.elapsed_s:.1f} s, {100 * result.acceptance_rate:.0f}% accepted (stopped by "
+          f"{result.stopped_by}{_why(result)}); wrote {args.output}")
     return 0

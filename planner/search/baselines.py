@@ -15,7 +15,7 @@ than data parallelism):
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from planner.search.space import Pipeline, Space, Strategy, realise_microbatches
 
@@ -127,20 +127,76 @@ def baseline_strategies(space: Space, single_s: dict[str, float], shares: dict[s
     return out
 
 
-def hybrid_seeds(space: Space, single_s: dict[str, float], shares: dict[str, tuple[float, ...]],
-                 cut_s: Callable[[str, str, int], float] | None = None) -> list[Strategy]:
-    """Starting points for the walk (not baselines): k identical-width pipelines over
-    consecutive devices in `device_order`, for every k dividing the device count (the DP x PP
-    grids of Megatron-LM / PipeDream). On a large cluster random rewrites of one choice at a
-    time take long to reach such regular structures; starting there costs a few simulations."""
-    n = len(space.devices)
-    out = []
-    for k in range(2, n):
-        width = n // k
-        if n % k or width > space.num_layers or k * width > space.global_batch:
-            continue
-        pipes = tuple(balanced_pipeline(space, space.devices[i * width:(i + 1) * width], single_s, shares, cut_s)
-                      for i in range(k))
-        out.append(Strategy(tuple(Pipeline(p.devices, p.cuts, 2 * width) for p in pipes),
-                            precision=space.precisions[0]))
+def grid_orders(space: Space) -> list[tuple[str, tuple[str, ...]]]:
+    """The device orders whose consecutive groups make the grid shapes: node by node
+    ("within nodes"), and, with several nodes of one size, rail by rail (the i-th device of
+    every node in turn: "across nodes", rail-aligned)."""
+    from planner.hardware.topology import parse_device_name
+    nodes: dict[str, list[str]] = {}
+    for d in space.devices:
+        nodes.setdefault(parse_device_name(d)[0] or "", []).append(d)
+    out = [("within nodes", space.devices)]
+    sizes = {len(v) for v in nodes.values()}
+    if len(nodes) > 1 and len(sizes) == 1 and sizes != {1}:
+        rails = tuple(v[i] for i in range(sizes.pop()) for v in nodes.values())
+        out.append(("across nodes", rails))
     return out
+
+
+class GridShape(NamedTuple):
+    name: str
+    degree: int                  # pipeline degree (stages per pipeline)
+    order: str                   # "within nodes" or "across nodes" (grid_orders)
+    strategy: Strategy
+    batches: tuple[int, ...]
+    baseline: bool               # one of the two node-level hybrids reported as baselines
+
+
+def grid_shapes(space: Space, single_s: dict[str, float], shares: dict[str, tuple[float, ...]],
+                cut_s: Callable[[str, str, int], float] | None = None) -> list[GridShape]:
+    """The pipeline x data-parallel grids engineers build (Megatron-LM, PipeDream): for every
+    pipeline degree p dividing the device count and each order of `grid_orders`, n/p
+    pipelines of p consecutive devices, DP-balanced cuts, 4p microbatches desired, equal
+    batches; p = 1 (data parallel) and p = n (one pipeline) from the first order only. With
+    several nodes, a pipeline per node x DP across nodes and a pipeline per rail x DP within
+    nodes are marked as baselines."""
+    from planner.hardware.topology import parse_device_name
+    n, B, L = len(space.devices), space.global_batch, space.num_layers
+    first = space.precisions[0]
+    parts: dict[tuple, tuple[int, ...]] = {}   # identical pipelines (speeds, shares, cuts) are cut alike
+
+    def pipeline(devs: tuple[str, ...], m: int) -> Pipeline:
+        pairs = list(zip(devs, devs[1:]))
+        sig = (tuple(single_s[d] for d in devs), tuple(shares[d] for d in devs),
+               tuple(tuple(cut_s(a, b, i) for i in range(1, L)) for a, b in pairs) if cut_s else ())
+        if sig not in parts:
+            parts[sig] = balanced_pipeline(space, devs, single_s, shares, cut_s).cuts
+        return Pipeline(devs, parts[sig], m)
+    out = []
+    orders = grid_orders(space)
+    n_nodes = len({parse_device_name(d)[0] for d in space.devices})
+    hand = {("within nodes", n // n_nodes), ("across nodes", n_nodes)} if len(orders) > 1 else set()
+    for k, (order_name, order) in enumerate(orders):
+        for p in range(1, n + 1):
+            dp = n // p
+            if n % p or p > L or (k and p in (1, n)):
+                continue
+            b = B // dp
+            if b < p or dp > B:
+                continue
+            batches = proportional_batches(B, [1.0] * dp, [p] * dp)
+            pipes = []
+            for r in range(dp):
+                m = realise_microbatches(4 * p if p > 1 else 1, batches[r], p, "1f1b")
+                pipes.append(pipeline(order[r * p:(r + 1) * p], m))
+            if (order_name, p) in hand:
+                name = (f"pipeline within nodes x data parallel across nodes ({p} x {dp})" if k == 0 else
+                        f"pipeline across nodes x data parallel within nodes ({p} x {dp})")
+            else:
+                name = f"pipeline {p} x data parallel {dp}, pipelines {order_name}"
+            out.append(GridShape(name, p, order_name, Strategy(tuple(pipes), precision=first), batches,
+                                 (order_name, p) in hand))
+    return out
+
+__all__ = ["device_order", "proportional_batches", "partition_min_max", "balanced_pipeline",
+           "baseline_strategies", "grid_orders", "GridShape", "grid_shapes"]

@@ -5,8 +5,9 @@ The search calls one narrow function, `evaluate(plan) -> result` with attributes
 `iteration_s`, `feasible` and `peak_memory_bytes` (planner.sim.simulator's SimResult), and takes a
 seeded `random.Random`: no global state. Results are cached by `plan_key`.
 
-Determinism: the search stops after `iterations` proposals, or after half of them without
-improvement; both depend only on the seed. `time_limit_s` is a safety cap only: when it stops
+Determinism: the search stops after `iterations` proposals, or after `patience` proposals
+without improvement (`patience`: about the number of one-choice neighbours of a plan, so a
+stalled walk has had the chance to try each once); both depend only on the seed. `time_limit_s` is a safety cap only: when it stops
 the search, the result can depend on the machine's speed, and `SearchResult.stopped_by` says so.
 
 Cost of a plan for the walk: its predicted iteration time when feasible; an infeasible plan
@@ -21,19 +22,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from planner.search.baselines import baseline_strategies, hybrid_seeds, proportional_batches
+from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan, plan_key
-from planner.search.space import Pipeline, Space, Strategy, min_batch, propose, to_plan
+from planner.search.space import Pipeline, Space, Strategy, fits, min_batch, propose, to_plan
 
 
 @dataclass(frozen=True)
 class SearchConfig:
-    iterations: int = 2000          # proposals; the deterministic budget
+    iterations: int = 20000         # proposals; the deterministic budget
     time_limit_s: float = 10.0      # safety cap (wall clock)
     temperature: float = 30.0       # beta = temperature / current cost: a 3% worse plan is
                                     # accepted with probability exp(-0.9) ~ 0.4
     restart_every: int = 150        # proposals without improvement before returning to the best
     batch_move_prob: float = 0.2    # share of proposals that shift samples between replicas
+    grid_move_prob: float = 0.05    # share of proposals that jump to a pipeline x DP grid
+    patience: int | None = None     # proposals without improvement before stopping; None: `patience`
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,21 @@ class SearchResult:
     stopped_by: str                         # "iterations", "no improvement" or "time limit"
     elapsed_s: float
     history: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # (elapsed_s, best_s)
+    accepted: int = 0                       # proposals the walk moved to
+    patience: int = 0                       # the no-improvement stop that applied
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.iterations if self.iterations else 0.0
+
+
+def patience(space: Space, iterations: int) -> int:
+    """Proposals without improvement before the walk stops: about the number of one-choice
+    neighbours of a plan (device swaps n(n-1)/2, two shifts per cut and per device, the global
+    choices), at least 500, at most half the budget."""
+    n = len(space.devices)
+    neighbours = n * (n - 1) // 2 + 4 * n + 2 * min(n, space.num_layers) + 16
+    return max(1, min(max(500, neighbours), iterations // 2))
 
 
 class Searcher:
@@ -175,18 +193,20 @@ class Searcher:
         out = [replace(pool, name=f"fastest single device ({pool.plan.devices[0]})")]
         for name, strat, batches in baseline_strategies(space, single_s, self.p.shares, self.p.cut_s):
             out.append(self.evaluate(to_plan(space, strat, batches), name=name))
+        self._grid = grid_shapes(space, single_s, self.p.shares, self.p.cut_s)
+        out += [self.evaluate(to_plan(space, g.strategy, g.batches), name=g.name) for g in self._grid if g.baseline]
         return out
 
     def run(self) -> SearchResult:
         t0 = time.monotonic()
         space, cfg, rng = self.p.space, self.cfg, self.rng
         bases = self.baselines()
-        seeds = [self.evaluate(to_plan(space, s, self.solve_batches(s)))
-                 for s in hybrid_seeds(space, self._single_s, self.p.shares, self.p.cut_s)]
+        seeds = [self.evaluate(to_plan(space, g.strategy, g.batches)) for g in self._grid]
         start = min([*bases, *seeds], key=lambda c: (not c.feasible, c.cost))
         cur = best = start
         history = [(time.monotonic() - t0, best.iteration_s)]
-        last_gain = last_restart = 0
+        last_gain = last_restart = accepted = 0
+        stall = cfg.patience if cfg.patience is not None else patience(space, cfg.iterations)
         stopped_by, it = "iterations", 0
         next_report = t0 + 1.0
         for it in range(1, cfg.iterations + 1):
@@ -194,7 +214,7 @@ class Searcher:
             if now - t0 > cfg.time_limit_s:
                 stopped_by = "time limit"
                 break
-            if it - last_gain > cfg.iterations // 2:
+            if it - last_gain > stall:
                 stopped_by = "no improvement"
                 break
             if self.progress and now >= next_report:
@@ -209,7 +229,7 @@ class Searcher:
             delta = cand.cost - cur.cost
             if delta <= 0 or (math.isfinite(cand.cost) and
                               rng.random() < math.exp(-cfg.temperature * delta / cur.cost)):
-                cur = cand
+                cur, accepted = cand, accepted + 1
             if cand.cost < best.cost * (1 - 1e-9) and (cand.feasible or not best.feasible):
                 best, last_gain = cand, it
                 history.append((time.monotonic() - t0, best.iteration_s))
@@ -217,10 +237,13 @@ class Searcher:
             it = cfg.iterations
         return SearchResult(best=best if best.feasible else None, baselines=tuple(bases),
                             least_memory=self.least_memory, iterations=it, evaluations=self.evaluations,
-                            stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history))
+                            stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
+                            accepted=accepted, patience=stall)
 
     def _propose(self, cur: Candidate) -> Candidate | None:
         s, batches = _split(cur.plan)
+        if self._grid and self.rng.random() < self.cfg.grid_move_prob:
+            return self.grid_move(s)
         if self.rng.random() < self.cfg.batch_move_prob:
             nb = self.shift_batch(s, batches)
             if nb is not None:
@@ -235,6 +258,21 @@ class Searcher:
         else:
             nb = self.solve_batches(t)
         return self.evaluate(to_plan(self.p.space, t, nb))
+
+
+    def grid_move(self, s: Strategy) -> Candidate | None:
+        """Another pipeline x DP grid (degree, device order) at 1, 2 or 4 times its degree in
+        microbatches, with s's global choices: one proposal changes the degree of the whole plan."""
+        g = self.rng.choice(self._grid)
+        f = self.rng.choice((1, 2, 4))
+        pipes = tuple(replace(p, microbatches=f * len(p.devices)) for p in g.strategy.pipelines)
+        t = replace(s, pipelines=pipes)
+        if not fits(self.p.space, t):
+            return None
+        try:
+            return self.evaluate(to_plan(self.p.space, t, g.batches))
+        except ValueError:   # a batch too small for the schedule's microbatches
+            return None
 
 
 def _split(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:

@@ -10,22 +10,16 @@ are added, so per-device sums are reproducible bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, NamedTuple, Protocol
 
 from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buckets
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import Plan, Replica, Stage
 from planner.hardware.topology import Topology
-from planner.sim.schedule import Action, make_schedule
+from planner.sim.template import ReplicaTemplate, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
                                    RouteHop, TaskGraph, TaskMeta, TransferLabel)
 from planner.workload.graph import ModelGraph
-
-
-@lru_cache(maxsize=1024)
-def _schedule(name: str, stages: int, microbatches: int):
-    return make_schedule(name, stages, microbatches)
 
 
 class SimulatorView(Protocol):
@@ -56,13 +50,6 @@ class Chunk(NamedTuple):
     hi: int
     lo: int
     bucket: int | None
-
-
-class StageTasks(NamedTuple):
-    """Task ids of one stage per microbatch: its forward, its first and last backward piece."""
-    fwd: list[int | None]
-    bwd_first: list[int | None]
-    bwd_last: list[int | None]
 
 
 @dataclass
@@ -117,15 +104,58 @@ class Builder:
 
     # --- one replica: compute per stage, then the transfers between stages --------------------
     def replica(self, r: int, rep: Replica) -> None:
-        g, hops, like = self.g, self.sim.hops, self.like
-        sched = _schedule(self.plan.schedule, len(rep.stages), rep.microbatches)
-        pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
-        g.begin_replica((rep.microbatches, tuple(st.layers for st in rep.stages),
-                         tuple((len(hops(a, b)), len(hops(b, a))) for a, b in pairs)),
+        """The replica's tasks, stamped from its structure's template (planner.sim.template)."""
+        g, hops, like, sim = self.g, self.sim.hops, self.like, self.sim
+        m, stages = rep.microbatches, rep.stages
+        pairs = [(a.device, b.device) for a, b in zip(stages, stages[1:])]
+        routes = [(hops(a, b), hops(b, a)) for a, b in pairs]
+        counts = tuple((len(x), len(y)) for x, y in routes)
+        g.begin_replica((m, tuple(st.layers for st in stages), counts),
                         g.replica_tasks[like[r]] if like and like[r] != r else None)
-        tasks = [self.stage_tasks(r, st, sched[s], rep.microbatches) for s, st in enumerate(rep.stages)]
-        self.wire_transfers(r, rep, tasks)
+        chunks = [self.backward_chunks(st) for st in stages]
+        t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts)
+        vals: list[int] = []
+        lasts = []
+        for st, ch in zip(stages, chunks):   # values in the order the slots number them
+            vals.append(g.value(LayerRange("fwd", r, st.device, st.start, st.end)))
+            lasts.append(self.backward_values(r, st, ch))
+            vals += [k for k, _ in lasts[-1]]
+            if m > 1:
+                vals += [k for k, _ in self.backward_values(r, st, [Chunk(st.end, st.start, None)])]
+        rids = [sim._rid[st.device] for st in stages]
+        lanes = [st.device for st in stages]
+        for st, route_pair in zip(stages[1:], routes):
+            for route in route_pair:
+                for h in route:
+                    vals.append(g.value(HopRecipe(r, st.start, h.latency_s, h.bandwidth_bytes_per_s)))
+                    rids.append(h.resource)
+                    lanes.append(h.lane)
+        res = [(x,) for x in rids]
+        ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ,
+                      t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
+        devs = [st.device for st in stages]
+        seq = g.stat_seq
+        for s, stat, v in t.counts:
+            seq[(devs[s], stat)].append(vals[v])
+        progress = self.progress
+        for s, dev in enumerate(devs):
+            for (_, bucket), end in zip(lasts[s], t.chunk_end[s]):
+                if bucket is not None:
+                    progress.chunk_of[(dev, bucket)] = ids[end]
+            progress.last_backward[dev] = ids[t.last_backward[s]]
         g.end_replica()
+
+    @staticmethod
+    def labels(r: int, t: ReplicaTemplate, lanes: list[str]) -> list[TaskMeta]:
+        """The trace's labels of a stamped replica."""
+        out = []
+        for lab, x in zip(t.label, t.res):
+            if lab[0] == "compute":
+                out.append(TaskMeta(ComputeLabel(r, lab[2]), lanes[x],
+                                    "forward" if lab[2].kind == "F" else "backward"))
+            else:
+                out.append(TaskMeta(TransferLabel(lab[0], r, lab[1], lab[2], lab[3]), lanes[x], "transfer"))
+        return out
 
     def backward_chunks(self, st: Stage) -> list[Chunk]:
         """Under fine sync, the last microbatch's backward cut at the boundaries of the buckets
@@ -152,49 +182,6 @@ class Builder:
                 recipe = LayerRange("bwd", r, st.device, c.lo, c.hi)
             out.append((self.g.value(recipe), c.bucket))
         return out
-
-    def stage_tasks(self, r: int, st: Stage, actions: list[Action], m: int) -> StageTasks:
-        """The stage's compute tasks in schedule order, each after the previous one."""
-        g, dev, progress = self.g, st.device, self.progress
-        rid = self.sim._rid[dev]
-        tasks = StageTasks([None] * m, [None] * m, [None] * m)
-        f_k = g.value(LayerRange("fwd", r, dev, st.start, st.end))
-        last = self.backward_values(r, st, self.backward_chunks(st))
-        other = self.backward_values(r, st, [Chunk(st.end, st.start, None)]) if m > 1 else []
-        prev = None
-        for act in actions:
-            i = act.microbatch
-            meta = None
-            if self.tracing:
-                meta = TaskMeta(ComputeLabel(r, act), dev, "forward" if act.kind == "F" else "backward")
-            if act.kind == "F":
-                prev = tasks.fwd[i] = g.add(f_k, (rid,), (prev,), meta)
-                g.count(dev, "fwd_s", f_k)
-                continue
-            first = None
-            for k, bucket in (last if i == m - 1 else other):
-                prev = g.add(k, (rid,), (prev,), meta)
-                g.count(dev, "bwd_s", k)
-                if first is None:
-                    first = prev
-                if bucket is not None:
-                    progress.chunk_of[(dev, bucket)] = prev
-            tasks.bwd_first[i], tasks.bwd_last[i] = first, prev
-        progress.last_backward[dev] = prev
-        return tasks
-
-    def wire_transfers(self, r: int, rep: Replica, tasks: list[StageTasks]) -> None:
-        """Per microbatch between consecutive stages: the activation, from the forward to the next
-        stage's forward; its gradient, from the backward to the previous stage's first piece."""
-        g = self.g
-        for s in range(1, len(rep.stages)):
-            src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
-            ahead, back = self.route(src, dst, r, cut), self.route(dst, src, r, cut)
-            for i in range(rep.microbatches):
-                act = TransferLabel("act", r, s - 1, s, i) if self.tracing else None
-                grad = TransferLabel("grad", r, s, s - 1, i) if self.tracing else None
-                g.wire(self.chain(ahead, src, dst, tasks[s - 1].fwd[i], act), tasks[s].fwd[i])
-                g.wire(self.chain(back, dst, src, tasks[s].bwd_last[i], grad), tasks[s - 1].bwd_first[i])
 
     # --- transfers ---------------------------------------------------------------------------
     def route(self, src: str, dst: str, replica: int | None = None, cut: int | None = None,
@@ -296,4 +283,4 @@ class Builder:
         self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
 
 
-__all__ = ["Builder", "Exchange", "Chunk", "StageTasks", "Progress"]
+__all__ = ["Builder", "Exchange", "Chunk", "Progress"]

@@ -22,8 +22,8 @@ Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo thr
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.
 
-Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build) are cached per plan
-shape; identical independent replicas are simulated once (`_like`); results are cached per plan.
+Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
+from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan.
 None of it changes a result. Contention between CPU workers: planner.sim.contention.
 """
 from __future__ import annotations

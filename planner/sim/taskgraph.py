@@ -185,6 +185,24 @@ class TaskGraph:
     def count(self, device: str, stat: str, k: int) -> None:
         self.stat_seq[(device, stat)].append(k)
 
+    def stamp(self, dkey: list[int], res: list[tuple[int, ...]], succ: tuple[tuple[int, ...], ...],
+              ndeps: tuple[int, ...], meta: list[TaskMeta] | None) -> list[int]:
+        """Adds a block of tasks at once (planner.sim.template); `succ` holds ids local to the
+        block. Returns their ids (an identical replica's, see `begin_replica`)."""
+        if self._ghost is not None:
+            ids = self._ghost[self._ghost_pos:self._ghost_pos + len(dkey)]
+            self._ghost_pos += len(dkey)
+            return ids
+        base = len(self.dkey)
+        self.dkey += dkey
+        self.res += res
+        add = base.__add__
+        self.succ += [list(map(add, s)) for s in succ]
+        self.ndeps += ndeps
+        if self.meta is not None:
+            self.meta += meta
+        return list(range(base, base + len(dkey)))
+
     def add(self, k: int, res: tuple[int, ...], deps=(), meta: TaskMeta | None = None) -> int:
         """k: value index of the duration; meta is kept only when tracing."""
         if self._ghost is not None:

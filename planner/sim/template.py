@@ -1,0 +1,150 @@
+"""One replica's pipeline tasks as a template: built once per structure, stamped per plan.
+
+A replica's tasks (each stage's compute in schedule order, the store-and-forward hops of the
+activations and gradients between stages) depend only on its structure: the schedule, the
+microbatch count, the backward pieces of each stage's last microbatch and the hop count of
+each route. `replica_template` lays them out once over *slots* (value and resource slots
+numbered as `Slots` describes); `planner.sim.build.Builder.replica` maps the slots to the plan's
+value and resource ids. Task ids, dependencies and the order of the statistics are those of
+building the tasks one by one, so a stamped graph is identical to a hand-built one.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from planner.sim.schedule import Action, make_schedule
+
+
+class Slots(NamedTuple):
+    """Slot layout. Values: per stage its forward, its last microbatch's backward pieces, then
+    (m > 1) the backward of other microbatches; then per stage pair the ahead hops, the back
+    hops. Resources: per stage its device; then per pair the ahead hops, the back hops."""
+    fwd: tuple[int, ...]                    # value slot of stage s's forward
+    last: tuple[tuple[int, ...], ...]       # value slots of stage s's last-microbatch pieces
+    other: tuple[tuple[int, ...], ...]      # value slots of stage s's other backwards
+    ahead: tuple[tuple[int, ...], ...]      # value slots of pair p's ahead hops
+    back: tuple[tuple[int, ...], ...]       # value slots of its back hops
+    ahead_res: tuple[tuple[int, ...], ...]  # resource slots of pair p's ahead hops
+    back_res: tuple[tuple[int, ...], ...]
+
+
+class ReplicaTemplate(NamedTuple):
+    """Tasks over slots: task i has value slot `value[i]`, resource slot `res[i]` and
+    successors `succ[i]` (local ids); `counts` are (stage, statistic, value slot) in the order
+    they are counted; `chunk_end[s][j]` is the local task ending piece j of stage s's last
+    microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
+    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace."""
+    slots: Slots
+    value: tuple[int, ...]
+    res: tuple[int, ...]
+    succ: tuple[tuple[int, ...], ...]
+    ndeps: tuple[int, ...]
+    counts: tuple[tuple[int, str, int], ...]
+    chunk_end: tuple[tuple[int, ...], ...]
+    last_backward: tuple[int, ...]
+    label: tuple[tuple, ...]
+
+
+def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -> tuple[Slots, int, int]:
+    v = r = 0
+    fwd, last, other = [], [], []
+    for n in pieces:
+        fwd.append(v)
+        last.append(tuple(range(v + 1, v + 1 + n)))
+        v += 1 + n
+        other.append((v,) if m > 1 else ())
+        v += 1 if m > 1 else 0
+    r = len(pieces)
+    ahead, back, ahead_res, back_res = [], [], [], []
+    for na, nb in hops:
+        ahead.append(tuple(range(v, v + na)))
+        ahead_res.append(tuple(range(r, r + na)))
+        v, r = v + na, r + na
+        back.append(tuple(range(v, v + nb)))
+        back_res.append(tuple(range(r, r + nb)))
+        v, r = v + nb, r + nb
+    return Slots(tuple(fwd), tuple(last), tuple(other), tuple(ahead), tuple(back),
+                 tuple(ahead_res), tuple(back_res)), v, r
+
+
+@lru_cache(maxsize=256)
+def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
+                     hops: tuple[tuple[int, int], ...]) -> ReplicaTemplate:
+    """The template of a replica with len(pieces) stages (stage s's last microbatch's backward
+    in pieces[s] pieces) and m microbatches; hops[p] = (hops ahead, hops back) between stages
+    p and p+1."""
+    slots, _, _ = _slots(pieces, m, hops)
+    value: list[int] = []
+    res: list[int] = []
+    succ: list[list[int]] = []
+    ndeps: list[int] = []
+    counts: list[tuple[int, str, int]] = []
+    label: list[tuple] = []
+
+    def add(v: int, r: int, dep: int | None, lab: tuple) -> int:
+        t = len(value)
+        value.append(v)
+        res.append(r)
+        succ.append([])
+        ndeps.append(0)
+        label.append(lab)
+        if dep is not None:
+            succ[dep].append(t)
+            ndeps[t] += 1
+        return t
+
+    fwd_t: list[list[int]] = []
+    bwd_first: list[list[int]] = []
+    bwd_last: list[list[int]] = []
+    chunk_end: list[tuple[int, ...]] = []
+    last_backward: list[int] = []
+    for s, acts in enumerate(make_schedule(schedule, len(pieces), m)):
+        f, bf, bl = [0] * m, [0] * m, [0] * m
+        ends: list[int] = []
+        prev = None
+        for act in acts:
+            i = act.microbatch
+            if act.kind == "F":
+                prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
+                counts.append((s, "fwd_s", slots.fwd[s]))
+                continue
+            first = None
+            for k in (slots.last[s] if i == m - 1 else slots.other[s]):
+                prev = add(k, s, prev, ("compute", s, act))
+                counts.append((s, "bwd_s", k))
+                if first is None:
+                    first = prev
+                if i == m - 1:
+                    ends.append(prev)
+            bf[i], bl[i] = first, prev
+        fwd_t.append(f)
+        bwd_first.append(bf)
+        bwd_last.append(bl)
+        chunk_end.append(tuple(ends))
+        last_backward.append(prev)
+
+    def chain(vals, rs, src: int, dst: int, after: int, lab: tuple) -> int:
+        t = after
+        for k, r in zip(vals, rs):
+            t = add(k, r, t, lab)
+            counts.append((src, "comm_s", k))
+            counts.append((dst, "comm_s", k))
+        return t
+
+    def wire(t: int, v: int) -> None:
+        succ[t].append(v)
+        ndeps[v] += 1
+
+    for s in range(1, len(pieces)):
+        p = s - 1
+        for i in range(m):
+            wire(chain(slots.ahead[p], slots.ahead_res[p], s - 1, s, fwd_t[s - 1][i],
+                       ("act", s - 1, s, i)), fwd_t[s][i])
+            wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
+                       ("grad", s, s - 1, i)), bwd_first[s - 1][i])
+    return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
+                           tuple(counts), tuple(chunk_end), tuple(last_backward), tuple(label))
+
+
+__all__ = ["Slots", "ReplicaTemplate", "replica_template", "Action"]
