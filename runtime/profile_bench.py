@@ -170,6 +170,13 @@ def ping_pong(rank: int, first: int, second: int, sizes: list[int], dev: TorchDe
     return rows if rank == first else None
 
 
+def _compute_for(seconds: float, a: torch.Tensor) -> None:
+    """Keep this worker busy (matmuls of `a`) for `seconds`: a peer arriving late."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+
+
 def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> list[dict]:
     """Sum all-reduce of n bytes (float32, host memory) in the runtime's pattern (runtime.sync):
     launched async on its own group and waited for, rank 0 arriving last, `lead_s` after the
@@ -188,9 +195,7 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
             total = 0.0
             for _ in range(trips):
                 if rank == 0:
-                    end = time.perf_counter() + lead_s
-                    while time.perf_counter() < end:
-                        torch.mm(a, a)
+                    _compute_for(lead_s, a)
                 t0 = time.perf_counter()
                 dist.all_reduce(t, group=group, async_op=True).wait()
                 total += time.perf_counter() - t0
@@ -214,9 +219,7 @@ def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
         for i in range(repeats + 1):
             if rank == 0:
                 if cold:
-                    end = time.perf_counter() + lead_s
-                    while time.perf_counter() < end:
-                        torch.mm(a, a)
+                    _compute_for(lead_s, a)
                 t0 = time.perf_counter()
                 dist.isend(t, 1).wait()
                 dist.irecv(t, 1).wait()

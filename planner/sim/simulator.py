@@ -182,19 +182,17 @@ class Simulator:
         """The wake-up of each task that receives a message (a transfer hop precedes it) on a
         device whose worker blocks for it (cost.wake_latency_s); the event loop adds it when
         the device sat idle waiting. Cached on the graph."""
-        wake = g.__dict__.get("_wake")
-        if wake is None:
+        if g.wake is None:
             per_res = {self._rid[d.name]: self.cost.wake_latency_s(d.name) for d in self.topology.devices}
-            link = {x for x, lane in enumerate(self._lanes) if "->" in lane and x not in per_res}
-            wake = {}
+            links = {x for key, x in self._rid.items() if isinstance(key, tuple)}
+            g.wake = {}
             for t, (r, nxt) in enumerate(zip(g.res, g.succ)):
-                if len(r) == 1 and r[0] in link:
+                if len(r) == 1 and r[0] in links:
                     for v in nxt:
                         rv = g.res[v]
                         if len(rv) == 1 and per_res.get(rv[0], 0.0) > 0.0:
-                            wake[v] = per_res[rv[0]]
-            g.__dict__["_wake"] = wake
-        return wake
+                            g.wake[v] = per_res[rv[0]]
+        return g.wake
 
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:

@@ -146,6 +146,7 @@ class TaskGraph:
         self.memory_bound: set[int] = set()      # optimizer steps (planner.sim.contention.contend)
         self.collapsible = False
         self._ghost: list[int] | None = None
+        self.wake: dict[int, float] | None = None   # receivers' wake-ups (Simulator._wakes)
 
     def begin_replica(self, shape: tuple, like: list[int] | None) -> None:
         """Tasks added until `end_replica` are this replica's; with `like` (the task ids of an
