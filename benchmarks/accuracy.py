@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.plan_sets import plans_for, size_classes, workloads_for  # noqa: E402
 from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa: E402
                                 check_results_file, results_target, save_section)
+from planner.cost.timing import cache_path  # noqa: E402
 from planner.files.io import replace_atomically  # noqa: E402
 from planner.hardware.lookup import default_profile_path  # noqa: E402
 
@@ -399,7 +400,7 @@ def main(argv=None) -> int:
         return 2
     os.environ["HETPLAN_CACHE_DIR"] = a.cache_dir
     if not a.keep_cache:
-        (Path(a.cache_dir) / "layer_costs.json").unlink(missing_ok=True)
+        cache_path().unlink(missing_ok=True)
     topo_path, topology = _topology(a)
     plans = _plans(p, a, topology, topo_path)
     reused = _reused(p, a, plans)

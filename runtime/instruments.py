@@ -6,6 +6,9 @@
 - Timeline: the spans of the last iteration on each device (forward / backward per microbatch,
   optimizer; and, not counted as busy, waits for received tensors and for the gradient sync),
   start and end in seconds from that rank's iteration start, under `per_device[dev]["events"]`.
+- Page faults per iteration (minor: memory the allocator took fresh from the OS), a cost the
+  simulator does not price: near zero once the allocator keeps freed memory
+  (planner.hardware.host_memory).
 - Peak memory: CUDA: torch.cuda.max_memory_allocated. CPU: a tracked-tensor estimate —
   parameters + gradients + optimizer state + the peak of saved activations in flight, counted
   with saved_tensors_hooks in the recorded (last) iteration (SavedTracker); the measured peak
@@ -32,6 +35,11 @@ def _status_kib(field: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def minor_faults() -> int:
+    """Page faults this process has taken so far that needed no disk (fresh pages)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _reset_peak_rss() -> bool:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from planner.files.io import write_json_atomic
 from planner.hardware.fit import host_copy_fit
 from planner.hardware.device import STANDIN_ENV, TorchDevice, torch_device
+from planner.hardware.host_memory import keep_freed_memory
 from runtime import profile_bench as bench
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -87,6 +88,7 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
     """Measure this rank's device, its pairs and the all-reduce; write `out_dir/rankR.json`."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     me = workers[rank]
+    keep_freed_memory()          # as the runtime's workers do
     torch.set_num_threads(me.threads)
     device = torch_device(me.name)
     device.set_current()

@@ -54,6 +54,9 @@ def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int
             "busy_s": statistics.median(busy), "peak_memory_bytes": r["peak_memory_bytes"],
             "rank": r["rank"], "threads": r.get("threads"), "param_bytes": r["param_bytes"],
             "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"]}
+        if r.get("page_faults"):
+            per_device[r["device"]]["page_faults_per_iteration"] = statistics.median(
+                r["page_faults"][warmup:] or r["page_faults"])
         for k in ("saved_activation_peak_bytes", "rss_growth_bytes"):
             if r.get(k) is not None:
                 per_device[r["device"]][k] = r[k]

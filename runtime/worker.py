@@ -51,6 +51,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
     import torch.distributed as dist
 
     from planner.hardware.device import torch_device
+    from planner.hardware.host_memory import keep_freed_memory
     from planner.files.io import file_sha256
     from planner.files.plan import load_plan
     from runtime import stage
@@ -59,6 +60,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
     from runtime.startup import Marks
     marks = marks or Marks()
     marks.mark("imported")
+    keep_freed_memory()
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     plan = load_plan(cfg.plan)
@@ -105,17 +107,18 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
 def _train(cfg, plan, built, rank, device, name, marks) -> dict:
     import torch
 
-    from runtime.instruments import MemoryTracker
+    from runtime.instruments import MemoryTracker, minor_faults
     param_bytes = sum(p.numel() * p.element_size() for p in built.params)
     timer, mem = built.timer, MemoryTracker(device.device, param_bytes)
     fault = os.environ.get(FAULT_ENV, "")
-    iter_s, busy_s, losses, events = [], [], [], None
+    iter_s, busy_s, losses, faults, events = [], [], [], [], None
     shown = -1e9                                   # progress on stderr at most once a second
     prof = _profiler(cfg, device)
     with prof:
         built.groups.barrier()              # one barrier: the ranks start together, then run
         device.synchronize()                # free, as under torchrun (see runtime.results)
         end = time.perf_counter()
+        faulted = minor_faults()
         for i in range(cfg.iters):
             if fault:
                 _maybe_fail(fault, rank, i)
@@ -131,6 +134,8 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
             device.synchronize()
             iter_s.append(time.perf_counter() - end - load_s)
             end = time.perf_counter()
+            faults.append(minor_faults() - faulted)
+            faulted += faults[-1]
             busy_s.append(timer.take())
             if i == cfg.iters - 1:
                 events = timer.take_spans()
@@ -151,6 +156,7 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
     peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved if on_host
             else mem.peak_bytes())
     return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
+            "page_faults": faults,
             "peak_memory_bytes": peak, "rss_growth_bytes": (mem.peak_bytes() - param_bytes) if on_host else None,
             "saved_activation_peak_bytes": saved, "threads": torch.get_num_threads(),
             "param_bytes": param_bytes,

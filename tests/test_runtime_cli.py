@@ -98,6 +98,7 @@ def test_cli_writes_measured_file(tmp_path):
     for d in m.per_device.values():
         assert 0 < d["busy_s"] <= max(m.iterations_s)
         assert d["peak_memory_bytes"] >= 0
+        assert 0 <= d["page_faults_per_iteration"] < 100   # memory reused (host_memory)
     assert m.losses == pytest.approx(reference(DP2["model"], 12, 3)[0], rel=1e-4)
     assert sorted(os.listdir(tmp_path / "tr")) == ["rank0.json", "rank1.json"]
     assert "iteration 3/3" in r.stderr

@@ -1,7 +1,7 @@
 """Per-layer times measured on this machine (FlexFlow-style): each layer runs alone as a one-layer
 stage on a real batch, warm, median of `repeats` after `warmup`; the loss is timed as a pseudo-layer
 added to the last layer; the first layer gets no input gradient (as in the runtime). Cached in
-`$HETPLAN_CACHE_DIR/layer_costs.json` by host, signature, device kind, threads, batch and
+`$HETPLAN_CACHE_DIR/layer_costs-v<N>.json` by host, signature, device kind, threads, batch and
 precision. History and figures: docs/tuning.md.
 
 Batch sizes: a cost curve. With `sizes` (`batch_grid(global_batch)` when planning or predicting a
@@ -34,8 +34,13 @@ from planner.hardware.lookup import measured_here
 from planner.hardware.topology import Device, Topology, parse_device_name
 
 
+# Bumped when the way layers are timed changes, so that older figures are not reused
+# (2: timed with the runtime's allocator setting, planner.hardware.host_memory).
+CACHE_VERSION = 2
+
+
 def cache_path() -> Path:
-    return Path(os.environ.get("HETPLAN_CACHE_DIR", ".hetplan-cache")) / "layer_costs.json"
+    return Path(os.environ.get("HETPLAN_CACHE_DIR", ".hetplan-cache")) / f"layer_costs-v{CACHE_VERSION}.json"
 
 
 def interpolate(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
@@ -122,6 +127,8 @@ class MeasuredCost(CostModel):
         L = self.graph.num_layers
         print(f"measuring {L} layers on {device.name} at batch {batch}", file=sys.stderr)
         from planner.hardware.device import torch_device
+        from planner.hardware.host_memory import keep_freed_memory
+        keep_freed_memory()      # as in the runtime's workers
         dev = torch_device(device.name)
         workload = _model_copy_for(self.workload, dev)
         stages = build_stages(workload, [(i, i + 1) for i in range(L)], batch)
