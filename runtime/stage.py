@@ -14,6 +14,7 @@ from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 from planner.workload.inputs import call_args, slice_inputs
+from runtime.averaging import NoGradSync, ParameterExchange
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
@@ -31,12 +32,15 @@ class Built:
     micro: int                     # samples per microbatch
     module: torch.nn.Module
     runner: StageRunner
-    sync: GradSync
+    sync: GradSync | NoGradSync
     optimizer: StageOptimizer
     groups: Groups
     timer: BusyTimer
     actions: list
     buffers: BufferSync
+    exchange: ParameterExchange | None = None   # sync.mode local-sgd / easgd
+    loss_weight: float = 1.0                    # the recorded loss's weight: the batch fraction
+                                                # where a replica's loss is its own mean
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -78,6 +82,11 @@ class Built:
             self.sync.finish()
         with self.timer.timer("optimizer", "optimizer"):
             self.optimizer.step()
+        if self.exchange is not None:
+            with self.timer.timer("parameter exchange", "allreduce", busy=False):
+                self.exchange.after_step()
+        if loss is not None and self.loss_weight != 1.0:
+            loss = loss * self.loss_weight
         return loss
 
 
@@ -216,16 +225,25 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
     nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
     timer = BusyTimer(device)
+    local = plan.sync.local       # each replica's loss its own mean (runtime.averaging)
+    fraction = batch / plan.global_batch
     runner = StageRunner(module, device.device, workload.loss_fn, prev, nxt,
-                         scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
+                         scale=(1.0 if local else fraction) / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
-    sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
-                    plan.sync.granularity, rep.microbatches, device, layout.tied)
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
-    return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
-                 module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
+    built = Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
+                  module, runner, None, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
+    if local:
+        built.sync, built.buffers = NoGradSync(), BufferSync(groups, [])
+        built.exchange = ParameterExchange(plan.sync, list(named.values()), fraction, groups.world,
+                                           len(names))
+        built.loss_weight = fraction
+    else:
+        built.sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
+                              plan.sync.granularity, rep.microbatches, device, layout.tied)
+    return built
 
 
 def _module(workload, rep, st_j: int, micro: int, device: TorchDevice) -> torch.nn.Module:

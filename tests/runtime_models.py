@@ -65,3 +65,16 @@ def centered(width: int = 16) -> Workload:
     """Four layers (inp, center, mid, out); `center` holds a buffer that its forward uses."""
     w = skipnet(width)
     return Workload(model=CenteredNet(width), make_batch=w.make_batch, loss_fn=F.cross_entropy)
+
+
+def learnable(width: int = 16) -> Workload:
+    """SkipNet on a task it can learn: each sample's class is the argmax of a fixed linear map
+    of its input (the other workloads draw random labels, so their loss cannot fall)."""
+    teacher = torch.Generator().manual_seed(1234)
+    w_true = torch.randn(8, 3, generator=teacher)
+
+    def make_batch(batch_size: int, seed: int):
+        g = torch.Generator().manual_seed(int(seed))
+        x = torch.randn(batch_size, 8, generator=g)
+        return x, (x @ w_true).argmax(1)
+    return Workload(model=SkipNet(width), make_batch=make_batch, loss_fn=F.cross_entropy)

@@ -17,6 +17,7 @@ microbatches, stage index s):
   autocast gives (bf16 activations are half of fp32's); parameters, gradients and optimizer state
   stay fp32. Under bf16 each microbatch in flight also holds autocast's bf16 copies of the
   stage's weights (Layer.cast_param_bytes, not scaled by mb; one set under recompute).
+* sync.mode "easgd": each worker also holds the center variable, a copy of its parameters.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -60,7 +61,8 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
         for s, st in enumerate(rep.stages):
             params = float(graph.stage_param_bytes(st.start, st.end))
             acts = activation_bytes(plan, graph, r, s)
-            out[st.device] = out.get(st.device, 0.0) + 2 * params + acts
+            center = params if plan.sync.mode == "easgd" else 0.0
+            out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + center
             host = host_cpu(topology, st.device) if offload else st.device
             extra = state_ratio * params
             if host != st.device:

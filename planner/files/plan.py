@@ -15,6 +15,10 @@ from planner.files.io import InputError, Reader, read_json, write_json_atomic
 SCHEMA = "hetplan.plan/1"
 SCHEDULES = ("gpipe", "1f1b")
 GRANULARITIES = ("coarse", "fine")
+# sync.mode: synchronous training, or one of the asynchronous strategies of the contract
+SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwild", "parameter-server")
+SUPPORTED_SYNC_MODES = ("sync", "local-sgd", "easgd")   # what this version simulates and runs
+MODE_PARAMS = {"local-sgd": ("period",), "easgd": ("period", "alpha"), "parameter-server": ("server",)}
 OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.workload.precision)
@@ -56,6 +60,16 @@ class Replica:
 class Sync:
     granularity: str = "fine"          # "coarse": once after backward; "fine": per bucket
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    mode: str = "sync"                 # one of SYNC_MODES; "sync": gradients summed every iteration
+    period: int | None = None          # local-sgd, easgd: iterations between two exchanges
+    alpha: float | None = None         # easgd: the elastic force, in [0, 1]
+    server: str | None = None          # parameter-server: the device holding the parameters
+    average: str | None = None         # pipedream: "swa" (weights combined by averaging)
+
+    @property
+    def local(self) -> bool:
+        """Replicas step on their own gradients and exchange parameters every `period`."""
+        return self.mode in ("local-sgd", "easgd")
 
 
 @dataclass(frozen=True)
@@ -139,6 +153,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("sync.granularity", f"expected one of {', '.join(GRANULARITIES)}, got {plan.sync.granularity!r}")
     if plan.sync.bucket_bytes < 1:
         raise err("sync.bucket_bytes", f"expected a positive integer, got {plan.sync.bucket_bytes}")
+    _validate_mode(plan, err)
     if plan.optimizer.name not in OPTIMIZERS:
         raise err("optimizer.name", f"expected one of {', '.join(OPTIMIZERS)}, got {plan.optimizer.name!r}")
     if plan.optimizer.placement not in PLACEMENTS:
@@ -193,6 +208,38 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                               f"{sum(batches)}; expected global_batch {plan.global_batch}")
 
 
+def _validate_mode(plan: Plan, err) -> None:
+    """sync.mode and its parameters: known, present where the mode needs them, absent elsewhere,
+    and supported by this version."""
+    sync = plan.sync
+    if sync.mode not in SYNC_MODES:
+        raise err("sync.mode", f"expected one of {', '.join(SYNC_MODES)}, got {sync.mode!r}")
+    needed = MODE_PARAMS.get(sync.mode, ())
+    given = {"period": sync.period, "alpha": sync.alpha, "server": sync.server, "average": sync.average}
+    for name, value in given.items():
+        if value is None and name in needed:
+            raise err(f"sync.{name}", f"expected a value: sync.mode {sync.mode!r} needs it")
+        allowed = needed + (("average",) if sync.mode.startswith("pipedream") else ())
+        if value is not None and name not in allowed:
+            raise err(f"sync.{name}", f"applies only to sync.mode "
+                      f"{' or '.join(m for m, ps in MODE_PARAMS.items() if name in ps) or 'pipedream'}; "
+                      f"this plan's mode is {sync.mode!r}")
+    if sync.period is not None and sync.period < 1:
+        raise err("sync.period", f"expected a positive integer, got {sync.period}")
+    if sync.alpha is not None and not 0 <= sync.alpha <= 1:
+        raise err("sync.alpha", f"expected a number in [0, 1], got {sync.alpha}")
+    if sync.average is not None and sync.average != "swa":
+        raise err("sync.average", f"expected \"swa\", got {sync.average!r}")
+    if sync.mode not in SUPPORTED_SYNC_MODES:
+        raise err("sync.mode", f"{sync.mode!r} is not supported by this version "
+                               f"(supported: {', '.join(SUPPORTED_SYNC_MODES)})")
+    if sync.local:
+        for i, rep in enumerate(plan.replicas):
+            if len(rep.stages) > 1:
+                raise err(f"replicas[{i}].stages", f"sync.mode {sync.mode!r} needs one-stage replicas "
+                                                   f"(data parallel) in this version; got {len(rep.stages)} stages")
+
+
 # --- file format ---------------------------------------------------------------------------
 def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     r = Reader(data, file)
@@ -218,7 +265,12 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     if r.has("sync"):
         s = r.sub("sync")
         sync = Sync(granularity=s.get("granularity", str, default=sync.granularity),
-                    bucket_bytes=s.get("bucket_bytes", int, default=sync.bucket_bytes))
+                    bucket_bytes=s.get("bucket_bytes", int, default=sync.bucket_bytes),
+                    mode=s.get("mode", str, default=sync.mode),
+                    period=s.get("period", int, default=None),
+                    alpha=s.get("alpha", float, default=None),
+                    server=s.get("server", str, default=None),
+                    average=s.get("average", str, default=None))
     opt = Optimizer()
     if r.has("optimizer"):
         o = r.sub("optimizer")
@@ -259,6 +311,11 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         for r in plan.replicas]
     out["schedule"] = plan.schedule
     out["sync"] = {"granularity": plan.sync.granularity, "bucket_bytes": plan.sync.bucket_bytes}
+    if plan.sync.mode != "sync":     # a synchronous plan's file stays as before modes existed
+        out["sync"]["mode"] = plan.sync.mode
+        for name in ("period", "alpha", "server", "average"):
+            if getattr(plan.sync, name) is not None:
+                out["sync"][name] = getattr(plan.sync, name)
     out["optimizer"] = {"name": plan.optimizer.name, "lr": plan.optimizer.lr,
                         "placement": plan.optimizer.placement}
     out["recompute"] = plan.recompute
@@ -287,4 +344,4 @@ def plan_key(plan: Plan) -> str:
 
 __all__ = ["Plan", "Replica", "Stage", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
            "validate_plan", "min_microbatches", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan",
-           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]
+           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "SYNC_MODES", "SUPPORTED_SYNC_MODES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]

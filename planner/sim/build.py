@@ -74,7 +74,9 @@ class Builder:
         self.exchange = self.exchanged_buckets()
         for r, rep in enumerate(self.plan.replicas):
             self.replica(r, rep)
-        self.optimizer_steps(self.allreduces())
+        steps = self.optimizer_steps(self.allreduces())
+        if self.plan.sync.local:
+            self.parameter_exchange(steps)
 
     # --- devices and buckets -----------------------------------------------------------------
     def plan_devices(self) -> None:
@@ -91,6 +93,8 @@ class Builder:
         self.g.devices = tuple(devices)
 
     def exchanged_buckets(self) -> Exchange:
+        if self.plan.sync.local:       # replicas step on their own gradients
+            return Exchange(False, [], {})
         fine = self.plan.sync.granularity == "fine"
         shared = [b for b in grad_buckets(self.plan, self.sim.graph) if len(b.devices) > 1]
         tied = tied_buckets(self.plan, self.sim.graph)
@@ -249,11 +253,13 @@ class Builder:
             g.count(dev, "comm_s", d_k)
             synced.setdefault(dev, []).append(t)
 
-    def optimizer_steps(self, synced: dict[str, list[int]]) -> None:
+    def optimizer_steps(self, synced: dict[str, list[int]]) -> dict[str, int]:
         """One step per device holding parameters, after its all-reduces (its last backward when
-        it exchanges nothing); on its host CPU under placement "cpu"."""
+        it exchanges nothing); on its host CPU under placement "cpu". Returns each device's
+        last task of the step."""
         g, graph, sim = self.g, self.sim.graph, self.sim
         opt, offload = self.plan.optimizer.name, self.plan.optimizer.placement == "cpu"
+        steps: dict[str, int] = {}
         for rep in self.plan.replicas:
             for st in rep.stages:
                 dev = st.device
@@ -264,14 +270,35 @@ class Builder:
                 deps = synced.get(dev) or [self.progress.last_backward[dev]]
                 host = host_cpu(sim.topology, dev) if offload else dev
                 if host != dev:
-                    self.offloaded_step(dev, host, n, n_t, deps)
+                    steps[dev] = self.offloaded_step(dev, host, n, n_t, deps)
                     continue
                 d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t)))
                 t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(f"{opt} step", dev, "optimizer"))
                 g.memory_bound.add(t)
                 g.count(dev, "optimizer_s", d_k)
+                steps[dev] = t
+        return steps
 
-    def offloaded_step(self, dev: str, host: str, n_bytes: float, n_tensors: int, deps: list[int]) -> None:
+    def parameter_exchange(self, steps: dict[str, int]) -> None:
+        """Local SGD and EASGD (sync.local): every `period` iterations, one all-reduce of the
+        parameters (local SGD: their weighted sum; EASGD: the elastic differences) among the
+        replicas, after every step; priced per iteration as 1/period of it. Replicas that differ
+        in speed wait for the slowest at the exchange, so an iteration costs the slowest
+        replica's step plus that share. Not modelled: EASGD's element-wise updates."""
+        devices = tuple(self.plan.devices)
+        if len(devices) < 2:
+            return
+        g = self.g
+        n = self.sim.graph.stage_param_bytes(0, self.sim.graph.num_layers)
+        res, d = self.sim._allreduce(devices, n)
+        d_k = g.value(Const(d / self.plan.sync.period))
+        g.add(d_k, res, list(steps.values()),
+              TaskMeta(f"parameter exchange {n}B / {self.plan.sync.period}", "+".join(devices), "allreduce"))
+        g.sync_res.update(res)
+        for dev in devices:
+            g.count(dev, "comm_s", d_k)
+
+    def offloaded_step(self, dev: str, host: str, n_bytes: float, n_tensors: int, deps: list[int]) -> int:
         """Gradients copied to the host once synced, the step there, parameters copied back."""
         g, sim, opt = self.g, self.sim, self.plan.optimizer.name
         join = g.add(g.value(Const(0.0)), (), deps, TaskMeta("sync", dev, "join"))
@@ -280,7 +307,7 @@ class Builder:
         t = g.add(d_k, (sim._rid[host],), (t,), TaskMeta(f"{opt} step for {dev}", host, "optimizer"))
         g.memory_bound.add(t)
         g.count(host, "optimizer_s", d_k)
-        self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
+        return self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
 
 
 __all__ = ["Builder", "Exchange", "Chunk", "Progress"]

@@ -1,0 +1,150 @@
+"""Asynchronous sync modes (plan field sync.mode): validation, the simulator's price, and the
+runtime's defining equalities on two CPU workers."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from planner.files.io import InputError
+from planner.files.plan import Sync, plan_from_dict
+from planner.sim.simulator import simulate
+from simhelpers import device, graph, layer, link, plan, topology
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-12, abs=1e-12)
+
+
+def _local(pl, **sync):
+    return dataclasses.replace(pl, sync=dataclasses.replace(pl.sync, **sync))
+
+
+@pytest.mark.parametrize("mode,extra", [("local-sgd", {}), ("easgd", {"alpha": 0.5})])
+def test_local_modes_pay_the_slowest_replica_and_a_period_share_of_the_parameter_allreduce(mode, extra):
+    # 2 replicas of 3 and 1 samples; layer: 1e9 fwd / 2e9 bwd FLOPs at batch 4 -> per sample
+    # 0.25 s + 0.5 s: replica 0 takes 2.25 s, replica 1 0.75 s, no gradient all-reduce.
+    # SGD on 1e6 B at 1e8 B/s: 0.03 s. Parameter all-reduce 2*1*0.01 + 1e6/1e6 = 1.02 s every
+    # 4 iterations: 0.255 s per iteration, after both steps.
+    g = graph([layer(0, param_bytes=10**6)], batch=4)
+    t = topology([device("cuda:0", mem_bw=1e8), device("cuda:1", mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    sync_plan = plan([(0.75, 1, [("cuda:0", 0, 1)]), (0.25, 1, [("cuda:1", 0, 1)])], 4, granularity="coarse")
+    r = simulate(_local(sync_plan, mode=mode, period=4, **extra), g, t)
+    assert r.iteration_s == approx(2.25 + 0.03 + 1.02 / 4)
+    assert r.per_device["cuda:1"]["comm_s"] == approx(1.02 / 4)
+    assert simulate(sync_plan, g, t).iteration_s == approx(2.25 + 1.02 + 0.03)   # sync: every iteration
+
+
+def _plan_dict(sync: dict) -> dict:
+    return {"schema": "hetplan.plan/1", "model": {"spec": "mlp", "args": {"hidden": 32, "depth": 2}},
+            "global_batch": 8, "schedule": "gpipe", "sync": {"granularity": "coarse", **sync},
+            "optimizer": {"name": "sgd", "lr": 0.1},
+            "replicas": [{"batch_fraction": 0.5, "microbatches": 1, "stages": [{"device": "cpu:0", "layers": [0, 3]}]},
+                         {"batch_fraction": 0.5, "microbatches": 1, "stages": [{"device": "cpu:1", "layers": [0, 3]}]}]}
+
+
+@pytest.mark.parametrize("sync,field", [
+    ({"mode": "bogus"}, "sync.mode: expected one of"),
+    ({"mode": "local-sgd"}, "sync.period: expected a value"),
+    ({"mode": "easgd", "period": 2}, "sync.alpha: expected a value"),
+    ({"mode": "easgd", "period": 2, "alpha": 2.0}, "sync.alpha: expected a number in [0, 1]"),
+    ({"mode": "local-sgd", "period": 0}, "sync.period: expected a positive integer"),
+    ({"period": 2}, "sync.period: applies only to sync.mode local-sgd or easgd"),
+    ({"mode": "hogwild"}, "sync.mode: 'hogwild' is not supported by this version"),
+])
+def test_bad_sync_modes_are_refused_naming_the_field(sync, field):
+    with pytest.raises(InputError, match=f"p.json: {field}".replace("[", r"\[").replace("]", r"\]")):
+        plan_from_dict(_plan_dict(sync), "p.json")
+
+
+def test_a_local_mode_needs_one_stage_replicas():
+    d = _plan_dict({"mode": "local-sgd", "period": 1})
+    d["replicas"] = [{"batch_fraction": 1.0, "microbatches": 1, "stages": [
+        {"device": "cpu:0", "layers": [0, 1]}, {"device": "cpu:1", "layers": [1, 3]}]}]
+    with pytest.raises(InputError, match="replicas\\[0\\].stages: sync.mode 'local-sgd' needs one-stage"):
+        plan_from_dict(d, "p.json")
+
+
+def test_modes_round_trip_and_a_sync_plan_file_is_unchanged():
+    d = _plan_dict({"mode": "easgd", "period": 3, "alpha": 0.25, "bucket_bytes": 1000})
+    p = plan_from_dict(d)
+    from planner.files.plan import plan_to_dict
+    assert plan_from_dict(plan_to_dict(p)) == p
+    assert p.sync == Sync("coarse", 1000, "easgd", period=3, alpha=0.25)
+    assert "mode" not in plan_to_dict(plan_from_dict(_plan_dict({"bucket_bytes": 1000})))["sync"]
+
+
+def test_easgd_workers_also_hold_the_center_variable():
+    from planner.cost.memory import peak_memory
+    g = graph([layer(0, param_bytes=10**6)], batch=4)
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1")])
+    sync_plan = plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4)   # SGD: no state
+    assert peak_memory(sync_plan, g, t)["cuda:0"] == 2e6                                 # params + grads
+    assert peak_memory(_local(sync_plan, mode="easgd", period=2, alpha=0.1), g, t)["cuda:0"] == 3e6
+    assert peak_memory(_local(sync_plan, mode="local-sgd", period=2), g, t)["cuda:0"] == 2e6
+
+
+# --- the runtime: the modes' defining equalities on two CPU workers (gloo) ---------------------
+def _runtime_plan(sync: dict, fractions=(0.25, 0.75), opt="sgd", microbatches=(1, 3)) -> dict:
+    from test_runtime import MLP, plan as runtime_plan
+    p = runtime_plan([(f, m, [(f"cpu:{i}", (0, 4))]) for i, (f, m) in enumerate(zip(fractions, microbatches))],
+                     opt=opt, lr=0.1)
+    p["sync"].update(sync)
+    assert p["model"] == MLP
+    return p
+
+
+def test_local_sgd_with_period_1_is_synchronous_data_parallel(tmp_path):
+    from test_runtime import ITERS, reference, run_plan
+    r, params = run_plan(tmp_path, _runtime_plan({"mode": "local-sgd", "period": 1}))
+    ref_losses, ref_params = reference(_runtime_plan({})["model"], 12, ITERS, "sgd", 0.1)
+    assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    for name, ref in ref_params.items():
+        import torch
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_easgd_with_alpha_0_leaves_each_worker_training_alone_on_its_slice(tmp_path):
+    import torch
+    from planner.workload.load import load_workload
+    from test_runtime import ITERS, run_plan
+    p = _runtime_plan({"mode": "easgd", "period": 1, "alpha": 0.0}, fractions=(0.5, 0.5), microbatches=(1, 2))
+    _, params = run_plan(tmp_path, p)                    # replica 0's parameters
+    w = load_workload(p["model"]["spec"], p["model"]["args"])      # replica 0 alone: samples [0, 6)
+    o = torch.optim.SGD(w.model.parameters(), lr=0.1)
+    for i in range(ITERS):
+        x, y = w.make_batch(12, i)
+        o.zero_grad()
+        w.loss_fn(w.model(x[:6]), y[:6]).backward()
+        o.step()
+    for name, ref in w.model.named_parameters():
+        torch.testing.assert_close(params[name], ref.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+LEARNABLE = {"spec": "tests.runtime_models:learnable", "args": {"width": 16}}
+
+
+@pytest.mark.parametrize("sync", [{"mode": "local-sgd", "period": 2}, {"mode": "easgd", "period": 1, "alpha": 0.3}])
+def test_a_local_mode_lowers_the_loss_and_differs_from_synchronous_training(tmp_path, sync):
+    from test_runtime import reference, run_plan
+    p = _runtime_plan(sync)
+    p["model"], p["optimizer"]["lr"] = LEARNABLE, 0.3
+    r, _ = run_plan(tmp_path, p, iters=12)
+    ref_losses, _ = reference(LEARNABLE, 12, 12, "sgd", 0.3)
+    losses = r["losses"]
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-5)     # the same start
+    assert losses[-1] != pytest.approx(ref_losses[-1], rel=1e-3)   # then a path of its own
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3])                # that learns
+    assert "parameter exchange" in {e["name"] for e in r["per_device"]["cpu:0"]["events"]}
+
+
+@pytest.mark.parametrize("command", ["simulate", "run"])
+def test_simulate_and_run_refuse_an_unsupported_mode_in_one_line(tmp_path, command):
+    from test_cli_inputs import _hetplan, one_error_line
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan_dict({"mode": "parameter-server", "server": "cpu:0"})))
+    args = [command, path] + (["--topology", tmp_path / "none.json"] if command == "simulate" else ["-o", tmp_path / "m.json"])
+    one_error_line(_hetplan(*args), "plan.json: sync.mode: 'parameter-server' is not supported")
+    assert not (tmp_path / "m.json").exists()
