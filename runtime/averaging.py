@@ -1,5 +1,6 @@
-"""Local SGD and EASGD (plan field sync.mode "local-sgd" / "easgd"): replicas step on their own
-gradients and exchange parameters every `sync.period` iterations.
+"""Local SGD, EASGD and Hogwild (plan field sync.mode "local-sgd" / "easgd" / "hogwild"): replicas
+step on their own gradients; local SGD and EASGD exchange parameters every `sync.period`
+iterations, Hogwild's replicas update one copy of the parameters in shared memory.
 
 - local-sgd: the parameters become their average weighted by batch fraction,
   x <- sum_r f_r x_r (one SUM all-reduce of f_r x_r). With period 1 and plain SGD this is
@@ -9,11 +10,17 @@ gradients and exchange parameters every `sync.period` iterations.
   x_r <- x_r - d_r and c <- c + sum_r d_r (one SUM all-reduce of d_r). With alpha 0 the
   workers never move towards each other: each trains on its own slice alone.
 
+- hogwild (Recht et al. 2011): the CPU workers of one host map the same file of parameters
+  (`share_parameters`); each steps into it without locks, so each sees the others' updates.
+
 Each replica's loss is its own mean (runtime.stage scales by 1/microbatches, not by the batch
 fraction), its optimizer state stays its own, and buffers are not broadcast. The exchange runs
 over the world group (gloo), through host memory for accelerator parameters.
 """
 from __future__ import annotations
+
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -65,3 +72,36 @@ class ParameterExchange:
         self._write(x - d)
         dist.all_reduce(d, group=self.group)
         self.center.add_(d)
+
+
+def share_parameters(params: list[torch.nn.Parameter], path: str, create: bool) -> None:
+    """Back `params` by one float32 file mapped shared (tmpfs where there is one): the process
+    that `create`s it writes its values there first; every process that maps the same file sees
+    every other's writes."""
+    numel = sum(p.numel() for p in params)
+    flat = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+    i = 0
+    for p in params:
+        n = p.numel()
+        view = flat[i:i + n].view_as(p)
+        if create:
+            view.copy_(p.detach())
+        p.data = view
+        i += n
+
+
+def hogwild_parameters(params: list[torch.nn.Parameter], rank: int, group) -> None:
+    """Every rank's `params` share one mapping, made by rank 0 and unlinked once all hold it."""
+    if any(p.dtype != torch.float32 for p in params):
+        raise ValueError("hogwild shares float32 parameters only")
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = [tempfile.mktemp(prefix="hetplan-hogwild-", dir=where) if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0, group=group)
+    if rank == 0:
+        share_parameters(params, path[0], create=True)
+    dist.barrier(group=group)
+    if rank != 0:
+        share_parameters(params, path[0], create=False)
+    dist.barrier(group=group)
+    if rank == 0:
+        os.unlink(path[0])          # the mappings stay; no file outlives the run

@@ -14,7 +14,7 @@ from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 from planner.workload.inputs import call_args, slice_inputs
-from runtime.averaging import NoGradSync, ParameterExchange
+from runtime.averaging import NoGradSync, ParameterExchange, hogwild_parameters
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
@@ -236,10 +236,12 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     built = Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                   module, runner, None, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
     if local:
-        built.sync, built.buffers = NoGradSync(), BufferSync(groups, [])
-        built.exchange = ParameterExchange(plan.sync, list(named.values()), fraction, groups.world,
-                                           len(names))
-        built.loss_weight = fraction
+        built.sync, built.buffers, built.loss_weight = NoGradSync(), BufferSync(groups, []), fraction
+        if plan.sync.period is not None:
+            built.exchange = ParameterExchange(plan.sync, list(named.values()), fraction, groups.world,
+                                               len(names))
+        else:   # hogwild: before the optimizer holds the parameters' storage
+            hogwild_parameters(list(named.values()), rank, groups.world)
     else:
         built.sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
                               plan.sync.granularity, rep.microbatches, device, layout.tied)

@@ -17,7 +17,7 @@ SCHEDULES = ("gpipe", "1f1b")
 GRANULARITIES = ("coarse", "fine")
 # sync.mode: synchronous training, or one of the asynchronous strategies of the contract
 SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwild", "parameter-server")
-SUPPORTED_SYNC_MODES = ("sync", "local-sgd", "easgd")   # what this version simulates and runs
+SUPPORTED_SYNC_MODES = ("sync", "local-sgd", "easgd", "hogwild")   # what this version simulates and runs
 MODE_PARAMS = {"local-sgd": ("period",), "easgd": ("period", "alpha"), "parameter-server": ("server",)}
 OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu")
@@ -68,8 +68,9 @@ class Sync:
 
     @property
     def local(self) -> bool:
-        """Replicas step on their own gradients and exchange parameters every `period`."""
-        return self.mode in ("local-sgd", "easgd")
+        """Replicas step on their own gradients (local-sgd and easgd exchange parameters every
+        `period`; hogwild's replicas share them in memory)."""
+        return self.mode in ("local-sgd", "easgd", "hogwild")
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,12 @@ def _validate_mode(plan: Plan, err) -> None:
             if len(rep.stages) > 1:
                 raise err(f"replicas[{i}].stages", f"sync.mode {sync.mode!r} needs one-stage replicas "
                                                    f"(data parallel) in this version; got {len(rep.stages)} stages")
+    if sync.mode == "hogwild":      # the replicas share one copy of the parameters in memory
+        nodes = {d.split("/", 1)[0] if "/" in d else "" for d in plan.devices}
+        cpus = all(d.split("/")[-1].startswith("cpu:") for d in plan.devices)
+        if len(nodes) > 1 or not cpus:
+            raise err("sync.mode", f"hogwild needs CPU devices of one node (they share the parameters "
+                                   f"in memory); got {', '.join(plan.devices)}")
 
 
 # --- file format ---------------------------------------------------------------------------

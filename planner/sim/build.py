@@ -75,7 +75,7 @@ class Builder:
         for r, rep in enumerate(self.plan.replicas):
             self.replica(r, rep)
         steps = self.optimizer_steps(self.allreduces())
-        if self.plan.sync.local:
+        if self.plan.sync.period is not None:
             self.parameter_exchange(steps)
 
     # --- devices and buckets -----------------------------------------------------------------
@@ -93,8 +93,8 @@ class Builder:
         self.g.devices = tuple(devices)
 
     def exchanged_buckets(self) -> Exchange:
-        if self.plan.sync.local:       # replicas step on their own gradients
-            return Exchange(False, [], {})
+        if self.plan.sync.local:       # replicas step on their own gradients (hogwild: into
+            return Exchange(False, [], {})   # shared memory; its cache-line traffic not modelled)
         fine = self.plan.sync.granularity == "fine"
         shared = [b for b in grad_buckets(self.plan, self.sim.graph) if len(b.devices) > 1]
         tied = tied_buckets(self.plan, self.sim.graph)
