@@ -192,3 +192,81 @@ def test_hogwild_needs_cpu_workers_of_one_node():
     d["replicas"][0]["stages"][0]["device"] = "node0/cpu:0"
     with pytest.raises(InputError, match="sync.mode: hogwild needs CPU devices of one node"):
         plan_from_dict(d, "p.json")
+
+
+# --- plan --objective time-to-loss ---------------------------------------------------------------
+SLOW_LINK = {"schema": "hetplan.topology/1", "name": "two-cpus-slow-link",
+             "devices": [{"name": f"cpu:{i}", "kind": "cpu", "threads": 1, "memory_bytes": 1e9,
+                          "matmul_flops_per_s": 1e9, "memory_bytes_per_s": 1e10} for i in range(2)],
+             "links": [{"a": "cpu:0", "b": "cpu:1", "bandwidth_bytes_per_s": 1e5, "latency_s": 1e-3}]}
+
+
+def test_time_to_loss_picks_an_asynchronous_plan_where_the_gradient_exchange_dominates(tmp_path):
+    # compute takes microseconds, an all-reduce of the parameters ~30 ms: the asynchronous
+    # modes reach the loss in about as many iterations, each much faster
+    from test_cli_inputs import _hetplan
+    from planner.files.plan import load_plan
+    topo = tmp_path / "slow.json"
+    topo.write_text(json.dumps(SLOW_LINK))
+    out = tmp_path / "plan.json"
+    r = _hetplan("plan", "--model", LEARNABLE["spec"], "--batch", 12, "--topology", topo, "--optimizer", "sgd",
+                 "--lr", 0.3, "--objective", "time-to-loss", "--target-loss", 0.5, "--horizon", 120, "-o", out)
+    assert r.returncode == 0, r.stderr
+    p = load_plan(out)
+    ttl = p.predicted.extra["time_to_loss"]
+    assert p.sync.mode in ("local-sgd", "easgd", "hogwild")
+    by_mode = {c["sync"]: c for c in ttl["candidates"]}
+    assert ttl["time_s"] < by_mode["sync"]["time_s"]                         # faster than synchronous
+    assert ttl["time_s"] == pytest.approx(ttl["iterations"] * p.predicted.iteration_s)
+    assert "time to loss s" in r.stdout and f"sync mode {p.sync.mode}" in r.stdout
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--objective", "time-to-loss"], "--target-loss: expected a positive number"),
+    (["--objective", "time-to-loss", "--target-loss", "-1"], "--target-loss: expected a positive number"),
+    (["--target-loss", "0.5"], "--target-loss: applies only with --objective time-to-loss"),
+    (["--objective", "time-to-loss", "--target-loss", "0.5", "--horizon", "3"], "--horizon: expected at least 16"),
+    (["--objective", "time-to-loss", "--target-loss", "1e-9", "--horizon", "16"], "--target-loss: no plan reaches 1e-09"),
+])
+def test_time_to_loss_flags_are_checked(tmp_path, flags, needle):
+    from test_cli_inputs import _hetplan, one_error_line
+    topo = tmp_path / "slow.json"
+    topo.write_text(json.dumps(SLOW_LINK))
+    r = _hetplan("plan", "--model", LEARNABLE["spec"], "--batch", 12, "--topology", topo, *flags,
+                 "-o", tmp_path / "plan.json")
+    one_error_line(r, needle)
+    assert not (tmp_path / "plan.json").exists()
+
+
+# --- the convergence model (planner.search.convergence) -----------------------------------------
+@pytest.mark.parametrize("sync", [{"mode": "local-sgd", "period": 2}, {"mode": "easgd", "period": 2, "alpha": 0.3}])
+def test_the_emulated_losses_are_those_the_runtime_measures(tmp_path, sync):
+    from planner.files.plan import plan_from_dict
+    from planner.search.convergence import emulate
+    from planner.workload.load import load_workload
+    from test_runtime import run_plan
+    p = _runtime_plan(sync)
+    p["model"], p["optimizer"]["lr"] = LEARNABLE, 0.3
+    r, _ = run_plan(tmp_path, p, iters=6)
+    w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
+    assert emulate(w, plan_from_dict(p), 6) == pytest.approx(r["losses"], rel=1e-5)
+
+
+def test_local_sgd_every_iteration_emulates_as_synchronous_training():
+    from planner.files.plan import plan_from_dict
+    from planner.search.convergence import emulate
+    from planner.workload.load import load_workload
+    w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
+    p = _runtime_plan({"mode": "local-sgd", "period": 1})
+    p["model"] = LEARNABLE
+    sync = dict(p, sync={"granularity": "coarse"})
+    assert emulate(w, plan_from_dict(p), 20) == pytest.approx(emulate(w, plan_from_dict(sync), 20), rel=1e-5)
+
+
+def test_iterations_to_a_target_counted_on_the_curve_or_extrapolated_by_a_power_law():
+    from planner.search.convergence import SMOOTH_WINDOW, iterations_to
+    flat_then_drop = [1.0] * 20 + [0.1] * 20
+    assert iterations_to(flat_then_drop, 0.5) == 20 + SMOOTH_WINDOW // 2 + 1  # the running mean crosses
+    law = [0.2 + 2.0 * (i + 1) ** -0.5 for i in range(200)]   # reaches 0.3 at i + 1 = 400
+    assert iterations_to(law, 0.3) == pytest.approx(400, rel=0.1)
+    assert iterations_to(law, 0.1) == float("inf")                           # below its floor

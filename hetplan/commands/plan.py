@@ -32,6 +32,14 @@ def add_arguments(p):
     p.add_argument("--precision", default="fp32", metavar="LIST",
                    help="comma-separated precisions the search may choose from, among fp32, tf32, "
                         "bf16 (default fp32); baselines use the first")
+    p.add_argument("--objective", choices=("iteration-time", "time-to-loss"), default="iteration-time",
+                   help="what the plan minimises: the time of one synchronous iteration (default), or the "
+                        "time to reach --target-loss, synchronous and asynchronous plans together")
+    p.add_argument("--target-loss", type=float, default=None, metavar="X",
+                   help="with --objective time-to-loss: the training loss to reach")
+    p.add_argument("--horizon", type=int, default=200, metavar="N",
+                   help="with --objective time-to-loss: iterations each strategy's convergence is "
+                        "emulated for on this machine before a fitted curve extrapolates (default 200)")
     p.add_argument("-o", "--output", default="plan.json", metavar="PLAN", help="plan file to write (default plan.json)")
 
 
@@ -46,6 +54,14 @@ def _check_flags(args) -> None:
     if args.lr is not None and not 0 < args.lr < float("inf"):
         raise InputError(f"--lr: expected a positive number, got {args.lr}")
     parse_precisions(args.precision)
+    if args.objective == "time-to-loss":
+        if args.target_loss is None or not 0 < args.target_loss < float("inf"):
+            raise InputError(f"--target-loss: expected a positive number with --objective time-to-loss, "
+                             f"got {args.target_loss}")
+        if args.horizon < 16:
+            raise InputError(f"--horizon: expected at least 16 iterations, got {args.horizon}")
+    elif args.target_loss is not None:
+        raise InputError("--target-loss: applies only with --objective time-to-loss")
 
 
 def _why(result) -> str:
@@ -81,6 +97,29 @@ def _table(best, baselines):
                         "peak memory MB": max(c.peak_memory_bytes.values(), default=0.0) / 1e6,
                         "fits": "yes" if c.feasible else "NO"} for c in [best, *baselines]])
     return df.to_string(index=False, float_format=lambda v: f"{v:.3f}")
+
+
+def _time_to_loss(args, problem, workload, best, baselines):
+    """The candidates ranked by time to --target-loss (planner.search.time_to_loss); InputError
+    when none reaches it."""
+    import math
+
+    from planner.files.io import InputError
+    from planner.search.time_to_loss import rank
+    print(f"hetplan plan: emulating convergence for {args.horizon} iterations per strategy", file=sys.stderr)
+    named = [("chosen (synchronous)", best.plan)] + [(c.name, c.plan) for c in baselines if c.feasible]
+    ranked = rank(problem.evaluate, workload, named, args.target_loss, args.horizon)
+    if math.isinf(ranked[0].time_s):
+        raise InputError(f"--target-loss: no plan reaches {args.target_loss:g}, in {args.horizon} emulated "
+                         f"iterations or on the curve fitted to them")
+    return ranked
+
+
+def _loss_table(ranked) -> str:
+    import pandas as pd
+    df = pd.DataFrame([{"plan": c.name, "iteration ms": c.iteration_s * 1e3, "iterations": c.iterations,
+                        "time to loss s": c.time_s, "fits": "yes" if c.feasible else "NO"} for c in ranked])
+    return df.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 
 
 def _cost_fit(cost, devices) -> dict:
@@ -127,8 +166,16 @@ def main(args) -> int:
     best = replace(result.best, name="chosen")
     baselines = [{"name": c.name, "iteration_s": c.iteration_s, "feasible": c.feasible,
                   "peak_memory_bytes": c.peak_memory_bytes} for c in result.baselines]
+    ranked, objective = None, {}
+    if args.objective == "time-to-loss":
+        ranked = _time_to_loss(args, problem, workload, best, result.baselines)
+        best = ranked[0]
+        objective = {"time_to_loss": {"target_loss": args.target_loss, "horizon": args.horizon,
+                                      "iterations": best.iterations, "time_s": best.time_s,
+                                      "candidates": [c.to_json() for c in ranked]}}
     plan = replace(best.plan, topology=TopologyRef(topology.name, topology.sha256),
                    predicted=Predicted(best.iteration_s, best.peak_memory_bytes, extra={
+                       **objective,
                        "baselines": baselines,
                        "search": {"seed": args.seed, "precisions": list(precisions),
                                   "iterations": result.iterations,
@@ -146,7 +193,12 @@ def main(args) -> int:
     print(f"  schedule {plan.schedule}, sync {plan.sync.granularity} ({plan.sync.bucket_bytes / 2**20:g} MiB buckets), "
           f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}, recompute {'on' if plan.recompute else 'off'}, "
           f"precision {plan.precision}")
-    print(_table(best, result.baselines))
+    if ranked is not None:
+        print(f"  sync mode {plan.sync.mode}; predicted to reach loss {args.target_loss:g} in "
+              f"{best.iterations:.0f} iterations, {best.time_s:.3g} s")
+        print(_loss_table(ranked))
+    else:
+        print(_table(best, result.baselines))
     print(f"searched {result.iterations} proposals, {result.evaluations} simulations in "
           f"{result.elapsed_s:.1f} s, {100 * result.acceptance_rate:.0f}% accepted (stopped by "
           f"{result.stopped_by}{_why(result)}); wrote {args.output}")

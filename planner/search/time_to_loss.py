@@ -1,0 +1,87 @@
+"""`plan --objective time-to-loss`: synchronous and asynchronous plans ranked by the time to reach
+a target loss = iterations to it (planner.search.convergence, emulated on the user's model) x the
+simulated iteration time.
+
+Every synchronous plan takes the same iterations (each equals single-device training), so the
+fastest synchronous plan the search found stands for them. The asynchronous plans are the sync
+modes of `ASYNC_MODES` on the fastest data-parallel layout (one-stage replicas) among the
+search's best plan and its baselines.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from planner.files.io import InputError
+from planner.files.plan import Plan, validate_plan
+from planner.search.convergence import emulate, iterations_to
+
+# the asynchronous variants tried on a data-parallel layout: (mode, period, alpha)
+ASYNC_MODES = (("local-sgd", 2, None), ("local-sgd", 4, None), ("local-sgd", 8, None),
+               ("easgd", 1, 0.1), ("easgd", 4, 0.1), ("hogwild", None, None))
+
+
+@dataclass(frozen=True)
+class Ranked:
+    name: str
+    plan: Plan
+    iteration_s: float
+    feasible: bool
+    peak_memory_bytes: dict
+    iterations: float          # to the target loss (inf: not reached, nor on the fitted curve)
+    time_s: float              # iterations x iteration_s
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "sync": self.plan.sync.mode, "period": self.plan.sync.period,
+                "alpha": self.plan.sync.alpha, "iteration_s": self.iteration_s, "feasible": self.feasible,
+                "iterations": None if math.isinf(self.iterations) else self.iterations,
+                "time_s": None if math.isinf(self.time_s) else self.time_s}
+
+
+def async_variants(name: str, plan: Plan) -> list[tuple[str, Plan]]:
+    """The ASYNC_MODES of a data-parallel plan that are valid for its devices."""
+    if any(len(r.stages) > 1 for r in plan.replicas) or len(plan.replicas) < 2:
+        return []
+    out = []
+    for mode, period, alpha in ASYNC_MODES:
+        p = replace(plan, sync=replace(plan.sync, mode=mode, period=period, alpha=alpha), predicted=None)
+        try:
+            validate_plan(p)
+        except InputError:          # e.g. hogwild beside a GPU
+            continue
+        label = mode + (f" every {period}" if period else "") + (f", alpha {alpha:g}" if alpha is not None else "")
+        out.append((f"{name}, {label}", p))
+    return out
+
+
+def rank(evaluate, workload, named_plans: list[tuple[str, Plan]], target: float,
+         horizon: int) -> list[Ranked]:
+    """The plans and the async variants of the fastest data-parallel one, each with its time to
+    `target`, fastest first; `evaluate(plan)` is the search problem's simulation. A convergence
+    curve is emulated once per distinct combination (every synchronous plan shares one)."""
+    curves: dict[tuple, float] = {}
+    sims = {name: evaluate(plan) for name, plan in named_plans}
+    layouts = sorted(((sims[n].iteration_s, n, p) for n, p in named_plans
+                      if sims[n].feasible and async_variants(n, p)), key=lambda x: x[0])
+    tried = list(named_plans) + (async_variants(layouts[0][1], layouts[0][2]) if layouts else [])
+    out = []
+    for name, plan in tried:
+        key = _math_key(plan)
+        if key not in curves:
+            curves[key] = iterations_to(emulate(workload, plan, horizon), target)
+        r = sims[name] if name in sims else evaluate(plan)
+        its = curves[key]
+        out.append(Ranked(name, plan, r.iteration_s, r.feasible, dict(r.peak_memory_bytes), its,
+                          its * r.iteration_s if r.feasible else math.inf))
+    return sorted(out, key=lambda c: (c.time_s, c.iteration_s))
+
+
+def _math_key(plan: Plan) -> tuple:
+    """What an emulated curve depends on: the sync mode and its parameters, the optimizer, and
+    for an asynchronous mode the replicas' batch shares."""
+    if plan.sync.mode == "sync":
+        return ("sync", plan.optimizer)
+    return (plan.sync.mode, plan.sync.period, plan.sync.alpha, plan.optimizer, tuple(plan.replica_batches()))
+
+
+__all__ = ["ASYNC_MODES", "Ranked", "async_variants", "rank"]
