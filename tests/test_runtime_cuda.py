@@ -59,3 +59,11 @@ def test_gpu_dp_and_pipeline(tmp_path, gpus):
     check_close(tmp_path, plan([(0.5, 2, [("cuda:0", (0, 2)), ("cuda:1", (2, 4))]),
                                 (0.5, 1, [("cpu:0", (0, 4))])], sync="fine", bucket_bytes=1024), gpus)
     check_close(tmp_path, plan([(0.5, 1, [("cuda:0", (0, 4))]), (0.5, 1, [("cuda:1", (0, 4))])]), gpus)
+
+
+def test_cpu_cuda_local_sgd_every_step_is_synchronous_training(tmp_path, gpus):
+    # sync.mode local-sgd with period 1 and plain SGD: the parameter exchange (through host
+    # memory for the GPU's parameters) gives synchronous data parallel's step
+    p = plan([(0.25, 1, [("cpu:0", (0, 4))]), (0.75, 3, [("cuda:0", (0, 4))])], opt="sgd", lr=0.1)
+    p["sync"].update({"mode": "local-sgd", "period": 1})
+    check_close(tmp_path, p, gpus)
