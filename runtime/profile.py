@@ -65,19 +65,21 @@ def plan_workers(cpu_workers: int, cores: int, gpus: int) -> list[WorkerSpec]:
 def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[dict]) -> dict:
     """The topology's "calibration" object (planner.hardware.calibration) from the workers' raw results."""
     from planner.hardware.calibration import Calibration, calibration_to_dict
-    from planner.hardware.fit import contention_factor, fit_optimizer, memory_contention_factor
+    from planner.hardware.fit import contention_factor, fit_optimizer, lower_envelope, memory_contention_factor
     cpus = [(w, r.get("calibration", {})) for w, r in zip(workers, results) if w.kind == "cpu"]
     timed = [c for _, c in cpus if "reference_alone_s" in c and "reference_together_s" in c]
     factor = contention_factor([c["reference_alone_s"] for c in timed],
                                [c["reference_together_s"] for c in timed]) if len(cpus) > 1 and timed else 1.0
     lat = bw = None
+    curve = ()
     if allreduce and all(w.kind == "cpu" for w in workers):
         lat, bw = fit_latency_bandwidth(allreduce)
+        curve = lower_envelope(allreduce)
     opt_rows = results[0].get("calibration", {}).get("optimizer", {})
     together_rows = results[0].get("calibration", {}).get("optimizer_together", {})
     mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
-                    allreduce_bytes_per_s=bw,
+                    allreduce_bytes_per_s=bw, allreduce_curve=curve,
                     wake_latency_s=results[0].get("calibration", {}).get("wake_latency_s") or 0.0,
                     memory_contention_factor=mem,
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})

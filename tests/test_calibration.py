@@ -10,7 +10,7 @@ import pytest
 from planner.hardware.calibration import (Calibration, calibration_from_dict,
                                           calibration_to_dict, topology_calibration)
 from planner.hardware.fit import (contention_factor, fit_latency_bandwidth, fit_optimizer,
-                                  memory_contention_factor)
+                                  lower_envelope, memory_contention_factor)
 from planner.cost.model import RooflineCost
 from planner.files.io import InputError
 from planner.cost.timing import MeasuredCost
@@ -80,9 +80,29 @@ def test_allreduce_scales_the_fit_by_ring_steps_and_volume():
     assert Calibration().allreduce_s(2, 1e6) is None
 
 
+def test_lower_envelope_bounds_a_size_by_every_larger_ones_time():
+    rows = [{"bytes": 4096, "s": 1.2e-3}, {"bytes": 1 << 20, "s": 0.8e-3}, {"bytes": 16384, "s": 0.9e-3},
+            {"bytes": 4 << 20, "s": 3.8e-3}]
+    assert lower_envelope(rows) == ((4096, 0.8e-3), (16384, 0.8e-3), (1 << 20, 0.8e-3), (4 << 20, 3.8e-3))
+
+
+CURVE = [[1e3, 1e-3], [1e6, 2e-3], [4e6, 5e-3]]
+
+
+def test_allreduce_follows_the_measured_curve_between_its_sizes_and_its_last_slope_beyond():
+    c = calibration_from_dict({**CAL, "allreduce_curve": CURVE})
+    assert c.allreduce_s(2, 2.5e6) == pytest.approx(3.5e-3)            # half way from 2 to 5 ms
+    assert c.allreduce_s(2, 8e6) == pytest.approx(5e-3 + 4e6 * 1e-9)   # the last slope: 1 ms per MB
+    assert c.allreduce_s(2, 10) == pytest.approx(1e-3)                 # the smallest size's time
+    # k = 4 from the curve over 2: latency 1e-4 x 3 steps + (2e-3 - 1e-4 at 1 MB) x volume 1.5
+    assert c.allreduce_s(4, 1e6) == pytest.approx(3e-4 + 1.9e-3 * 1.5)
+
+
 # --- file format ----------------------------------------------------------------------------------
 def test_calibration_dict_round_trips():
     assert calibration_to_dict(calibration_from_dict(CAL)) == CAL
+    with_curve = {**CAL, "allreduce_curve": CURVE}
+    assert calibration_to_dict(calibration_from_dict(with_curve)) == with_curve
 
 
 def test_calibrated_topology_file_round_trips(tmp_path):
@@ -97,6 +117,9 @@ def test_calibrated_topology_file_round_trips(tmp_path):
 def test_bad_calibration_field_is_named(tmp_path):
     t = _topo({**CAL, "cpu_contention_factor": 0.5})
     with pytest.raises(InputError, match=r"calibration\.cpu_contention_factor: expected a number >= 1"):
+        topology_calibration(t)
+    t = _topo({**CAL, "allreduce_curve": [[2e6, 1e-3], [1e6, 2e-3]]})
+    with pytest.raises(InputError, match=r"calibration\.allreduce_curve: expected \[\[bytes, seconds\]"):
         topology_calibration(t)
     t = _topo({**CAL, "optimizer": {"adam": {"s_per_tensor": -1, "s_per_byte": 0}}})
     with pytest.raises(InputError, match=r"calibration\.optimizer\.adam\.s_per_tensor"):

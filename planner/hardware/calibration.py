@@ -28,6 +28,8 @@ class Calibration:
     cpu_contention_factor: float = 1.0             # a step's time with all CPU workers busy / alone
     allreduce_latency_s: float | None = None       # gloo all-reduce over the CPU workers:
     allreduce_bytes_per_s: float | None = None     #   latency_s + bytes / bytes_per_s (fitted)
+    allreduce_curve: tuple[tuple[float, float], ...] = ()   # ((bytes, s), ...) measured over the
+                                                   #   CPU workers, lower envelope (fit.lower_envelope)
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)   # per torch.optim name
     iteration_overhead_s: float = 0.0              # fixed cost per iteration (not measured yet: 0)
     multi_worker_overhead_s: float = 0.0           # older profiles only, not used (a per-iteration
@@ -59,15 +61,35 @@ class Calibration:
         return 1.0 + (factor - 1.0) * min(k - 1, n - 1) / (n - 1)
 
     def allreduce_s(self, k: int, n_bytes: float) -> float | None:
-        """gloo all-reduce of n bytes over k CPU workers, scaled from the fit over N workers by
-        the ring's step counts: latency_s * (k-1)/(N-1) + n / bytes_per_s * [(k-1)/k] / [(N-1)/N].
-        None without a fit (the caller uses the ring formula)."""
-        if self.allreduce_latency_s is None or self.allreduce_bytes_per_s is None or k <= 1:
-            return None if k > 1 else 0.0
+        """gloo all-reduce of n bytes over k CPU workers, scaled from N measured workers by the
+        ring's step counts: l * s + (t_N(n) - l) * v with s = (k-1)/(N-1),
+        v = [(k-1)/k] / [(N-1)/N]. t_N is the measured curve (straight lines between its sizes,
+        the smallest size's time below it, the last segment's slope beyond) and l the fit's
+        latency_s capped at the curve's first time; without a curve t_N = latency_s + n /
+        bytes_per_s, l = latency_s. None without a fit (the caller uses the ring formula)."""
+        if k <= 1:
+            return 0.0
+        if self.allreduce_latency_s is None or self.allreduce_bytes_per_s is None:
+            return None
         n = max(2, self.cpu_workers)
         steps = (k - 1) / (n - 1)
         volume = ((k - 1) / k) / ((n - 1) / n)
-        return self.allreduce_latency_s * steps + n_bytes / self.allreduce_bytes_per_s * volume
+        lat = self.allreduce_latency_s
+        if self.allreduce_curve:
+            lat = min(lat, self.allreduce_curve[0][1])      # no more than the smallest measured
+            return lat * steps + (_on_curve(self.allreduce_curve, n_bytes) - lat) * volume
+        return lat * steps + n_bytes / self.allreduce_bytes_per_s * volume
+
+
+def _on_curve(curve: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise-linear through the points; flat below the first, the last slope beyond."""
+    if x <= curve[0][0] or len(curve) == 1:
+        return curve[0][1] if x <= curve[0][0] else curve[-1][1] * x / curve[-1][0]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = curve[-2], curve[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
 # --- file format ------------------------------------------------------------------------------
@@ -86,6 +108,9 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         allreduce_latency_s=r.get("allreduce_latency_s", float, default=None,
                                   check=lambda v: v >= 0, expected="a non-negative number"),
         allreduce_bytes_per_s=r.get("allreduce_bytes_per_s", float, default=None, **pos),
+        allreduce_curve=tuple((float(n), float(t)) for n, t in r.get(
+            "allreduce_curve", list, default=[], check=_is_curve,
+            expected="[[bytes, seconds], ...] with positive numbers, sizes increasing")),
         optimizer=opt,
         iteration_overhead_s=r.get("iteration_overhead_s", float, default=0.0,
                                    check=lambda v: v >= 0, expected="a non-negative number"),
@@ -97,10 +122,18 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
                              check=lambda v: v >= 0, expected="a non-negative number"))
 
 
+def _is_curve(v: Any) -> bool:
+    ok = all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                         and x > 0 for x in p) for p in v)
+    return ok and all(a[0] < b[0] for a, b in zip(v, v[1:]))
+
+
 def calibration_to_dict(c: Calibration) -> dict[str, Any]:
     out: dict[str, Any] = {"cpu_workers": c.cpu_workers, "cpu_contention_factor": c.cpu_contention_factor}
     if c.allreduce_latency_s is not None and c.allreduce_bytes_per_s is not None:
         out.update(allreduce_latency_s=c.allreduce_latency_s, allreduce_bytes_per_s=c.allreduce_bytes_per_s)
+    if c.allreduce_curve:
+        out["allreduce_curve"] = [list(p) for p in c.allreduce_curve]
     if c.optimizer:
         out["optimizer"] = {k: {"s_per_tensor": v.s_per_tensor, "s_per_byte": v.s_per_byte}
                             for k, v in sorted(c.optimizer.items())}

@@ -31,6 +31,18 @@ def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
     return latency, float(bandwidth)
 
 
+def lower_envelope(rows: list[dict]) -> tuple[tuple[float, float], ...]:
+    """((bytes, s), ...) by size, each time the least measured at that size or any larger one:
+    a message cannot cost more than a larger one, so a slower small size is noise (a scheduler
+    tick, a late wake-up) and the larger size's time bounds it."""
+    pts = sorted((float(r["bytes"]), float(r["s"])) for r in rows)
+    out, best = [], float("inf")
+    for n, t in reversed(pts):
+        best = min(best, t)
+        out.append((n, best))
+    return tuple(reversed(out))
+
+
 def host_copy_fit(rows: list[dict]) -> dict:
     """Latency + bytes/bandwidth fits of a host_copy_table (runtime.profile_bench), per kind and
     direction: {"pinned": {"h2d": {"latency_s", "bytes_per_s"}, "d2h": ...}, "pageable": {...}}."""
