@@ -233,6 +233,33 @@ def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
     return max(0.0, stats(rounds[True])[0] - stats(rounds[False])[0])
 
 
+def cold_compute(repeats: int, idle_s: float = 0.002) -> float:
+    """How much longer a small stage's forward and backward (three 256-wide linear layers on 16
+    samples: what a pipeline stage of a small model runs per microbatch) takes right after this
+    thread slept `idle_s`, as a worker blocked in a wait does, than right after running it: the
+    difference of the medians, >= 0. Caches, TLB and branch predictors go cold while a core
+    idles (or serves another process)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                              torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    x = torch.randn(16, 256)
+
+    def probe() -> float:
+        net.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        net(x).sum().backward()
+        return time.perf_counter() - t0
+
+    for _ in range(5):
+        probe()
+    cold, hot = [], []
+    for _ in range(repeats):     # alternate, so slow drift of the machine hits both alike
+        time.sleep(idle_s)
+        cold.append(probe())
+        hot.append(probe())
+    return max(0.0, stats(cold)[0] - stats(hot)[0])
+
+
 def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
     """A small training step shaped like the built-in workloads' layers (linear layers with a
     GELU and a LayerNorm, forward + backward + Adam on a 64-sample batch, ~34 MB of weights,

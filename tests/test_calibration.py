@@ -295,3 +295,26 @@ def test_a_blocked_receiver_resumes_wake_latency_after_its_message_and_a_busy_on
     sims = [Simulator(g, t, _Contended(g, t)).simulate(dp).iteration_s
             for t in (_topo({**CAL, "wake_latency_s": x}) for x in (0.0, w))]
     assert sims[0] == sims[1]
+
+
+def test_the_first_compute_after_a_wait_starts_cold_and_one_back_to_back_does_not():
+    # as the wake-up test above, with cold_compute_s c added to the same tasks: 1F0 (idle since
+    # 0) and 0B0 (idle since 1) each take w + c longer; 1B0 follows its own forward: nothing
+    g = graph([layer(0), layer(1)])
+    w, c = 0.25, 0.125
+
+    def run(cold, p):
+        t = _topo({**CAL, "cpu_contention_factor": 1.0, "wake_latency_s": w, "cold_compute_s": cold},
+                  bw=1e30, lat=0.5)
+        return Simulator(g, t, _Contended(g, t)).simulate(p, trace=True)
+
+    pipe = plan([(1.0, 1, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 1, "gpipe")
+    spans = {x["name"]: (x["start_s"], x["end_s"]) for x in run(c, pipe).tasks}
+    assert spans["0:1F0"] == pytest.approx((1.5, 2.75 + c))
+    assert spans["0:1B0"] == pytest.approx((2.75 + c, 4.75 + c))
+    assert spans["0:0B0"] == pytest.approx((5.25 + c, 7.5 + 2 * c))
+    # data parallel: each worker waits for the gradient all-reduce, then steps cold
+    g = graph([layer(0, param_bytes=10**6), layer(1)])
+    dp = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2, granularity="coarse")
+    assert run(c, dp).iteration_s - run(0.0, dp).iteration_s == pytest.approx(c, rel=1e-9)
+    assert calibration_from_dict({**CAL, "cold_compute_s": c}).cold_compute_s == c

@@ -198,6 +198,14 @@ class CostModel:
             return 0.0
         return c.wake_latency_s
 
+    def cold_compute_s(self, device: str) -> float:
+        """How much longer a CPU worker's first compute after a blocking wait takes than back to
+        back (calibration's cold_compute_s); 0 for other devices and without calibration."""
+        c = self.calibration
+        if c is None or self.topology.device(device).kind != "cpu":
+            return 0.0
+        return c.cold_compute_s
+
     def iteration_overhead_s(self, n_devices: int = 1) -> float:
         """Fixed cost per iteration: calibration's iteration_overhead_s; 0 without calibration.
         (multi_worker_overhead_s of older profiles is not added: it was the exit skew of a

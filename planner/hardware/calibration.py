@@ -38,6 +38,8 @@ class Calibration:
                                                    #   / alone (None: cpu_contention_factor)
     wake_latency_s: float = 0.0                    # a CPU worker blocked in a receive for a while
                                                    #   resumes this much after the message lands
+    cold_compute_s: float = 0.0                    # and its first compute after such a wait runs this
+                                                   #   much longer than back to back (cold caches)
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -119,6 +121,8 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         memory_contention_factor=r.get("memory_contention_factor", float, default=None,
                                        check=lambda v: v >= 1, expected="a number >= 1"),
         wake_latency_s=r.get("wake_latency_s", float, default=0.0,
+                             check=lambda v: v >= 0, expected="a non-negative number"),
+        cold_compute_s=r.get("cold_compute_s", float, default=0.0,
                              check=lambda v: v >= 0, expected="a non-negative number"))
 
 
@@ -143,6 +147,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
     if c.memory_contention_factor is not None:
         out["memory_contention_factor"] = c.memory_contention_factor
     out["wake_latency_s"] = c.wake_latency_s
+    if c.cold_compute_s:
+        out["cold_compute_s"] = c.cold_compute_s
     return out
 
 

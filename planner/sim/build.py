@@ -255,8 +255,9 @@ class Builder:
 
     def optimizer_steps(self, synced: dict[str, list[int]]) -> dict[str, int]:
         """One step per device holding parameters, after its all-reduces (its last backward when
-        it exchanges nothing); on its host CPU under placement "cpu". Returns each device's
-        last task of the step."""
+        it exchanges nothing); on its host CPU under placement "cpu". A worker that waited for
+        its all-reduces starts the step cold (cost.cold_compute_s). Returns each device's last
+        task of the step."""
         g, graph, sim = self.g, self.sim.graph, self.sim
         opt, offload = self.plan.optimizer.name, self.plan.optimizer.placement == "cpu"
         steps: dict[str, int] = {}
@@ -272,7 +273,8 @@ class Builder:
                 if host != dev:
                     steps[dev] = self.offloaded_step(dev, host, n, n_t, deps)
                     continue
-                d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t)))
+                cold = sim.cost.cold_compute_s(dev) if synced.get(dev) else 0.0
+                d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t) + cold))
                 t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(f"{opt} step", dev, "optimizer"))
                 g.memory_bound.add(t)
                 g.count(dev, "optimizer_s", d_k)

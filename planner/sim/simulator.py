@@ -180,10 +180,12 @@ class Simulator:
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:
         """The wake-up of each task that receives a message (a transfer hop precedes it) on a
-        device whose worker blocks for it (cost.wake_latency_s); the event loop adds it when
-        the device sat idle waiting. Cached on the graph."""
+        device whose worker blocks for it (cost.wake_latency_s, and cost.cold_compute_s: the
+        compute after the wait starts cold); the event loop adds it when the device sat idle
+        waiting. Cached on the graph."""
         if g.wake is None:
-            per_res = {self._rid[d.name]: self.cost.wake_latency_s(d.name) for d in self.topology.devices}
+            per_res = {self._rid[d.name]: self.cost.wake_latency_s(d.name) + self.cost.cold_compute_s(d.name)
+                       for d in self.topology.devices}
             links = {x for key, x in self._rid.items() if isinstance(key, tuple)}
             g.wake = {}
             for t, (r, nxt) in enumerate(zip(g.res, g.succ)):
