@@ -233,19 +233,20 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     runner.saved_tracker = SavedTracker(named.values())
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
-    built = Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
-                  module, runner, None, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
-    if local:
-        built.sync, built.buffers, built.loss_weight = NoGradSync(), BufferSync(groups, []), fraction
-        if plan.sync.period is not None:
-            built.exchange = ParameterExchange(plan.sync, list(named.values()), fraction, groups.world,
-                                               len(names))
-        else:   # hogwild: before the optimizer holds the parameters' storage
-            hogwild_parameters(list(named.values()), rank, groups.world)
-    else:
-        built.sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
-                              plan.sync.granularity, rep.microbatches, device, layout.tied)
-    return built
+    if not local:
+        sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
+                        plan.sync.granularity, rep.microbatches, device, layout.tied)
+        return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
+                     module, runner, sync, optimizer, groups, timer, actions,
+                     BufferSync(groups, layout.buffers))
+    exchange = None      # replicas on their own gradients, buffers their own (runtime.averaging)
+    if plan.sync.period is not None:
+        exchange = ParameterExchange(plan.sync, list(named.values()), fraction, groups.world, len(names))
+    else:                # hogwild: before the optimizer first touches the parameters' storage
+        hogwild_parameters(list(named.values()), rank, groups.world)
+    return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
+                 module, runner, NoGradSync(), optimizer, groups, timer, actions, BufferSync(groups, []),
+                 exchange, loss_weight=fraction)
 
 
 def _module(workload, rep, st_j: int, micro: int, device: TorchDevice) -> torch.nn.Module:
