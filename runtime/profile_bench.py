@@ -233,6 +233,33 @@ def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
     return max(0.0, stats(rounds[True])[0] - stats(rounds[False])[0])
 
 
+def message_issue(repeats: int) -> tuple[float, float] | None:
+    """(isend, irecv) seconds the calling thread spends issuing one pipeline message (a
+    16 x 256 float tensor; gloo's issue cost does not depend on the size), on rank 0: it sends
+    to rank 1 and posts the receive of the echo, which rank 1 (blocking send and receive)
+    returns. Medians; None on other ranks."""
+    rank = dist.get_rank()
+    peer = 1 if rank == 0 else 0
+    t, back = torch.randn(16, 256), torch.empty(16, 256)
+    sends, posts = [], []
+    for i in range(repeats + 1):
+        if rank == 0:
+            t0 = time.perf_counter()
+            work = dist.isend(t, peer)
+            t1 = time.perf_counter()
+            echo = dist.irecv(back, peer)
+            t2 = time.perf_counter()
+            work.wait()
+            echo.wait()
+            if i:
+                sends.append(t1 - t0)
+                posts.append(t2 - t1)
+        elif rank == 1:
+            dist.recv(back, peer)
+            dist.send(back, peer)
+    return (stats(sends)[0], stats(posts)[0]) if rank == 0 else None
+
+
 def cold_compute(repeats: int, idle_s: float = 0.002) -> float:
     """How much longer a small stage's forward and backward (three 256-wide linear layers on 16
     samples: what a pipeline stage of a small model runs per microbatch) takes right after this

@@ -221,7 +221,9 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
     dist.barrier()
     if world > 1 and workers[0].kind == workers[1].kind == "cpu":
         out["wake_latency_s"] = bench.wake_latency(max(20, 4 * s.repeats))
+        issue = bench.message_issue(max(40, 8 * s.repeats))
         if rank == 0:                # the others wait in the barrier below
+            out["send_issue_s"], out["recv_post_s"] = issue
             out["cold_compute_s"] = bench.cold_compute(max(40, 8 * s.repeats))
     dist.barrier()
     return out

@@ -126,7 +126,6 @@ def build_one_by_one(builder, r, rep):
     microbatch the activation's hops and the gradient's hops. For equivalence tests."""
     from planner.sim.build import Chunk
     from planner.sim.schedule import make_schedule
-    from planner.sim.taskgraph import LayerRange
     g, sim, m = builder.g, builder.sim, rep.microbatches
     pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
     g.begin_replica((m, tuple(st.layers for st in rep.stages),
@@ -135,9 +134,9 @@ def build_one_by_one(builder, r, rep):
     fwd, first, last = [], [], []
     for s, st in enumerate(rep.stages):
         rid, dev = sim._rid[st.device], st.device
-        f_k = g.value(LayerRange("fwd", r, dev, st.start, st.end))
-        pieces = builder.backward_values(r, st, builder.backward_chunks(st))
-        other = builder.backward_values(r, st, [Chunk(st.end, st.start, None)]) if m > 1 else []
+        f_k = builder.forward_value(r, s, rep.stages)
+        pieces = builder.backward_values(r, s, rep.stages, builder.backward_chunks(st))
+        other = builder.backward_values(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []
         f, b0, b1, prev = [None] * m, [None] * m, [None] * m, None
         for act in sched[s]:
             i = act.microbatch

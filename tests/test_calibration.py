@@ -318,3 +318,19 @@ def test_the_first_compute_after_a_wait_starts_cold_and_one_back_to_back_does_no
     dp = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2, granularity="coarse")
     assert run(c, dp).iteration_s - run(0.0, dp).iteration_s == pytest.approx(c, rel=1e-9)
     assert calibration_from_dict({**CAL, "cold_compute_s": c}).cold_compute_s == c
+
+
+def test_a_stage_pays_for_issuing_the_messages_it_sends_and_posting_those_it_receives():
+    # two stages, forward 1 s / backward 2 s, free links; isend issue s = 0.125, irecv post
+    # p = 0.0625 on the sending and receiving workers' threads: 0F0 sends (1 + s), 1F0 receives
+    # (1 + p), 1B0 sends (2 + s), 0B0 receives (2 + p); no optimizer (no parameters)
+    g = graph([layer(0), layer(1)])
+    s, p = 0.125, 0.0625
+    t = _topo({**CAL, "cpu_contention_factor": 1.0, "send_issue_s": s, "recv_post_s": p}, bw=1e30, lat=0.0)
+    pipe = plan([(1.0, 1, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 1, "gpipe")
+    spans = {x["name"]: (x["start_s"], x["end_s"]) for x in Simulator(g, t, _Contended(g, t)).simulate(pipe, trace=True).tasks}
+    assert spans["0:0F0"] == pytest.approx((0.0, 1 + s))
+    assert spans["0:1F0"] == pytest.approx((1 + s, 2 + s + p))
+    assert spans["0:1B0"] == pytest.approx((2 + s + p, 4 + 2 * s + p))
+    assert spans["0:0B0"] == pytest.approx((4 + 2 * s + p, 6 + 2 * s + 2 * p))
+    assert calibration_from_dict({**CAL, "send_issue_s": s, "recv_post_s": p}).send_issue_s == s

@@ -198,6 +198,14 @@ class CostModel:
             return 0.0
         return c.wake_latency_s
 
+    def message_issue_s(self, device: str) -> tuple[float, float]:
+        """(isend issue, irecv post) seconds a CPU worker's thread spends per pipeline message
+        (calibration's send_issue_s, recv_post_s); (0, 0) for other devices and without one."""
+        c = self.calibration
+        if c is None or self.topology.device(device).kind != "cpu":
+            return 0.0, 0.0
+        return c.send_issue_s, c.recv_post_s
+
     def cold_compute_s(self, device: str) -> float:
         """How much longer a CPU worker's first compute after a blocking wait takes than back to
         back (calibration's cold_compute_s); 0 for other devices and without calibration."""

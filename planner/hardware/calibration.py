@@ -40,6 +40,8 @@ class Calibration:
                                                    #   resumes this much after the message lands
     cold_compute_s: float = 0.0                    # and its first compute after such a wait runs this
                                                    #   much longer than back to back (cold caches)
+    send_issue_s: float = 0.0                      # a worker's thread issuing one isend (gloo)
+    recv_post_s: float = 0.0                       # and posting one irecv
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -123,7 +125,11 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         wake_latency_s=r.get("wake_latency_s", float, default=0.0,
                              check=lambda v: v >= 0, expected="a non-negative number"),
         cold_compute_s=r.get("cold_compute_s", float, default=0.0,
-                             check=lambda v: v >= 0, expected="a non-negative number"))
+                             check=lambda v: v >= 0, expected="a non-negative number"),
+        send_issue_s=r.get("send_issue_s", float, default=0.0,
+                           check=lambda v: v >= 0, expected="a non-negative number"),
+        recv_post_s=r.get("recv_post_s", float, default=0.0,
+                          check=lambda v: v >= 0, expected="a non-negative number"))
 
 
 def _is_curve(v: Any) -> bool:
@@ -147,8 +153,9 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
     if c.memory_contention_factor is not None:
         out["memory_contention_factor"] = c.memory_contention_factor
     out["wake_latency_s"] = c.wake_latency_s
-    if c.cold_compute_s:
-        out["cold_compute_s"] = c.cold_compute_s
+    for name in ("cold_compute_s", "send_issue_s", "recv_post_s"):   # absent in older profiles
+        if getattr(c, name):
+            out[name] = getattr(c, name)
     return out
 
 

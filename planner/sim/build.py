@@ -120,12 +120,12 @@ class Builder:
         t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts)
         vals: list[int] = []
         lasts = []
-        for st, ch in zip(stages, chunks):   # values in the order the slots number them
-            vals.append(g.value(LayerRange("fwd", r, st.device, st.start, st.end)))
-            lasts.append(self.backward_values(r, st, ch))
+        for s, (st, ch) in enumerate(zip(stages, chunks)):   # values in the order the slots number them
+            vals.append(self.forward_value(r, s, stages))
+            lasts.append(self.backward_values(r, s, stages, ch))
             vals += [k for k, _ in lasts[-1]]
             if m > 1:
-                vals += [k for k, _ in self.backward_values(r, st, [Chunk(st.end, st.start, None)])]
+                vals += [k for k, _ in self.backward_values(r, s, stages, [Chunk(st.end, st.start, None)])]
         rids = [sim._rid[st.device] for st in stages]
         lanes = [st.device for st in stages]
         for st, route_pair in zip(stages[1:], routes):
@@ -175,15 +175,25 @@ class Builder:
             hi = lo
         return chunks
 
-    def backward_values(self, r: int, st: Stage, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
-        """(value id, bucket) per backward task of one microbatch; with recompute, the first one
-        also runs the stage's forward again."""
-        out = []
+    def forward_value(self, r: int, s: int, stages) -> int:
+        """The value id of stage s's forward of one microbatch: it consumes an activation
+        (s > 0) and sends one on (not the last stage)."""
+        st = stages[s]
+        return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end,
+                                       sends=int(s < len(stages) - 1), receives=int(s > 0)))
+
+    def backward_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
+        """(value id, bucket) per backward task of one microbatch of stage s; with recompute, the
+        first one also runs the stage's forward again. The first consumes the gradient from
+        the next stage, the last sends the input's gradient back (not on the first stage)."""
+        st, out = stages[s], []
         for j, c in enumerate(chunks):
+            receives = int(j == 0 and s < len(stages) - 1)
+            sends = int(j == len(chunks) - 1 and s > 0)
             if self.plan.recompute and j == 0:
-                recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end)
+                recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives)
             else:
-                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi)
+                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives)
             out.append((self.g.value(recipe), c.bucket))
         return out
 

@@ -30,33 +30,47 @@ class Const:
 @dataclass(frozen=True, slots=True)
 class LayerRange:
     """Forward (phase "fwd") or backward ("bwd") of layers [start, end) on device, at the
-    replica's microbatch: cost.fwd_s / cost.bwd_s."""
+    replica's microbatch: cost.fwd_s / cost.bwd_s, plus issuing the `sends` messages it
+    produces and posting the `receives` it consumes on the same thread (cost.message_issue_s)."""
     phase: str
     replica: int
     device: str
     start: int
     end: int
+    sends: int = 0
+    receives: int = 0
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         if self.phase == "fwd":
-            return cost.fwd_s(self.device, self.start, self.end, mbs[self.replica])
-        return cost.bwd_s(self.device, self.start, self.end, mbs[self.replica])
+            t = cost.fwd_s(self.device, self.start, self.end, mbs[self.replica])
+        else:
+            t = cost.bwd_s(self.device, self.start, self.end, mbs[self.replica])
+        if self.sends or self.receives:
+            send_s, post_s = cost.message_issue_s(self.device)
+            t += self.sends * send_s + self.receives * post_s
+        return t
 
 
 @dataclass(frozen=True, slots=True)
 class Recompute:
     """Backward of layers [lo, hi) plus the forward of the stage's layers [start, end) again
-    (activation recomputation), at the replica's microbatch."""
+    (activation recomputation), at the replica's microbatch; messages as LayerRange's."""
     replica: int
     device: str
     lo: int
     hi: int
     start: int
     end: int
+    sends: int = 0
+    receives: int = 0
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         mb = mbs[self.replica]
-        return cost.bwd_s(self.device, self.lo, self.hi, mb) + cost.fwd_s(self.device, self.start, self.end, mb)
+        t = cost.bwd_s(self.device, self.lo, self.hi, mb) + cost.fwd_s(self.device, self.start, self.end, mb)
+        if self.sends or self.receives:
+            send_s, post_s = cost.message_issue_s(self.device)
+            t += self.sends * send_s + self.receives * post_s
+        return t
 
 
 @dataclass(frozen=True, slots=True)
