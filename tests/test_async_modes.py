@@ -219,6 +219,13 @@ def test_time_to_loss_picks_an_asynchronous_plan_where_the_gradient_exchange_dom
     assert ttl["time_s"] < by_mode["sync"]["time_s"]                         # faster than synchronous
     assert ttl["time_s"] == pytest.approx(ttl["iterations"] * p.predicted.iteration_s)
     assert "time to loss s" in r.stdout and f"sync mode {p.sync.mode}" in r.stdout
+    # run it, and compare the predicted time to the loss with the measured one
+    assert _hetplan("run", out, "--iters", 40, "-o", tmp_path / "m.json").returncode == 0
+    c = _hetplan("compare", out, tmp_path / "m.json", "--topology", topo, "--json")
+    assert c.returncode == 0, c.stderr
+    got = json.loads(c.stdout)["time_to_loss"]
+    assert got["target_loss"] == 0.5 and got["predicted_iterations"] == ttl["iterations"]
+    assert 0 < got["measured_iterations"] <= 40 and got["measured_s"] > 0
 
 
 @pytest.mark.parametrize("flags,needle", [

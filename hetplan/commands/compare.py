@@ -72,11 +72,39 @@ def summary_line(comparison) -> str:
             f"{comparison.measured_s * 1e3:.3f} ms, error {err:+.1f}%")
 
 
+def time_to_loss(plan_path: str, measured_path: str) -> dict | None:
+    """For a plan chosen by time to a target loss (its `predicted.time_to_loss`): predicted and
+    measured iterations and seconds to the target; measured iterations come from the measured
+    losses with the planner's running mean (None when the run did not reach the target)."""
+    import math
+
+    from planner.files.measured import load_measured
+    from planner.files.plan import load_plan
+    from planner.search.convergence import iterations_to
+
+    plan = load_plan(plan_path)
+    ttl = plan.predicted.extra.get("time_to_loss") if plan.predicted is not None else None
+    if not isinstance(ttl, dict) or not isinstance(ttl.get("target_loss"), (int, float)):
+        return None
+    measured = load_measured(measured_path)
+    its = iterations_to(list(measured.losses), ttl["target_loss"])
+    reached = its <= len(measured.losses)
+    return {"target_loss": ttl["target_loss"], "predicted_iterations": ttl.get("iterations"),
+            "predicted_s": ttl.get("time_s"), "measured_iterations": its if reached else None,
+            "measured_s": its * measured.iteration_s if reached and math.isfinite(its) else None}
+
+
 def main(args) -> int:
     comparison = compare_files(args.plan, args.measured, args.topology, args.plot)
+    ttl = time_to_loss(args.plan, args.measured)
     if args.json:
-        print(json.dumps(comparison.to_json()))
+        print(json.dumps({**comparison.to_json(), **({"time_to_loss": ttl} if ttl else {})}))
         return 0
     print(summary_line(comparison))
+    if ttl:
+        meas = (f"measured {ttl['measured_iterations']:.0f} iterations, {ttl['measured_s']:.3g} s"
+                if ttl["measured_s"] is not None else "not reached in the measured run")
+        print(f"time to loss {ttl['target_loss']:g}: predicted {ttl['predicted_iterations']:.0f} iterations, "
+              f"{ttl['predicted_s']:.3g} s; {meas}")
     print(format_table(comparison))
     return 0
