@@ -44,6 +44,7 @@ from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa
 from planner.cost.timing import cache_path  # noqa: E402
 from planner.files.io import replace_atomically  # noqa: E402
 from planner.hardware.lookup import default_profile_path  # noqa: E402
+from runtime.host_load import busy_fraction  # noqa: E402
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
 
@@ -52,30 +53,16 @@ def load_avg() -> float:
     return os.getloadavg()[0]
 
 
-def _cpu_times() -> tuple[float, float]:
-    with open("/proc/stat") as f:
-        v = [float(x) for x in f.readline().split()[1:]]
-    return v[3] + v[4], sum(v)   # idle + iowait, total
-
-
-def busy_fraction(window_s: float = 1.0) -> float:
-    """Fraction of the machine's CPU time used by anything during `window_s` (from /proc/stat)."""
-    i0, t0 = _cpu_times()
-    time.sleep(window_s)
-    i1, t1 = _cpu_times()
-    return 1.0 - (i1 - i0) / (t1 - t0) if t1 > t0 else 0.0
-
-
 def wait_quiet(max_busy: float = 0.15, max_wait_s: float = 300.0) -> float:
     """Wait until the machine is quiet (other engineers' tests, a previous run's stragglers):
     at most `max_busy` of the CPU used over one second, for up to `max_wait_s`. Returns the last
     busy fraction seen; it goes into the CSV so a noisy row can be told apart."""
     deadline = time.monotonic() + max_wait_s
-    busy = busy_fraction()
+    busy = busy_fraction() or 0.0
     while busy > max_busy and time.monotonic() < deadline:
         print(f"accuracy: machine busy ({busy:.0%} CPU); waiting", file=sys.stderr)
         time.sleep(5)
-        busy = busy_fraction()
+        busy = busy_fraction() or 0.0
     return busy
 
 

@@ -38,6 +38,7 @@ from planner.hardware.fit import fit_latency_bandwidth
 from planner.hardware.topology import Device, Link, Topology
 from runtime.profile_worker import (FAIL_ENV, Settings, WorkerSpec,  # noqa: F401 - FAIL_ENV: tests
                                     available_ram_bytes, log, profile_worker)
+from runtime.host_load import busy_fraction, busy_warning
 from runtime.rendezvous import env_vars, free_port
 
 
@@ -145,6 +146,9 @@ def profile_machine(cpu_workers: int, quick: bool = False) -> Topology:
     cores, gpus = usable_cores(), gpu_count()
     workers = plan_workers(cpu_workers, cores, gpus)
     ram_bytes = available_ram_bytes()
+    busy = busy_fraction(0.5)
+    if busy_warning(busy):
+        log(f"warning: {busy_warning(busy)}")
     log(f"{len(workers)} worker(s): " + ", ".join(f"{w.name} ({w.threads} thr)" for w in workers)
         + (" [quick]" if quick else ""))
     with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as out_dir:
@@ -159,7 +163,8 @@ def profile_machine(cpu_workers: int, quick: bool = False) -> Topology:
             "cpu_bf16_native": _cpu_bf16_native(),
             "torch": torch.__version__, "python": platform.python_version(),
             "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "quick": quick, "duration_s": round(time.perf_counter() - t0, 2)}
+            "quick": quick, "duration_s": round(time.perf_counter() - t0, 2),
+            "busy_before": busy}
     return assemble(workers, results, settings, host, ram_bytes)
 
 

@@ -172,3 +172,9 @@ def test_gpus_are_profiled_with_host_copies(tmp_path):
     for g in gpus:
         assert g.measured["host_copy_table"] and g.memory_bytes > 1e9
         assert any({l.a, l.b} == {"cpu:0", g.name} for l in t.links)
+
+
+def test_a_busy_machine_gets_a_warning_and_a_quiet_one_none():
+    from runtime.host_load import busy_warning
+    assert busy_warning(0.1) is None and busy_warning(None) is None
+    assert "90% of the CPU" in busy_warning(0.9) and "profile a quiet one" in busy_warning(0.9)
