@@ -14,7 +14,8 @@ from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 from planner.workload.inputs import call_args, slice_inputs
-from runtime.averaging import NoGradSync, ParameterExchange, hogwild_parameters
+from runtime.sync_modes import (NoGradSync, ParameterExchange, ParameterServer, ServerClient,
+                                ServerStepped, hogwild_parameters)
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
@@ -195,6 +196,9 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     (runtime.startup.Marks) gets "model" once the workload is built and checked."""
 
     rank_of = {d: r for r, d in enumerate(names)}
+    kinds = [parse_device_name(d)[1] for d in names]
+    if plan.sync.mode == "parameter-server" and names[rank] == plan.sync.server:
+        return _server(plan, kinds, device, timeout, marks, file)
     where = {st.device: (i, j) for i, rep in enumerate(plan.replicas) for j, st in enumerate(rep.stages)}
     rep_i, st_j = where[names[rank]]
     rep = plan.replicas[rep_i]
@@ -212,9 +216,9 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, found)
     named = dict(module.named_parameters())
 
-    kinds = [parse_device_name(d)[1] for d in names]
     pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
-    groups = Groups(kinds, pairs, layout.sync_sets, timeout, nccl=standin_gpus() == 0)
+    synchronous = plan.sync.mode == "sync"    # else: no gradient all-reduce (runtime.sync_modes)
+    groups = Groups(kinds, pairs, layout.sync_sets if synchronous else [], timeout, nccl=standin_gpus() == 0)
     my_ranks = replica_ranks[rep_i]
 
     def link(peer: int) -> PeerLink:
@@ -225,28 +229,60 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
     nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
     timer = BusyTimer(device)
-    local = plan.sync.local       # each replica's loss its own mean (runtime.averaging)
-    fraction = batch / plan.global_batch
+    fraction = batch / plan.global_batch      # asynchronous: each replica's loss its own mean
     runner = StageRunner(module, device.device, workload.loss_fn, prev, nxt,
-                         scale=(1.0 if local else fraction) / rep.microbatches, busy=timer.timer,
+                         scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
-    if not local:
+    if synchronous:
         sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
                         plan.sync.granularity, rep.microbatches, device, layout.tied)
         return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                      module, runner, sync, optimizer, groups, timer, actions,
                      BufferSync(groups, layout.buffers))
-    exchange = None      # replicas on their own gradients, buffers their own (runtime.averaging)
-    if plan.sync.period is not None:
-        exchange = ParameterExchange(plan.sync, list(named.values()), fraction, groups.world, len(names))
+    params = list(named.values())
+    exchange, sync = None, NoGradSync()   # buffers stay each replica's own (runtime.sync_modes)
+    if plan.sync.mode == "parameter-server":
+        sync, optimizer = ServerClient(params, rank_of[plan.sync.server], groups.world), ServerStepped(params)
+    elif plan.sync.period is not None:
+        exchange = ParameterExchange(plan.sync, params, fraction, groups.world, len(names))
     else:                # hogwild: before the optimizer first touches the parameters' storage
-        hogwild_parameters(list(named.values()), rank, groups.world)
+        hogwild_parameters(params, rank, groups.world)
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
-                 module, runner, NoGradSync(), optimizer, groups, timer, actions, BufferSync(groups, []),
+                 module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, []),
                  exchange, loss_weight=fraction)
+
+
+@dataclass
+class ServerBuilt(Built):
+    """A parameter server's rank: no batch, no compute of its own; each iteration it serves one
+    gradient message per replica (runtime.sync_modes.ParameterServer)."""
+    server: ParameterServer | None = None
+
+    def microbatches(self, global_batch: int, iteration: int):
+        return None, None
+
+    def step(self, batch) -> None:
+        self.server.serve(len(self.plan.replicas))
+        return None
+
+
+def _server(plan: Plan, kinds: list[str], device: TorchDevice, timeout, marks, file: str) -> ServerBuilt:
+    workload, _ = check_model(plan, file)         # torch.manual_seed(0) inside: the same weights
+    if marks is not None:
+        marks.mark("model")
+    module = WholeModel(workload.model).to(device.device)
+    params = list(module.parameters())
+    groups = Groups(kinds, [], [], timeout, nccl=standin_gpus() == 0)
+    timer = BusyTimer(device)
+    runner = StageRunner(module, device.device, workload.loss_fn, None, None, scale=0.0, busy=timer.timer)
+    runner.saved_tracker = SavedTracker(params)
+    optimizer = StageOptimizer(params, plan.optimizer, device)
+    return ServerBuilt(plan, workload, -1, 0, 1, 0, 0, module, runner, NoGradSync(), optimizer, groups,
+                       timer, [], BufferSync(groups, []), loss_weight=0.0,
+                       server=ParameterServer(params, optimizer, groups.world, timer.timer))
 
 
 def _module(workload, rep, st_j: int, micro: int, device: TorchDevice) -> torch.nn.Module:

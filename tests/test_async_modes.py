@@ -165,15 +165,15 @@ def test_a_local_mode_lowers_the_loss_and_differs_from_synchronous_training(tmp_
 def test_simulate_and_run_refuse_an_unsupported_mode_in_one_line(tmp_path, command):
     from test_cli_inputs import _hetplan, one_error_line
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(_plan_dict({"mode": "parameter-server", "server": "cpu:0"})))
+    path.write_text(json.dumps(_plan_dict({"mode": "pipedream-2bw"})))
     args = [command, path] + (["--topology", tmp_path / "none.json"] if command == "simulate" else ["-o", tmp_path / "m.json"])
-    one_error_line(_hetplan(*args), "plan.json: sync.mode: 'parameter-server' is not supported")
+    one_error_line(_hetplan(*args), "plan.json: sync.mode: 'pipedream-2bw' is not supported")
     assert not (tmp_path / "m.json").exists()
 
 
 def test_hogwild_workers_see_each_others_updates_through_one_mapping(tmp_path):
     import torch
-    from runtime.averaging import share_parameters
+    from runtime.sync_modes import share_parameters
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     path = str(tmp_path / "params")
     share_parameters(list(a.parameters()), path, create=True)
@@ -277,3 +277,77 @@ def test_iterations_to_a_target_counted_on_the_curve_or_extrapolated_by_a_power_
     law = [0.2 + 2.0 * (i + 1) ** -0.5 for i in range(200)]   # reaches 0.3 at i + 1 = 400
     assert iterations_to(law, 0.3) == pytest.approx(400, rel=0.1)
     assert iterations_to(law, 0.1) == float("inf")                           # below its floor
+
+
+# --- parameter server ---------------------------------------------------------------------------
+def _ps_case():
+    # workers cuda:0, cuda:1 (1 sample each: forward 0.5 s, backward 1 s), server cpu:0 on its
+    # own 1e6 B/s link to each; 1e6 B of parameters; SGD on the server at 1e8 B/s: 0.03 s
+    g = graph([layer(0, param_bytes=10**6)], batch=2)
+    t = topology([device("cuda:0"), device("cuda:1"), device("cpu:0", mem_bw=1e8)],
+                 [link("cuda:0", "cpu:0", bw=1e6), link("cuda:1", "cpu:0", bw=1e6)])
+    p = plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 2)
+    return g, t, _local(p, mode="parameter-server", server="cpu:0")
+
+
+def test_a_parameter_server_steps_each_workers_gradients_in_turn():
+    # both push from 1.5 s to 2.5 s; the server steps 2.5-2.53 and 2.53-2.56; the pulls end
+    # at 3.53 and 3.56
+    from planner.cost.memory import peak_memory
+    g, t, p = _ps_case()
+    r = simulate(p, g, t, trace=True)
+    assert r.iteration_s == approx(1.5 + 1.0 + 2 * 0.03 + 1.0)
+    assert r.per_device["cpu:0"]["optimizer_s"] == approx(0.06)
+    assert r.per_device["cuda:0"]["optimizer_s"] == 0.0                   # workers do not step
+    steps = sorted((x["start_s"], x["end_s"]) for x in r.tasks if x["name"].startswith("sgd step for"))
+    assert steps == [approx((2.5, 2.53)), approx((2.53, 2.56))]
+    assert p.devices == ("cuda:0", "cuda:1", "cpu:0")
+    assert peak_memory(p, g, t) == {"cuda:0": 2e6, "cuda:1": 2e6, "cpu:0": 2e6}   # SGD: no state
+
+
+def test_a_parameter_server_is_a_device_no_replica_uses():
+    d = _plan_dict({"mode": "parameter-server", "server": "cpu:1"})
+    with pytest.raises(InputError, match="sync.server: expected a device no replica uses"):
+        plan_from_dict(d, "p.json")
+    d = _plan_dict({"mode": "parameter-server", "server": "cpu:7"})
+    from planner.files.plan import validate_plan
+    with pytest.raises(InputError, match="sync.server: expected a device of the topology"):
+        validate_plan(plan_from_dict(d, "p.json"), "p.json", device_names={"cpu:0", "cpu:1", "cpu:2"})
+
+
+def test_a_parameter_server_with_one_worker_trains_as_one_device(tmp_path):
+    # the worker's gradients, stepped by the server's Adam, come back as its parameters
+    from test_runtime import ITERS, reference, run_plan
+    import torch
+    from test_runtime import plan as runtime_plan
+    p = runtime_plan([(1.0, 2, [("cpu:0", (0, 4))])])
+    p["sync"].update({"mode": "parameter-server", "server": "cpu:1"})
+    r, params = run_plan(tmp_path, p)
+    ref_losses, ref_params = reference(p["model"], p["global_batch"], ITERS, "adam", 0.01)
+    assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    assert set(r["per_device"]) == {"cpu:0", "cpu:1"}
+    assert r["per_device"]["cpu:1"]["optimizer_state_bytes"] > 0 == r["per_device"]["cpu:0"]["optimizer_state_bytes"]
+
+
+def test_a_parameter_server_with_two_workers_learns(tmp_path):
+    from test_runtime import reference, run_plan
+    p = _runtime_plan({"mode": "parameter-server", "server": "cpu:2"})
+    p["model"], p["optimizer"]["lr"] = LEARNABLE, 0.3
+    r, _ = run_plan(tmp_path, p, iters=12)
+    ref_losses, _ = reference(LEARNABLE, 12, 12, "sgd", 0.3)
+    losses = r["losses"]
+    assert losses[-1] != pytest.approx(ref_losses[-1], rel=1e-3)
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3])
+
+
+def test_a_parameter_server_with_one_worker_emulates_as_synchronous_training():
+    from planner.files.plan import plan_from_dict
+    from planner.search.convergence import emulate
+    from planner.workload.load import load_workload
+    from test_runtime import plan as runtime_plan
+    w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
+    p = runtime_plan([(1.0, 1, [("cpu:0", (0, 4))])], model=LEARNABLE)
+    server = dict(p, sync={"granularity": "coarse", "mode": "parameter-server", "server": "cpu:1"})
+    assert emulate(w, plan_from_dict(server), 10) == pytest.approx(emulate(w, plan_from_dict(p), 10), rel=1e-6)

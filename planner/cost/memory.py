@@ -18,6 +18,8 @@ microbatches, stage index s):
   stay fp32. Under bf16 each microbatch in flight also holds autocast's bf16 copies of the
   stage's weights (Layer.cast_param_bytes, not scaled by mb; one set under recompute).
 * sync.mode "easgd": each worker also holds the center variable, a copy of its parameters.
+* sync.mode "parameter-server": the workers hold parameters and gradients, the server the
+  parameters, one worker's gradients and the optimizer state.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -57,6 +59,9 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
     offload = plan.optimizer.placement == "cpu"
     out: dict[str, float] = {}
+    if plan.sync.mode == "parameter-server":
+        out[plan.sync.server] = (2 + state_ratio) * float(graph.stage_param_bytes(0, graph.num_layers))
+        state_ratio = 0.0            # the workers keep no optimizer state
     for r, rep in enumerate(plan.replicas):
         for s, st in enumerate(rep.stages):
             params = float(graph.stage_param_bytes(st.start, st.end))

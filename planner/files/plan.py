@@ -17,7 +17,7 @@ SCHEDULES = ("gpipe", "1f1b")
 GRANULARITIES = ("coarse", "fine")
 # sync.mode: synchronous training, or one of the asynchronous strategies of the contract
 SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwild", "parameter-server")
-SUPPORTED_SYNC_MODES = ("sync", "local-sgd", "easgd", "hogwild")   # what this version simulates and runs
+SUPPORTED_SYNC_MODES = ("sync", "local-sgd", "easgd", "hogwild", "parameter-server")   # what this version runs
 MODE_PARAMS = {"local-sgd": ("period",), "easgd": ("period", "alpha"), "parameter-server": ("server",)}
 OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu")
@@ -115,7 +115,10 @@ class Plan:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(s.device for r in self.replicas for s in r.stages)
+        """Every device the plan runs on: its stages', then a parameter server's."""
+        stages = tuple(s.device for r in self.replicas for s in r.stages)
+        server = self.sync.server if self.sync.mode == "parameter-server" else None
+        return stages + (server,) if server is not None and server not in stages else stages
 
     @property
     def num_layers(self) -> int:
@@ -204,6 +207,9 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                       f"expected the last stage to end at layer {L} (the model has {L} layers), got {expect_start}")
     if abs(total - 1.0) > 1e-6:
         raise err("replicas", f"batch_fraction values sum to {total:.6g}; expected 1")
+    server = plan.sync.server
+    if server is not None and device_names is not None and server not in device_names:
+        raise err("sync.server", f"expected a device of the topology ({', '.join(sorted(device_names))}), got {server!r}")
     if sum(batches) != plan.global_batch:
         raise err("replicas", f"replica batches {batches} (round(fraction * global_batch)) sum to "
                               f"{sum(batches)}; expected global_batch {plan.global_batch}")
@@ -234,11 +240,14 @@ def _validate_mode(plan: Plan, err) -> None:
     if sync.mode not in SUPPORTED_SYNC_MODES:
         raise err("sync.mode", f"{sync.mode!r} is not supported by this version "
                                f"(supported: {', '.join(SUPPORTED_SYNC_MODES)})")
-    if sync.local:
+    if sync.mode != "sync":
         for i, rep in enumerate(plan.replicas):
             if len(rep.stages) > 1:
                 raise err(f"replicas[{i}].stages", f"sync.mode {sync.mode!r} needs one-stage replicas "
                                                    f"(data parallel) in this version; got {len(rep.stages)} stages")
+    if sync.mode == "parameter-server":
+        if any(st.device == sync.server for r in plan.replicas for st in r.stages):
+            raise err("sync.server", f"expected a device no replica uses (a dedicated server), got {sync.server!r}")
     if sync.mode == "hogwild":      # the replicas share one copy of the parameters in memory
         nodes = {d.split("/", 1)[0] if "/" in d else "" for d in plan.devices}
         cpus = all(d.split("/")[-1].startswith("cpu:") for d in plan.devices)

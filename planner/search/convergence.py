@@ -8,8 +8,9 @@ replicas, batch shares and optimizer. The emulated curve, smoothed, gives the it
 target (`iterations_to`); beyond its horizon, a power law fitted to it extrapolates
 (`fit_power_law`). Time to the target = those iterations x the simulated iteration time.
 
-Hogwild is emulated with staleness of one iteration: every worker's gradient is taken at the
-parameters of the iteration's start, then the workers' steps are applied in turn.
+Hogwild and the asynchronous parameter server are emulated with staleness of one iteration:
+every worker's gradient is taken at the parameters of the iteration's start, then the workers'
+steps are applied in turn.
 """
 from __future__ import annotations
 
@@ -86,9 +87,9 @@ def emulate(workload, plan, iterations: int) -> list[float]:
     offsets = plan.replica_offsets()
     mode = plan.sync.mode
     n = 1 if mode == "sync" else len(shares)
-    models = [model] + [copy.deepcopy(model) for _ in range(n - 1)] if mode != "hogwild" else [model] * n
-    opts = [_optimizer(m.parameters() if mode != "hogwild" else model.parameters(), plan.optimizer)
-            for m in models]
+    shared = mode in ("hogwild", "parameter-server")     # one copy of the parameters
+    models = [model] * n if shared else [model] + [copy.deepcopy(model) for _ in range(n - 1)]
+    opts = [_optimizer(m.parameters(), plan.optimizer) for m in models[:1 if mode == "parameter-server" else n]]
     center = [p.detach().clone() for p in model.parameters()] if mode == "easgd" else None
     losses = []
     for it in range(iterations):
@@ -105,15 +106,15 @@ def emulate(workload, plan, iterations: int) -> list[float]:
             loss = workload.loss_fn(m(*args, **kwargs), slice_inputs(y, lo, hi))
             loss.backward()
             total += (fractions[r] if n > 1 else 1.0) * float(loss.detach())
-            if mode == "hogwild":          # taken at the iteration's start, applied below
+            if shared:                     # taken at the iteration's start, applied below
                 grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
             else:
                 opts[r].step()
-        if mode == "hogwild":
+        if shared:                         # hogwild: each worker's optimizer; a server: its one
             for r, g in enumerate(grads):
                 for p, gp in zip(model.parameters(), g):
                     p.grad = gp
-                opts[r].step()
+                opts[r % len(opts)].step()
         elif plan.sync.period is not None and (it + 1) % plan.sync.period == 0:
             _exchange(models, fractions, center, plan.sync)
         losses.append(total)
@@ -126,7 +127,7 @@ def _optimizer(params, spec):
 
 
 def _exchange(models, fractions, center, sync) -> None:
-    """runtime.averaging's exchange, on model copies in one process."""
+    """runtime.sync_modes's exchange, on model copies in one process."""
     import torch
     with torch.no_grad():
         for ps in zip(*(m.parameters() for m in models)):

@@ -74,6 +74,9 @@ class Builder:
         self.exchange = self.exchanged_buckets()
         for r, rep in enumerate(self.plan.replicas):
             self.replica(r, rep)
+        if self.plan.sync.mode == "parameter-server":
+            self.server_steps()
+            return
         steps = self.optimizer_steps(self.allreduces())
         if self.plan.sync.period is not None:
             self.parameter_exchange(steps)
@@ -93,8 +96,8 @@ class Builder:
         self.g.devices = tuple(devices)
 
     def exchanged_buckets(self) -> Exchange:
-        if self.plan.sync.local:       # replicas step on their own gradients (hogwild: into
-            return Exchange(False, [], {})   # shared memory; its cache-line traffic not modelled)
+        if self.plan.sync.mode != "sync":   # no gradient all-reduce (hogwild: steps into shared
+            return Exchange(False, [], {})   # memory; its cache-line traffic not modelled)
         fine = self.plan.sync.granularity == "fine"
         shared = [b for b in grad_buckets(self.plan, self.sim.graph) if len(b.devices) > 1]
         tied = tied_buckets(self.plan, self.sim.graph)
@@ -309,6 +312,26 @@ class Builder:
         g.sync_res.update(res)
         for dev in devices:
             g.count(dev, "comm_s", d_k)
+
+    def server_steps(self) -> None:
+        """Parameter server: after its backward, each worker sends its gradients to the server,
+        the server steps on them (one step per worker, in arrival order on its queue) and sends
+        the parameters back. The workers do not step themselves."""
+        g, sim, graph = self.g, self.sim, self.sim.graph
+        server, opt = self.plan.sync.server, self.plan.optimizer.name
+        n = graph.stage_param_bytes(0, graph.num_layers)
+        n_t = sum(len(layer.param_names) for layer in graph.layers)
+        step_k = g.value(Const(sim.cost.optimizer_s(server, n, opt, n_t)))
+        for rep in self.plan.replicas:
+            dev = rep.stages[0].device
+            push = self.chain(self.route(dev, server, n_bytes=n), dev, server,
+                              self.progress.last_backward[dev], f"grads {dev}->{server}")
+            t = g.add(step_k, (sim._rid[server],), (push,), TaskMeta(f"{opt} step for {dev}", server, "optimizer"))
+            g.memory_bound.add(t)
+            g.count(server, "optimizer_s", step_k)
+            self.chain(self.route(server, dev, n_bytes=n), server, dev, t, f"params {server}->{dev}")
+            g.sync_res.update(h.resource for h in sim.hops(dev, server) + sim.hops(server, dev))
+        g.sync_res.add(sim._rid[server])    # the server's queue couples the replicas
 
     def offloaded_step(self, dev: str, host: str, n_bytes: float, n_tensors: int, deps: list[int]) -> int:
         """Gradients copied to the host once synced, the step there, parameters copied back."""

@@ -1,6 +1,6 @@
-"""Local SGD, EASGD and Hogwild (plan field sync.mode "local-sgd" / "easgd" / "hogwild"): replicas
-step on their own gradients; local SGD and EASGD exchange parameters every `sync.period`
-iterations, Hogwild's replicas update one copy of the parameters in shared memory.
+"""The asynchronous sync modes (plan field sync.mode): replicas step on their own gradients; local
+SGD and EASGD exchange parameters every `sync.period` iterations, Hogwild's replicas update one
+copy of the parameters in shared memory, a parameter server steps on each worker's gradients.
 
 - local-sgd: the parameters become their average weighted by batch fraction,
   x <- sum_r f_r x_r (one SUM all-reduce of f_r x_r). With period 1 and plain SGD this is
@@ -12,6 +12,9 @@ iterations, Hogwild's replicas update one copy of the parameters in shared memor
 
 - hogwild (Recht et al. 2011): the CPU workers of one host map the same file of parameters
   (`share_parameters`); each steps into it without locks, so each sees the others' updates.
+- parameter-server (asynchronous, as in DistBelief's Downpour SGD): after its backward a worker
+  sends its gradients to the server and waits for the parameters back (`ServerClient`); the
+  server (`ParameterServer`) takes the workers' gradients in arrival order and steps on each.
 
 Each replica's loss is its own mean (runtime.stage scales by 1/microbatches, not by the batch
 fraction), its optimizer state stays its own, and buffers are not broadcast. The exchange runs
@@ -105,3 +108,73 @@ def hogwild_parameters(params: list[torch.nn.Parameter], rank: int, group) -> No
     dist.barrier(group=group)
     if rank == 0:
         os.unlink(path[0])          # the mappings stay; no file outlives the run
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors) -> None:
+    i = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[i:i + n].view_as(t))
+            i += n
+
+
+class ServerClient:
+    """A worker's side of the parameter server, in place of the gradient sync: its gradients
+    to the server, the server's parameters back."""
+
+    def __init__(self, params: list[torch.nn.Parameter], server: int, group):
+        self.params, self.server, self.group = params, server, group
+
+    def begin(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        dist.send(_flat(grads), self.server, group=self.group)
+        back = torch.empty(sum(p.numel() for p in self.params))
+        dist.recv(back, self.server, group=self.group)
+        _unflatten_into(back, self.params)
+
+
+class ServerStepped:
+    """A worker's optimizer under a parameter server: the server steps, the worker only clears
+    its gradients."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        pass
+
+    def state_bytes(self) -> int:
+        return 0
+
+
+class ParameterServer:
+    """The server's side: `serve(n)` takes n gradient messages from any worker, in arrival order,
+    steps on each with `optimizer` (runtime.optim.StageOptimizer over `params`) and sends the
+    parameters back to its sender."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer, group, busy):
+        self.params, self.optimizer, self.group, self.busy = params, optimizer, group, busy
+        self.buffer = torch.empty(sum(p.numel() for p in params))
+
+    def serve(self, n: int) -> None:
+        for _ in range(n):
+            with self.busy("receive gradients", "transfer", busy=False):
+                src = dist.recv(self.buffer, group=self.group)
+            with self.busy("optimizer", "optimizer"):
+                for p in self.params:
+                    p.grad = torch.empty_like(p)
+                _unflatten_into(self.buffer, [p.grad for p in self.params])
+                self.optimizer.step()
+            dist.send(_flat(self.params), src, group=self.group)
