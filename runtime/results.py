@@ -53,7 +53,8 @@ def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int
         per_device[r["device"]] = {
             "busy_s": statistics.median(busy), "peak_memory_bytes": r["peak_memory_bytes"],
             "rank": r["rank"], "threads": r.get("threads"), "param_bytes": r["param_bytes"],
-            "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"]}
+            "optimizer_state_bytes": r["optimizer_state_bytes"], "busy_per_iteration_s": r["busy_s"],
+            "iterations_s": r["iter_s"]}      # this rank's own, which its events fall within
         if r.get("page_faults"):
             per_device[r["device"]]["page_faults_per_iteration"] = statistics.median(
                 r["page_faults"][warmup:] or r["page_faults"])

@@ -106,8 +106,8 @@ def test_compare_json_on_a_real_run(run_files, capsys):
         names = [e["name"] for e in m["per_device"][dev]["events"]]
         assert {"F0", "F1", "B0", "B1", "optimizer"} <= set(names), names
         assert m["per_device"][dev]["events_iteration"] == 2
-        for e in m["per_device"][dev]["events"]:
-            assert 0 <= e["start_s"] <= e["end_s"] <= m["iterations_s"][2] * 1.01 + 1e-3
+        for e in m["per_device"][dev]["events"]:     # within this rank's own iteration
+            assert 0 <= e["start_s"] <= e["end_s"] <= m["per_device"][dev]["iterations_s"][2] * 1.01 + 1e-3
         assert set(v["phases"]) == {"forward", "backward", "optimizer"}
     assert sum(e["end_s"] - e["start_s"] for e in m["per_device"]["cpu:0"]["events"]
                if e["kind"] != "transfer" and e["kind"] != "allreduce") == pytest.approx(
