@@ -67,6 +67,15 @@ def test_layers_pattern_round_trip_and_checked_type(tmp_path):
             plan_from_dict(d, "p.json")
 
 
+def test_split_optimizer_round_trips():
+    d = copy.deepcopy(BASE)
+    d["optimizer"] = {"name": "adam", "lr": 0.01, "placement": "split", "cpu_fraction": 0.25}
+    plan = plan_from_dict(d, "p.json")
+    assert plan.optimizer.cpu_fraction == 0.25 and plan.optimizer.placement == "split"
+    assert plan_from_dict(plan_to_dict(plan), "p.json") == plan
+    assert "cpu_fraction" not in plan_to_dict(plan_from_dict(copy.deepcopy(BASE), "p.json"))["optimizer"]
+
+
 def _set(d, path, value):
     keys = path.split(".")
     for k in keys[:-1]:
@@ -89,7 +98,12 @@ CASES = [
     ("sync.granularity", "medium", "sync.granularity: expected one of coarse, fine"),
     ("sync.bucket_bytes", 0, "sync.bucket_bytes: expected a positive integer"),
     ("optimizer.name", "lamb", "optimizer.name: expected one of sgd, adam"),
-    ("optimizer.placement", "nvme", "optimizer.placement: expected one of device, cpu"),
+    ("optimizer.placement", "nvme", "optimizer.placement: expected one of device, cpu, split"),
+    ("optimizer.placement", "split", "optimizer.cpu_fraction: expected a number in (0, 1) with placement"),
+    ("optimizer", {"placement": "split", "cpu_fraction": 1}, "optimizer.cpu_fraction: expected a number in (0, 1)"),
+    ("optimizer", {"placement": "split", "cpu_fraction": 0.0}, "optimizer.cpu_fraction: expected a number in (0, 1)"),
+    ("optimizer", {"placement": "split", "cpu_fraction": "half"}, "optimizer.cpu_fraction: expected a number"),
+    ("optimizer.cpu_fraction", 0.5, "optimizer.cpu_fraction: expected only with placement \"split\", got it with 'device'"),
     ("optimizer.lr", 0, "optimizer.lr: expected a positive number"),
     ("replicas.0.batch_fraction", 1.5, "replicas[0].batch_fraction: expected a number in (0, 1]"),
     (f"{R1}.microbatches", 0, "replicas[1].microbatches: expected a positive integer"),

@@ -52,6 +52,29 @@ def test_cpu_cuda_hybrid_fine_cpu_optimizer(tmp_path, gpus):
                                sync="fine", bucket_bytes=1024, placement="cpu"), gpus)
 
 
+def test_split_optimizer_pipeline(tmp_path, gpus):
+    # each GPU stage updates its last parameters (half the bytes) on the host, the rest on the GPU
+    check_close(tmp_path, plan([(1.0, 2, [("cuda:0", (0, 2)), ("cuda:1", (2, 4))])], placement="split",
+                               cpu_fraction=0.5), gpus)
+
+
+def test_split_optimizer_puts_the_last_tensors_on_the_host(gpus):
+    from planner.files.plan import Optimizer
+    from planner.hardware.device import torch_device
+    from runtime.optim import StageOptimizer
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch_device("cuda:0").device)
+    params = list(net.parameters())   # 256, 32, 64, 8 bytes
+    opt = StageOptimizer(params, Optimizer("adam", 0.01, "split", 0.2), torch_device("cuda:0"))
+    assert opt.on_host == params[2:] and opt.on_device == params[:2]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(m.device.type == "cpu" for m in opt.master)
+    # Adam's two moments and step counter (4 B) of every tensor, master copies of the host's 72 B
+    assert opt.state_bytes() == 2 * 360 + 4 * 4 + 72
+    assert float(params[3][0]) == pytest.approx(float(opt.master[1][0]))
+
+
 def test_gpu_dp_and_pipeline(tmp_path, gpus):
     # two GPUs: NCCL between them on real GPUs, host-staged gloo for the stand-ins
     if gpus == "real" and torch.cuda.device_count() < 2:

@@ -105,6 +105,28 @@ def test_cpu_optimizer_placement_moves_state_and_adds_copies():
     assert on_cpu.per_device["cuda:0"]["comm_s"] == approx(2.0)
 
 
+def test_split_optimizer_runs_device_and_host_parts_at_once():
+    # a slow GPU: Adam on 1e6 B there takes 7e6 / 1e6 = 7 s; on cpu:0 0.7 s; the link 1 s per 1e6 B
+    g = graph([layer(0, param_bytes=10**6)], batch=1)
+    t = topology([device("cpu:0", mem_bw=1e7), device("cuda:0", mem_bw=1e6)],
+                 [link("cpu:0", "cuda:0", bw=1e6)])
+
+    def split(f):
+        return simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="split",
+                             cpu_fraction=f), g, t)
+    on_cpu = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="cpu"), g, t)
+    assert on_cpu.iteration_s == approx(3.0 + 1.0 + 0.7 + 1.0)
+    # f = 0.75: device part 0.25 * 7 = 1.75 s beside host part 0.75 + 0.525 + 0.75 = 2.025 s
+    r = split(0.75)
+    assert r.iteration_s == approx(3.0 + 2.025)
+    assert r.per_device["cuda:0"]["optimizer_s"] == approx(1.75)
+    assert r.per_device["cpu:0"]["optimizer_s"] == approx(0.525)
+    # f = 0.25: the device part (0.75 * 7 = 5.25 s) is the longer one
+    assert split(0.25).iteration_s == approx(3.0 + 5.25)
+    # the GPU keeps params + grads + Adam state of its quarter; the host state + grads of 3/4
+    assert r.peak_memory_bytes == {"cuda:0": approx(2.5e6), "cpu:0": approx(2.25e6)}
+
+
 def test_offloaded_optimizer_copies_priced_by_the_measured_pinned_host_copy():
     # as above, but cuda:0 carries a measured host-copy fit (profile): the runtime copies through
     # pinned buffers in its own process, so the copies cost the fit, not the (gloo) link

@@ -8,7 +8,8 @@ microbatches, stage index s):
   parameter a layer of [a, b) uses whose first layer is in another stage
   (ModelGraph.stage_param_bytes).
 * optimizer state: OPTIMIZER_STATE_PER_PARAM_BYTE (Adam 2x params, SGD 0). Under placement
-  "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients.
+  "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients. Under
+  "split" the host holds both for cpu_fraction f of the bytes, the GPU the state of 1 - f.
 * activations: saved_bytes of one microbatch (sum over [a, b), scaled to mb) times the
   microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m).
   With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
@@ -54,18 +55,21 @@ def activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) 
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
     """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
-    offload = plan.optimizer.placement == "cpu"
+    placement = plan.optimizer.placement
+    f = 1.0 if placement == "cpu" else plan.optimizer.cpu_fraction or 0.0
     out: dict[str, float] = {}
     for r, rep in enumerate(plan.replicas):
         for s, st in enumerate(rep.stages):
             params = float(graph.stage_param_bytes(st.start, st.end))
             acts = activation_bytes(plan, graph, r, s)
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts
-            host = host_cpu(topology, st.device) if offload else st.device
-            extra = state_ratio * params
-            if host != st.device:
-                extra += params  # the host's copy of the gradients
-            out[host] = out.get(host, 0.0) + extra
+            host = host_cpu(topology, st.device) if placement != "device" else st.device
+            if host == st.device:
+                out[host] += state_ratio * params
+                continue
+            # the host's share: its optimizer state and its copy of those gradients
+            out[st.device] += state_ratio * (1 - f) * params
+            out[host] = out.get(host, 0.0) + (state_ratio + 1) * f * params
     return out
 
 

@@ -16,7 +16,7 @@ SCHEMA = "hetplan.plan/1"
 SCHEDULES = ("gpipe", "1f1b")
 GRANULARITIES = ("coarse", "fine")
 OPTIMIZERS = ("sgd", "adam")
-PLACEMENTS = ("device", "cpu")
+PLACEMENTS = ("device", "cpu", "split")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.workload.precision)
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
@@ -62,7 +62,9 @@ class Sync:
 class Optimizer:
     name: str = "adam"                 # "sgd" or "adam"
     lr: float = 1e-3
-    placement: str = "device"          # "device" or "cpu" (ZeRO-Offload style)
+    placement: str = "device"          # "device", "cpu" (ZeRO-Offload style) or "split" (CoTrain)
+    cpu_fraction: float | None = None  # "split" only: the share of each stage's parameter bytes
+                                       # updated on the host CPU (planner.cost.split)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,12 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("optimizer.name", f"expected one of {', '.join(OPTIMIZERS)}, got {plan.optimizer.name!r}")
     if plan.optimizer.placement not in PLACEMENTS:
         raise err("optimizer.placement", f"expected one of {', '.join(PLACEMENTS)}, got {plan.optimizer.placement!r}")
+    f = plan.optimizer.cpu_fraction
+    if plan.optimizer.placement == "split" and (f is None or not 0 < f < 1):
+        raise err("optimizer.cpu_fraction", f"expected a number in (0, 1) with placement \"split\", got {f}")
+    if plan.optimizer.placement != "split" and f is not None:
+        raise err("optimizer.cpu_fraction", f"expected only with placement \"split\", got it with "
+                                            f"{plan.optimizer.placement!r}")
     if plan.precision not in PRECISIONS:
         raise err("precision", f"expected one of {', '.join(PRECISIONS)}, got {plan.precision!r}")
     if not plan.optimizer.lr > 0:
@@ -223,7 +231,8 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     if r.has("optimizer"):
         o = r.sub("optimizer")
         opt = Optimizer(name=o.get("name", str, default=opt.name), lr=o.get("lr", float, default=opt.lr),
-                        placement=o.get("placement", str, default=opt.placement))
+                        placement=o.get("placement", str, default=opt.placement),
+                        cpu_fraction=o.get("cpu_fraction", float, default=None))
     topo = None
     if r.has("topology"):
         t = r.sub("topology")
@@ -261,6 +270,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out["sync"] = {"granularity": plan.sync.granularity, "bucket_bytes": plan.sync.bucket_bytes}
     out["optimizer"] = {"name": plan.optimizer.name, "lr": plan.optimizer.lr,
                         "placement": plan.optimizer.placement}
+    if plan.optimizer.cpu_fraction is not None:
+        out["optimizer"]["cpu_fraction"] = plan.optimizer.cpu_fraction
     out["recompute"] = plan.recompute
     out["precision"] = plan.precision
     if plan.predicted is not None:

@@ -4,7 +4,8 @@
 (planner.sim.taskgraph) evaluated per plan: the plan's devices; the gradient buckets to
 exchange; per replica, each stage's compute in schedule order and the transfers between
 stages; one all-reduce per exchanged bucket; one optimizer step per device holding parameters
-(on its host CPU when offloaded). The same statistics are counted in the same order as tasks
+(on its host CPU when offloaded; under "split" both: the device's part and, at the same time,
+its host's part with the copies). The same statistics are counted in the same order as tasks
 are added, so per-device sums are reproducible bit for bit.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Builder:
         statistics; an unknown device raises KeyError naming it."""
         plan, topology = self.plan, self.sim.topology
         devices = list(plan.devices)
-        if plan.optimizer.placement == "cpu":
+        if plan.optimizer.placement in ("cpu", "split"):
             devices += [h for h in (host_cpu(topology, d) for d in plan.devices) if h not in devices]
         for d in devices:
             topology.device(d)
@@ -251,9 +252,12 @@ class Builder:
 
     def optimizer_steps(self, synced: dict[str, list[int]]) -> None:
         """One step per device holding parameters, after its all-reduces (its last backward when
-        it exchanges nothing); on its host CPU under placement "cpu"."""
+        it exchanges nothing); on its host CPU under placement "cpu"; under "split" the host
+        CPU updates cpu_fraction of the bytes (and of the tensors, rounded) while the device
+        updates the rest, both after the same all-reduces."""
         g, graph, sim = self.g, self.sim.graph, self.sim
-        opt, offload = self.plan.optimizer.name, self.plan.optimizer.placement == "cpu"
+        opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
+        f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         for rep in self.plan.replicas:
             for st in rep.stages:
                 dev = st.device
@@ -262,10 +266,13 @@ class Builder:
                     continue
                 n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
                 deps = synced.get(dev) or [self.progress.last_backward[dev]]
-                host = host_cpu(sim.topology, dev) if offload else dev
-                if host != dev:
+                host = host_cpu(sim.topology, dev) if placement != "device" else dev
+                if host != dev and f is None:
                     self.offloaded_step(dev, host, n, n_t, deps)
                     continue
+                if host != dev:
+                    self.offloaded_step(dev, host, f * n, round(f * n_t), deps)
+                    n, n_t = (1 - f) * n, n_t - round(f * n_t)
                 d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t)))
                 t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(f"{opt} step", dev, "optimizer"))
                 g.memory_bound.add(t)
