@@ -76,6 +76,18 @@ def test_split_optimizer_round_trips():
     assert "cpu_fraction" not in plan_to_dict(plan_from_dict(copy.deepcopy(BASE), "p.json"))["optimizer"]
 
 
+def test_offload_activations_round_trips_and_excludes_recompute():
+    d = copy.deepcopy(BASE)
+    d["replicas"][1]["stages"][0]["offload_activations"] = True
+    plan = plan_from_dict(d, "p.json")
+    assert plan.replicas[1].stages[0].offload_activations and not plan.replicas[1].stages[1].offload_activations
+    assert plan_to_dict(plan) == plan_to_dict(plan_from_dict(plan_to_dict(plan), "p.json"))
+    assert "offload_activations" not in plan_to_dict(plan)["replicas"][1]["stages"][1]
+    d["recompute"] = True
+    with pytest.raises(InputError, match=r"replicas\[1\].stages\[0\].offload_activations: expected false with recompute"):
+        plan_from_dict(d, "p.json")
+
+
 def _set(d, path, value):
     keys = path.split(".")
     for k in keys[:-1]:
@@ -122,6 +134,8 @@ CASES = [
     ("recompute", "yes", "recompute: expected true or false"),
     ("precision", "fp16", "precision: expected one of fp32, tf32, bf16, got 'fp16'"),
     ("precision", 16, "precision: expected a string, got 16"),
+    (f"{R1}.stages.0.offload_activations", "yes", "replicas[1].stages[0].offload_activations: expected true or false"),
+    ("replicas.0.stages.0.offload_activations", True, "replicas[0].stages[0].offload_activations: expected only on an accelerator stage"),
 ]
 
 

@@ -18,6 +18,9 @@ microbatches, stage index s):
   autocast gives (bf16 activations are half of fp32's); parameters, gradients and optimizer state
   stay fp32. Under bf16 each microbatch in flight also holds autocast's bf16 copies of the
   stage's weights (Layer.cast_param_bytes, not scaled by mb; one set under recompute).
+* offload_activations: the stage's host CPU holds what the device would (every microbatch in
+  flight); the device holds two of the stage's largest layer's saved bytes (one being copied
+  out or back while the next is computed).
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -37,19 +40,37 @@ def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
     return min(stages - stage, microbatches)
 
 
+def saved_per_microbatch(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
+    """Bytes one microbatch of a stage saves for backward: its layers' saved_bytes scaled to the
+    microbatch, plus (bf16) autocast's weight copies."""
+    rep = plan.replicas[rep_index]
+    st = rep.stages[stage]
+    return graph.saved_bytes_at(st.start, st.end, plan.replica_batches()[rep_index] / rep.microbatches)
+
+
 def activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
-    """Peak saved-activation bytes of one stage of one replica (see the module docstring)."""
+    """Peak saved-activation bytes of one stage of one replica on its device (see the module
+    docstring); an offloaded stage's device holds two of its largest layer's."""
     rep = plan.replicas[rep_index]
     st = rep.stages[stage]
     mb = plan.replica_batches()[rep_index] / rep.microbatches
-    ratio = mb / graph.batch
-    layers = graph.layers[st.start:st.end]
-    one_mb = sum(l.saved_bytes for l in layers) * ratio
-    casts = sum(l.cast_param_bytes for l in layers)
+    if st.offload_activations:
+        return 2 * max(graph.saved_bytes_at(i, i + 1, mb) for i in range(st.start, st.end))
+    one_mb = saved_per_microbatch(plan, graph, rep_index, stage)
     n = in_flight(plan.schedule, len(rep.stages), stage, rep.microbatches)
     if plan.recompute:
-        return n * graph.cut_bytes_at(st.start, mb) + one_mb + casts
-    return n * (one_mb + casts)
+        return n * graph.cut_bytes_at(st.start, mb) + one_mb
+    return n * one_mb
+
+
+def offloaded_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
+    """Saved-activation bytes an offloaded stage keeps in host memory at the peak: every
+    microbatch in flight (0 for a stage that does not offload)."""
+    rep = plan.replicas[rep_index]
+    if not rep.stages[stage].offload_activations:
+        return 0.0
+    n = in_flight(plan.schedule, len(rep.stages), stage, rep.microbatches)
+    return n * saved_per_microbatch(plan, graph, rep_index, stage)
 
 
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
@@ -63,6 +84,9 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
             params = float(graph.stage_param_bytes(st.start, st.end))
             acts = activation_bytes(plan, graph, r, s)
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts
+            if st.offload_activations:
+                h = host_cpu(topology, st.device)
+                out[h] = out.get(h, 0.0) + offloaded_bytes(plan, graph, r, s)
             host = host_cpu(topology, st.device) if placement != "device" else st.device
             if host == st.device:
                 out[host] += state_ratio * params
@@ -77,4 +101,4 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["in_flight", "activation_bytes", "peak_memory", "feasible"]
+__all__ = ["in_flight", "saved_per_microbatch", "activation_bytes", "offloaded_bytes", "peak_memory", "feasible"]

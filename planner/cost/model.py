@@ -186,10 +186,14 @@ class CostModel:
         """A copy of n bytes between `device` and its host's memory in one process ("h2d" or
         "d2h"), as the runtime makes it (pinned buffers): latency_s + n / bytes_per_s of the
         device's measured `host_copy` fit; None without one (the caller prices the link)."""
+        fit = self.host_copy_fit(device, direction)
+        return None if fit is None else fit[0] + n_bytes / fit[1]
+
+    def host_copy_fit(self, device: str, direction: str) -> tuple[float, float] | None:
+        """(latency_s, bytes_per_s) of `device`'s measured pinned host copy in `direction`; None
+        without one."""
         fit = self.topology.device(device).measured.get("host_copy", {}).get("pinned", {}).get(direction)
-        if not fit:
-            return None
-        return fit["latency_s"] + n_bytes / fit["bytes_per_s"]
+        return (fit["latency_s"], fit["bytes_per_s"]) if fit else None
 
     def allreduce_s(self, devices: tuple[str, ...], n_bytes: float) -> float:
         """All-reduce of n bytes over `devices`: the calibrated gloo fit when every device is a

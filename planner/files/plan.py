@@ -31,6 +31,7 @@ def min_microbatches(stages: int, schedule: str) -> int:
 class Stage:
     device: str
     layers: tuple[int, int]  # half-open [start, end)
+    offload_activations: bool = False  # saved activations in host memory between F and B
 
     @property
     def start(self) -> int:
@@ -191,6 +192,12 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
             if st.device in seen:
                 raise err(f"{sw}.device", f"device {st.device!r} is already used by {seen[st.device]}; expected distinct devices")
             seen[st.device] = sw
+            if st.offload_activations and st.device.split("/")[-1].startswith("cpu:"):
+                raise err(f"{sw}.offload_activations", f"expected only on an accelerator stage "
+                                                       f"(a CPU's activations are in host memory), got it on {st.device!r}")
+            if st.offload_activations and plan.recompute:
+                raise err(f"{sw}.offload_activations", "expected false with recompute (recompute keeps "
+                                                       "only the stage input; offload it or recompute, not both)")
         if expect_start != L:
             raise err(f"{where}.stages[{len(rep.stages) - 1}].layers",
                       f"expected the last stage to end at layer {L} (the model has {L} layers), got {expect_start}")
@@ -218,7 +225,8 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
             lay = s.get("layers", list, check=lambda v: len(v) == 2 and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
                 expected="[start, end] with non-negative integers")
-            stages.append(Stage(device=s.get("device", str), layers=(lay[0], lay[1])))
+            stages.append(Stage(device=s.get("device", str), layers=(lay[0], lay[1]),
+                                offload_activations=s.get("offload_activations", bool, default=False)))
         replicas.append(Replica(batch_fraction=rr.get("batch_fraction", float),
                                 microbatches=rr.get("microbatches", int, default=1),
                                 stages=tuple(stages)))
@@ -264,7 +272,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["topology"] = {"name": plan.topology.name, "sha256": plan.topology.sha256}
     out["replicas"] = [
         {"batch_fraction": r.batch_fraction, "microbatches": r.microbatches,
-         "stages": [{"device": s.device, "layers": list(s.layers)} for s in r.stages]}
+         "stages": [{"device": s.device, "layers": list(s.layers),
+                     **({"offload_activations": True} if s.offload_activations else {})} for s in r.stages]}
         for r in plan.replicas]
     out["schedule"] = plan.schedule
     out["sync"] = {"granularity": plan.sync.granularity, "bucket_bytes": plan.sync.bucket_bytes}

@@ -19,7 +19,7 @@ from planner.files.plan import Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.template import ReplicaTemplate, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
-                                   RouteHop, TaskGraph, TaskMeta, TransferLabel)
+                                   RouteHop, SavedCopy, TaskGraph, TaskMeta, TransferLabel)
 from planner.workload.graph import ModelGraph
 
 
@@ -79,12 +79,13 @@ class Builder:
 
     # --- devices and buckets -----------------------------------------------------------------
     def plan_devices(self) -> None:
-        """The plan's devices, plus the host CPUs of an offloaded optimizer, each with its
-        statistics; an unknown device raises KeyError naming it."""
+        """The plan's devices, plus the host CPUs of an offloaded optimizer or of offloaded
+        activations, each with its statistics; an unknown device raises KeyError naming it."""
         plan, topology = self.plan, self.sim.topology
         devices = list(plan.devices)
-        if plan.optimizer.placement in ("cpu", "split"):
-            devices += [h for h in (host_cpu(topology, d) for d in plan.devices) if h not in devices]
+        offloading = [st.device for rep in plan.replicas for st in rep.stages if st.offload_activations]
+        hosted = plan.devices if plan.optimizer.placement in ("cpu", "split") else offloading
+        devices += [h for h in dict.fromkeys(host_cpu(topology, d) for d in hosted) if h not in devices]
         for d in devices:
             topology.device(d)
             for s in COUNTED:
@@ -144,7 +145,44 @@ class Builder:
                 if bucket is not None:
                     progress.chunk_of[(dev, bucket)] = ids[end]
             progress.last_backward[dev] = ids[t.last_backward[s]]
+        for s, st in enumerate(stages):
+            if st.offload_activations:
+                self.offload_copies(r, s, st, t, ids)
         g.end_replica()
+
+    def offload_copies(self, r: int, s: int, st: Stage, t: ReplicaTemplate, ids: list[int]) -> None:
+        """offload_activations: each microbatch's saved activations go to the host after its
+        forward (on the device->host link, beside the compute) and come back once the device
+        has reached its backward, which waits for them (the runtime copies them back as
+        backward unpacks them). Copies cost the measured pinned host-copy fit, else the link."""
+        g, sim, dev = self.g, self.sim, st.device
+        host = host_cpu(sim.topology, dev)
+        ks, res, lanes = [], [], []
+        for a, b, direction in ((dev, host, "d2h"), (host, dev, "h2d")):
+            hops = sim.hops(a, b)
+            if not hops:
+                raise ValueError(f"offload_activations needs a link between {dev} and {host}")
+            fit = sim.cost.host_copy_fit(dev, direction) or (hops[0].latency_s, hops[0].bandwidth_bytes_per_s)
+            ks.append(g.value(SavedCopy(r, st.start, st.end, *fit)))
+            res.append((hops[0].resource,))
+            lanes.append(hops[0].lane)
+        fwd, bwd, before, last = {}, {}, {}, None
+        for local, lab in enumerate(t.label):
+            if lab[0] == "compute" and lab[1] == s:
+                i = lab[2].microbatch
+                if lab[2].kind == "F":
+                    fwd[i] = local
+                elif i not in bwd:
+                    bwd[i], before[i] = local, last
+                last = local
+        for i in sorted(fwd):
+            out = g.add(ks[0], res[0], (ids[fwd[i]],), TaskMeta(f"{r}:saved {dev}->{host} mb{i}", lanes[0], "transfer"))
+            back = g.add(ks[1], res[1], (out, None if before[i] is None else ids[before[i]]),
+                         TaskMeta(f"{r}:saved {host}->{dev} mb{i}", lanes[1], "transfer"))
+            g.wire(back, ids[bwd[i]])
+            for k in ks:
+                g.count(dev, "comm_s", k)
+                g.count(host, "comm_s", k)
 
     @staticmethod
     def labels(r: int, t: ReplicaTemplate, lanes: list[str]) -> list[TaskMeta]:
