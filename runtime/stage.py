@@ -15,6 +15,7 @@ from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 from planner.workload.inputs import call_args, slice_inputs
 from runtime.instruments import BusyTimer, SavedTracker
+from runtime.offload import ActivationOffload
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
 from runtime.sync import BufferSync, GradSync, Groups, Tied, layer_ranks
@@ -220,6 +221,8 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
                          scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
+    if rep.stages[st_j].offload_activations:
+        runner.offload = ActivationOffload(device, named.values())
     sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
                     plan.sync.granularity, rep.microbatches, device, layout.tied)
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
