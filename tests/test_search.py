@@ -265,6 +265,26 @@ def test_split_optimizer_chosen_on_a_slow_gpu_workstation():
     assert on["device"].iteration_s - result.best.iteration_s == pytest.approx(0.015, rel=0.05)
 
 
+def test_offload_is_the_only_way_a_tight_gpu_trains_alone():
+    # 6 layers saving 2e7 B per sample each; cuda:0 has 6e7 B. Without offload it holds at least
+    # one sample's 1.2e8 B (recompute: 1.3e8); offloaded, two of a layer's, 4e7 B at 1 sample per
+    # microbatch. Pipelines through cpu:0 (1e9 FLOP/s against 1e13) are hundreds of times slower.
+    graph = uniform_graph(batch=8, act_per_sample=1e7)
+    topo = Topology("tight-gpu", (
+        Device("cpu:0", "cpu", 1e12, 1e9, 1e10), Device("cuda:0", "cuda", 6e7, 1e13, 1e12)),
+        (Link("cpu:0", "cuda:0", 1e11, 0.0),))
+    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "sgd", 0.1)
+    sim = Simulator(graph, topo)
+    result = search(simulator_problem(sim, space), random.Random(0), SearchConfig(iterations=400, time_limit_s=60))
+    best = result.best.plan
+    assert best.devices == ("cuda:0",) and best.replicas[0].stages[0].offload_activations
+    assert best.replicas[0].microbatches == 8 and result.best.feasible
+    kept = sim.simulate(replace(best, replicas=(replace(best.replicas[0], stages=(
+        replace(best.replicas[0].stages[0], offload_activations=False),)),)))
+    assert not kept.feasible and kept.peak_memory_bytes["cuda:0"] > 1.2e8
+    assert result.best.peak_memory_bytes["cuda:0"] == pytest.approx(4e7 + 2 * 6 * 4e5)
+
+
 # --- CLI end to end ---------------------------------------------------------------------------------
 def _write_topology(path: Path, memory_bytes: float) -> None:
     save_topology(Topology("what-if", (
