@@ -78,13 +78,14 @@ def plans_for(topology, num_layers: dict[str, int]) -> dict[str, dict]:
 
 def make_plan(workload: dict, replicas, schedule="1f1b", sync="coarse", opt="adam",
               placement="device", bucket_bytes=1 << 20, lr=1e-3, cpu_fraction=None, **fields) -> dict:
-    """A plan dict; `replicas` is [(batch_fraction, microbatches, [(device, (start, end))])];
-    `fields` are extra top-level plan keys."""
+    """A plan dict; `replicas` is [(batch_fraction, microbatches, [(device, (start, end)[, offload])])]
+    (offload: the stage's offload_activations); `fields` are extra top-level plan keys."""
     return {"schema": "hetplan.plan/1",
             "model": {"spec": workload["spec"], "args": workload["args"]},
             "global_batch": workload["batch"],
             "replicas": [{"batch_fraction": f, "microbatches": m,
-                          "stages": [{"device": d, "layers": list(r)} for d, r in stages]}
+                          "stages": [{"device": d, "layers": list(r), **({"offload_activations": True} if off else {})}
+                                     for d, r, *off in stages]}
                          for f, m, stages in replicas],
             "schedule": schedule, "sync": {"granularity": sync, "bucket_bytes": bucket_bytes},
             "optimizer": {"name": opt, "lr": lr, "placement": placement,
@@ -158,7 +159,8 @@ def size_classes(plan: dict, measured_s: float) -> dict[str, str]:
 
 def gpu_plan_set(num_layers: dict[str, int], cpu: str, gpu: str) -> dict[str, dict]:
     """Per workload: the GPU alone (one and four microbatches), then the three CPU+GPU kinds
-    (`cpu-gpu-dp` coarse and fine, `cpu-gpu-pipe`, `gpu-cpu-opt`, `gpu-split-opt`). The transformer's plans
+    (`cpu-gpu-dp` coarse and fine, `cpu-gpu-pipe`, `gpu-cpu-opt`, `gpu-split-opt`), and the GPU
+    alone with its activations offloaded to host memory (`gpu-offload-gpipe-4mb`). The transformer's plans
     come from `gpu_transformer_plans`."""
     out = {}
     for w, L in num_layers.items():
@@ -191,6 +193,7 @@ def _gpu_workload_plans(w: str, spec: dict, L: int, cpu: str, gpu: str, **fields
         f"{w}/cpu-gpu-pipe-1f1b": plan([(1.0, 4, pipe)]),
         f"{w}/gpu-cpu-opt": plan([(1.0, 1, gpu_only)], placement="cpu"),
         f"{w}/gpu-split-opt": plan([(1.0, 1, gpu_only)], placement="split", cpu_fraction=0.25),
+        f"{w}/gpu-offload-gpipe-4mb": plan([(1.0, 4, [(gpu, (0, L), True)])], schedule="gpipe"),
     }
 
 
