@@ -5,7 +5,8 @@ of the measured topology.
 - Host with a GPU (a `cpu:*` and a `cuda:*` device): `GPU_WORKLOADS`, `gpu_plan_set`, which
   adds the three ways of using the CPU and the GPU together: the batch split across a CPU
   replica and a GPU replica, a CPU stage in a pipeline with a GPU stage, and the optimizer of
-  a GPU stage on the CPU (`"optimizer": {"placement": "cpu"}`).
+  a GPU stage on the CPU (`"optimizer": {"placement": "cpu"}`), or a quarter of it there beside
+  the GPU's part (`"placement": "split", "cpu_fraction": 0.25`).
 
 A plan here is a plan-file dict (`hetplan.plan/1`) without `topology` and `predicted`.
 """
@@ -76,17 +77,20 @@ def plans_for(topology, num_layers: dict[str, int]) -> dict[str, dict]:
 
 
 def make_plan(workload: dict, replicas, schedule="1f1b", sync="coarse", opt="adam",
-              placement="device", bucket_bytes=1 << 20, lr=1e-3, **fields) -> dict:
-    """A plan dict; `replicas` is [(batch_fraction, microbatches, [(device, (start, end))])];
-    `fields` are extra top-level plan keys."""
+              placement="device", bucket_bytes=1 << 20, lr=1e-3, cpu_fraction=None, **fields) -> dict:
+    """A plan dict; `replicas` is [(batch_fraction, microbatches, [(device, (start, end)[, offload])])]
+    (offload: the stage's offload_activations); `fields` are extra top-level plan keys."""
     return {"schema": "hetplan.plan/1",
             "model": {"spec": workload["spec"], "args": workload["args"]},
             "global_batch": workload["batch"],
             "replicas": [{"batch_fraction": f, "microbatches": m,
-                          "stages": [{"device": d, "layers": list(r)} for d, r in stages]}
+                          "stages": [{"device": d, "layers": list(r), **({"offload_activations": True} if off else {})}
+                                     for d, r, *off in stages]}
                          for f, m, stages in replicas],
             "schedule": schedule, "sync": {"granularity": sync, "bucket_bytes": bucket_bytes},
-            "optimizer": {"name": opt, "lr": lr, "placement": placement}, "recompute": False,
+            "optimizer": {"name": opt, "lr": lr, "placement": placement,
+                          **({"cpu_fraction": cpu_fraction} if cpu_fraction is not None else {})},
+            "recompute": False,
             **fields}
 
 
@@ -155,7 +159,8 @@ def size_classes(plan: dict, measured_s: float) -> dict[str, str]:
 
 def gpu_plan_set(num_layers: dict[str, int], cpu: str, gpu: str) -> dict[str, dict]:
     """Per workload: the GPU alone (one and four microbatches), then the three CPU+GPU kinds
-    (`cpu-gpu-dp` coarse and fine, `cpu-gpu-pipe`, `gpu-cpu-opt`). The transformer's plans
+    (`cpu-gpu-dp` coarse and fine, `cpu-gpu-pipe`, `gpu-cpu-opt`, `gpu-split-opt`), and the GPU
+    alone with its activations offloaded to host memory (`gpu-offload-gpipe-4mb`). The transformer's plans
     come from `gpu_transformer_plans`."""
     out = {}
     for w, L in num_layers.items():
@@ -187,6 +192,8 @@ def _gpu_workload_plans(w: str, spec: dict, L: int, cpu: str, gpu: str, **fields
         f"{w}/cpu-gpu-dp-fine": plan(split, sync="fine", bucket_bytes=4 << 20),
         f"{w}/cpu-gpu-pipe-1f1b": plan([(1.0, 4, pipe)]),
         f"{w}/gpu-cpu-opt": plan([(1.0, 1, gpu_only)], placement="cpu"),
+        f"{w}/gpu-split-opt": plan([(1.0, 1, gpu_only)], placement="split", cpu_fraction=0.25),
+        f"{w}/gpu-offload-gpipe-4mb": plan([(1.0, 4, [(gpu, (0, L), True)])], schedule="gpipe"),
     }
 
 
@@ -198,7 +205,7 @@ def plan_class(plan: dict) -> str:
     """'cpu', 'gpu' or 'cpu+gpu': the kinds of device a plan computes on (a GPU stage whose
     optimizer step runs on the host uses both)."""
     kinds = {_kind(s["device"]) for r in plan["replicas"] for s in r["stages"]}
-    if plan["optimizer"]["placement"] == "cpu":
+    if plan["optimizer"]["placement"] in ("cpu", "split"):
         kinds.add("cpu")
     return "+".join(name for kind, name in (("cpu", "cpu"), ("cuda", "gpu")) if kind in kinds)
 
@@ -206,7 +213,7 @@ def plan_class(plan: dict) -> str:
 def hybrid_kinds(plan: dict) -> set[str]:
     """How a plan uses the CPU and a GPU together: 'batch-split' (a CPU replica beside a GPU
     replica), 'pipeline' (a CPU stage and a GPU stage in one replica), 'cpu-optimizer' (a GPU
-    stage's optimizer step on the host)."""
+    stage's optimizer step on the host), 'split-optimizer' (part of it on the host)."""
     per_replica = [{_kind(s["device"]) for s in r["stages"]} for r in plan["replicas"]]
     everywhere = set().union(*per_replica)
     out = set()
@@ -216,6 +223,8 @@ def hybrid_kinds(plan: dict) -> set[str]:
         out.add("pipeline")
     if plan["optimizer"]["placement"] == "cpu" and "cuda" in everywhere:
         out.add("cpu-optimizer")
+    if plan["optimizer"]["placement"] == "split" and "cuda" in everywhere:
+        out.add("split-optimizer")
     return out
 
 

@@ -1,26 +1,41 @@
-"""The optimizer step of one stage: SGD or Adam (torch.optim), on the device or on the CPU.
+"""The optimizer step of one stage: SGD or Adam (torch.optim), on the device, on the CPU, or split.
 
 Placement "cpu" is ZeRO-Offload style: the stage keeps fp32 master copies of its parameters in
 host memory (pinned on a real accelerator, like the gradient buffers); each step copies the
 gradients to the host with non-blocking copies, waits for them once, runs the update there and
-copies the parameters back without blocking. For a stage on a CPU device this is the same as
-"device" (nothing to move).
+copies the parameters back without blocking. Placement "split" (CoTrain) does this for the last
+tensors of the stage (planner.cost.model.split_host_count: cpu_fraction of the bytes, whole
+tensors) while the device updates the others: the device's update is queued after the gradient
+copies and runs while the host CPU updates its part. For a stage on a CPU device both are the
+same as "device" (nothing to move).
 Not modelled: ZeRO's overlap of the copies with backward, and partitioning of optimizer state.
 """
 from __future__ import annotations
 
 import torch
 
+from planner.cost.model import split_host_count
 from planner.hardware.device import TorchDevice
 from planner.files.plan import Optimizer
 
 
-def _make(params, spec: Optimizer) -> torch.optim.Optimizer:
+def _make(params, spec: Optimizer) -> torch.optim.Optimizer | None:
+    if not params:
+        return None
     if spec.name == "sgd":
         return torch.optim.SGD(params, lr=spec.lr)
     if spec.name == "adam":
         return torch.optim.Adam(params, lr=spec.lr)
     raise ValueError(f"unknown optimizer {spec.name!r}")
+
+
+def host_count(params: list[torch.Tensor], spec: Optimizer, device: TorchDevice) -> int:
+    """How many of the stage's last parameters its host CPU updates (0: all on the device)."""
+    if not device.accelerator or spec.placement == "device":
+        return 0
+    if spec.placement == "cpu":
+        return len(params)
+    return split_host_count([p.numel() * p.element_size() for p in params], spec.cpu_fraction)
 
 
 class StageOptimizer:
@@ -29,13 +44,12 @@ class StageOptimizer:
     def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice):
         self.params = [p for p in params if p.requires_grad]
         self.device = device
-        self.offload = spec.placement == "cpu" and device.accelerator
-        if self.offload:
-            self.master = [self._host_copy(p).requires_grad_(True) for p in self.params]
-            self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.params]
-            self.opt = _make(self.master, spec)
-        else:
-            self.opt = _make(self.params, spec)
+        k = host_count(self.params, spec, device)
+        self.on_device, self.on_host = self.params[:len(self.params) - k], self.params[len(self.params) - k:]
+        self.master = [self._host_copy(p).requires_grad_(True) for p in self.on_host]
+        self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.on_host]
+        self.device_opt = _make(self.on_device, spec)
+        self.host_opt = _make(self.master, spec)
 
     def _host_copy(self, p: torch.Tensor) -> torch.Tensor:
         h = self.device.host_buffer(p.shape, torch.float32)
@@ -48,24 +62,26 @@ class StageOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        if not self.offload:
-            self.opt.step()
-            return
-        for p, m, g in zip(self.params, self.master, self.host_grads):   # gradients to host
+        for p, m, g in zip(self.on_host, self.master, self.host_grads):   # gradients to host
             if p.grad is None:
                 m.grad = None
             else:
                 m.grad = g.copy_(p.grad, non_blocking=True)
-        self.device.wait_queued()
-        self.opt.step()                                     # update on the CPU
-        for p, m in zip(self.params, self.master):          # parameters back
+        copied = self.device.event()
+        copied.record()
+        if self.device_opt is not None:
+            self.device_opt.step()                          # queued on the device
+        if self.host_opt is None:
+            return
+        copied.synchronize()
+        self.host_opt.step()                                # meanwhile on the CPU
+        for p, m in zip(self.on_host, self.master):         # parameters back
             p.copy_(m, non_blocking=True)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state (Adam moments; master copies when offloaded)."""
+        """Bytes of optimizer state (Adam moments; master copies of the host's part)."""
         n = 0
-        for st in self.opt.state.values():
-            n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-        if self.offload:
-            n += sum(m.numel() * m.element_size() for m in self.master)
-        return n
+        for opt in (self.device_opt, self.host_opt):
+            for st in (opt.state.values() if opt is not None else ()):
+                n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        return n + sum(m.numel() * m.element_size() for m in self.master)

@@ -16,6 +16,9 @@ Recompute (plan.recompute): the stage's forward runs under non-reentrant activat
 checkpointing, so only its inputs are kept per in-flight microbatch and the forward runs again
 inside backward — the stage-level recompute the simulator and memory model assume.
 
+Activation offload (a stage's offload_activations): the forward runs under
+runtime.offload.ActivationOffload's hooks, so what it saves for backward waits in host memory.
+
 Precision (plan.precision): the stage's forward and the loss run under
 planner.workload.precision.autocast(device type, precision), backward outside it; under bf16 the
 activations and their gradients cross stage boundaries as bf16, and the gradients land in the
@@ -173,6 +176,7 @@ class StageRunner:
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
         self.saved_tracker = None   # instruments.SavedTracker, used while `track` is True
         self.track = False
+        self.offload = None         # runtime.offload.ActivationOffload (offload_activations)
 
     def run(self, actions: list[Step], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
@@ -230,6 +234,7 @@ class StageRunner:
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
         track = self.saved_tracker if self.track else None
         with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()), \
+                (self.offload.hooks() if self.offload else contextlib.nullcontext()), \
                 autocast(self.device.type, self.precision):
             if track is not None and self.recompute:   # checkpoint keeps just the stage input
                 track.add_bytes(mb, sum(a.numel() * a.element_size()

@@ -17,6 +17,7 @@ from planner.workload.inputs import call_args, slice_inputs
 from runtime.sync_modes import (NoGradSync, ParameterExchange, ParameterServer, ServerClient,
                                 ServerStepped, hogwild_parameters)
 from runtime.instruments import BusyTimer, SavedTracker
+from runtime.offload import ActivationOffload
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
 from runtime.sync import BufferSync, GradSync, Groups, Tied, layer_ranks
@@ -234,6 +235,8 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
                          scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
+    if rep.stages[st_j].offload_activations:
+        runner.offload = ActivationOffload(device, named.values())
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
     if synchronous:

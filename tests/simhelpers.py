@@ -33,9 +33,9 @@ def link(a, b, bw=1e30, lat=0.0) -> Link:
 
 
 def plan(replicas, global_batch, schedule="1f1b", granularity="fine", bucket_bytes=1 << 40,
-         optimizer="sgd", placement="device", recompute=False) -> Plan:
-    """replicas: list of (batch_fraction, microbatches, [(device, start, end), ...])."""
-    reps = tuple(Replica(f, m, tuple(Stage(d, (a, b)) for d, a, b in st)) for f, m, st in replicas)
+         optimizer="sgd", placement="device", recompute=False, cpu_fraction=None) -> Plan:
+    """replicas: list of (batch_fraction, microbatches, [(device, start, end[, offload]), ...])."""
+    reps = tuple(Replica(f, m, tuple(Stage(d, (a, b), *off) for d, a, b, *off in st)) for f, m, st in replicas)
     return Plan(model=ModelRef("synthetic"), global_batch=global_batch, replicas=reps,
                 schedule=schedule, sync=Sync(granularity, bucket_bytes),
-                optimizer=Optimizer(optimizer, 1e-3, placement), recompute=recompute)
+                optimizer=Optimizer(optimizer, 1e-3, placement, cpu_fraction), recompute=recompute)

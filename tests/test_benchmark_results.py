@@ -166,10 +166,12 @@ def test_gpu_plan_set_uses_cpu_and_gpu_together_and_validates():
     assert len(plans) >= 10 and {n.split("/")[0] for n in plans} == {"mlp", "gpt", "cnn"}
     hybrid = {n: hybrid_kinds(p) for n, p in plans.items() if plan_class(p) == "cpu+gpu"}
     assert len(hybrid) >= 3
-    assert set().union(*hybrid.values()) == {"batch-split", "pipeline", "cpu-optimizer"}
-    assert {"batch-split", "pipeline", "cpu-optimizer"} <= set().union(
+    assert set().union(*hybrid.values()) == {"batch-split", "pipeline", "cpu-optimizer", "split-optimizer"}
+    assert {"batch-split", "pipeline", "cpu-optimizer", "split-optimizer"} <= set().union(
         *(k for n, k in hybrid.items() if n.startswith("gpt/")))     # the transformer too
     assert all(plan_class(p) in ("gpu", "cpu+gpu") for p in plans.values())
+    assert sum(st.get("offload_activations", False) for p in plans.values()
+               for r in p["replicas"] for st in r["stages"]) == 3          # one plan per workload
     _check_valid(plans, layers, set(devices))
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cost.model import RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s
+from planner.cost.model import (RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s,
+                                split_host_count)
 from planner.cost.timing import interpolate
 from planner.hardware.lookup import measured_here
 from planner.hardware.topology import Topology
@@ -50,6 +51,14 @@ def test_host_cpu_is_a_linked_cpu_on_the_same_node():
     assert host_cpu(t, "cpu:0") == "cpu:0"
     with pytest.raises(ValueError, match="needs a CPU device"):
         host_cpu(topology([device("cuda:0")]), "cuda:0")
+
+
+def test_split_takes_the_last_tensors_nearest_the_fraction():
+    sizes = [256, 32, 64, 8]                        # 360 B; from the end: 8, 72, 104, 360
+    assert split_host_count(sizes, 0.2) == 2        # target 72: exactly the last two
+    assert split_host_count(sizes, 0.3) == 3        # target 108: 104 is nearer than 360
+    assert split_host_count(sizes, 0.01) == 0       # target 3.6: none is nearer than 8
+    assert split_host_count(sizes, 0.99) == 4
 
 
 def test_ring_allreduce_uses_slowest_link():

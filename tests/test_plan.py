@@ -67,6 +67,27 @@ def test_layers_pattern_round_trip_and_checked_type(tmp_path):
             plan_from_dict(d, "p.json")
 
 
+def test_split_optimizer_round_trips():
+    d = copy.deepcopy(BASE)
+    d["optimizer"] = {"name": "adam", "lr": 0.01, "placement": "split", "cpu_fraction": 0.25}
+    plan = plan_from_dict(d, "p.json")
+    assert plan.optimizer.cpu_fraction == 0.25 and plan.optimizer.placement == "split"
+    assert plan_from_dict(plan_to_dict(plan), "p.json") == plan
+    assert "cpu_fraction" not in plan_to_dict(plan_from_dict(copy.deepcopy(BASE), "p.json"))["optimizer"]
+
+
+def test_offload_activations_round_trips_and_excludes_recompute():
+    d = copy.deepcopy(BASE)
+    d["replicas"][1]["stages"][0]["offload_activations"] = True
+    plan = plan_from_dict(d, "p.json")
+    assert plan.replicas[1].stages[0].offload_activations and not plan.replicas[1].stages[1].offload_activations
+    assert plan_to_dict(plan) == plan_to_dict(plan_from_dict(plan_to_dict(plan), "p.json"))
+    assert "offload_activations" not in plan_to_dict(plan)["replicas"][1]["stages"][1]
+    d["recompute"] = True
+    with pytest.raises(InputError, match=r"replicas\[1\].stages\[0\].offload_activations: expected false with recompute"):
+        plan_from_dict(d, "p.json")
+
+
 def _set(d, path, value):
     keys = path.split(".")
     for k in keys[:-1]:
@@ -89,7 +110,12 @@ CASES = [
     ("sync.granularity", "medium", "sync.granularity: expected one of coarse, fine"),
     ("sync.bucket_bytes", 0, "sync.bucket_bytes: expected a positive integer"),
     ("optimizer.name", "lamb", "optimizer.name: expected one of sgd, adam"),
-    ("optimizer.placement", "nvme", "optimizer.placement: expected one of device, cpu"),
+    ("optimizer.placement", "nvme", "optimizer.placement: expected one of device, cpu, split"),
+    ("optimizer.placement", "split", "optimizer.cpu_fraction: expected a number in (0, 1) with placement"),
+    ("optimizer", {"placement": "split", "cpu_fraction": 1}, "optimizer.cpu_fraction: expected a number in (0, 1)"),
+    ("optimizer", {"placement": "split", "cpu_fraction": 0.0}, "optimizer.cpu_fraction: expected a number in (0, 1)"),
+    ("optimizer", {"placement": "split", "cpu_fraction": "half"}, "optimizer.cpu_fraction: expected a number"),
+    ("optimizer.cpu_fraction", 0.5, "optimizer.cpu_fraction: expected only with placement \"split\", got it with 'device'"),
     ("optimizer.lr", 0, "optimizer.lr: expected a positive number"),
     ("replicas.0.batch_fraction", 1.5, "replicas[0].batch_fraction: expected a number in (0, 1]"),
     (f"{R1}.microbatches", 0, "replicas[1].microbatches: expected a positive integer"),
@@ -108,6 +134,8 @@ CASES = [
     ("recompute", "yes", "recompute: expected true or false"),
     ("precision", "fp16", "precision: expected one of fp32, tf32, bf16, got 'fp16'"),
     ("precision", 16, "precision: expected a string, got 16"),
+    (f"{R1}.stages.0.offload_activations", "yes", "replicas[1].stages[0].offload_activations: expected true or false"),
+    ("replicas.0.stages.0.offload_activations", True, "replicas[0].stages[0].offload_activations: expected only on an accelerator stage"),
 ]
 
 

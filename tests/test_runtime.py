@@ -39,7 +39,7 @@ def reference(model: dict, global_batch: int, iters: int, opt: str = "adam", lr:
 
 
 def plan(replicas, model=MLP, global_batch=12, schedule="1f1b", sync="coarse", bucket_bytes=None,
-         opt="adam", placement="device", lr=0.01, recompute=False, precision="fp32"):
+         opt="adam", placement="device", lr=0.01, recompute=False, precision="fp32", cpu_fraction=None):
     reps = [{"batch_fraction": f, "microbatches": m,
              "stages": [{"device": d, "layers": list(r)} for d, r in stages]}
             for f, m, stages in replicas]
@@ -48,7 +48,8 @@ def plan(replicas, model=MLP, global_batch=12, schedule="1f1b", sync="coarse", b
         s["bucket_bytes"] = bucket_bytes
     return {"schema": "hetplan.plan/1", "model": model, "global_batch": global_batch, "replicas": reps,
             "schedule": schedule, "sync": s, "recompute": recompute, "precision": precision,
-            "optimizer": {"name": opt, "lr": lr, "placement": placement}}
+            "optimizer": {"name": opt, "lr": lr, "placement": placement,
+                          **({"cpu_fraction": cpu_fraction} if cpu_fraction is not None else {})}}
 
 
 def run_plan(tmp_path, p: dict, iters: int = ITERS):

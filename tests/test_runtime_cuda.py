@@ -52,6 +52,57 @@ def test_cpu_cuda_hybrid_fine_cpu_optimizer(tmp_path, gpus):
                                sync="fine", bucket_bytes=1024, placement="cpu"), gpus)
 
 
+def test_split_optimizer_pipeline(tmp_path, gpus):
+    # each GPU stage updates its last parameters (half the bytes) on the host, the rest on the GPU
+    check_close(tmp_path, plan([(1.0, 2, [("cuda:0", (0, 2)), ("cuda:1", (2, 4))])], placement="split",
+                               cpu_fraction=0.5), gpus)
+
+
+def test_split_optimizer_puts_the_last_tensors_on_the_host(gpus):
+    from planner.files.plan import Optimizer
+    from planner.hardware.device import torch_device
+    from runtime.optim import StageOptimizer
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch_device("cuda:0").device)
+    params = list(net.parameters())   # 256, 32, 64, 8 bytes
+    opt = StageOptimizer(params, Optimizer("adam", 0.01, "split", 0.2), torch_device("cuda:0"))
+    assert opt.on_host == params[2:] and opt.on_device == params[:2]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(m.device.type == "cpu" for m in opt.master)
+    # Adam's two moments and step counter (4 B) of every tensor, master copies of the host's 72 B
+    assert opt.state_bytes() == 2 * 360 + 4 * 4 + 72
+    assert float(params[3].detach()[0]) == pytest.approx(float(opt.master[1].detach()[0]))
+
+
+def test_offloaded_activations_pipeline(tmp_path, gpus):
+    # the first GPU stage keeps its saved activations in host memory between F and B
+    p = plan([(1.0, 4, [("cuda:0", (0, 2)), ("cuda:1", (2, 4))])], schedule="gpipe")
+    p["replicas"][0]["stages"][0]["offload_activations"] = True
+    check_close(tmp_path, p, gpus)
+
+
+def test_offload_hooks_copy_what_backward_needs_and_not_the_weights(gpus):
+    from planner.hardware.device import torch_device
+    from runtime.offload import ActivationOffload
+    dev = torch_device("cuda:0")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(dev.device)
+    x = torch.randn(4, 8, device=dev.device)
+    net(x).sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    off = ActivationOffload(dev, net.parameters())
+    with off.hooks():
+        y = net(x).sum()
+    y.backward()
+    for p, r in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=0)
+    # saved: the input x (4x8) for the first weight's gradient, tanh's output (4x16) for its
+    # backward and for the second weight's gradient (copied once): 32 + 64 floats
+    assert off.bytes_out == (32 + 64) * 4
+
+
 def test_gpu_dp_and_pipeline(tmp_path, gpus):
     # two GPUs: NCCL between them on real GPUs, host-staged gloo for the stand-ins
     if gpus == "real" and torch.cuda.device_count() < 2:

@@ -11,7 +11,7 @@ import math
 import random
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -242,6 +242,47 @@ def test_memory_tight_topology_gives_a_feasible_plan():
     assert best is not None and best.feasible
     check = Simulator(graph, topo).simulate(best.plan)
     assert check.feasible and all(v <= 3e8 for v in check.peak_memory_bytes.values())
+
+
+def test_split_optimizer_chosen_on_a_slow_gpu_workstation():
+    # 6 layers of 100 MB, Adam, little compute: the update dominates. On cuda:0 Adam moves
+    # 7 x 600 MB at 7e10 B/s = 60 ms; on cpu:0 the copies (2 x 600 MB at 2e10 B/s) and the update
+    # (4.2 GB at 7e10 B/s) take 120 ms; split, f of the bytes go to the host at 120 ms · f beside
+    # 60 ms · (1 - f) on the GPU: f = 0.25 gives max(45, 30) = 45 ms, the best of the grid.
+    graph = uniform_graph(param_bytes=1e8, flops_per_sample=1e6, act_per_sample=1e3)
+    topo = Topology("slow-gpu-workstation", (
+        Device("cpu:0", "cpu", 1e12, 1e9, 7e10), Device("cuda:0", "cuda", 1e12, 1e13, 7e10)),
+        (Link("cpu:0", "cuda:0", 2e10, 0.0),))
+    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "adam", 1e-3)
+    sim = Simulator(graph, topo)
+    result = search(simulator_problem(sim, space), random.Random(0), SearchConfig(iterations=300, time_limit_s=60))
+    best = result.best.plan
+    assert best.devices == ("cuda:0",) and best.optimizer.placement == "split"
+    assert best.optimizer.cpu_fraction == 0.25
+    on = {p: sim.simulate(replace(best, optimizer=replace(best.optimizer, placement=p, cpu_fraction=None)))
+          for p in ("device", "cpu")}
+    assert result.best.iteration_s < min(r.iteration_s for r in on.values())
+    assert on["device"].iteration_s - result.best.iteration_s == pytest.approx(0.015, rel=0.05)
+
+
+def test_offload_is_the_only_way_a_tight_gpu_trains_alone():
+    # 6 layers saving 2e7 B per sample each; cuda:0 has 6e7 B. Without offload it holds at least
+    # one sample's 1.2e8 B (recompute: 1.3e8); offloaded, two of a layer's, 4e7 B at 1 sample per
+    # microbatch. Pipelines through cpu:0 (1e9 FLOP/s against 1e13) are hundreds of times slower.
+    graph = uniform_graph(batch=8, act_per_sample=1e7)
+    topo = Topology("tight-gpu", (
+        Device("cpu:0", "cpu", 1e12, 1e9, 1e10), Device("cuda:0", "cuda", 6e7, 1e13, 1e12)),
+        (Link("cpu:0", "cuda:0", 1e11, 0.0),))
+    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "sgd", 0.1)
+    sim = Simulator(graph, topo)
+    result = search(simulator_problem(sim, space), random.Random(0), SearchConfig(iterations=400, time_limit_s=60))
+    best = result.best.plan
+    assert best.devices == ("cuda:0",) and best.replicas[0].stages[0].offload_activations
+    assert best.replicas[0].microbatches == 8 and result.best.feasible
+    kept = sim.simulate(replace(best, replicas=(replace(best.replicas[0], stages=(
+        replace(best.replicas[0].stages[0], offload_activations=False),)),)))
+    assert not kept.feasible and kept.peak_memory_bytes["cuda:0"] > 1.2e8
+    assert result.best.peak_memory_bytes["cuda:0"] == pytest.approx(4e7 + 2 * 6 * 4e5)
 
 
 # --- CLI end to end ---------------------------------------------------------------------------------

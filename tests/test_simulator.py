@@ -105,6 +105,46 @@ def test_cpu_optimizer_placement_moves_state_and_adds_copies():
     assert on_cpu.per_device["cuda:0"]["comm_s"] == approx(2.0)
 
 
+def test_split_optimizer_runs_device_and_host_parts_at_once():
+    # a slow GPU: Adam on 1e6 B there takes 7e6 / 1e6 = 7 s; on cpu:0 0.7 s; the link 1 s per 1e6 B
+    g = graph([layer(0, param_bytes=10**6)], batch=1)
+    t = topology([device("cpu:0", mem_bw=1e7), device("cuda:0", mem_bw=1e6)],
+                 [link("cpu:0", "cuda:0", bw=1e6)])
+
+    def split(f):
+        return simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="split",
+                             cpu_fraction=f), g, t)
+    on_cpu = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="cpu"), g, t)
+    assert on_cpu.iteration_s == approx(3.0 + 1.0 + 0.7 + 1.0)
+    # f = 0.75: device part 0.25 * 7 = 1.75 s beside host part 0.75 + 0.525 + 0.75 = 2.025 s
+    r = split(0.75)
+    assert r.iteration_s == approx(3.0 + 2.025)
+    assert r.per_device["cuda:0"]["optimizer_s"] == approx(1.75)
+    assert r.per_device["cpu:0"]["optimizer_s"] == approx(0.525)
+    # f = 0.25: the device part (0.75 * 7 = 5.25 s) is the longer one
+    assert split(0.25).iteration_s == approx(3.0 + 5.25)
+    # the GPU keeps params + grads + Adam state of its quarter; the host state + grads of 3/4
+    assert r.peak_memory_bytes == {"cuda:0": approx(2.5e6), "cpu:0": approx(2.25e6)}
+
+
+def test_offloaded_activations_copied_out_beside_compute_and_back_before_backward():
+    # one GPU stage of two layers, GPipe over 2 microbatches of 1 sample: F = 2 s, B = 4 s; each
+    # microbatch saves 2e6 B, 2 s over the 1e6 B/s link each way
+    g = graph([layer(0, saved_bytes=10**6), layer(1, saved_bytes=10**6)], batch=1)
+    t = topology([device("cpu:0"), device("cuda:0")], [link("cpu:0", "cuda:0", bw=1e6)])
+    kept = simulate(plan([(1.0, 2, [("cuda:0", 0, 2)])], 2, schedule="gpipe"), g, t)
+    off = simulate(plan([(1.0, 2, [("cuda:0", 0, 2, True)])], 2, schedule="gpipe"), g, t)
+    assert kept.iteration_s == approx(2 * 2.0 + 2 * 4.0)
+    # F0 [0, 2], F1 [2, 4]; out: mb0 [2, 4], mb1 [4, 6]; back: mb0 [4, 6] (after F1), B0 [6, 10];
+    # back mb1 [10, 12] (after B0), B1 [12, 16]
+    assert off.iteration_s == approx(16.0)
+    assert off.per_device["cuda:0"]["comm_s"] == approx(4 * 2.0)
+    assert off.per_device["cpu:0"]["comm_s"] == approx(4 * 2.0)
+    # the device keeps two of its largest layer's (1e6 B each); the host both microbatches
+    assert kept.peak_memory_bytes == {"cuda:0": 4e6}
+    assert off.peak_memory_bytes == {"cuda:0": 2e6, "cpu:0": 4e6}
+
+
 def test_offloaded_optimizer_copies_priced_by_the_measured_pinned_host_copy():
     # as above, but cuda:0 carries a measured host-copy fit (profile): the runtime copies through
     # pinned buffers in its own process, so the copies cost the fit, not the (gloo) link

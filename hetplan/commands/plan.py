@@ -191,7 +191,8 @@ def main(args) -> int:
         return 0
     print(f"chosen plan: {describe(plan)}")
     print(f"  schedule {plan.schedule}, sync {plan.sync.granularity} ({plan.sync.bucket_bytes / 2**20:g} MiB buckets), "
-          f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}, recompute {'on' if plan.recompute else 'off'}, "
+          f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}"
+          f"{f' ({plan.optimizer.cpu_fraction:.0%} of the bytes on the CPU)' if plan.optimizer.cpu_fraction else ''}, recompute {'on' if plan.recompute else 'off'}, "
           f"precision {plan.precision}")
     if ranked is not None:
         print(f"  sync mode {plan.sync.mode}; predicted to reach loss {args.target_loss:g} in "

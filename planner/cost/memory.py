@@ -8,7 +8,8 @@ microbatches, stage index s):
   parameter a layer of [a, b) uses whose first layer is in another stage
   (ModelGraph.stage_param_bytes).
 * optimizer state: OPTIMIZER_STATE_PER_PARAM_BYTE (Adam 2x params, SGD 0). Under placement
-  "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients.
+  "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients. Under
+  "split" the host holds both for cpu_fraction f of the bytes, the GPU the state of 1 - f.
 * activations: saved_bytes of one microbatch (sum over [a, b), scaled to mb) times the
   microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m).
   With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
@@ -20,6 +21,9 @@ microbatches, stage index s):
 * sync.mode "easgd": each worker also holds the center variable, a copy of its parameters.
 * sync.mode "parameter-server": the workers hold parameters and gradients, the server the
   parameters, one worker's gradients and the optimizer state.
+* offload_activations: the stage's host CPU holds what the device would (every microbatch in
+  flight); the device holds two of the stage's largest layer's saved bytes (one being copied
+  out or back while the next is computed).
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -39,25 +43,44 @@ def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
     return min(stages - stage, microbatches)
 
 
+def saved_per_microbatch(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
+    """Bytes one microbatch of a stage saves for backward: its layers' saved_bytes scaled to the
+    microbatch, plus (bf16) autocast's weight copies."""
+    rep = plan.replicas[rep_index]
+    st = rep.stages[stage]
+    return graph.saved_bytes_at(st.start, st.end, plan.replica_batches()[rep_index] / rep.microbatches)
+
+
 def activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
-    """Peak saved-activation bytes of one stage of one replica (see the module docstring)."""
+    """Peak saved-activation bytes of one stage of one replica on its device (see the module
+    docstring); an offloaded stage's device holds two of its largest layer's."""
     rep = plan.replicas[rep_index]
     st = rep.stages[stage]
     mb = plan.replica_batches()[rep_index] / rep.microbatches
-    ratio = mb / graph.batch
-    layers = graph.layers[st.start:st.end]
-    one_mb = sum(l.saved_bytes for l in layers) * ratio
-    casts = sum(l.cast_param_bytes for l in layers)
+    if st.offload_activations:
+        return 2 * max(graph.saved_bytes_at(i, i + 1, mb) for i in range(st.start, st.end))
+    one_mb = saved_per_microbatch(plan, graph, rep_index, stage)
     n = in_flight(plan.schedule, len(rep.stages), stage, rep.microbatches)
     if plan.recompute:
-        return n * graph.cut_bytes_at(st.start, mb) + one_mb + casts
-    return n * (one_mb + casts)
+        return n * graph.cut_bytes_at(st.start, mb) + one_mb
+    return n * one_mb
+
+
+def offloaded_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
+    """Saved-activation bytes an offloaded stage keeps in host memory at the peak: every
+    microbatch in flight (0 for a stage that does not offload)."""
+    rep = plan.replicas[rep_index]
+    if not rep.stages[stage].offload_activations:
+        return 0.0
+    n = in_flight(plan.schedule, len(rep.stages), stage, rep.microbatches)
+    return n * saved_per_microbatch(plan, graph, rep_index, stage)
 
 
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
     """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
-    offload = plan.optimizer.placement == "cpu"
+    placement = plan.optimizer.placement
+    f = 1.0 if placement == "cpu" else plan.optimizer.cpu_fraction or 0.0
     out: dict[str, float] = {}
     if plan.sync.mode == "parameter-server":
         out[plan.sync.server] = (2 + state_ratio) * float(graph.stage_param_bytes(0, graph.num_layers))
@@ -68,11 +91,16 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
             acts = activation_bytes(plan, graph, r, s)
             center = params if plan.sync.mode == "easgd" else 0.0
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + center
-            host = host_cpu(topology, st.device) if offload else st.device
-            extra = state_ratio * params
-            if host != st.device:
-                extra += params  # the host's copy of the gradients
-            out[host] = out.get(host, 0.0) + extra
+            if st.offload_activations:
+                h = host_cpu(topology, st.device)
+                out[h] = out.get(h, 0.0) + offloaded_bytes(plan, graph, r, s)
+            host = host_cpu(topology, st.device) if placement != "device" else st.device
+            if host == st.device:
+                out[host] += state_ratio * params
+                continue
+            # the host's share: its optimizer state and its copy of those gradients
+            out[st.device] += state_ratio * (1 - f) * params
+            out[host] = out.get(host, 0.0) + (state_ratio + 1) * f * params
     return out
 
 
@@ -80,4 +108,4 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["in_flight", "activation_bytes", "peak_memory", "feasible"]
+__all__ = ["in_flight", "saved_per_microbatch", "activation_bytes", "offloaded_bytes", "peak_memory", "feasible"]

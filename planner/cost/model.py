@@ -68,7 +68,8 @@ def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:
 
 
 def host_cpu(topology: Topology, device: str) -> str:
-    """The CPU that runs `device`'s optimizer under placement "cpu" (ZeRO-Offload): a CPU
+    """The CPU that runs `device`'s optimizer under placement "cpu" (ZeRO-Offload) or its host
+    part under "split" (CoTrain): a CPU
     device on the same node, preferring one with a direct link, then the lowest name.
     A CPU device is its own host. Raises ValueError when the node has no CPU device."""
     node, kind, _ = parse_device_name(device)
@@ -76,9 +77,22 @@ def host_cpu(topology: Topology, device: str) -> str:
         return device
     cpus = [d.name for d in topology.devices if d.kind == "cpu" and d.node == node]
     if not cpus:
-        raise ValueError(f"optimizer placement 'cpu' needs a CPU device on the node of {device}")
+        raise ValueError(f"optimizer placement 'cpu' or 'split' needs a CPU device on the node of {device}")
     linked = {l.a if l.b == device else l.b for l in topology.links if device in (l.a, l.b)}
     return min(cpus, key=lambda c: (c not in linked, c))
+
+
+def split_host_count(sizes: list[int], cpu_fraction: float) -> int:
+    """How many of a stage's parameter tensors (`sizes` in bytes, in parameter order) the host
+    CPU updates under placement "split": the last k, k the smallest count whose bytes reach
+    cpu_fraction of the total, less one when that brings the bytes nearer the target (whole
+    tensors; the simulator prices exactly cpu_fraction of the bytes)."""
+    target, acc = cpu_fraction * sum(sizes), 0
+    for k, n in enumerate(reversed(sizes), 1):
+        if acc + n >= target:
+            return k if acc + n - target <= target - acc else k - 1
+        acc += n
+    return len(sizes)
 
 
 class CostModel:
@@ -172,10 +186,14 @@ class CostModel:
         """A copy of n bytes between `device` and its host's memory in one process ("h2d" or
         "d2h"), as the runtime makes it (pinned buffers): latency_s + n / bytes_per_s of the
         device's measured `host_copy` fit; None without one (the caller prices the link)."""
+        fit = self.host_copy_fit(device, direction)
+        return None if fit is None else fit[0] + n_bytes / fit[1]
+
+    def host_copy_fit(self, device: str, direction: str) -> tuple[float, float] | None:
+        """(latency_s, bytes_per_s) of `device`'s measured pinned host copy in `direction`; None
+        without one."""
         fit = self.topology.device(device).measured.get("host_copy", {}).get("pinned", {}).get(direction)
-        if not fit:
-            return None
-        return fit["latency_s"] + n_bytes / fit["bytes_per_s"]
+        return (fit["latency_s"], fit["bytes_per_s"]) if fit else None
 
     def allreduce_s(self, devices: tuple[str, ...], n_bytes: float) -> float:
         """All-reduce of n bytes over `devices`: the calibrated gloo fit when every device is a
@@ -232,5 +250,5 @@ class RooflineCost(CostModel):
         return [layer_fwd_s(l, device, p) for l in scaled], [layer_bwd_s(l, device, p) for l in scaled]
 
 
-__all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "optimizer_s", "host_cpu", "CostModel",
+__all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "optimizer_s", "host_cpu", "split_host_count", "CostModel",
            "RooflineCost", "OPTIMIZER_BYTES_PER_PARAM_BYTE", "OPTIMIZER_STATE_PER_PARAM_BYTE"]

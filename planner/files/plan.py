@@ -20,7 +20,7 @@ SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwi
 SUPPORTED_SYNC_MODES = ("sync", "local-sgd", "easgd", "hogwild", "parameter-server")   # what this version runs
 MODE_PARAMS = {"local-sgd": ("period",), "easgd": ("period", "alpha"), "parameter-server": ("server",)}
 OPTIMIZERS = ("sgd", "adam")
-PLACEMENTS = ("device", "cpu")
+PLACEMENTS = ("device", "cpu", "split")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.workload.precision)
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
@@ -35,6 +35,7 @@ def min_microbatches(stages: int, schedule: str) -> int:
 class Stage:
     device: str
     layers: tuple[int, int]  # half-open [start, end)
+    offload_activations: bool = False  # saved activations in host memory between F and B
 
     @property
     def start(self) -> int:
@@ -77,7 +78,9 @@ class Sync:
 class Optimizer:
     name: str = "adam"                 # "sgd" or "adam"
     lr: float = 1e-3
-    placement: str = "device"          # "device" or "cpu" (ZeRO-Offload style)
+    placement: str = "device"          # "device", "cpu" (ZeRO-Offload style) or "split" (CoTrain)
+    cpu_fraction: float | None = None  # "split" only: the share of each stage's parameter bytes
+                                       # updated on the host CPU (planner.cost.split)
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,12 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("optimizer.name", f"expected one of {', '.join(OPTIMIZERS)}, got {plan.optimizer.name!r}")
     if plan.optimizer.placement not in PLACEMENTS:
         raise err("optimizer.placement", f"expected one of {', '.join(PLACEMENTS)}, got {plan.optimizer.placement!r}")
+    f = plan.optimizer.cpu_fraction
+    if plan.optimizer.placement == "split" and (f is None or not 0 < f < 1):
+        raise err("optimizer.cpu_fraction", f"expected a number in (0, 1) with placement \"split\", got {f}")
+    if plan.optimizer.placement != "split" and f is not None:
+        raise err("optimizer.cpu_fraction", f"expected only with placement \"split\", got it with "
+                                            f"{plan.optimizer.placement!r}")
     if plan.precision not in PRECISIONS:
         raise err("precision", f"expected one of {', '.join(PRECISIONS)}, got {plan.precision!r}")
     if not plan.optimizer.lr > 0:
@@ -202,6 +211,12 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
             if st.device in seen:
                 raise err(f"{sw}.device", f"device {st.device!r} is already used by {seen[st.device]}; expected distinct devices")
             seen[st.device] = sw
+            if st.offload_activations and st.device.split("/")[-1].startswith("cpu:"):
+                raise err(f"{sw}.offload_activations", f"expected only on an accelerator stage "
+                                                       f"(a CPU's activations are in host memory), got it on {st.device!r}")
+            if st.offload_activations and plan.recompute:
+                raise err(f"{sw}.offload_activations", "expected false with recompute (recompute keeps "
+                                                       "only the stage input; offload it or recompute, not both)")
         if expect_start != L:
             raise err(f"{where}.stages[{len(rep.stages) - 1}].layers",
                       f"expected the last stage to end at layer {L} (the model has {L} layers), got {expect_start}")
@@ -273,7 +288,8 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
             lay = s.get("layers", list, check=lambda v: len(v) == 2 and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
                 expected="[start, end] with non-negative integers")
-            stages.append(Stage(device=s.get("device", str), layers=(lay[0], lay[1])))
+            stages.append(Stage(device=s.get("device", str), layers=(lay[0], lay[1]),
+                                offload_activations=s.get("offload_activations", bool, default=False)))
         replicas.append(Replica(batch_fraction=rr.get("batch_fraction", float),
                                 microbatches=rr.get("microbatches", int, default=1),
                                 stages=tuple(stages)))
@@ -291,7 +307,8 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     if r.has("optimizer"):
         o = r.sub("optimizer")
         opt = Optimizer(name=o.get("name", str, default=opt.name), lr=o.get("lr", float, default=opt.lr),
-                        placement=o.get("placement", str, default=opt.placement))
+                        placement=o.get("placement", str, default=opt.placement),
+                        cpu_fraction=o.get("cpu_fraction", float, default=None))
     topo = None
     if r.has("topology"):
         t = r.sub("topology")
@@ -323,7 +340,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["topology"] = {"name": plan.topology.name, "sha256": plan.topology.sha256}
     out["replicas"] = [
         {"batch_fraction": r.batch_fraction, "microbatches": r.microbatches,
-         "stages": [{"device": s.device, "layers": list(s.layers)} for s in r.stages]}
+         "stages": [{"device": s.device, "layers": list(s.layers),
+                     **({"offload_activations": True} if s.offload_activations else {})} for s in r.stages]}
         for r in plan.replicas]
     out["schedule"] = plan.schedule
     out["sync"] = {"granularity": plan.sync.granularity, "bucket_bytes": plan.sync.bucket_bytes}
@@ -334,6 +352,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 out["sync"][name] = getattr(plan.sync, name)
     out["optimizer"] = {"name": plan.optimizer.name, "lr": plan.optimizer.lr,
                         "placement": plan.optimizer.placement}
+    if plan.optimizer.cpu_fraction is not None:
+        out["optimizer"]["cpu_fraction"] = plan.optimizer.cpu_fraction
     out["recompute"] = plan.recompute
     out["precision"] = plan.precision
     if plan.predicted is not None:

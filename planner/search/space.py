@@ -2,7 +2,8 @@
 
 A `Strategy` is a plan without its batch split: which devices form which pipelines, where the
 stage boundaries are, the desired microbatch count of each pipeline, and the global choices
-(schedule, sync granularity and bucket size, optimizer placement, recompute, precision). A plan is a
+(schedule, sync granularity and bucket size, optimizer placement and a split optimizer's host
+share, recompute, activation offload, precision). A plan is a
 strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
 search solve it directly (planner.search.mcmc.solve_batches) instead of random-walking fractions.
 
@@ -21,6 +22,7 @@ from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync, 
 
 MiB = 2**20
 BUCKET_CHOICES_BYTES = (1 * MiB, 4 * MiB, 25 * MiB, 100 * MiB)
+CPU_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9)   # shares of a split optimizer's update on the host CPU
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Space:
     precisions: tuple[str, ...] = ("fp32",)  # what the user allows (`plan --precision`); the
                                              # baselines use the first
     max_microbatches: int = 64             # more microbatches than this only add overhead
+    cpu_fractions: tuple[float, ...] = CPU_FRACTIONS
 
     @property
     def has_gpu(self) -> bool:
@@ -48,7 +51,16 @@ class Space:
     @property
     def placements(self) -> tuple[str, ...]:
         # Offloading the optimizer to the CPU only means something for GPU-resident parameters.
-        return ("device", "cpu") if self.has_gpu else ("device",)
+        return ("device", "cpu", "split") if self.has_gpu else ("device",)
+
+    @property
+    def offload_choices(self) -> tuple[bool, ...]:
+        # Activation offload moves an accelerator's saved activations to its host.
+        return (False, True) if self.has_gpu else (False,)
+
+    def optimizer_choices(self) -> list[tuple[str, float | None]]:
+        """(placement, cpu_fraction) pairs: every fraction under "split", None otherwise."""
+        return [(p, f) for p in self.placements for f in (self.cpu_fractions if p == "split" else (None,))]
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,9 @@ class Strategy:
     placement: str = "device"
     recompute: bool = False
     precision: str = "fp32"
+    cpu_fraction: float | None = None      # placement "split" only
+    offload: bool = False                  # offload_activations on every accelerator stage
+                                           # (not under recompute)
 
     @property
     def used(self) -> frozenset[str]:
@@ -104,11 +119,13 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     replicas = []
     for p, b in zip(s.pipelines, batches, strict=True):
         m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule)
-        stages = tuple(Stage(d, r) for d, r in zip(p.devices, p.ranges(space.num_layers)))
+        stages = tuple(Stage(d, r, s.offload and not s.recompute and space.kinds[d] != "cpu")
+                       for d, r in zip(p.devices, p.ranges(space.num_layers)))
         replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
                 sync=Sync(s.granularity, s.bucket_bytes),
-                optimizer=Optimizer(space.optimizer_name, space.lr, s.placement),
+                optimizer=Optimizer(space.optimizer_name, space.lr, s.placement,
+                                          s.cpu_fraction if s.placement == "split" else None),
                 recompute=s.recompute, precision=s.precision)
 
 
@@ -117,7 +134,8 @@ def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
     pipes = tuple(Pipeline(devices=r.devices, cuts=tuple(st.start for st in r.stages[1:]),
                            microbatches=r.microbatches) for r in plan.replicas)
     s = Strategy(pipes, plan.schedule, plan.sync.granularity, plan.sync.bucket_bytes,
-                 plan.optimizer.placement, plan.recompute, plan.precision)
+                 plan.optimizer.placement, plan.recompute, plan.precision, plan.optimizer.cpu_fraction,
+                 any(st.offload_activations for r in plan.replicas for st in r.stages))
     return s, tuple(plan.replica_batches())
 
 
@@ -269,15 +287,24 @@ def _other(choices: tuple, current, rng: random.Random):
 
 def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
     """Change one global choice: schedule, sync granularity, bucket size, placement, recompute,
-    and precision when the space allows more than one."""
+    precision when the space allows more than one, the host's share of a split optimizer
+    (a new "split" placement draws one), and activation offload where there is a GPU."""
     options = (("schedule", space.schedules), ("granularity", space.granularities),
                ("bucket_bytes", space.bucket_choices_bytes),
                ("placement", space.placements), ("recompute", space.recompute_choices))
     if len(space.precisions) > 1:   # else the walk draws exactly as before precision existed
         options += (("precision", space.precisions),)
+    if s.placement == "split":
+        options += (("cpu_fraction", space.cpu_fractions),)
+    if len(space.offload_choices) > 1:
+        options += (("offload", space.offload_choices),)
     name, choices = rng.choice(options)
     v = _other(tuple(choices), getattr(s, name), rng)
-    return None if v is None else replace(s, **{name: v})
+    if v is None:
+        return None
+    if name == "placement":
+        return replace(s, placement=v, cpu_fraction=rng.choice(space.cpu_fractions) if v == "split" else None)
+    return replace(s, **{name: v})
 
 
 # (move, weight): structural moves dominate; global toggles are few and cheap to try.
@@ -331,11 +358,14 @@ def enumerate_plans(space: Space) -> Iterator[Plan]:
     counts and global choices). Exponential: meant for <= 3 devices and a few layers."""
     L, B = space.num_layers, space.global_batch
     globals_ = list(itertools.product(space.schedules, space.granularities, space.bucket_choices_bytes,
-                                      space.placements, space.recompute_choices, space.precisions))
+                                      space.optimizer_choices(), space.recompute_choices, space.precisions,
+                                      space.offload_choices))
     for groups in _pipeline_groupings(space.devices):
         cut_sets = [list(itertools.combinations(range(1, L), len(g) - 1)) for g in groups]
         for cuts in itertools.product(*cut_sets):
-            for sched, gran, bucket, place, rec, prec in globals_:
+            for sched, gran, bucket, place, rec, prec, off in globals_:
+                if off and rec:
+                    continue   # offload is not used under recompute (to_plan)
                 pipes = tuple(Pipeline(g, c) for g, c in zip(groups, cuts))
                 lows = [min_batch(p, sched) for p in pipes]
                 if sum(lows) > B:
@@ -344,5 +374,5 @@ def enumerate_plans(space: Space) -> Iterator[Plan]:
                     mb_sets = [[m for m in range(lo, b + 1) if b % m == 0] for lo, b in zip(lows, batches)]
                     for mbs in itertools.product(*mb_sets):
                         s = Strategy(tuple(replace(p, microbatches=m) for p, m in zip(pipes, mbs)),
-                                     sched, gran, bucket, place, rec, prec)
+                                     sched, gran, bucket, place[0], rec, prec, place[1], off)
                         yield to_plan(space, s, batches)

@@ -4,7 +4,8 @@
 (planner.sim.taskgraph) evaluated per plan: the plan's devices; the gradient buckets to
 exchange; per replica, each stage's compute in schedule order and the transfers between
 stages; one all-reduce per exchanged bucket; one optimizer step per device holding parameters
-(on its host CPU when offloaded). The same statistics are counted in the same order as tasks
+(on its host CPU when offloaded; under "split" both: the device's part and, at the same time,
+its host's part with the copies). The same statistics are counted in the same order as tasks
 are added, so per-device sums are reproducible bit for bit.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from planner.files.plan import Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.template import ReplicaTemplate, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
-                                   RouteHop, TaskGraph, TaskMeta, TransferLabel)
+                                   RouteHop, SavedCopy, TaskGraph, TaskMeta, TransferLabel)
 from planner.workload.graph import ModelGraph
 
 
@@ -83,12 +84,13 @@ class Builder:
 
     # --- devices and buckets -----------------------------------------------------------------
     def plan_devices(self) -> None:
-        """The plan's devices, plus the host CPUs of an offloaded optimizer, each with its
-        statistics; an unknown device raises KeyError naming it."""
+        """The plan's devices, plus the host CPUs of an offloaded optimizer or of offloaded
+        activations, each with its statistics; an unknown device raises KeyError naming it."""
         plan, topology = self.plan, self.sim.topology
         devices = list(plan.devices)
-        if plan.optimizer.placement == "cpu":
-            devices += [h for h in (host_cpu(topology, d) for d in plan.devices) if h not in devices]
+        offloading = [st.device for rep in plan.replicas for st in rep.stages if st.offload_activations]
+        hosted = plan.devices if plan.optimizer.placement in ("cpu", "split") else offloading
+        devices += [h for h in dict.fromkeys(host_cpu(topology, d) for d in hosted) if h not in devices]
         for d in devices:
             topology.device(d)
             for s in COUNTED:
@@ -150,7 +152,44 @@ class Builder:
                 if bucket is not None:
                     progress.chunk_of[(dev, bucket)] = ids[end]
             progress.last_backward[dev] = ids[t.last_backward[s]]
+        for s, st in enumerate(stages):
+            if st.offload_activations:
+                self.offload_copies(r, s, st, t, ids)
         g.end_replica()
+
+    def offload_copies(self, r: int, s: int, st: Stage, t: ReplicaTemplate, ids: list[int]) -> None:
+        """offload_activations: each microbatch's saved activations go to the host after its
+        forward (on the device->host link, beside the compute) and come back once the device
+        has reached its backward, which waits for them (the runtime copies them back as
+        backward unpacks them). Copies cost the measured pinned host-copy fit, else the link."""
+        g, sim, dev = self.g, self.sim, st.device
+        host = host_cpu(sim.topology, dev)
+        ks, res, lanes = [], [], []
+        for a, b, direction in ((dev, host, "d2h"), (host, dev, "h2d")):
+            hops = sim.hops(a, b)
+            if not hops:
+                raise ValueError(f"offload_activations needs a link between {dev} and {host}")
+            fit = sim.cost.host_copy_fit(dev, direction) or (hops[0].latency_s, hops[0].bandwidth_bytes_per_s)
+            ks.append(g.value(SavedCopy(r, st.start, st.end, *fit)))
+            res.append((hops[0].resource,))
+            lanes.append(hops[0].lane)
+        fwd, bwd, before, last = {}, {}, {}, None
+        for local, lab in enumerate(t.label):
+            if lab[0] == "compute" and lab[1] == s:
+                i = lab[2].microbatch
+                if lab[2].kind == "F":
+                    fwd[i] = local
+                elif i not in bwd:
+                    bwd[i], before[i] = local, last
+                last = local
+        for i in sorted(fwd):
+            out = g.add(ks[0], res[0], (ids[fwd[i]],), TaskMeta(f"{r}:saved {dev}->{host} mb{i}", lanes[0], "transfer"))
+            back = g.add(ks[1], res[1], (out, None if before[i] is None else ids[before[i]]),
+                         TaskMeta(f"{r}:saved {host}->{dev} mb{i}", lanes[1], "transfer"))
+            g.wire(back, ids[bwd[i]])
+            for k in ks:
+                g.count(dev, "comm_s", k)
+                g.count(host, "comm_s", k)
 
     @staticmethod
     def labels(r: int, t: ReplicaTemplate, lanes: list[str]) -> list[TaskMeta]:
@@ -266,14 +305,16 @@ class Builder:
             g.count(dev, "comm_s", d_k)
             synced.setdefault(dev, []).append(t)
 
-    def optimizer_steps(self, synced: dict[str, list[int]]) -> dict[str, int]:
+    def optimizer_steps(self, synced: dict[str, list[int]]) -> list[int]:
         """One step per device holding parameters, after its all-reduces (its last backward when
-        it exchanges nothing); on its host CPU under placement "cpu". A worker that waited for
-        its all-reduces starts the step cold (cost.cold_compute_s). Returns each device's last
-        task of the step."""
+        it exchanges nothing); on its host CPU under placement "cpu"; under "split" the host
+        CPU updates cpu_fraction of the bytes (and of the tensors, rounded) while the device
+        updates the rest, both after the same all-reduces. A worker that waited for its
+        all-reduces starts the step cold (cost.cold_compute_s). Returns the steps' last tasks."""
         g, graph, sim = self.g, self.sim.graph, self.sim
-        opt, offload = self.plan.optimizer.name, self.plan.optimizer.placement == "cpu"
-        steps: dict[str, int] = {}
+        opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
+        f = self.plan.optimizer.cpu_fraction if placement == "split" else None
+        steps: list[int] = []
         for rep in self.plan.replicas:
             for st in rep.stages:
                 dev = st.device
@@ -282,19 +323,22 @@ class Builder:
                     continue
                 n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
                 deps = synced.get(dev) or [self.progress.last_backward[dev]]
-                host = host_cpu(sim.topology, dev) if offload else dev
-                if host != dev:
-                    steps[dev] = self.offloaded_step(dev, host, n, n_t, deps)
+                host = host_cpu(sim.topology, dev) if placement != "device" else dev
+                if host != dev and f is None:
+                    steps.append(self.offloaded_step(dev, host, n, n_t, deps))
                     continue
+                if host != dev:
+                    steps.append(self.offloaded_step(dev, host, f * n, round(f * n_t), deps))
+                    n, n_t = (1 - f) * n, n_t - round(f * n_t)
                 cold = sim.cost.cold_compute_s(dev) if synced.get(dev) else 0.0
                 d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t) + cold))
                 t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(f"{opt} step", dev, "optimizer"))
                 g.memory_bound.add(t)
                 g.count(dev, "optimizer_s", d_k)
-                steps[dev] = t
+                steps.append(t)
         return steps
 
-    def parameter_exchange(self, steps: dict[str, int]) -> None:
+    def parameter_exchange(self, steps: list[int]) -> None:
         """Local SGD and EASGD (sync.local): every `period` iterations, one all-reduce of the
         parameters (local SGD: their weighted sum; EASGD: the elastic differences) among the
         replicas, after every step; priced per iteration as 1/period of it. Replicas that differ
@@ -307,7 +351,7 @@ class Builder:
         n = self.sim.graph.stage_param_bytes(0, self.sim.graph.num_layers)
         res, d = self.sim._allreduce(devices, n)
         d_k = g.value(Const(d / self.plan.sync.period))
-        g.add(d_k, res, list(steps.values()),
+        g.add(d_k, res, steps,
               TaskMeta(f"parameter exchange {n}B / {self.plan.sync.period}", "+".join(devices), "allreduce"))
         g.sync_res.update(res)
         for dev in devices:

@@ -66,7 +66,7 @@ class ShapeKey(NamedTuple):
     schedule: str
     sync: Any
     optimizer: str
-    placement: str
+    placement: tuple       # (placement, cpu_fraction)
     recompute: bool
     like: tuple[int, ...] | None
 
@@ -154,7 +154,8 @@ class Simulator:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
         collapsed as `like` says; built afresh when tracing."""
         key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
-                       plan.sync, plan.optimizer.name, plan.optimizer.placement, plan.recompute, like)
+                       plan.sync, plan.optimizer.name,
+                       (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, like)
         g = None if trace else self._shapes.get(key)
         if g is None:
             g = TaskGraph(trace)

@@ -86,7 +86,21 @@ class HopRecipe:
         return self.latency_s + graph.cut_bytes_at(self.cut, mbs[self.replica]) / self.bandwidth_bytes_per_s
 
 
-Recipe = Const | LayerRange | Recompute | HopRecipe
+@dataclass(frozen=True, slots=True)
+class SavedCopy:
+    """One microbatch's saved activations of layers [start, end) copied between a device and
+    host memory (offload_activations): latency_s + graph.saved_bytes_at(...) / bytes_per_s."""
+    replica: int
+    start: int
+    end: int
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return self.latency_s + graph.saved_bytes_at(self.start, self.end, mbs[self.replica]) / self.bytes_per_s
+
+
+Recipe = Const | LayerRange | Recompute | HopRecipe | SavedCopy
 
 
 # --- names of routes and tasks ------------------------------------------------------------------
@@ -237,5 +251,5 @@ class TaskGraph:
         return t
 
 
-__all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe",
+__all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "SavedCopy",
            "Recipe", "RouteHop", "ComputeLabel", "TransferLabel", "TaskMeta"]

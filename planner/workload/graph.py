@@ -80,6 +80,12 @@ class ModelGraph:
                      if not start <= t.layers[0] < end and any(start <= l < end for l in t.layers))
         return sum(l.param_bytes for l in self.layers[start:end]) + copies
 
+    def saved_bytes_at(self, start: int, end: int, batch: float) -> float:
+        """Bytes layers [start, end) save for backward at a microbatch of `batch` samples:
+        saved_bytes scaled to it, plus autocast's weight copies (not scaled)."""
+        layers = self.layers[start:end]
+        return sum(l.saved_bytes for l in layers) * batch / self.batch + sum(l.cast_param_bytes for l in layers)
+
     def exchanged_param_bytes(self, i: int) -> int:
         """Layer i's parameter bytes exchanged in its gradient bucket: tied ones are exchanged
         on their own (planner.cost.buckets.tied_buckets)."""
