@@ -17,16 +17,11 @@ import torch
 from planner.cost.model import split_host_count
 from planner.hardware.device import TorchDevice
 from planner.files.plan import Optimizer
+from planner.workload.optimizer import make_optimizer
 
 
 def _make(params, spec: Optimizer) -> torch.optim.Optimizer | None:
-    if not params:
-        return None
-    if spec.name == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr)
-    if spec.name == "adam":
-        return torch.optim.Adam(params, lr=spec.lr)
-    raise ValueError(f"unknown optimizer {spec.name!r}")
+    return make_optimizer(params, spec.name, spec.lr) if params else None
 
 
 def host_count(params: list[torch.Tensor], spec: Optimizer, device: TorchDevice) -> int:

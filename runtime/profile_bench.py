@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from planner.hardware.device import TorchDevice
+from planner.workload.optimizer import make_optimizer
 
 MAX_CALLS = 100_000  # cap on calls per sample (op-overhead timing of ~1 us ops)
 
@@ -296,7 +297,7 @@ def reference_step(threads_hint: int | None = None) -> Callable[[], None]:
     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
                               torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 10))
     x = torch.randn(64, 1024)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-6)
+    opt = make_optimizer(net.parameters(), "adam", 1e-6)
 
     def step():   # a whole training step: with Adam's moments, ~34 MB per worker, as in training
         net.zero_grad(set_to_none=True)
@@ -321,7 +322,7 @@ def per_call_in_window(fn: Callable[[], None], window_s: float) -> float:
 
 def optimizer_table(repeats: int, min_time_s: float,
                     barrier: Callable[[], None] | None = None) -> dict[str, list[dict]]:
-    """torch.optim Adam and SGD steps (as runtime.optim builds them) over parameter sets of
+    """Adam and SGD steps (planner.workload.optimizer, as the runtime builds them) over parameter sets of
     several tensor counts and sizes, each timed alone after evicting the caches (a 64 MiB copy;
     in training, forward and backward run between two steps): rows {"tensors", "bytes", "s"}
     (median seconds per step). With `barrier` (called before each timed step), every worker
@@ -335,7 +336,7 @@ def optimizer_table(repeats: int, min_time_s: float,
             params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
             for p in params:
                 p.grad = torch.randn(numel)
-            opt = torch.optim.Adam(params, lr=1e-3) if name == "adam" else torch.optim.SGD(params, lr=1e-2)
+            opt = make_optimizer(params, name, 1e-3 if name == "adam" else 1e-2)
             samples = []
             for _ in range(max(5, repeats)):
                 junk_dst.copy_(junk_src)

@@ -74,3 +74,20 @@ def test_build_measured():
     assert m["per_device"]["cpu:0"]["busy_s"] == 0.1             # median of [0.1, 0.2, 0.05]
     assert m["per_device"]["cpu:1"]["peak_memory_bytes"] == 20
     assert m["iters"] == 4 and m["plan_sha256"] == "abc"
+
+
+def test_adam_is_the_fused_kernel_and_steps_as_the_default_one():
+    import torch
+    from planner.workload.optimizer import make_optimizer
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    b.load_state_dict(a.state_dict())
+    fused, plain = make_optimizer(a.parameters(), "adam", 1e-2), torch.optim.Adam(b.parameters(), lr=1e-2)
+    assert fused.defaults["fused"] is True
+    x = torch.randn(8, 16)
+    for _ in range(5):
+        for m, o in ((a, fused), (b, plain)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    torch.testing.assert_close(a.weight, b.weight, rtol=1e-5, atol=1e-6)

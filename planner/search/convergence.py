@@ -122,8 +122,8 @@ def emulate(workload, plan, iterations: int) -> list[float]:
 
 
 def _optimizer(params, spec):
-    import torch
-    return (torch.optim.SGD if spec.name == "sgd" else torch.optim.Adam)(params, lr=spec.lr)
+    from planner.workload.optimizer import make_optimizer
+    return make_optimizer(params, spec.name, spec.lr)
 
 
 def _exchange(models, fractions, center, sync) -> None:
