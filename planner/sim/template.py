@@ -34,7 +34,9 @@ class ReplicaTemplate(NamedTuple):
     successors `succ[i]` (local ids); `counts` are (stage, statistic, value slot) in the order
     they are counted; `chunk_end[s][j]` is the local task ending piece j of stage s's last
     microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
-    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace."""
+    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace; `counts_by`
+    groups `counts` by (stage, statistic), each group in count order; `shifted` caches
+    `succ_at`."""
     slots: Slots
     value: tuple[int, ...]
     res: tuple[int, ...]
@@ -44,6 +46,19 @@ class ReplicaTemplate(NamedTuple):
     chunk_end: tuple[tuple[int, ...], ...]
     last_backward: tuple[int, ...]
     label: tuple[tuple, ...]
+    counts_by: tuple[tuple[int, str, tuple[int, ...]], ...]
+    shifted: dict[int, list[tuple[int, ...]]]
+
+    def succ_at(self, base: int) -> list[tuple[int, ...]]:
+        """`succ` with the block starting at task `base`. The last few bases are kept: a
+        search stamps a replica at the same base in plan after plan."""
+        out = self.shifted.get(base)
+        if out is None:
+            if len(self.shifted) >= 8:
+                self.shifted.pop(next(iter(self.shifted)))
+            add = base.__add__
+            out = self.shifted[base] = [tuple(map(add, s)) for s in self.succ]
+        return out
 
 
 def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -> tuple[Slots, int, int]:
@@ -143,8 +158,12 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                        ("act", s - 1, s, i)), fwd_t[s][i])
             wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
                        ("grad", s, s - 1, i)), bwd_first[s - 1][i])
+    by: dict[tuple[int, str], list[int]] = {}
+    for s, stat, v in counts:
+        by.setdefault((s, stat), []).append(v)
     return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
-                           tuple(counts), tuple(chunk_end), tuple(last_backward), tuple(label))
+                           tuple(counts), tuple(chunk_end), tuple(last_backward), tuple(label),
+                           tuple((s, stat, tuple(v)) for (s, stat), v in by.items()), {})
 
 
 __all__ = ["Slots", "ReplicaTemplate", "replica_template", "Action"]
