@@ -135,12 +135,8 @@ class Builder:
                       t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
         devs = [st.device for st in stages]
         seq = g.stat_seq
-        if len(set(devs)) == len(devs):   # one stage per device: each group keeps its order
-            for s, stat, vs in t.counts_by:
-                seq[(devs[s], stat)] += map(vals.__getitem__, vs)
-        else:
-            for s, stat, v in t.counts:
-                seq[(devs[s], stat)].append(vals[v])
+        for s, stat, vs in t.counts:   # a plan's devices are distinct: each group keeps its order
+            seq[(devs[s], stat)] += map(vals.__getitem__, vs)
         progress = self.progress
         for s, dev in enumerate(devs):
             for (_, bucket), end in zip(lasts[s], t.chunk_end[s]):

@@ -31,22 +31,20 @@ class Slots(NamedTuple):
 
 class ReplicaTemplate(NamedTuple):
     """Tasks over slots: task i has value slot `value[i]`, resource slot `res[i]` and
-    successors `succ[i]` (local ids); `counts` are (stage, statistic, value slot) in the order
-    they are counted; `chunk_end[s][j]` is the local task ending piece j of stage s's last
+    successors `succ[i]` (local ids); `counts` are (stage, statistic, value slots in the order
+    they are counted); `chunk_end[s][j]` is the local task ending piece j of stage s's last
     microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
-    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace; `counts_by`
-    groups `counts` by (stage, statistic), each group in count order; `shifted` caches
+    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace; `shifted` caches
     `succ_at`."""
     slots: Slots
     value: tuple[int, ...]
     res: tuple[int, ...]
     succ: tuple[tuple[int, ...], ...]
     ndeps: tuple[int, ...]
-    counts: tuple[tuple[int, str, int], ...]
+    counts: tuple[tuple[int, str, tuple[int, ...]], ...]
     chunk_end: tuple[tuple[int, ...], ...]
     last_backward: tuple[int, ...]
     label: tuple[tuple, ...]
-    counts_by: tuple[tuple[int, str, tuple[int, ...]], ...]
     shifted: dict[int, list[tuple[int, ...]]]
 
     def succ_at(self, base: int) -> list[tuple[int, ...]]:
@@ -94,7 +92,7 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     res: list[int] = []
     succ: list[list[int]] = []
     ndeps: list[int] = []
-    counts: list[tuple[int, str, int]] = []
+    counts: dict[tuple[int, str], list[int]] = {}   # (stage, statistic) -> value slots
     label: list[tuple] = []
 
     def add(v: int, r: int, dep: int | None, lab: tuple) -> int:
@@ -122,12 +120,12 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
             i = act.microbatch
             if act.kind == "F":
                 prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
-                counts.append((s, "fwd_s", slots.fwd[s]))
+                counts.setdefault((s, "fwd_s"), []).append(slots.fwd[s])
                 continue
             first = None
             for k in (slots.last[s] if i == m - 1 else slots.other[s]):
                 prev = add(k, s, prev, ("compute", s, act))
-                counts.append((s, "bwd_s", k))
+                counts.setdefault((s, "bwd_s"), []).append(k)
                 if first is None:
                     first = prev
                 if i == m - 1:
@@ -143,8 +141,8 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
         t = after
         for k, r in zip(vals, rs):
             t = add(k, r, t, lab)
-            counts.append((src, "comm_s", k))
-            counts.append((dst, "comm_s", k))
+            counts.setdefault((src, "comm_s"), []).append(k)
+            counts.setdefault((dst, "comm_s"), []).append(k)
         return t
 
     def wire(t: int, v: int) -> None:
@@ -158,12 +156,9 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                        ("act", s - 1, s, i)), fwd_t[s][i])
             wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
                        ("grad", s, s - 1, i)), bwd_first[s - 1][i])
-    by: dict[tuple[int, str], list[int]] = {}
-    for s, stat, v in counts:
-        by.setdefault((s, stat), []).append(v)
     return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
-                           tuple(counts), tuple(chunk_end), tuple(last_backward), tuple(label),
-                           tuple((s, stat, tuple(v)) for (s, stat), v in by.items()), {})
+                           tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
+                           tuple(last_backward), tuple(label), {})
 
 
 __all__ = ["Slots", "ReplicaTemplate", "replica_template", "Action"]
