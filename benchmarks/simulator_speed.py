@@ -2,12 +2,14 @@
 
 (a) 4 devices (2 replicas x 2 stages), 8 layers, 8 microbatches   target >= 2,000/s
 (b) 64 devices (8 replicas x 8 stages), 96 layers, 16 microbatches target >= 20/s
+(c) `--search-plans`: the plans a 150-proposal search (seed 0) simulates on benchmarks/search.py's
+    64-GPU cluster x 96 layers, replayed by a fresh simulator: cold task graphs and templates
 
 The simulator's per-plan result cache is off (cache_size=0), so every call evaluates the
 durations and runs the event loop; cost tables and task graphs per plan shape are warm, as in
 a search. Prints the median of `--runs` timed runs, in wall-clock time and in this process's
 CPU time (steadier on a shared machine). `--no-collapse` simulates identical replicas one by one.
-Usage: python benchmarks/simulator_speed.py [--runs 5] [--no-collapse]
+Usage: python benchmarks/simulator_speed.py [--runs 5] [--no-collapse] [--search-plans]
 """
 from __future__ import annotations
 
@@ -66,10 +68,42 @@ def rate(replicas, stages, layers, micro, n, runs, collapse=True):
     return statistics.median(wall), statistics.median(cpu)
 
 
+def search_plans_rate(runs: int) -> tuple[float, int]:
+    """(median CPU-time simulations per second, plans) replaying a search's simulations."""
+    import random
+    from search import cluster_64, synthetic_graph   # benchmarks/search.py
+    from planner.search.mcmc import SearchConfig, search
+    from planner.search.problem import make_space, simulator_problem
+    from planner.sim.template import replica_template
+    graph, topo = synthetic_graph(96, 256), cluster_64(8)
+    sim = Simulator(graph, topo)
+    seen = []
+
+    def recorded(plan, trace=False):
+        seen.append(plan)
+        return Simulator.simulate(sim, plan, trace)
+    sim.simulate = recorded
+    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("bench"), "adam", 1e-3)
+    search(simulator_problem(sim, space), random.Random(0), SearchConfig(iterations=150, time_limit_s=1e9))
+    cpu = []
+    for _ in range(runs):
+        replica_template.cache_clear()
+        fresh = Simulator(graph, topo)
+        c0 = time.process_time()
+        for p in seen:
+            try:
+                fresh.simulate(p)
+            except ValueError:   # rejected by the simulator, as in the search
+                pass
+        cpu.append(len(seen) / max(time.process_time() - c0, 1e-9))
+    return statistics.median(cpu), len(seen)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="timed runs; medians are printed")
     ap.add_argument("--no-collapse", action="store_true", help="simulate identical replicas one by one")
+    ap.add_argument("--search-plans", action="store_true", help="also (c): a 64-GPU search's own plans")
     a = ap.parse_args()
     if a.runs < 1:
         ap.error("--runs: expected a positive integer")
@@ -80,6 +114,9 @@ def main() -> None:
     wb, cb = rate(8, 8, 96, 16, 10, a.runs, c)
     print(f"(b) 64 devices, 96 layers, 16 microbatches: {wb:8.1f} simulations/s (target 20; "
           f"CPU time {cb:.1f}/s)")
+    if a.search_plans:
+        cc, n = search_plans_rate(a.runs)
+        print(f"(c) a 64-GPU search's {n} plans, cold graphs: CPU time {cc:.1f} simulations/s")
 
 
 if __name__ == "__main__":

@@ -468,3 +468,22 @@ def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
                            tg.replica_shape, tg.replica_pattern, sim.simulate(pl)))
             monkeypatch.undo()
         assert graphs[0] == graphs[1]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(seed):
+    # TaskGraph.end_replica, which Simulator._like compares replicas by, against its definition
+    from planner.sim.taskgraph import TaskGraph
+    rng = random.Random(seed)
+    for _ in range(30):
+        g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
+        tg = TaskGraph(False)
+        Simulator(g, t, cache_size=0, shape_cache_size=0)._build(pl, tg)
+        for r, tasks in enumerate(tg.replica_tasks):
+            recipes = []
+            for k in (tg.dkey[x] for x in tasks):
+                if k not in recipes:
+                    recipes.append(k)
+            assert tg.replica_recipes[r] == recipes
+            assert tg.replica_pattern[r] == tuple(recipes.index(tg.dkey[x]) for x in tasks)
+            assert tg.replica_res[r] == {y for x in tasks for y in tg.res[x]}

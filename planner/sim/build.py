@@ -140,12 +140,12 @@ class Builder:
                     rids.append(h.resource)
                     lanes.append(h.lane)
         res = [(x,) for x in rids]
-        ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ,
+        ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
                       t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
         devs = [st.device for st in stages]
         seq = g.stat_seq
-        for s, stat, v in t.counts:
-            seq[(devs[s], stat)].append(vals[v])
+        for s, stat, vs in t.counts:   # a plan's devices are distinct: each group keeps its order
+            seq[(devs[s], stat)] += map(vals.__getitem__, vs)
         progress = self.progress
         for s, dev in enumerate(devs):
             for (_, bucket), end in zip(lasts[s], t.chunk_end[s]):

@@ -29,6 +29,7 @@ None of it changes a result. Contention between CPU workers: planner.sim.content
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, NamedTuple
 
 from planner.cost.model import CostModel, RooflineCost
@@ -105,6 +106,7 @@ class Simulator:
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
         self._saturated = contention.saturated_cpus(topology)
+        self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
     def _resource(self, key: Any) -> int:
@@ -185,16 +187,18 @@ class Simulator:
         compute after the wait starts cold); the event loop adds it when the device sat idle
         waiting. Cached on the graph."""
         if g.wake is None:
-            per_res = {self._rid[d.name]: self.cost.wake_latency_s(d.name) + self.cost.cold_compute_s(d.name)
-                       for d in self.topology.devices}
-            links = {x for key, x in self._rid.items() if isinstance(key, tuple)}
+            if self._wake_at is None:   # devices' wake-ups, keyed like a task's resources
+                cost = self.cost
+                self._wake_at = {(self._rid[d.name],): w for d in self.topology.devices
+                                 if (w := cost.wake_latency_s(d.name) + cost.cold_compute_s(d.name)) > 0.0}
+            links = {(x,) for key, x in self._rid.items() if isinstance(key, tuple)}
+            wake_at, res, succ = self._wake_at, g.res, g.succ
             g.wake = {}
-            for t, (r, nxt) in enumerate(zip(g.res, g.succ)):
-                if len(r) == 1 and r[0] in links:
-                    for v in nxt:
-                        rv = g.res[v]
-                        if len(rv) == 1 and per_res.get(rv[0], 0.0) > 0.0:
-                            g.wake[v] = per_res[rv[0]]
+            for t in compress(range(len(res)), map(links.__contains__, res)):
+                for v in succ[t]:
+                    w = wake_at.get(res[v])
+                    if w is not None:
+                        g.wake[v] = w
         return g.wake
 
     @staticmethod

@@ -6,7 +6,7 @@ run by `planner.sim.eventloop.run` with durations evaluated for each plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 # Per-device statistics a task graph counts (TaskGraph.count): compute time, then communication.
 TIMED = ("fwd_s", "bwd_s", "optimizer_s")
@@ -155,7 +155,7 @@ class TaskGraph:
     def __init__(self, trace: bool):
         self.dkey: list[int] = []
         self.res: list[tuple[int, ...]] = []
-        self.succ: list[list[int]] = []
+        self.succ: list[tuple[int, ...]] = []   # tuples: stamped blocks share them (see `stamp`)
         self.ndeps: list[int] = []
         self.meta: list[TaskMeta | None] | None = [] if trace else None
         self.recipes: list[Recipe] = []
@@ -188,19 +188,19 @@ class TaskGraph:
             self.replica_tasks.append(self._ghost)
             self._ghost = None
             return
-        block = range(self._first, len(self.dkey))
-        local: dict[int, int] = {}
-        for t in block:
-            local.setdefault(self.dkey[t], len(local))
-        self.replica_tasks.append(list(block))
-        self.replica_recipes.append(list(local))
-        self.replica_pattern.append(tuple(local[self.dkey[t]] for t in block))
-        self.replica_res.append({x for t in block for x in self.res[t]})
+        first = self._first
+        dkey = self.dkey[first:]
+        recipes = list(dict.fromkeys(dkey))   # in order of first use
+        local = dict(zip(recipes, range(len(recipes))))
+        self.replica_tasks.append(list(range(first, len(self.dkey))))
+        self.replica_recipes.append(recipes)
+        self.replica_pattern.append(tuple(map(local.__getitem__, dkey)))
+        self.replica_res.append(set().union(*self.res[first:]))
 
     def wire(self, t: int, v: int) -> None:
         """Task v also waits for task t."""
         if self._ghost is None:
-            self.succ[t].append(v)
+            self.succ[t] += (v,)
             self.ndeps[v] += 1
 
     def value(self, recipe: Recipe) -> int:
@@ -214,10 +214,11 @@ class TaskGraph:
     def count(self, device: str, stat: str, k: int) -> None:
         self.stat_seq[(device, stat)].append(k)
 
-    def stamp(self, dkey: list[int], res: list[tuple[int, ...]], succ: tuple[tuple[int, ...], ...],
+    def stamp(self, dkey: list[int], res: list[tuple[int, ...]], succ: Callable[[int], list[tuple[int, ...]]],
               ndeps: tuple[int, ...], meta: list[TaskMeta] | None) -> list[int]:
-        """Adds a block of tasks at once (planner.sim.template); `succ` holds ids local to the
-        block. Returns their ids (an identical replica's, see `begin_replica`)."""
+        """Adds a block of tasks at once (planner.sim.template); `succ(base)` gives their
+        successors as ids with the block starting at task `base`. Returns their ids (an
+        identical replica's, see `begin_replica`)."""
         if self._ghost is not None:
             ids = self._ghost[self._ghost_pos:self._ghost_pos + len(dkey)]
             self._ghost_pos += len(dkey)
@@ -225,8 +226,7 @@ class TaskGraph:
         base = len(self.dkey)
         self.dkey += dkey
         self.res += res
-        add = base.__add__
-        self.succ += [list(map(add, s)) for s in succ]
+        self.succ += succ(base)
         self.ndeps += ndeps
         if self.meta is not None:
             self.meta += meta
@@ -240,11 +240,11 @@ class TaskGraph:
         t = len(self.dkey)
         self.dkey.append(k)
         self.res.append(res)
-        self.succ.append([])
+        self.succ.append(())
         self.ndeps.append(0)
         for d in deps:
             if d is not None:
-                self.succ[d].append(t)
+                self.succ[d] += (t,)
                 self.ndeps[t] += 1
         if self.meta is not None:
             self.meta.append(meta)

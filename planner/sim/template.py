@@ -31,19 +31,32 @@ class Slots(NamedTuple):
 
 class ReplicaTemplate(NamedTuple):
     """Tasks over slots: task i has value slot `value[i]`, resource slot `res[i]` and
-    successors `succ[i]` (local ids); `counts` are (stage, statistic, value slot) in the order
-    they are counted; `chunk_end[s][j]` is the local task ending piece j of stage s's last
+    successors `succ[i]` (local ids); `counts` are (stage, statistic, value slots in the order
+    they are counted); `chunk_end[s][j]` is the local task ending piece j of stage s's last
     microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
-    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace."""
+    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace; `shifted` caches
+    `succ_at`."""
     slots: Slots
     value: tuple[int, ...]
     res: tuple[int, ...]
     succ: tuple[tuple[int, ...], ...]
     ndeps: tuple[int, ...]
-    counts: tuple[tuple[int, str, int], ...]
+    counts: tuple[tuple[int, str, tuple[int, ...]], ...]
     chunk_end: tuple[tuple[int, ...], ...]
     last_backward: tuple[int, ...]
     label: tuple[tuple, ...]
+    shifted: dict[int, list[tuple[int, ...]]]
+
+    def succ_at(self, base: int) -> list[tuple[int, ...]]:
+        """`succ` with the block starting at task `base`. The last few bases are kept: a
+        search stamps a replica at the same base in plan after plan."""
+        out = self.shifted.get(base)
+        if out is None:
+            if len(self.shifted) >= 8:
+                self.shifted.pop(next(iter(self.shifted)))
+            add = base.__add__
+            out = self.shifted[base] = [tuple(map(add, s)) for s in self.succ]
+        return out
 
 
 def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -> tuple[Slots, int, int]:
@@ -79,7 +92,7 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     res: list[int] = []
     succ: list[list[int]] = []
     ndeps: list[int] = []
-    counts: list[tuple[int, str, int]] = []
+    counts: dict[tuple[int, str], list[int]] = {}   # (stage, statistic) -> value slots
     label: list[tuple] = []
 
     def add(v: int, r: int, dep: int | None, lab: tuple) -> int:
@@ -107,12 +120,12 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
             i = act.microbatch
             if act.kind == "F":
                 prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
-                counts.append((s, "fwd_s", slots.fwd[s]))
+                counts.setdefault((s, "fwd_s"), []).append(slots.fwd[s])
                 continue
             first = None
             for k in (slots.last[s] if i == m - 1 else slots.other[s]):
                 prev = add(k, s, prev, ("compute", s, act))
-                counts.append((s, "bwd_s", k))
+                counts.setdefault((s, "bwd_s"), []).append(k)
                 if first is None:
                     first = prev
                 if i == m - 1:
@@ -128,8 +141,8 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
         t = after
         for k, r in zip(vals, rs):
             t = add(k, r, t, lab)
-            counts.append((src, "comm_s", k))
-            counts.append((dst, "comm_s", k))
+            counts.setdefault((src, "comm_s"), []).append(k)
+            counts.setdefault((dst, "comm_s"), []).append(k)
         return t
 
     def wire(t: int, v: int) -> None:
@@ -144,7 +157,8 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
             wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
                        ("grad", s, s - 1, i)), bwd_first[s - 1][i])
     return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
-                           tuple(counts), tuple(chunk_end), tuple(last_backward), tuple(label))
+                           tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
+                           tuple(last_backward), tuple(label), {})
 
 
 __all__ = ["Slots", "ReplicaTemplate", "replica_template", "Action"]
