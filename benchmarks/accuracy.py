@@ -44,7 +44,7 @@ from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa
 from planner.cost.timing import cache_path  # noqa: E402
 from planner.files.io import replace_atomically  # noqa: E402
 from planner.hardware.lookup import default_profile_path  # noqa: E402
-from runtime.host_load import busy_fraction  # noqa: E402
+from runtime.host_load import ForeignCPU, busy_fraction  # noqa: E402
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
 
@@ -81,86 +81,6 @@ def predict(plan_path: Path, topology) -> float:
     from planner.files.plan import load_plan
     from planner.sim.predict import simulate_plan_file
     return simulate_plan_file(load_plan(plan_path), plan_path, topology).iteration_s
-
-
-class ForeignCPU:
-    """Samples /proc every `period_s` in a thread and sums the CPU time used by processes other
-    than this one and those carrying its `tag` in their environment (the run's launcher,
-    forkserver and workers inherit it): other engineers' tests on this shared machine.
-    (A foreign process that lives less than one period is missed.)"""
-
-    TAG = "HETPLAN_ACCURACY_TAG"
-
-    def __init__(self, period_s: float = 0.2):
-        import threading
-        import uuid
-        self.period_s, self.first, self.last, self.mine = period_s, {}, {}, {}
-        self.tag = f"{self.TAG}={uuid.uuid4().hex}".encode()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    @staticmethod
-    def _procs() -> dict[int, tuple[int, float]]:
-        tick = os.sysconf("SC_CLK_TCK")
-        out = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        rest = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                out[int(d)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)  # ppid, cpu
-        return out
-
-    def env(self) -> dict:
-        """The environment to start the measured command with."""
-        k, v = self.tag.decode().split("=")
-        return {**os.environ, k: v}
-
-    def _is_mine(self, pid: int, ppid: int) -> bool | None:
-        """True: this process or one carrying the tag or a child of one of ours; False: not;
-        None: undecided (its environment is not readable yet, e.g. in the middle of exec)."""
-        if pid == os.getpid() or self.mine.get(ppid):
-            return True
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            return None
-        return (self.tag in env.split(b"\0")) if env else None
-
-    def _sample(self) -> None:
-        procs = self._procs()
-        for pid in sorted(procs, key=lambda p: (procs[p][0] != os.getpid(), p)):
-            ppid, cpu = procs[pid]
-            if self.mine.get(pid) is None:
-                self.mine[pid] = self._is_mine(pid, ppid)
-            if self.mine[pid] is False:
-                self.first.setdefault(pid, cpu)
-                self.last[pid] = cpu
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.period_s)
-
-    def __enter__(self):
-        self._sample()
-        self._t0 = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        self.wall_s = time.perf_counter() - self._t0
-
-    def fraction(self) -> float:
-        """Foreign CPU seconds / (wall seconds x cores)."""
-        used = sum(self.last[p] - self.first[p] for p in self.last)
-        return used / (self.wall_s * (os.cpu_count() or 1))
 
 
 def _run_once(plan_path: Path, topology_path: Path, iters: int, warmup: int, out: Path) -> tuple[dict, float]:

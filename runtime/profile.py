@@ -38,7 +38,7 @@ from planner.hardware.fit import fit_latency_bandwidth
 from planner.hardware.topology import Device, Link, Topology
 from runtime.profile_worker import (FAIL_ENV, Settings, WorkerSpec,  # noqa: F401 - FAIL_ENV: tests
                                     available_ram_bytes, log, profile_worker)
-from runtime.host_load import busy_fraction, busy_warning
+from runtime.host_load import ForeignCPU, busy_fraction, busy_warning
 from runtime.rendezvous import env_vars, free_port
 
 
@@ -147,14 +147,13 @@ def profile_machine(cpu_workers: int, quick: bool = False) -> Topology:
     workers = plan_workers(cpu_workers, cores, gpus)
     ram_bytes = available_ram_bytes()
     busy = busy_fraction(0.5)
-    if busy_warning(busy):
-        log(f"warning: {busy_warning(busy)}")
     log(f"{len(workers)} worker(s): " + ", ".join(f"{w.name} ({w.threads} thr)" for w in workers)
         + (" [quick]" if quick else ""))
     with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as out_dir:
         try:
-            mp.spawn(_spawn_entry, args=(workers, settings, out_dir, free_port()),
-                     nprocs=len(workers), join=True)
+            with ForeignCPU() as foreign:      # other work while the workers measure
+                mp.spawn(_spawn_entry, args=(workers, settings, out_dir, free_port()),
+                         nprocs=len(workers), join=True)
         except ProcessException as e:
             raise ProfileError(_root_cause(e, workers, Path(out_dir))) from None
         results = [json.loads((Path(out_dir) / f"rank{r}.json").read_text())
@@ -164,7 +163,10 @@ def profile_machine(cpu_workers: int, quick: bool = False) -> Topology:
             "torch": torch.__version__, "python": platform.python_version(),
             "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "quick": quick, "duration_s": round(time.perf_counter() - t0, 2),
-            "busy_before": busy}
+            "busy_before": busy, "busy_during": round(foreign.fraction(), 3)}
+    warning = busy_warning(max(busy or 0.0, host["busy_during"]))
+    if warning:
+        log(f"warning: {warning}")
     return assemble(workers, results, settings, host, ram_bytes)
 
 

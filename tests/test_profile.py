@@ -178,3 +178,19 @@ def test_a_busy_machine_gets_a_warning_and_a_quiet_one_none():
     from runtime.host_load import busy_warning
     assert busy_warning(0.1) is None and busy_warning(None) is None
     assert "90% of the CPU" in busy_warning(0.9) and "profile a quiet one" in busy_warning(0.9)
+
+
+def test_foreign_cpu_counts_other_processes_and_not_this_ones_children():
+    # one second of spinning by a child of this process, then by an orphan (its shell exits, so
+    # it is nobody's here): only the second is foreign; other load on the machine counts in both
+    import subprocess
+    import sys
+    import time
+    from runtime.host_load import ForeignCPU
+    spin = f"{sys.executable} -c 'import time\nt = time.time() + 1.0\nwhile time.time() < t: pass'"
+    with ForeignCPU(period_s=0.05) as mine:
+        subprocess.run(spin, shell=True, check=True)
+    with ForeignCPU(period_s=0.05) as foreign:
+        subprocess.run(f"({spin}) &", shell=True, check=True)
+        time.sleep(1.2)
+    assert foreign.fraction() - mine.fraction() > 0.25 / (os.cpu_count() or 1)
