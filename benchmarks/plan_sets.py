@@ -116,6 +116,12 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
         out[f"{w}/gpipe-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="gpipe")
         out[f"{w}/1f1b-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="1f1b")
     out["mlp/single-2mb"] = make_plan(W["mlp"], [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
+    # asynchronous modes (their iteration time; planner/search/time_to_loss ranks them by loss)
+    for w, sync in (("mlp", {"mode": "local-sgd", "period": 4}), ("gpt", {"mode": "hogwild"})):
+        if w in num_layers:
+            L = num_layers[w]
+            out[f"{w}/{sync['mode']}"] = plan = make_plan(W[w], [(0.5, 1, [(a, (0, L))]), (0.5, 1, [(b, (0, L))])])
+            plan["sync"].update(sync)
     out["gpt/dp-even-cpu-opt"] = make_plan(W["gpt"], [(0.5, 1, [(a, (0, num_layers["gpt"]))]),
                                                       (0.5, 1, [(b, (0, num_layers["gpt"]))])],
                                            placement="cpu", sync="fine", bucket_bytes=256 << 10)
@@ -146,14 +152,16 @@ def _small_plans(w: str, spec: dict, L: int, a: str, b: str) -> dict[str, dict]:
 def size_classes(plan: dict, measured_s: float) -> dict[str, str]:
     """The classes a plan belongs to, by what dominates its cost: the microbatch (largest, in
     samples: <= 8, >= 64, or between), the measured iteration (< 20 ms, > 100 ms, or between),
-    the pipeline depth (1 stage, 2+), and the gradient sync of a multi-replica plan."""
+    the pipeline depth (1 stage, 2+), and the gradient sync of a multi-replica plan (coarse,
+    fine, or async for an asynchronous sync.mode)."""
     G = plan["global_batch"]
     micro = max(round(r["batch_fraction"] * G) / r["microbatches"] for r in plan["replicas"])
     out = {"microbatch": "<=8" if micro <= 8 else ">=64" if micro >= 64 else "9-63",
            "iteration": "<20ms" if measured_s < 0.02 else ">100ms" if measured_s > 0.1 else "20-100ms",
            "stages": "1" if max(len(r["stages"]) for r in plan["replicas"]) == 1 else "2+"}
-    if len(plan["replicas"]) > 1:
-        out["sync"] = plan["sync"]["granularity"]
+    if len(plan["replicas"]) > 1:       # an asynchronous mode exchanges no gradients: its own class
+        mode = plan["sync"].get("mode", "sync")
+        out["sync"] = plan["sync"]["granularity"] if mode == "sync" else "async"
     return out
 
 
