@@ -208,29 +208,28 @@ class CostModel:
                     return t
         return self.topology.allreduce_s(devices, n_bytes)
 
+    def _cpu_calibration(self, device: str):
+        """The topology's calibration where `device` is a CPU worker of it, else None."""
+        c = self.calibration
+        return c if c is not None and self.topology.device(device).kind == "cpu" else None
+
     def wake_latency_s(self, device: str) -> float:
         """How much later than its message a CPU worker blocked in a receive resumes
         (calibration's wake_latency_s); 0 for other devices and without calibration."""
-        c = self.calibration
-        if c is None or self.topology.device(device).kind != "cpu":
-            return 0.0
-        return c.wake_latency_s
+        c = self._cpu_calibration(device)
+        return c.wake_latency_s if c else 0.0
 
     def message_issue_s(self, device: str) -> tuple[float, float]:
         """(isend issue, irecv post) seconds a CPU worker's thread spends per pipeline message
         (calibration's send_issue_s, recv_post_s); (0, 0) for other devices and without one."""
-        c = self.calibration
-        if c is None or self.topology.device(device).kind != "cpu":
-            return 0.0, 0.0
-        return c.send_issue_s, c.recv_post_s
+        c = self._cpu_calibration(device)
+        return (c.send_issue_s, c.recv_post_s) if c else (0.0, 0.0)
 
     def cold_compute_s(self, device: str) -> float:
         """How much longer a CPU worker's first compute after a blocking wait takes than back to
         back (calibration's cold_compute_s); 0 for other devices and without calibration."""
-        c = self.calibration
-        if c is None or self.topology.device(device).kind != "cpu":
-            return 0.0
-        return c.cold_compute_s
+        c = self._cpu_calibration(device)
+        return c.cold_compute_s if c else 0.0
 
     def iteration_overhead_s(self, n_devices: int = 1) -> float:
         """Fixed cost per iteration: calibration's iteration_overhead_s; 0 without calibration.
