@@ -173,6 +173,7 @@ class StageRunner:
         self.busy = busy            # BusyTimer.timer: (name, kind, busy=True) -> context manager
         self.saved_tracker = None   # instruments.SavedTracker, used while `track` is True
         self.track = False
+        self.forward_context = lambda mb: contextlib.nullcontext()   # runtime.ddp: no_sync()
 
     def run(self, actions: list[Step], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
@@ -230,7 +231,7 @@ class StageRunner:
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
         track = self.saved_tracker if self.track else None
         with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()), \
-                autocast(self.device.type, self.precision):
+                autocast(self.device.type, self.precision), self.forward_context(mb):
             if track is not None and self.recompute:   # checkpoint keeps just the stage input
                 track.add_bytes(mb, sum(a.numel() * a.element_size()
                                         for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)))

@@ -14,6 +14,7 @@ from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 from planner.workload.inputs import call_args, slice_inputs
+from runtime import ddp
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
@@ -31,7 +32,7 @@ class Built:
     micro: int                     # samples per microbatch
     module: torch.nn.Module
     runner: StageRunner
-    sync: GradSync
+    sync: GradSync | ddp.DDPSync
     optimizer: StageOptimizer
     groups: Groups
     timer: BusyTimer
@@ -96,6 +97,17 @@ def _buckets(plan: Plan, names_by_layer, named: dict) -> list[tuple[int, ...]]:
                    for i, names in enumerate(names_by_layer))
     graph = ModelGraph(layers=layers, batch=1, cut_bytes=(0,) * (len(layers) + 1))
     return [b.layers for b in grad_buckets(plan, graph)]
+
+
+def _bucket_of(plan: Plan, layout: _Layout) -> dict[torch.nn.Parameter, int]:
+    """Each parameter's gradient bucket: the layout's buckets, then a tied weight's own;
+    coarse sync: one bucket."""
+    out = {p: i for i, layers in enumerate(layout.buckets) for l in layers
+           for p in layout.params_by_layer.get(l, [])}
+    out.update({t.param: len(layout.buckets) + k for k, t in enumerate(layout.tied)})
+    if plan.sync.granularity == "coarse":
+        out = dict.fromkeys(out, 0)
+    return out
 
 
 def _tied(names_by_layer) -> dict[str, tuple[int, ...]]:
@@ -216,14 +228,21 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
     nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
     timer = BusyTimer(device)
-    runner = StageRunner(module, device.device, workload.loss_fn, prev, nxt,
+    actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
+    sync_mb = ddp.sync_microbatch(actions) if ddp.uses_ddp(plan) else None
+    wrapped = module if sync_mb is None else ddp.wrap(module, groups.sync[ranks_of_layer[0]],
+                                                      device.device, _bucket_of(plan, layout))
+    runner = StageRunner(wrapped, device.device, workload.loss_fn, prev, nxt,
                          scale=batch / plan.global_batch / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
-    sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
-                    plan.sync.granularity, rep.microbatches, device, layout.tied)
+    if sync_mb is None:
+        sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
+                        plan.sync.granularity, rep.microbatches, device, layout.tied)
+    else:   # plain data parallel: torch DDP syncs during backward (runtime.ddp)
+        sync = ddp.DDPSync()
+        runner.forward_context = ddp.forward_context(wrapped, sync_mb)
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
-    actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                  module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
 
