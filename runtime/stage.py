@@ -206,7 +206,10 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
-    module = _module(workload, rep, st_j, micro, device)
+    from planner.workload.layer_cache import plan_batch
+    # on a cold layer-map cache the map's export is at this batch when micro is the plan's batch
+    module = _module(workload, rep, st_j, micro, device,
+                     found.exported if micro == plan_batch(plan) else None)
 
     # who holds which layer: one rank per replica
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
@@ -247,10 +250,11 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
                  module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, layout.buffers))
 
 
-def _module(workload, rep, st_j: int, micro: int, device: TorchDevice) -> torch.nn.Module:
-    """The whole model (a one-stage replica) or this rank's stage, on its device."""
+def _module(workload, rep, st_j: int, micro: int, device: TorchDevice, exported=None) -> torch.nn.Module:
+    """The whole model (a one-stage replica) or this rank's stage, on its device; `exported`: an
+    export at `micro` already made, or None."""
     if len(rep.stages) == 1:
         return WholeModel(workload.model).to(device.device)
     from planner.workload.partition import build_stages, place_stages
-    return place_stages([build_stages(workload, [st.layers for st in rep.stages], batch=micro)[st_j]],
+    return place_stages([build_stages(workload, [st.layers for st in rep.stages], micro, exported)[st_j]],
                         device.device)[0]
