@@ -177,6 +177,7 @@ class StageRunner:
         self.saved_tracker = None   # instruments.SavedTracker, used while `track` is True
         self.track = False
         self.offload = None         # runtime.offload.ActivationOffload (offload_activations)
+        self.forward_context = lambda mb: contextlib.nullcontext()   # runtime.ddp: no_sync()
 
     def run(self, actions: list[Step], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
@@ -235,7 +236,7 @@ class StageRunner:
         track = self.saved_tracker if self.track else None
         with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()), \
                 (self.offload.hooks() if self.offload else contextlib.nullcontext()), \
-                autocast(self.device.type, self.precision):
+                autocast(self.device.type, self.precision), self.forward_context(mb):
             if track is not None and self.recompute:   # checkpoint keeps just the stage input
                 track.add_bytes(mb, sum(a.numel() * a.element_size()
                                         for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)))

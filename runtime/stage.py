@@ -14,6 +14,7 @@ from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 from planner.workload.inputs import call_args, slice_inputs
+from runtime import ddp
 from runtime.sync_modes import (NoGradSync, ParameterExchange, ParameterServer, ServerClient,
                                 ServerStepped, hogwild_parameters)
 from runtime.instruments import BusyTimer, SavedTracker
@@ -34,7 +35,7 @@ class Built:
     micro: int                     # samples per microbatch
     module: torch.nn.Module
     runner: StageRunner
-    sync: GradSync | NoGradSync
+    sync: GradSync | ddp.DDPSync | NoGradSync
     optimizer: StageOptimizer
     groups: Groups
     timer: BusyTimer
@@ -107,6 +108,17 @@ def _buckets(plan: Plan, names_by_layer, named: dict) -> list[tuple[int, ...]]:
                    for i, names in enumerate(names_by_layer))
     graph = ModelGraph(layers=layers, batch=1, cut_bytes=(0,) * (len(layers) + 1))
     return [b.layers for b in grad_buckets(plan, graph)]
+
+
+def _bucket_of(plan: Plan, layout: _Layout) -> dict[torch.nn.Parameter, int]:
+    """Each parameter's gradient bucket: the layout's buckets, then a tied weight's own;
+    coarse sync: one bucket."""
+    out = {p: i for i, layers in enumerate(layout.buckets) for l in layers
+           for p in layout.params_by_layer.get(l, [])}
+    out.update({t.param: len(layout.buckets) + k for k, t in enumerate(layout.tied)})
+    if plan.sync.granularity == "coarse":
+        out = dict.fromkeys(out, 0)
+    return out
 
 
 def _tied(names_by_layer) -> dict[str, tuple[int, ...]]:
@@ -208,7 +220,10 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
-    module = _module(workload, rep, st_j, micro, device)
+    from planner.workload.layer_cache import plan_batch
+    # on a cold layer-map cache the map's export is at this batch when micro is the plan's batch
+    module = _module(workload, rep, st_j, micro, device,
+                     found.exported if micro == plan_batch(plan) else None)
 
     # who holds which layer: one rank per replica
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
@@ -230,18 +245,25 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
     nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
     timer = BusyTimer(device)
+    actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
+    sync_mb = ddp.sync_microbatch(actions) if ddp.uses_ddp(plan) else None
+    wrapped = module if sync_mb is None else ddp.wrap(module, groups.sync[ranks_of_layer[0]],
+                                                      device.device, _bucket_of(plan, layout))
     fraction = batch / plan.global_batch      # asynchronous: each replica's loss its own mean
-    runner = StageRunner(module, device.device, workload.loss_fn, prev, nxt,
+    runner = StageRunner(wrapped, device.device, workload.loss_fn, prev, nxt,
                          scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
                          recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
     if rep.stages[st_j].offload_activations:
         runner.offload = ActivationOffload(device, named.values())
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
-    actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
     if synchronous:
-        sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
-                        plan.sync.granularity, rep.microbatches, device, layout.tied)
+        if sync_mb is None:
+            sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
+                            plan.sync.granularity, rep.microbatches, device, layout.tied)
+        else:   # plain data parallel: torch DDP syncs during backward (runtime.ddp)
+            sync = ddp.DDPSync()
+            runner.forward_context = ddp.forward_context(wrapped, sync_mb)
         return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                      module, runner, sync, optimizer, groups, timer, actions,
                      BufferSync(groups, layout.buffers))
@@ -288,10 +310,11 @@ def _server(plan: Plan, kinds: list[str], device: TorchDevice, timeout, marks, f
                        server=ParameterServer(params, optimizer, groups.world, timer.timer))
 
 
-def _module(workload, rep, st_j: int, micro: int, device: TorchDevice) -> torch.nn.Module:
-    """The whole model (a one-stage replica) or this rank's stage, on its device."""
+def _module(workload, rep, st_j: int, micro: int, device: TorchDevice, exported=None) -> torch.nn.Module:
+    """The whole model (a one-stage replica) or this rank's stage, on its device; `exported`: an
+    export at `micro` already made, or None."""
     if len(rep.stages) == 1:
         return WholeModel(workload.model).to(device.device)
     from planner.workload.partition import build_stages, place_stages
-    return place_stages([build_stages(workload, [st.layers for st in rep.stages], batch=micro)[st_j]],
+    return place_stages([build_stages(workload, [st.layers for st in rep.stages], micro, exported)[st_j]],
                         device.device)[0]

@@ -138,3 +138,24 @@ def test_layer_map_cache_hits_the_same_workload_and_misses_another(tmp_path, mon
     deeper = {"hidden": 16, "depth": 3}                                # other layers: another key
     assert layer_cache.layer_map(load_workload("mlp", deeper), "mlp", deeper, 4).num_layers == 4
     assert computed == [4, 4, 4]
+
+
+def test_cold_layer_map_export_is_reused_for_the_stages(tmp_path, monkeypatch):
+    # a pipeline worker on a cold cache exports once: the map's export cuts its stages too
+    from planner.workload import layer_cache, partition
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    exports = []
+    real = partition.export_model
+
+    def counting(workload, batch=None, **kw):
+        exports.append(batch)
+        return real(workload, batch, **kw)
+    monkeypatch.setattr(partition, "export_model", counting)
+    args = {"hidden": 16, "depth": 2}
+    w = load_workload("mlp", args)
+    cold = layer_cache.layer_map(w, "mlp", args, 4)
+    stages = build_stages(w, [(0, 2), (2, 3)], 4, cold.exported)
+    assert exports == [4]
+    x, _ = w.make_batch(4, 0)
+    torch.testing.assert_close(stages[1](*stages[0](x))[0], w.model(x))
+    assert layer_cache.layer_map(w, "mlp", args, 4).exported is None     # a hit holds no export

@@ -158,3 +158,13 @@ def test_bf16_matches_single_process_bf16_training(tmp_path, replicas):
         return max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref))
     # bf16 for real: ~70x closer to bf16 training than to fp32 training (1.8e-5 vs 1.3e-3 measured)
     assert worst(bf16_losses) * 10 < worst(fp32_losses)
+
+
+def test_gpt_dp_on_ddp_tied_weight_and_gpipe_fallback(tmp_path):
+    # plain data parallel runs on torch DDP (runtime.ddp): the tied embedding/head weight in a
+    # bucket of its own, 1F1B microbatches under no_sync(); the GPipe replica's order allows no
+    # no_sync() microbatch, so that plan falls back to GradSync and must agree too
+    for schedule in ("1f1b", "gpipe"):
+        check_equivalent(tmp_path, plan([(0.5, 2, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])],
+                                        model=GPT, schedule=schedule, sync="fine", bucket_bytes=2048,
+                                        lr=0.003))

@@ -1,7 +1,8 @@
 """Gradient buckets: which layers' gradients are all-reduced together, among which devices.
 
 The simulator and the runtime both call `grad_buckets`, so the buckets that are predicted are
-the buckets that are run. Formation follows torch DDP (`bucket_cap_mb`):
+the buckets that are run (runtime.sync.GradSync; plain data parallel runs torch DDP with these
+buckets as its per-bucket caps, runtime.ddp). Formation follows torch DDP (`bucket_cap_mb`):
 
 * Walk the layers in reverse order (the order their gradients become final in backward).
 * A layer's *group* is the tuple of devices holding it, one per replica (replica order). Data

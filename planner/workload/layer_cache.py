@@ -16,8 +16,9 @@ import hashlib
 import inspect
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from planner.files.io import write_json_atomic
 
@@ -28,6 +29,9 @@ class LayerMap:
     params: tuple[tuple[str, ...], ...]     # parameter names of each layer (one-layer stages;
                                             # a tied weight in every layer that uses it)
     buffers: tuple[tuple[str, ...], ...]    # the model's buffer names each layer uses
+    # on a cache miss, the export the map was cut from (planner.workload.layers.Exported), so a
+    # caller cuts its stages from it instead of exporting again; None when read from the cache
+    exported: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -67,7 +71,8 @@ def compute_layer_map(workload, batch: int) -> LayerMap:
     exported, stages = exported_stages(workload, None, batch)
     model_buffers = dict(workload.model.named_buffers())
     return LayerMap(tuple(exported.names), tuple(tuple(n for n, _ in s.named_parameters()) for s in stages),
-                    tuple(tuple(n for n, _ in s.named_buffers() if n in model_buffers) for s in stages))
+                    tuple(tuple(n for n, _ in s.named_buffers() if n in model_buffers) for s in stages),
+                    exported)
 
 
 def plan_batch(plan) -> int:

@@ -178,9 +178,11 @@ def _unflatten(flat: list, ex: Exported, out_node: fx.Node):
     return out
 
 
-def exported_stages(workload, ranges=None, batch: int | None = None) -> tuple[Exported, list[StageModule]]:
-    """The exported graph and its stages (default ranges: one stage per layer)."""
-    ex = export_model(workload, batch)
+def exported_stages(workload, ranges=None, batch: int | None = None,
+                    ex: Exported | None = None) -> tuple[Exported, list[StageModule]]:
+    """The exported graph and its stages (default ranges: one stage per layer); `ex`: an export
+    of `workload` at `batch` already made (not exported again)."""
+    ex = ex or export_model(workload, batch)
     try:
         return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
     except _NonTensorCut:
@@ -214,7 +216,8 @@ def place_stages(stages: list[StageModule], device) -> list[StageModule]:
     return stages
 
 
-def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = None) -> list[StageModule]:
+def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = None,
+                 exported: Exported | None = None) -> list[StageModule]:
     """Executable stages for half-open layer `ranges` that cover [0, L) in order.
 
     Stage 0 takes the model inputs' leaves positionally (`Exported.flat_inputs`; `stage_inputs`
@@ -222,5 +225,6 @@ def build_stages(workload, ranges: list[tuple[int, int]], batch: int | None = No
     returns a tuple of tensors, the last `(model_output,)`. Parameters and buffers are the
     original model's (shared, same names). `batch` is the (micro)batch the stages will run at;
     it only matters when the model cannot be exported with a dynamic batch dimension.
+    `exported`: an export of `workload` at `batch` already made (not exported again).
     """
-    return exported_stages(workload, ranges, batch)[1]
+    return exported_stages(workload, ranges, batch, exported)[1]

@@ -1,0 +1,71 @@
+"""Plain data parallel on torch DDP (runtime.ddp): which plans, which microbatch syncs, and
+DDP's buckets equal to the simulator's (planner.cost.buckets)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from planner.files.plan import plan_from_dict
+from runtime import ddp
+from runtime.pipeline import stage_actions
+from runtime.stage import _buckets
+
+
+def _plan(stages_per_replica, placement="device", bucket_bytes=1024, devices=("cpu:0", "cpu:1"),
+          schedule="1f1b"):
+    reps = [{"batch_fraction": 1 / len(stages_per_replica), "microbatches": 2,
+             "stages": [{"device": f"{d}", "layers": [0, 4]}] if n == 1 else
+             [{"device": f"{d}", "layers": [0, 2]}, {"device": "cpu:9", "layers": [2, 4]}]}
+            for d, n in zip(devices, stages_per_replica)]
+    return plan_from_dict({"schema": "hetplan.plan/1", "model": {"spec": "mlp", "args": {}},
+                           "global_batch": 8, "replicas": reps, "schedule": schedule,
+                           "sync": {"granularity": "fine", "bucket_bytes": bucket_bytes},
+                           "optimizer": {"name": "sgd", "lr": 0.1, "placement": placement}}, "p.json")
+
+
+def test_is_plain_dp():
+    assert ddp.is_plain_dp(_plan([1, 1]))
+    assert not ddp.is_plain_dp(_plan([1]))                                  # one replica
+    assert not ddp.is_plain_dp(_plan([1, 2]))                               # a pipeline replica
+    assert not ddp.is_plain_dp(_plan([1, 1], placement="cpu"))              # offloaded optimizer
+    assert not ddp.is_plain_dp(_plan([1, 1], devices=("cpu:0", "cuda:0")))  # CPU+GPU: host staging
+
+
+def test_uses_ddp_is_one_decision_for_all_replicas():
+    p = _plan([1, 1])
+    assert ddp.uses_ddp(p)                     # 1F1B, 2 microbatches each
+    assert not ddp.uses_ddp(_plan([1, 1], schedule="gpipe"))               # GPipe with 2 microbatches: no no_sync() order
+
+
+@pytest.mark.parametrize("schedule, expect", [("1f1b", 2), ("gpipe", None)])
+def test_sync_microbatch(schedule, expect):
+    # 1F1B on one stage: F0 B0 F1 B1 F2 B2, so F2 prepares the reduction; GPipe: F0 F1 F2 B0 B1 B2
+    # would reduce during B0
+    assert ddp.sync_microbatch(stage_actions(schedule, 0, 1, 3)) == expect
+
+
+def test_bucket_caps_runs_of_consecutive_parameters():
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 7, 11))
+    assert ddp.bucket_caps([a, b, c, d], {a: 1, b: 1, c: 0, d: 1}) == [32, 28, 44]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1024, 2200, 10**6])
+def test_ddp_buckets_are_the_simulators(tmp_path, bucket_bytes):
+    # the mlp's layers: 784*16+16, 16*16+16 (x2), 16*10+10 float32 parameters
+    model = torch.nn.Sequential(torch.nn.Linear(784, 16), torch.nn.Linear(16, 16),
+                                torch.nn.Linear(16, 16), torch.nn.Linear(16, 10))
+    names = [(f"{i}.weight", f"{i}.bias") for i in range(4)]
+    layers = _buckets(_plan([1, 1], bucket_bytes=bucket_bytes), names, dict(model.named_parameters()))
+    by_layer = {i: [getattr(model[i], "weight"), getattr(model[i], "bias")] for i in range(4)}
+    expect = [sum(p.numel() * 4 for l in ls for p in by_layer[l]) for ls in layers]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        wrapped = ddp.wrap(model, dist.group.WORLD, torch.device("cpu"),
+                           {p: i for i, ls in enumerate(layers) for l in ls for p in by_layer[l]})
+        for _ in range(2):          # DDP may rebuild its buckets after the first iteration
+            wrapped(torch.randn(2, 784)).sum().backward()
+            sizes = wrapped._get_ddp_logging_data()["bucket_sizes"]
+            assert [int(s) for s in str(sizes).split(",")] == expect
+    finally:
+        dist.destroy_process_group()
