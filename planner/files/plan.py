@@ -67,12 +67,6 @@ class Sync:
     server: str | None = None          # parameter-server: the device holding the parameters
     average: str | None = None         # pipedream: "swa" (weights combined by averaging)
 
-    @property
-    def local(self) -> bool:
-        """Replicas step on their own gradients (local-sgd and easgd exchange parameters every
-        `period`; hogwild's replicas share them in memory)."""
-        return self.mode in ("local-sgd", "easgd", "hogwild")
-
 
 @dataclass(frozen=True)
 class Optimizer:

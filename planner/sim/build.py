@@ -339,7 +339,7 @@ class Builder:
         return steps
 
     def parameter_exchange(self, steps: list[int]) -> None:
-        """Local SGD and EASGD (sync.local): every `period` iterations, one all-reduce of the
+        """Local SGD and EASGD (the modes with a sync.period): every `period` iterations, one all-reduce of the
         parameters (local SGD: their weighted sum; EASGD: the elastic differences) among the
         replicas, after every step; priced per iteration as 1/period of it. Replicas that differ
         in speed wait for the slowest at the exchange, so an iteration costs the slowest
