@@ -41,6 +41,19 @@ class NoGradSync:
         pass
 
 
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors) -> None:
+    i = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[i:i + n].view_as(t))
+            i += n
+
+
 class ParameterExchange:
     """Every `sync.period` optimizer steps, the mode's parameter exchange among the replicas."""
 
@@ -48,31 +61,20 @@ class ParameterExchange:
         self.sync, self.params, self.fraction = sync, params, fraction
         self.group, self.world = group, world
         self.steps = 0
-        self.center = self._flat() if sync.mode == "easgd" else None
-
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])
-
-    def _write(self, flat: torch.Tensor) -> None:
-        i = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(flat[i:i + n].view_as(p))
-                i += n
+        self.center = _flat(params) if sync.mode == "easgd" else None
 
     def after_step(self) -> None:
         self.steps += 1
         if self.world < 2 or self.steps % self.sync.period:
             return
-        x = self._flat()
+        x = _flat(self.params)
         if self.center is None:                     # local SGD: the weighted average
             x.mul_(self.fraction)
             dist.all_reduce(x, group=self.group)
-            self._write(x)
+            _unflatten_into(x, self.params)
             return
         d = (x - self.center).mul_(self.sync.alpha)  # EASGD: the elastic differences
-        self._write(x - d)
+        _unflatten_into(x - d, self.params)
         dist.all_reduce(d, group=self.group)
         self.center.add_(d)
 
@@ -109,18 +111,6 @@ def hogwild_parameters(params: list[torch.nn.Parameter], rank: int, group) -> No
     if rank == 0:
         os.unlink(path[0])          # the mappings stay; no file outlives the run
 
-
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-
-
-def _unflatten_into(flat: torch.Tensor, tensors) -> None:
-    i = 0
-    with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[i:i + n].view_as(t))
-            i += n
 
 
 class ServerClient:
