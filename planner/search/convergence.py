@@ -130,17 +130,16 @@ def _exchange(models, fractions, center, sync) -> None:
     """runtime.sync_modes's exchange, on model copies in one process."""
     import torch
     with torch.no_grad():
-        for ps in zip(*(m.parameters() for m in models)):
+        for k, ps in enumerate(zip(*(m.parameters() for m in models))):
             if center is None:                                  # local SGD
                 avg = sum(f * p for f, p in zip(fractions, ps))
                 for p in ps:
                     p.copy_(avg)
-        if center is not None:                                  # EASGD
-            for k, ps in enumerate(zip(*(m.parameters() for m in models))):
-                ds = [sync.alpha * (p - center[k]) for p in ps]
-                for p, d in zip(ps, ds):
-                    p.sub_(d)
-                center[k].add_(sum(ds))
+                continue
+            ds = [sync.alpha * (p - center[k]) for p in ps]     # EASGD
+            for p, d in zip(ps, ds):
+                p.sub_(d)
+            center[k].add_(sum(ds))
 
 
 __all__ = ["PowerLaw", "emulate", "iterations_to", "fit_power_law", "smoothed", "SMOOTH_WINDOW"]

@@ -61,9 +61,9 @@ def rank(evaluate, workload, named_plans: list[tuple[str, Plan]], target: float,
     curve is emulated once per distinct combination (every synchronous plan shares one)."""
     curves: dict[tuple, float] = {}
     sims = {name: evaluate(plan) for name, plan in named_plans}
-    layouts = sorted(((sims[n].iteration_s, n, p) for n, p in named_plans
-                      if sims[n].feasible and async_variants(n, p)), key=lambda x: x[0])
-    tried = list(named_plans) + (async_variants(layouts[0][1], layouts[0][2]) if layouts else [])
+    variants = {n: async_variants(n, p) for n, p in named_plans if sims[n].feasible}
+    layouts = sorted(((sims[n].iteration_s, n) for n, v in variants.items() if v), key=lambda x: x[0])
+    tried = list(named_plans) + (variants[layouts[0][1]] if layouts else [])
     out = []
     for name, plan in tried:
         key = _math_key(plan)
