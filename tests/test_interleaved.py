@@ -1,0 +1,143 @@
+"""Interleaved 1F1B (issue 17): the schedule, the plan rules, the simulator's exact times on a
+hand-computed case, the memory count, and training equal to one device."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.cost.memory import in_flight, peak_memory
+from planner.files.io import InputError
+from planner.files.plan import plan_from_dict
+from planner.sim.schedule import dry_run, format_schedule, interleaved_1f1b, make_schedule
+from planner.sim.simulator import simulate
+from simhelpers import device, graph, layer, link, plan, topology
+
+# p = 2 devices, v = 2 virtual stages each, m = 4 microbatches (Megatron's order)
+GOLDEN_2x2x4 = """\
+0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"""
+
+INTERLEAVED = [("cuda:0", 0, 1), ("cuda:1", 1, 2), ("cuda:0", 2, 3), ("cuda:1", 3, 4)]
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-12, abs=1e-12)
+
+
+def two_gpus():
+    return topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1")])
+
+
+# --- the schedule ------------------------------------------------------------------------------
+def test_schedule_is_megatrons_order():
+    assert format_schedule(make_schedule("interleaved-1f1b", 4, 4, devices=2)) == GOLDEN_2x2x4
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (3, 3, 6), (2, 3, 6), (4, 2, 4)])
+def test_schedule_equals_torch_pipelining_and_runs_without_deadlock(p, v, m):
+    sched = interleaved_1f1b(p, p * v, m)
+    dry_run(sched)   # raises on a deadlock
+    for r, acts in enumerate(sched):
+        assert sorted((a.stage, a.kind, a.microbatch) for a in acts) == sorted(
+            (c * p + r, k, i) for c in range(v) for k in "FB" for i in range(m))
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(schedules, "_get_1f1b_rank_ops"):
+        pytest.skip("this torch has no _get_1f1b_rank_ops")
+    for r, acts in enumerate(sched):   # torch's ScheduleInterleaved1F1B, rank r (m a multiple of p)
+        warm = schedules._get_warmup_ops(r, v, p, p, m)
+        ops = schedules._get_1f1b_rank_ops(
+            v, p, warm, v * m - warm, warm, r, lambda k: ((k // p) % v) * p + r,
+            lambda k: (v - 1 - ((k - warm) // p) % v) * p + r)
+        theirs = [f"{a.stage_index}{'F' if str(a.computation_type).endswith('FORWARD') else 'B'}"
+                  f"{a.microbatch_index}" for a in ops if a is not None]
+        assert [str(a) for a in acts] == theirs
+
+
+# --- plan rules ----------------------------------------------------------------------------------
+def _plan_dict(devices, m=4, schedule="interleaved-1f1b", **stage_extra):
+    return {"model": {"spec": "mlp"}, "global_batch": 8, "schedule": schedule,
+            "replicas": [{"batch_fraction": 1.0, "microbatches": m,
+                          "stages": [{"device": d, "layers": [i, i + 1], **stage_extra}
+                                     for i, d in enumerate(devices)]}]}
+
+
+def test_plan_accepts_a_device_several_times_only_interleaved():
+    p = plan_from_dict(_plan_dict(["cpu:0", "cpu:1", "cpu:0", "cpu:1"]))
+    assert p.devices == ("cpu:0", "cpu:1") and p.replicas[0].pipeline_devices == ("cpu:0", "cpu:1")
+    with pytest.raises(InputError, match=r"replicas\[0\].stages\[2\].device: device 'cpu:0' is already used .*"
+                                         r"only under schedule \"interleaved-1f1b\""):
+        plan_from_dict(_plan_dict(["cpu:0", "cpu:1", "cpu:0", "cpu:1"], schedule="1f1b"))
+
+
+@pytest.mark.parametrize("devices,m,extra,message", [
+    (["cpu:0", "cpu:1", "cpu:1", "cpu:0"], 4, {}, r"stages\[2\].device: interleaved-1f1b expects stage 2 on 'cpu:0'"),
+    (["cpu:0", "cpu:1", "cpu:0"], 4, {}, r"replicas\[0\].stages: interleaved-1f1b expects a multiple of the 2"),
+    (["cpu:0", "cpu:1", "cpu:0", "cpu:1"], 2 * 3, {}, r"microbatches: expected a divisor"),
+    (["cpu:0", "cpu:1", "cpu:0", "cpu:1"], 1, {}, r"microbatches: interleaved-1f1b needs microbatches a multiple "
+                                                  r"of the pipeline's 2 devices, got 1"),
+    (["cpu:0", "cpu:0"], 2, {}, r"needs at least 2 devices in a pipeline of several stages"),
+    (["cuda:0", "cuda:1", "cuda:0", "cuda:1"], 4, {"offload_activations": True},
+     r"stages\[0\].offload_activations: expected false under interleaved-1f1b"),
+])
+def test_plan_rules_give_one_line(devices, m, extra, message):
+    with pytest.raises(InputError, match=message):
+        plan_from_dict(_plan_dict(devices, m, **extra))
+
+
+def test_cli_exits_2_naming_file_and_field(tmp_path):
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps({**_plan_dict(["cpu:0", "cpu:1", "cpu:0", "cpu:1"], m=3), "global_batch": 6}))
+    out = subprocess.run([sys.executable, "-m", "hetplan", "simulate", str(p)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(p) in lines[0] and "replicas[0].microbatches: interleaved-1f1b" in lines[0]
+
+
+# --- simulator: exact times on an ideal what-if topology -------------------------------------------
+def test_simulated_iteration_is_the_hand_computed_schedule():
+    # 4 layers of 1e9 fwd / 2e9 bwd FLOPs at graph batch 4, devices of 1e9 FLOP/s, free link, no
+    # parameters; m = 4 microbatches of 1 sample: one layer's F = 0.25 s (1 slot), B = 0.5 s (2).
+    # Walking both devices' orders above (F(s, i) after F(s-1, i), B(s, i) after B(s+1, i)):
+    # cuda:0 idles 5-6 (2B0 waits for 3B0), 17-18 (2B2 for 3B2), 20-21 (2B3 for 3B3) and ends
+    # 0B3 at slot 27; cuda:1 idles 0-1 and 25-27. Busy per device: 2 stages x 4 x 3 = 24 slots,
+    # so the bubble is 3 slots = (p - 1) / (v m) of 24.
+    g = graph([layer(i) for i in range(4)], batch=4)
+    r = simulate(plan([(1.0, 4, INTERLEAVED)], 4, schedule="interleaved-1f1b"), g, two_gpus(), trace=True)
+    assert r.iteration_s == approx(27 * 0.25)
+    assert r.per_device["cuda:0"]["busy_s"] == approx(24 * 0.25)
+    starts = {t["name"]: t["start_s"] / 0.25 for t in r.tasks if t["kind"] in ("forward", "backward")}
+    assert [starts[f"0:{a}"] for a in ("2B0", "2B2", "2B3", "0B3", "1B3")] == approx([6, 18, 21, 25, 23])
+    # the same layers as a plain 1F1B pipeline of two 2-layer stages: (m + p - 1) * 6 slots
+    flat = plan([(1.0, 4, [("cuda:0", 0, 2), ("cuda:1", 2, 4)])], 4, schedule="1f1b")
+    assert simulate(flat, g, two_gpus()).iteration_s == approx(30 * 0.25)
+
+
+def test_transfers_between_devices_are_priced_for_every_virtual_stage_cut():
+    # one 0.5 s hop per activation and per gradient (cut 1 B, 2 B/s); compare with free links
+    g = graph([layer(i) for i in range(4)], batch=4, cut_bytes=[4] * 5)
+    slow = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=2.0)])
+    pl = plan([(1.0, 4, INTERLEAVED)], 4, schedule="interleaved-1f1b")
+    r = simulate(pl, g, slow)
+    # 3 cuts x 4 microbatches x 2 directions, 0.5 s each, counted on both ends
+    assert r.per_device["cuda:0"]["comm_s"] == approx(3 * 4 * 2 * 0.5)
+    assert r.iteration_s > simulate(pl, g, two_gpus()).iteration_s
+
+
+# --- memory ------------------------------------------------------------------------------------------
+def test_peak_memory_counts_what_each_device_holds_at_once():
+    # saved 100 B per layer at batch 4 -> 25 B per stage-microbatch of 1 sample; params 1000 B per
+    # layer, SGD: params + grads of two layers = 4000 B per device. Walking GOLDEN_2x2x4, cuda:0
+    # holds at most 5 stage-microbatches (0F0 0F1 2F0 2F1 0F2 before 2B0; (p-r-1)*2 + (v-1)*p + 1),
+    # cuda:1 3 (1F0 1F1 3F0 before 3B0). Per stage the most in flight: 4, 3, 2, 1.
+    g = graph([layer(i, param_bytes=1000, saved_bytes=100) for i in range(4)], batch=4, cut_bytes=[40] * 5)
+    pl = plan([(1.0, 4, INTERLEAVED)], 4, schedule="interleaved-1f1b")
+    assert peak_memory(pl, g, two_gpus()) == {"cuda:0": 4000 + 5 * 25, "cuda:1": 4000 + 3 * 25}
+    assert [in_flight("interleaved-1f1b", 4, s, 4, devices=2) for s in range(4)] == [4, 3, 2, 1]
+    # recompute: the stage input (40 B at batch 4 -> 10 B) per held microbatch, plus one full
+    # microbatch during a backward: cuda:0 at 2B0 holds 5 x 10 + 25, cuda:1 at 3B0 3 x 10 + 25
+    rc = plan([(1.0, 4, INTERLEAVED)], 4, schedule="interleaved-1f1b", recompute=True)
+    assert peak_memory(rc, g, two_gpus()) == {"cuda:0": 4000 + 75, "cuda:1": 4000 + 55}
