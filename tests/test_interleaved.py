@@ -141,3 +141,40 @@ def test_peak_memory_counts_what_each_device_holds_at_once():
     # microbatch during a backward: cuda:0 at 2B0 holds 5 x 10 + 25, cuda:1 at 3B0 3 x 10 + 25
     rc = plan([(1.0, 4, INTERLEAVED)], 4, schedule="interleaved-1f1b", recompute=True)
     assert peak_memory(rc, g, two_gpus()) == {"cuda:0": 4000 + 75, "cuda:1": 4000 + 55}
+
+
+# --- runtime: trains exactly like one device --------------------------------------------------------
+def _check_equivalent(tmp_path, p: dict, iters: int = 4):
+    import torch
+    from test_runtime import reference, run_plan
+    result, params = run_plan(tmp_path, p, iters=iters)
+    ref_losses, ref_params = reference(p["model"], p["global_batch"], iters, p["optimizer"]["name"],
+                                       p["optimizer"]["lr"])
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert set(params) == set(ref_params)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+    return result
+
+
+@pytest.mark.parametrize("model,sync,m", [
+    ({"spec": "mlp", "args": {"hidden": 16, "depth": 3}}, "coarse", 4),     # 4 layers, 1 per virtual stage
+    ({"spec": "tests.runtime_models:skipnet", "args": {"width": 16}}, "fine", 2),   # tuples across cuts
+], ids=["mlp-coarse-m4", "skip-fine-m2"])
+def test_two_workers_with_two_virtual_stages_each_train_like_one_device(tmp_path, model, sync, m):
+    from test_runtime import plan as runtime_plan
+    stages = [("cpu:0", (0, 1)), ("cpu:1", (1, 2)), ("cpu:0", (2, 3)), ("cpu:1", (3, 4))]
+    p = runtime_plan([(1.0, m, stages)], model=model, global_batch=12, schedule="interleaved-1f1b",
+                     sync=sync, bucket_bytes=1024)
+    r = _check_equivalent(tmp_path, p)
+    assert set(r["per_device"]) == {"cpu:0", "cpu:1"}
+
+
+def test_data_parallel_interleaved_pipelines_train_like_one_device(tmp_path):
+    # two replicas, each two devices x two virtual stages: gradients summed per layer across them
+    from test_runtime import plan as runtime_plan
+    gpt = {"spec": "gpt", "args": {"layers": 2, "heads": 2, "d_model": 16, "vocab": 32, "context": 8}}
+    reps = [(0.5, 2, [(f"cpu:{a}", (0, 1)), (f"cpu:{b}", (1, 2)), (f"cpu:{a}", (2, 3)), (f"cpu:{b}", (3, 4))])
+            for a, b in ((0, 1), (2, 3))]
+    _check_equivalent(tmp_path, runtime_plan(reps, model=gpt, global_batch=8, schedule="interleaved-1f1b",
+                                             sync="fine", bucket_bytes=1024, lr=0.003))
