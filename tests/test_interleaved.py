@@ -222,3 +222,26 @@ def test_interleave_move_keeps_each_devices_layers_and_goes_back():
     assert interleave(sp, Strategy((Pipeline(("cuda:0", "cuda:1"), (1,), 4),)), random.Random(0)) is None
     assert not fits(sp, Strategy(t.pipelines, "interleaved-1f1b", offload=True))
     assert not fits(sp, Strategy(t.pipelines, "1f1b"))   # repeated devices only when interleaved
+
+
+# --- accelerator paths (CPU stand-ins everywhere; real GPUs where marked) ----------------------------
+from test_runtime_cuda import check_close, gpus  # noqa: E402,F401  (the fixture: stand-in / real)
+
+
+def test_cpu_and_gpu_interleaved_through_host_memory(tmp_path, gpus):
+    # cpu:0 holds stages 0 and 2, cuda:0 stages 1 and 3: every boundary crosses host staging,
+    # tuple outputs (skip connections) included
+    from test_runtime import SKIP, plan as runtime_plan
+    stages = [("cpu:0", (0, 1)), ("cuda:0", (1, 2)), ("cpu:0", (2, 3)), ("cuda:0", (3, 4))]
+    check_close(tmp_path, runtime_plan([(1.0, 4, stages)], model=SKIP, schedule="interleaved-1f1b",
+                                       sync="fine", bucket_bytes=1024), gpus)
+
+
+def test_two_gpus_interleaved(tmp_path, gpus):
+    # NCCL between real GPUs (one communicator per direction), host-staged gloo for stand-ins
+    import torch
+    if gpus == "real" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    from test_runtime import plan as runtime_plan
+    stages = [("cuda:0", (0, 1)), ("cuda:1", (1, 2)), ("cuda:0", (2, 3)), ("cuda:1", (3, 4))]
+    check_close(tmp_path, runtime_plan([(1.0, 2, stages)], schedule="interleaved-1f1b"), gpus)
