@@ -245,3 +245,10 @@ def test_two_gpus_interleaved(tmp_path, gpus):
     from test_runtime import plan as runtime_plan
     stages = [("cuda:0", (0, 1)), ("cuda:1", (1, 2)), ("cuda:0", (2, 3)), ("cuda:1", (3, 4))]
     check_close(tmp_path, runtime_plan([(1.0, 2, stages)], schedule="interleaved-1f1b"), gpus)
+
+
+def test_interleaved_plan_round_trips(tmp_path):
+    from planner.files.plan import load_plan, save_plan
+    p = plan_from_dict(_plan_dict(["cpu:0", "cpu:1", "cpu:0", "cpu:1"]))
+    save_plan(p, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json") == p
