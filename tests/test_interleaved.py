@@ -252,3 +252,25 @@ def test_interleaved_plan_round_trips(tmp_path):
     p = plan_from_dict(_plan_dict(["cpu:0", "cpu:1", "cpu:0", "cpu:1"]))
     save_plan(p, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json") == p
+
+
+def test_every_proposal_around_interleaving_gives_a_valid_plan():
+    # the walk from a two-GPU 1F1B pipeline reaches interleaved strategies and leaves them; every
+    # proposal's plan (its batch split solved) passes the plan file's validation
+    import random
+    from planner.files.plan import validate_plan
+    from planner.search.mcmc import Searcher
+    from planner.search.space import Pipeline, Strategy, propose, to_plan
+    from test_search import BIG, toy_problem
+    devices = ("cuda:0", "cuda:1", "cuda:2", "cpu:0")
+    p = toy_problem(dict(zip(devices, (1.0, 2.0, 1.0, 0.5))), dict.fromkeys(devices, BIG), batch=8, layers=8)
+    rng = random.Random(5)
+    s, searcher, seen = Strategy((Pipeline(("cuda:0", "cuda:1"), (4,), 2),)), Searcher(p, rng), 0
+    for _ in range(1500):
+        t = propose(p.space, s, rng)
+        if t is not None:
+            plan = to_plan(p.space, t, searcher.solve_batches(t))
+            validate_plan(plan, "<test>", 8, set(devices))
+            seen += plan.schedule == "interleaved-1f1b"
+            s = t
+    assert seen > 0
