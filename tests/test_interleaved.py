@@ -168,6 +168,19 @@ def test_two_workers_with_two_virtual_stages_each_train_like_one_device(tmp_path
                      sync=sync, bucket_bytes=1024)
     r = _check_equivalent(tmp_path, p)
     assert set(r["per_device"]) == {"cpu:0", "cpu:1"}
+    if model["spec"] == "mlp":
+        # saved for backward per microbatch of 3: stage 0 its input 3x784x4 B + its ReLU's output
+        # 3x16x4 B = 9600 B, stage 1 384 B. cpu:0's peak comes after 0F3 (GOLDEN_2x2x4): four of
+        # stage 0 and one of stage 2 (2B0 freed the other); cpu:1's after 1F2: three of stage 1.
+        # The memory model, walking the same schedule over the captured graph, says the same.
+        from planner.cost.memory import device_activation_bytes
+        from planner.files.plan import plan_from_dict as load
+        from planner.workload.capture import capture_graph
+        from planner.workload.load import load_workload
+        saved = {d: v["saved_activation_peak_bytes"] for d, v in r["per_device"].items()}
+        assert saved == {"cpu:0": 4 * 9600 + 384, "cpu:1": 3 * 384}
+        g = capture_graph(load_workload(model["spec"], model["args"]), 12)
+        assert device_activation_bytes(load(p), g, 0) == saved
 
 
 def test_data_parallel_interleaved_pipelines_train_like_one_device(tmp_path):
