@@ -287,3 +287,14 @@ def test_every_proposal_around_interleaving_gives_a_valid_plan():
             seen += plan.schedule == "interleaved-1f1b"
             s = t
     assert seen > 0
+
+
+def test_three_workers_wrap_around_from_the_last_device_to_the_first(tmp_path):
+    # p = 3, v = 2: cpu:2's stage 2 sends to cpu:0's stage 3; each rank has a previous and a next
+    # link to two different peers; the built-in transformer
+    from test_runtime import plan as runtime_plan
+    gpt = {"spec": "gpt", "args": {"layers": 4, "heads": 2, "d_model": 16, "vocab": 32, "context": 8}}  # 6 layers
+    stages = [(f"cpu:{k % 3}", (k, k + 1)) for k in range(6)]
+    _check_equivalent(tmp_path, runtime_plan([(1.0, 3, stages)], model=gpt, global_batch=6,
+                                             schedule="interleaved-1f1b", sync="fine", bucket_bytes=1024,
+                                             lr=0.003))
