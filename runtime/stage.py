@@ -154,8 +154,9 @@ class _Layout:
         return sorted(set(self.ranks_of_layer) | {t.ranks for t in self.tied})
 
 
-def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found) -> _Layout:
-    """`found`: the workload's planner.workload.layer_cache.LayerMap."""
+def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found, mine=()) -> _Layout:
+    """`found`: the workload's planner.workload.layer_cache.LayerMap; `mine`: this rank's stage
+    layer ranges when it holds several (interleaved), for how many of them use a tied weight."""
     named = dict(module.named_parameters())
     if len(set(ranks_of_layer)) == 1 and plan.sync.granularity == "coarse":
         # every layer has the same ranks: one flat bucket; no need to know the layers
@@ -168,7 +169,8 @@ def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found) 
     owned = [tuple(n for n in ns if n not in tied) for ns in names_by_layer]
     params_by_layer = {l: [named[n] for n in ns if n in named and n not in tied]
                        for l, ns in enumerate(names_by_layer)}
-    ties = [Tied(named.get(n), tuple(sorted({r for l in ls for r in ranks_of_layer[l]})), ls[0])
+    ties = [Tied(named.get(n), tuple(sorted({r for l in ls for r in ranks_of_layer[l]})), ls[0],
+                 max(1, sum(any(a <= l < b for l in ls) for a, b in mine)))
             for n, ls in sorted(tied.items())]
     buckets = _buckets(plan, owned, dict(workload.model.named_parameters()))
     buffers = _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer)
@@ -237,7 +239,8 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
     ranks_of_layer = layer_ranks([[st.layers for st in r.stages] for r in plan.replicas],
                                  replica_ranks, plan.num_layers)
-    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, found)
+    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, found,
+                     [rep.stages[j].layers for j in mine] if interleaved else ())
     named = dict(module.named_parameters())
 
     pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]

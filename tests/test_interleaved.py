@@ -193,6 +193,21 @@ def test_data_parallel_interleaved_pipelines_train_like_one_device(tmp_path):
                                              sync="fine", bucket_bytes=1024, lr=0.003))
 
 
+def test_a_tied_weight_on_two_virtual_stages_of_one_device_is_held_once():
+    # layers 1 and 3 share a 1000 B weight (counted in layer 1); cuda:1 holds stages 1 and 3, so
+    # one copy: SGD params + grads 2 x 1000 B; no activations saved; nothing to exchange (one
+    # replica, one device holding it). Two stages on different devices would each hold one.
+    from planner.workload.graph import TiedParam
+    base = graph([layer(i, param_bytes=1000 if i == 1 else 0) for i in range(4)], batch=4)
+    g = type(base)(layers=base.layers, batch=4, cut_bytes=base.cut_bytes,
+                   tied=(TiedParam("l1.weight", 1000, (1, 3)),))
+    pl = plan([(1.0, 4, INTERLEAVED)], 4, schedule="interleaved-1f1b")
+    assert peak_memory(pl, g, two_gpus()) == {"cuda:0": 0, "cuda:1": 2000}
+    assert g.device_param_bytes([(1, 2), (3, 4)]) == 1000 and g.device_param_bytes([(3, 4)]) == 1000
+    r = simulate(pl, g, two_gpus())
+    assert r.per_device["cuda:1"]["comm_s"] == 0 and r.per_device["cuda:1"]["optimizer_s"] > 0
+
+
 # --- search ---------------------------------------------------------------------------------------
 def test_search_picks_interleaving_where_the_bubble_dominates():
     # Two equal GPUs, 8 layers of 100 MB (SGD: 1.6 GB of parameters and gradients) and 1 GB each:
@@ -298,3 +313,17 @@ def test_three_workers_wrap_around_from_the_last_device_to_the_first(tmp_path):
     _check_equivalent(tmp_path, runtime_plan([(1.0, 3, stages)], model=gpt, global_batch=6,
                                              schedule="interleaved-1f1b", sync="fine", bucket_bytes=1024,
                                              lr=0.003))
+
+
+@pytest.mark.parametrize("replicas", [
+    [(1.0, 2, ("cpu:0", "cpu:1"))],
+    [(0.5, 2, ("cpu:0", "cpu:1")), (0.5, 2, ("cpu:2", "cpu:3"))],
+], ids=["pipeline", "two-pipelines"])
+def test_tied_weight_on_two_virtual_stages_of_one_rank(tmp_path, replicas):
+    # layers 1 and 3 share a weight; both sit on the second device (its stages 1 and 3), so its
+    # gradient accumulates there from two stage modules, then (two pipelines) is summed
+    from test_runtime import plan as runtime_plan
+    tied = {"spec": "tests.runtime_models:tiednet", "args": {"width": 16}}
+    reps = [(f, m, [(a, (0, 1)), (b, (1, 2)), (a, (2, 3)), (b, (3, 5))]) for f, m, (a, b) in replicas]
+    _check_equivalent(tmp_path, runtime_plan(reps, model=tied, global_batch=8, schedule="interleaved-1f1b",
+                                             sync="fine", bucket_bytes=1024))

@@ -128,6 +128,9 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
                 out[d] = out.get(d, 0.0) + acts
         for s, st in enumerate(rep.stages):
             params = float(graph.stage_param_bytes(st.start, st.end))
+            if interleaved:   # what this stage adds to its device's earlier ones (one tied copy)
+                before = [x.layers for x in rep.stages[:s] if x.device == st.device]
+                params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
             acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s)
             center = params if plan.sync.mode == "easgd" else 0.0
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + center

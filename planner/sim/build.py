@@ -321,13 +321,13 @@ class Builder:
         opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
         f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         steps: list[int] = []
-        held: dict[str, tuple[float, int]] = {}   # device -> (bytes, tensors) of all its stages
+        ranges: dict[str, list[tuple[int, int]]] = {}   # device -> its stages (several: interleaved)
         for rep in self.plan.replicas:
             for st in rep.stages:
-                n0, t0 = held.get(st.device, (0, 0))
-                held[st.device] = (n0 + graph.stage_param_bytes(st.start, st.end),
-                                   t0 + sum(len(graph.layers[i].param_names) for i in range(st.start, st.end)))
-        for dev, (n, n_t) in held.items():
+                ranges.setdefault(st.device, []).append(st.layers)
+        for dev, rs in ranges.items():
+            n = graph.device_param_bytes(rs)
+            n_t = sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b))
             if n <= 0:
                 continue
             deps = synced.get(dev) or [self.progress.last_backward[dev]]
