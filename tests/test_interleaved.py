@@ -157,15 +157,15 @@ def _check_equivalent(tmp_path, p: dict, iters: int = 4):
     return result
 
 
-@pytest.mark.parametrize("model,sync,m", [
-    ({"spec": "mlp", "args": {"hidden": 16, "depth": 3}}, "coarse", 4),     # 4 layers, 1 per virtual stage
-    ({"spec": "tests.runtime_models:skipnet", "args": {"width": 16}}, "fine", 2),   # tuples across cuts
-], ids=["mlp-coarse-m4", "skip-fine-m2"])
-def test_two_workers_with_two_virtual_stages_each_train_like_one_device(tmp_path, model, sync, m):
+@pytest.mark.parametrize("model,sync,m,recompute", [
+    ({"spec": "mlp", "args": {"hidden": 16, "depth": 3}}, "coarse", 4, False),    # 4 layers, 1 per virtual stage
+    ({"spec": "tests.runtime_models:skipnet", "args": {"width": 16}}, "fine", 2, True),   # tuples across cuts
+], ids=["mlp-coarse-m4", "skip-fine-m2-recompute"])
+def test_two_workers_with_two_virtual_stages_each_train_like_one_device(tmp_path, model, sync, m, recompute):
     from test_runtime import plan as runtime_plan
     stages = [("cpu:0", (0, 1)), ("cpu:1", (1, 2)), ("cpu:0", (2, 3)), ("cpu:1", (3, 4))]
     p = runtime_plan([(1.0, m, stages)], model=model, global_batch=12, schedule="interleaved-1f1b",
-                     sync=sync, bucket_bytes=1024)
+                     sync=sync, bucket_bytes=1024, recompute=recompute)
     r = _check_equivalent(tmp_path, p)
     assert set(r["per_device"]) == {"cpu:0", "cpu:1"}
     if model["spec"] == "mlp":
@@ -327,3 +327,20 @@ def test_tied_weight_on_two_virtual_stages_of_one_rank(tmp_path, replicas):
     reps = [(f, m, [(a, (0, 1)), (b, (1, 2)), (a, (2, 3)), (b, (3, 5))]) for f, m, (a, b) in replicas]
     _check_equivalent(tmp_path, runtime_plan(reps, model=tied, global_batch=8, schedule="interleaved-1f1b",
                                              sync="fine", bucket_bytes=1024))
+
+
+def test_bf16_interleaved_matches_single_process_bf16_training(tmp_path):
+    # each virtual stage's forward and the loss under autocast; tolerances as test_runtime's bf16 test
+    import torch
+    from test_runtime import ITERS, plan as runtime_plan, reference, run_plan
+    stages = [("cpu:0", (0, 1)), ("cpu:1", (1, 2)), ("cpu:0", (2, 3)), ("cpu:1", (3, 4))]
+    p = runtime_plan([(1.0, 2, stages)], schedule="interleaved-1f1b", precision="bf16")
+    result, params = run_plan(tmp_path, p)
+    bf16_losses, bf16_params = reference(p["model"], 12, ITERS, precision="bf16")
+    fp32_losses, _ = reference(p["model"], 12, ITERS, precision="fp32")
+    assert result["losses"] == pytest.approx(bf16_losses, rel=2e-2)
+    for name, ref in bf16_params.items():
+        assert params[name].dtype == torch.float32
+        torch.testing.assert_close(params[name], ref, rtol=1e-2, atol=2e-2, msg=name)
+    worst = lambda ref: max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref))  # noqa: E731
+    assert worst(bf16_losses) * 10 < worst(fp32_losses)
