@@ -11,7 +11,10 @@ microbatches, stage index s):
   "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients. Under
   "split" the host holds both for cpu_fraction f of the bytes, the GPU the state of 1 - f.
 * activations: saved_bytes of one microbatch (sum over [a, b), scaled to mb) times the
-  microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m).
+  microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m); ZB-H1 min(p, m) on
+  every stage (a microbatch is held from its F to its W, which stage s runs s microbatches
+  late; 1F1B's stage-0 peak everywhere). Not modelled under ZB-H1: the gradients an I pass keeps
+  for its W (the inputs' gradients of the weight-holding ops).
   With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
   microbatch, plus one microbatch's full saved activations while it is recomputed.
 * precision: the graph was captured in the plan's precision, so saved bytes are of the dtypes
@@ -37,9 +40,12 @@ from planner.hardware.topology import Topology
 
 
 def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
-    """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B)."""
+    """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B),
+    min(p, m) (ZB-H1)."""
     if schedule == "gpipe":
         return microbatches
+    if schedule == "zb-h1":
+        return min(stages, microbatches)
     return min(stages - stage, microbatches)
 
 
