@@ -1,0 +1,140 @@
+"""A stage's backward split in two passes for zero-bubble schedules (zb-h1: actions I and W).
+
+`input_pass` computes only the gradient of the stage's inputs (what the previous stage waits
+for) and keeps, for each autograd node where a weight's gradient path leaves the input-gradient
+path (the weights' "intermediates", torch.distributed.pipelining's param groups), the gradient
+that reached it. `WeightPass.run`, later, resumes from those gradients down to the weights only,
+so no part of the backward runs twice (the rule of torch.distributed.pipelining._backward's
+stage_backward_input / stage_backward_weight). Unlike torch's, the weight pass accumulates
+through autograd (`backward(inputs=weights)`), so post-accumulate-grad hooks fire as in a fused
+backward (runtime.sync's fine-grained all-reduces).
+
+Where the stage's inputs need no gradient (the first stage), or a weight's gradient does not
+pass through the input-gradient path, the input pass computes nothing and the weight pass is the
+whole backward, as torch does on its first stage.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+def _node(t: torch.Tensor) -> Node:
+    """The autograd node producing t (a leaf's gradient accumulator)."""
+    return get_gradient_edge(t).node
+
+
+def _parents(roots: list[Node]) -> dict[Node, list[Node]]:
+    """node -> the nodes whose backward feeds it (the graph's edges reversed), from `roots`."""
+    parents: dict[Node, list[Node]] = {}
+    todo, seen = deque(roots), set(roots)
+    while todo:
+        node = todo.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            parents.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return parents
+
+
+def _upward(starts: list[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reached from `starts` towards the outputs, not crossing `stop`; and the stop nodes met."""
+    reached, met = set(starts), set()
+    todo = deque(starts)
+    while todo:
+        for p in parents.get(todo.popleft(), ()):
+            if p in stop:
+                met.add(p)
+            elif p not in reached:
+                reached.add(p)
+                todo.append(p)
+    return reached, met
+
+
+@dataclass
+class WeightPass:
+    """What the W pass needs: the intermediates and the gradients they received in the I pass;
+    or (`fused`) the outputs and their gradients for a whole backward."""
+    weights: list[torch.Tensor]
+    intermediates: list[Node] = field(default_factory=list)
+    grads: dict[Node, tuple] = field(default_factory=dict)
+    fused: tuple | None = None           # (outputs, output gradients)
+
+    def run(self) -> None:
+        """Accumulate the weights' gradients into .grad (hooks fire as in a fused backward)."""
+        weights = [w for w in self.weights if w.requires_grad]
+        if self.fused is not None:
+            outs, grads = self.fused
+            if outs and weights:
+                torch.autograd.backward(outs, grads, inputs=weights)
+            return
+        edges, grads = [], []
+        for node in self.intermediates:
+            for i, g in enumerate(self.grads.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            return
+        # an intermediate may also be reached from another one: it takes exactly the gradient
+        # it had in the I pass, not that plus what flows into it again
+        handles = [n.register_prehook(lambda _, saved=self.grads[n]: saved)
+                   for n in self.intermediates if n in self.grads]
+        try:
+            torch.autograd.backward(edges, grads, inputs=weights)
+        finally:
+            for h in handles:
+                h.remove()
+            self.grads.clear()
+
+
+def input_pass(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
+               weights: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """The gradients of `inputs` (those requiring one; None for the others) from `outputs` with
+    output gradients `grads` (None: a scalar loss), and the W pass still to run."""
+    need = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    weights = [w for w in weights if w.requires_grad]
+    fused = WeightPass(weights, fused=(outputs, grads))
+    if not need or not outputs:
+        return [None] * len(inputs), fused
+    roots = [_node(o) for o in outputs]
+    parents = _parents(roots)
+    input_path, _ = _upward([_node(x) for x in need], parents, set())
+    intermediates: set[Node] = set()
+    for w in weights:
+        node = _node(w)
+        if node not in parents:
+            continue                      # not used by these outputs: no gradient either way
+        _, met = _upward([node], parents, input_path)
+        if not met:                       # its gradient never meets the input path
+            return _fused_inputs(outputs, grads, inputs, need), fused
+        intermediates |= met
+    wp = WeightPass(weights, sorted(intermediates, key=lambda n: -n._sequence_nr()))
+
+    def keep(node):
+        return lambda grad_outputs: wp.grads.__setitem__(node, grad_outputs)
+    handles = [n.register_prehook(keep(n)) for n in wp.intermediates]
+    try:
+        got = torch.autograd.grad(outputs, need, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    by_id = {id(x): g for x, g in zip(need, got)}
+    return [by_id.get(id(x)) if isinstance(x, torch.Tensor) else None for x in inputs], wp
+
+
+def _fused_inputs(outputs, grads, inputs, need) -> list[torch.Tensor | None]:
+    """The inputs' gradients alone, keeping the graph for a whole backward in the W pass (the
+    input path is computed twice; used only where a weight's gradient avoids that path)."""
+    got = torch.autograd.grad(outputs, need, grads, retain_graph=True, allow_unused=True)
+    by_id = {id(x): g for x, g in zip(need, got)}
+    return [by_id.get(id(x)) if isinstance(x, torch.Tensor) else None for x in inputs]
+
+
+__all__ = ["input_pass", "WeightPass"]
