@@ -244,6 +244,21 @@ def test_memory_tight_topology_gives_a_feasible_plan():
     assert check.feasible and all(v <= 3e8 for v in check.peak_memory_bytes.values())
 
 
+def test_zb_h1_chosen_where_a_pipeline_must_hide_its_bubble():
+    # the memory-tight pair above at batch 8: the model only fits as a 2-stage pipeline, and at
+    # most 8 microbatches leave a bubble of p - 1 = 1 slot. Per microbatch F = 1, B = 2 units
+    # (I = W = 1): 1F1B (m + p - 1) * 3 = 27 units, ZB-H1 3m + p - 1 = 25; both fit (ZB-H1 holds
+    # 2 microbatches of small activations on each stage).
+    graph = uniform_graph(batch=8, param_bytes=4e7)
+    topo = two_gpus(1.0, memory_bytes=3e8, bandwidth=1e10)
+    problem, result = sim_search(graph, topo)
+    best = result.best
+    assert best.plan.schedule == "zb-h1" and best.feasible and len(best.plan.replicas[0].stages) == 2
+    sim = Simulator(graph, topo)
+    others = {s: sim.simulate(replace(best.plan, schedule=s)).iteration_s for s in ("1f1b", "gpipe")}
+    assert best.iteration_s < 0.95 * min(others.values())
+
+
 def test_split_optimizer_chosen_on_a_slow_gpu_workstation():
     # 6 layers of 100 MB, Adam, little compute: the update dominates. On cuda:0 Adam moves
     # 7 x 600 MB at 7e10 B/s = 60 ms; on cpu:0 the copies (2 x 600 MB at 2e10 B/s) and the update
