@@ -123,7 +123,7 @@ CASES = [
     ("global_batch", 0, "global_batch: expected a positive integer"),
     ("replicas", [], "replicas: expected a non-empty list"),
     ("schedule", "zb", "schedule: expected one of gpipe, 1f1b"),
-    ("schedule", "hippie", "schedule: expected one of gpipe, 1f1b"),   # not built in this version
+    ("schedule", "hippie", "schedule: \"hippie\" is not supported by this version"),
     ("sync.granularity", "medium", "sync.granularity: expected one of coarse, fine"),
     ("sync.bucket_bytes", 0, "sync.bucket_bytes: expected a positive integer"),
     ("optimizer.name", "lamb", "optimizer.name: expected one of sgd, adam"),

@@ -63,6 +63,25 @@ def test_zb_h1_gradient_transfers_leave_after_the_input_pass():
     assert simulate(plan([(1.0, 2, stages)], 2, schedule="1f1b"), g, t).iteration_s == approx(11.0)
 
 
+def test_one_f_one_b_exchanges_each_stage_inside_the_cool_down():
+    # what Hippie adds to 1F1B is already 1F1B here (why plan.py refuses "hippie"): two replicas
+    # of a 2-stage pipeline, m = 4, F = 1 s, B = 2 s, coarse sync. Stage 1's last backward ends
+    # at 13 s, stage 0's at 15 s ((m + p - 1) * 3); each stage's all-reduce (1e6 B at 1e6 B/s
+    # over 2 devices: 1 s) starts at its own last backward, stage 1's inside stage 0's cool-down,
+    # then its SGD step (3e6 B at 1e8 B/s: 0.03 s): 15 + 1 + 0.03.
+    g = graph([layer(i, param_bytes=10**6) for i in range(2)], batch=1)
+    t = topology([device(f"cuda:{i}", mem_bw=1e8) for i in range(4)],
+                 [link("cuda:0", "cuda:1"), link("cuda:2", "cuda:3"),
+                  link("cuda:0", "cuda:2", bw=1e6), link("cuda:1", "cuda:3", bw=1e6)])
+    pl = plan([(0.5, 4, [("cuda:0", 0, 1), ("cuda:1", 1, 2)]), (0.5, 4, [("cuda:2", 0, 1), ("cuda:3", 1, 2)])],
+              8, granularity="coarse")
+    r = simulate(pl, g, t, trace=True)
+    assert r.iteration_s == approx(16.03)
+    starts = sorted((x["start_s"], x["lane"]) for x in r.tasks if x["kind"] == "allreduce")
+    assert [s for s, _ in starts] == [approx(13.0), approx(15.0)]
+    assert set(starts[0][1].split("+")) == {"cuda:1", "cuda:3"}
+
+
 def test_coarse_data_parallel_is_compute_plus_ring_allreduce_plus_optimizer():
     # 2 replicas x 1 sample; layer: 1e9 fwd / 2e9 bwd FLOPs at batch 2 -> 0.5 s + 1.0 s.
     # all-reduce of 1e6 B over 2 devices, 1e6 B/s, 10 ms: 2*1*0.01 + 2*1/2*1e6/1e6 = 1.02 s.

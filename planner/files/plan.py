@@ -148,6 +148,10 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("global_batch", f"expected a positive integer, got {plan.global_batch}")
     if not plan.replicas:
         raise err("replicas", "expected at least one replica")
+    if plan.schedule == "hippie":   # issue 17's name; see docs/guide.md, "When ZB-H1 wins"
+        raise err("schedule", "\"hippie\" is not supported by this version: what it adds to 1F1B, each "
+                              "stage's gradient exchange and optimizer step starting at that stage's last "
+                              "backward, is what \"1f1b\" does here; expected one of " + ", ".join(SCHEDULES))
     if plan.schedule not in SCHEDULES:
         raise err("schedule", f"expected one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
     if plan.sync.granularity not in GRANULARITIES:
