@@ -2,10 +2,12 @@
 
 `input_pass` computes only the gradient of the stage's inputs (what the previous stage waits
 for) and keeps, for each autograd node where a weight's gradient path leaves the input-gradient
-path (the weights' "intermediates", torch.distributed.pipelining's param groups), the gradient
-that reached it. `WeightPass.run`, later, resumes from those gradients down to the weights only,
-so no part of the backward runs twice (the rule of torch.distributed.pipelining._backward's
-stage_backward_input / stage_backward_weight). Unlike torch's, the weight pass accumulates
+path (the weights' "intermediates"), the gradient that reached it. `WeightPass.run`, later,
+resumes from those gradients down to the weights, one group of weights sharing intermediates at
+a time (torch.distributed.pipelining's param groups: one backward call from all intermediates
+would run the input-gradient path again, from the last layer's intermediates down to the first
+layer's weights), so no part of the backward runs twice (the rule of
+torch.distributed.pipelining._backward's stage_backward_input / stage_backward_weight). Unlike torch's, the weight pass accumulates
 through autograd (`backward(inputs=weights)`), so post-accumulate-grad hooks fire as in a fused
 backward (runtime.sync's fine-grained all-reduces).
 
@@ -59,39 +61,48 @@ def _upward(starts: list[Node], parents: dict[Node, list[Node]], stop: set[Node]
 
 @dataclass
 class WeightPass:
-    """What the W pass needs: the intermediates and the gradients they received in the I pass;
-    or (`fused`) the outputs and their gradients for a whole backward."""
+    """What the W pass needs: the weight groups (weights, their intermediates) and the gradients
+    the intermediates received in the I pass; or (`fused`) the outputs and their gradients for a
+    whole backward."""
     weights: list[torch.Tensor]
-    intermediates: list[Node] = field(default_factory=list)
+    groups: list[tuple[list[torch.Tensor], list[Node]]] = field(default_factory=list)
     grads: dict[Node, tuple] = field(default_factory=dict)
     fused: tuple | None = None           # (outputs, output gradients)
 
+    @property
+    def intermediates(self) -> list[Node]:
+        return [n for _, nodes in self.groups for n in nodes]
+
     def run(self) -> None:
         """Accumulate the weights' gradients into .grad (hooks fire as in a fused backward)."""
-        weights = [w for w in self.weights if w.requires_grad]
         if self.fused is not None:
             outs, grads = self.fused
-            if outs and weights:
-                torch.autograd.backward(outs, grads, inputs=weights)
+            if outs and self.weights:
+                torch.autograd.backward(outs, grads, inputs=self.weights)
             return
+        try:
+            for weights, nodes in self.groups:
+                self._group(weights, nodes)
+        finally:
+            self.groups, self.grads = [], {}
+
+    def _group(self, weights: list[torch.Tensor], nodes: list[Node]) -> None:
         edges, grads = [], []
-        for node in self.intermediates:
+        for node in nodes:
             for i, g in enumerate(self.grads.get(node, ())):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
         if not edges:
             return
-        # an intermediate may also be reached from another one: it takes exactly the gradient
-        # it had in the I pass, not that plus what flows into it again
-        handles = [n.register_prehook(lambda _, saved=self.grads[n]: saved)
-                   for n in self.intermediates if n in self.grads]
-        try:
-            torch.autograd.backward(edges, grads, inputs=weights)
+        # an intermediate may also be reached from another of its group: it takes exactly the
+        # gradient it had in the I pass, not that plus what flows into it again
+        handles = [n.register_prehook(lambda _, saved=self.grads[n]: saved) for n in nodes if n in self.grads]
+        try:   # groups share no node below their intermediates, but may share those
+            torch.autograd.backward(edges, grads, inputs=weights, retain_graph=True)
         finally:
             for h in handles:
                 h.remove()
-            self.grads.clear()
 
 
 def input_pass(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
@@ -106,7 +117,7 @@ def input_pass(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, in
     roots = [_node(o) for o in outputs]
     parents = _parents(roots)
     input_path, _ = _upward([_node(x) for x in need], parents, set())
-    intermediates: set[Node] = set()
+    groups: list[tuple[list[torch.Tensor], set[Node]]] = []
     for w in weights:
         node = _node(w)
         if node not in parents:
@@ -114,8 +125,10 @@ def input_pass(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, in
         _, met = _upward([node], parents, input_path)
         if not met:                       # its gradient never meets the input path
             return _fused_inputs(outputs, grads, inputs, need), fused
-        intermediates |= met
-    wp = WeightPass(weights, sorted(intermediates, key=lambda n: -n._sequence_nr()))
+        joined = [g for g in groups if g[1] & met]      # weights sharing an intermediate: one group
+        groups = [g for g in groups if not g[1] & met]
+        groups.append(([x for g in joined for x in g[0]] + [w], met.union(*(g[1] for g in joined))))
+    wp = WeightPass(weights, [(ws, sorted(nodes, key=lambda n: -n._sequence_nr())) for ws, nodes in groups])
 
     def keep(node):
         return lambda grad_outputs: wp.grads.__setitem__(node, grad_outputs)

@@ -82,6 +82,32 @@ def test_split_backward_of_a_gpt_stage_matches_the_fused_one():
     assert len(fired) == len([p for p in mid.parameters() if p.grad is not None])
 
 
+def test_the_two_passes_add_up_to_the_fused_backward_flops_about_half_each():
+    # nothing runs twice (one backward call per weight group, not one from every intermediate,
+    # which would run the input-gradient path again), and W is about half of the backward, the
+    # rule of planner.cost.model.weight_grad_share
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(0)
+    w = load_workload(GPT["spec"], {**GPT["args"], "d_model": 32})
+    first, last = build_stages(w, [(0, 2), (2, 4)], 4)
+    x, y = w.make_batch(4, 0)
+
+    def loss_of_last():
+        hidden = [t.detach().requires_grad_(t.is_floating_point()) for t in first(*first.flat_inputs(x))]
+        return hidden, w.loss_fn(last(*hidden)[0], y)
+    _, loss = loss_of_last()
+    with FlopCounterMode(display=False) as fused:
+        loss.backward()
+    hidden, loss = loss_of_last()
+    with FlopCounterMode(display=False) as i_pass:
+        _, wp = input_pass([loss], None, [h for h in hidden if h.requires_grad], list(last.parameters()))
+    with FlopCounterMode(display=False) as w_pass:
+        wp.run()
+    total = fused.get_total_flops()
+    assert i_pass.get_total_flops() + w_pass.get_total_flops() == total > 0
+    assert 0.4 * total <= w_pass.get_total_flops() <= 0.6 * total
+
+
 def test_inputs_without_gradient_leave_the_whole_backward_to_the_weight_pass():
     torch.manual_seed(0)
     m = torch.nn.Linear(8, 4)
