@@ -154,3 +154,19 @@ def test_zb_h1_stages_hold_the_microbatches_the_memory_model_counts(tmp_path):
     one_mb = [peak["1f1b"][0] / in_flight("1f1b", 2, 0, 4), peak["1f1b"][1] / in_flight("1f1b", 2, 1, 4)]
     assert peak["zb-h1"] == [one_mb[s] * in_flight("zb-h1", 2, s, 4) for s in range(2)]
     assert peak["zb-h1"][1] == 2 * peak["1f1b"][1]
+
+
+def test_zb_h1_bf16_trains_like_bf16_on_one_device(tmp_path):
+    # autocast's bf16 weight copies sit between each weight and its matmul: the W pass goes
+    # through them into the fp32 master weights (tolerances of test_runtime's bf16 test)
+    p = plan([(1.0, 2, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))])], schedule="zb-h1", precision="bf16")
+    result, params = run_plan(tmp_path, p, iters=ITERS)
+    bf16_losses, bf16_params = reference(p["model"], 12, ITERS, precision="bf16")
+    fp32_losses, _ = reference(p["model"], 12, ITERS, precision="fp32")
+    assert result["losses"] == pytest.approx(bf16_losses, rel=2e-2)
+    for name, ref in bf16_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-2, atol=2e-2, msg=name)
+
+    def worst(ref):
+        return max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref))
+    assert worst(bf16_losses) * 10 < worst(fp32_losses)
