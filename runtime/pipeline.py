@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from planner.hardware.device import TorchDevice
 from planner.workload.inputs import to_device
 from planner.workload.precision import autocast
+from runtime.split_backward import input_pass
 
 Step = tuple[str, int]   # ("F" | "B" | "I" | "W", microbatch): a schedule Action of this stage
 
@@ -188,7 +189,7 @@ class StageRunner:
         saved: dict[int, tuple[list, list]] = {}
         losses: dict[int, torch.Tensor] = {}
         # receives still to come this iteration: an activation per F (not on the first stage),
-        # a gradient per B (not on the last)
+        # a gradient per B or I (not on the last)
         self._left = {"act": sum(k == "F" for k, _ in actions) if self.prev else 0,
                       "grad": sum(k in "BI" for k, _ in actions) if self.next else 0}
         for kind, mb in actions:
@@ -278,10 +279,8 @@ class StageRunner:
             self.prev.send("grad", [a.grad if a.grad is not None else torch.zeros_like(a)
                                     for a in need])
 
-
     def _backward_input(self, mb, saved, losses) -> None:
         """I pass: the gradient of the stage's inputs, sent back now; the W pass is kept."""
-        from runtime.split_backward import input_pass
         args, outs = saved.pop(mb)
         grads = None
         if self.next is None:

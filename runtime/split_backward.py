@@ -128,7 +128,10 @@ def input_pass(outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, in
         joined = [g for g in groups if g[1] & met]      # weights sharing an intermediate: one group
         groups = [g for g in groups if not g[1] & met]
         groups.append(([x for g in joined for x in g[0]] + [w], met.union(*(g[1] for g in joined))))
-    wp = WeightPass(weights, [(ws, sorted(nodes, key=lambda n: -n._sequence_nr())) for ws, nodes in groups])
+    # the last layers' groups first, as a fused backward finishes them (gradient buckets become
+    # final in the order runtime.sync and the simulator expect)
+    ordered = sorted(groups, key=lambda g: -max(n._sequence_nr() for n in g[1]))
+    wp = WeightPass(weights, [(ws, sorted(nodes, key=lambda n: -n._sequence_nr())) for ws, nodes in ordered])
 
     def keep(node):
         return lambda grad_outputs: wp.grads.__setitem__(node, grad_outputs)

@@ -118,6 +118,36 @@ def test_inputs_without_gradient_leave_the_whole_backward_to_the_weight_pass():
     torch.testing.assert_close(m.bias.grad, torch.full((4,), 2.0))
 
 
+def test_a_weight_off_the_input_path_leaves_a_whole_backward_to_the_weight_pass():
+    # `scale` reaches the second output without meeting the input's path: no intermediate to
+    # resume from, so W runs a whole backward restricted to the weights (the input path twice)
+    torch.manual_seed(0)
+    lin, scale = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.randn(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    outs = [lin(x), scale * 3.0]
+    grads = [torch.ones(3, 4), torch.ones(4)]
+    got, wp = input_pass(outs, grads, [x], [*lin.parameters(), scale])
+    assert wp.fused is not None and scale.grad is None
+    torch.testing.assert_close(got[0], torch.ones(3, 4) @ lin.weight)
+    wp.run()
+    torch.testing.assert_close(scale.grad, torch.full((4,), 3.0))
+    torch.testing.assert_close(lin.weight.grad, torch.ones(3, 4).T @ x.detach())
+
+
+def test_weight_groups_run_last_layer_first():
+    # post-accumulate-grad hooks fire in a fused backward's order: runtime.sync's buckets become
+    # final from the last layer down, as the simulator's backward chunks assume
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    order = []
+    for name, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+    x = torch.randn(2, 4, requires_grad=True)
+    _, wp = input_pass([net(x)], [torch.ones(2, 4)], [x], list(net.parameters()))
+    wp.run()
+    assert [n.split(".")[0] for n in order] == ["2", "2", "0", "0"]
+
+
 def _check(tmp_path, p):
     result, params = run_plan(tmp_path, p, iters=ITERS)
     ref_losses, ref_params = reference(p["model"], p["global_batch"], ITERS, p["optimizer"]["name"],
