@@ -78,3 +78,26 @@ def learnable(width: int = 16) -> Workload:
         x = torch.randn(batch_size, 8, generator=g)
         return x, (x @ w_true).argmax(1)
     return Workload(model=SkipNet(width), make_batch=make_batch, loss_fn=F.cross_entropy)
+
+
+class TiedNet(nn.Module):
+    """Five layers; layers 1 and 3 use one weight (a tied parameter held by two stages)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.a = nn.Linear(width, width)
+        self.mid = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.b(torch.tanh(self.mid(torch.tanh(self.a(h))))))
+        return self.out(h)
+
+
+def tiednet(width: int = 16) -> Workload:
+    w = skipnet(width)
+    return Workload(model=TiedNet(width), make_batch=w.make_batch, loss_fn=F.cross_entropy)

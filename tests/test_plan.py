@@ -122,7 +122,7 @@ R1 = "replicas.1"
 CASES = [
     ("global_batch", 0, "global_batch: expected a positive integer"),
     ("replicas", [], "replicas: expected a non-empty list"),
-    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b"),
+    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, got 'zb'"),
     ("schedule", "hippie", "schedule: \"hippie\" is not supported by this version"),
     ("sync.granularity", "medium", "sync.granularity: expected one of coarse, fine"),
     ("sync.bucket_bytes", 0, "sync.bucket_bytes: expected a positive integer"),

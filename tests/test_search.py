@@ -212,8 +212,8 @@ def two_gpus(speed_ratio=3.0, memory_bytes=1e12, bandwidth=1e18):
     return Topology("two-gpus", devs, (Link("cuda:0", "cuda:1", bandwidth, 0.0),))
 
 
-def sim_search(graph, topo, iterations=300, seed=0):
-    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "sgd", 0.1)
+def sim_search(graph, topo, iterations=300, seed=0, **space_kw):
+    space = replace(make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "sgd", 0.1), **space_kw)
     problem = simulator_problem(Simulator(graph, topo), space)
     return problem, search(problem, random.Random(seed), SearchConfig(iterations=iterations, time_limit_s=60))
 

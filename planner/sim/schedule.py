@@ -4,7 +4,8 @@ An `Action` is one stage's forward or backward of one microbatch and prints as `
 (stage 1, forward, microbatch 0) or `0B3`; `Action.parse` reads it back. Zero-bubble schedules
 split a backward into `I` (the gradient of the stage's inputs, sent back) and `W` (the gradient
 of its weights, which nothing downstream waits for). A schedule is a list
-of actions per stage, in the order that stage's device runs them. `grid` dry-runs a schedule
+of actions per device, in the order that device runs them: one stage per device, except under
+interleaved 1F1B, where device r of p holds the virtual stages r, r + p, r + 2p, ... `grid` dry-runs a schedule
 with unit-time actions and prints the step x stage table (and names the step of a deadlock).
 """
 from __future__ import annotations
@@ -51,6 +52,33 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     return out
 
 
+def interleaved_1f1b(devices: int, stages: int, microbatches: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): p devices, v = stages / p virtual
+    stages each (stage c*p + r on device r), m a multiple of p. Device r's k-th forward runs
+    chunk (k // p) % v on microbatch (k // (p*v)) * p + k % p; its k-th backward the same
+    microbatch of chunk v - 1 - (k // p) % v. Warm-up: (p - r - 1) * 2 + (v - 1) * p forwards
+    (at most m*v), then 1F1B, then the remaining backwards. Bubble (p - 1) / (v * m)."""
+    p, v, m = devices, stages // devices, microbatches
+    if p < 1 or v * p != stages or m % p:
+        raise ValueError(f"interleaved-1f1b needs stages a multiple of devices and microbatches a "
+                         f"multiple of devices; got {stages} stages, {p} devices, {m} microbatches")
+
+    def act(r: int, k: int, kind: str) -> Action:
+        c = (k // p) % v
+        return Action((c if kind == "F" else v - 1 - c) * p + r, kind, (k // (p * v)) * p + k % p)
+
+    out = []
+    for r in range(p):
+        total = m * v
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        acts = [act(r, k, "F") for k in range(warmup)]                     # warm-up
+        for k in range(total - warmup):                                   # steady: 1F then 1B
+            acts += [act(r, warmup + k, "F"), act(r, k, "B")]
+        acts += [act(r, k, "B") for k in range(total - warmup, total)]     # cool-down
+        out.append(acts)
+    return out
+
+
 def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each
     backward split into I and W; stage s runs its W's s microbatches late (the W of microbatch
@@ -78,14 +106,18 @@ def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
     return out
 
 
-def make_schedule(name: str, stages: int, microbatches: int) -> list[list[Action]]:
+def make_schedule(name: str, stages: int, microbatches: int, devices: int | None = None) -> list[list[Action]]:
+    """Each device's actions; `devices` (interleaved-1f1b only) is the number of distinct
+    devices p of the pipeline (default: one per stage)."""
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(devices or stages, stages, microbatches)
     if name == "gpipe":
         return gpipe(stages, microbatches)
     if name == "1f1b":
         return one_f_one_b(stages, microbatches)
     if name == "zb-h1":
         return zb_h1(stages, microbatches)
-    raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b or zb-h1")
+    raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b, interleaved-1f1b or zb-h1")
 
 
 def split_backward(name: str) -> bool:
@@ -102,12 +134,13 @@ def parse_schedule(text: str) -> list[list[Action]]:
 
 
 def dry_run(schedule: list[list[Action]]) -> list[list[Action | None]]:
-    """Unit-time execution: per step, the action each stage runs (None when idle).
+    """Unit-time execution: per step, the action each device runs (None when idle).
 
     F(s, i) needs F(s-1, i) done in an earlier step; B(s, i) needs B(s+1, i) (or, on the last
     stage, F(s, i)); I as B, with I(s+1, i); W(s, i) needs I(s, i). Raises ValueError naming the
-    step when no stage can progress."""
+    step when no device can progress."""
     p = len(schedule)
+    last = max((a.stage for acts in schedule for a in acts), default=0)
     done: set[tuple[int, str, int]] = set()
     pos = [0] * p
     steps: list[list[Action | None]] = []
@@ -116,10 +149,11 @@ def dry_run(schedule: list[list[Action]]) -> list[list[Action | None]]:
         for s in range(p):
             a = schedule[s][pos[s]] if pos[s] < len(schedule[s]) else None
             if a is not None:
-                need = ((s - 1, "F", a.microbatch) if a.kind == "F" and s > 0 else
-                        (s + 1, a.kind, a.microbatch) if a.kind in "BI" and s < p - 1 else
-                        (s, "F", a.microbatch) if a.kind in "BI" else
-                        (s, "I", a.microbatch) if a.kind == "W" else None)
+                k = a.stage
+                need = ((k - 1, "F", a.microbatch) if a.kind == "F" and k > 0 else
+                        (k + 1, a.kind, a.microbatch) if a.kind in "BI" and k < last else
+                        (k, "F", a.microbatch) if a.kind in "BI" else
+                        (k, "I", a.microbatch) if a.kind == "W" else None)
                 if need is not None and need not in done:
                     a = None
             row.append(a)
@@ -145,5 +179,6 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "zb_h1", "make_schedule", "split_backward", "format_schedule",
+__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
+           "format_schedule",
            "parse_schedule", "dry_run", "grid"]
