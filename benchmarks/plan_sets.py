@@ -95,8 +95,8 @@ def make_plan(workload: dict, replicas, schedule="1f1b", sync="coarse", opt="ada
 
 
 def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
-    """Covers single device, even/uneven DP, coarse/fine sync, GPipe, 1F1B and interleaved 1F1B,
-    CPU optimizer placement, SGD and Adam; a hybrid when there are three devices."""
+    """Covers single device, even/uneven DP, coarse/fine sync, GPipe, 1F1B, interleaved 1F1B and
+    ZB-H1, CPU optimizer placement, SGD and Adam; a hybrid when there are three devices."""
     a, b = devices[0], devices[1]
     W = CPU_WORKLOADS
     out = {}
@@ -115,6 +115,7 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
                                               opt="sgd", lr=0.01)
         out[f"{w}/gpipe-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="gpipe")
         out[f"{w}/1f1b-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="1f1b")
+        out[f"{w}/zb-h1-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="zb-h1")
         if w in ("mlp", "gpt") and L >= 4:   # each device's half in two virtual stages
             q = [round(k * L / 4) for k in range(5)]
             virtual = [(d, (q[k], q[k + 1])) for k, d in enumerate((a, b, a, b))]
@@ -203,6 +204,7 @@ def _gpu_workload_plans(w: str, spec: dict, L: int, cpu: str, gpu: str, **fields
         f"{w}/cpu-gpu-dp-coarse": plan(split),
         f"{w}/cpu-gpu-dp-fine": plan(split, sync="fine", bucket_bytes=4 << 20),
         f"{w}/cpu-gpu-pipe-1f1b": plan([(1.0, 4, pipe)]),
+        f"{w}/cpu-gpu-pipe-zb-h1": plan([(1.0, 4, pipe)], schedule="zb-h1"),
         f"{w}/gpu-cpu-opt": plan([(1.0, 1, gpu_only)], placement="cpu"),
         f"{w}/gpu-split-opt": plan([(1.0, 1, gpu_only)], placement="split", cpu_fraction=0.25),
         f"{w}/gpu-offload-gpipe-4mb": plan([(1.0, 4, [(gpu, (0, L), True)])], schedule="gpipe"),

@@ -2,7 +2,9 @@
 
 A schedule is data: a list of actions `("F", mb)` / `("B", mb)` per stage, in the order the
 stage runs them, taken from the simulator's `planner.sim.schedule` so that what runs is what was
-predicted. `StageRunner.run` executes one iteration's actions.
+predicted. `StageRunner.run` executes one iteration's actions. Zero-bubble schedules split a
+backward into `("I", mb)`, the inputs' gradient, sent back at once, and `("W", mb)`, the
+weights' gradient, later (runtime.split_backward); a microbatch's activations are held until its W.
 
 Transfers between stages: activations go forward, gradients of the activations go backward.
 Sends are asynchronous (`isend`, waited at the end of the iteration) and receives block, so the
@@ -39,8 +41,9 @@ from torch.utils.checkpoint import checkpoint
 from planner.hardware.device import TorchDevice
 from planner.workload.inputs import to_device
 from planner.workload.precision import autocast
+from runtime.split_backward import input_pass
 
-Step = tuple[str, int]   # ("F", microbatch) or ("B", microbatch): a schedule Action of this stage
+Step = tuple[str, int]   # ("F" | "B" | "I" | "W", microbatch): a schedule Action of this stage
 
 # dtype codes of the header; only these dtypes cross a stage boundary
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -178,6 +181,7 @@ class StageRunner:
         self.track = False
         self.offload = None         # runtime.offload.ActivationOffload (offload_activations)
         self.forward_context = lambda mb: contextlib.nullcontext()   # runtime.ddp: no_sync()
+        self.weight_passes: dict[int, Any] = {}   # split backward: microbatch -> its W still to run
 
     def run(self, actions: list[Step], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
@@ -185,14 +189,18 @@ class StageRunner:
         saved: dict[int, tuple[list, list]] = {}
         losses: dict[int, torch.Tensor] = {}
         # receives still to come this iteration: an activation per F (not on the first stage),
-        # a gradient per B (not on the last)
+        # a gradient per B or I (not on the last)
         self._left = {"act": sum(k == "F" for k, _ in actions) if self.prev else 0,
-                      "grad": sum(k == "B" for k, _ in actions) if self.next else 0}
+                      "grad": sum(k in "BI" for k, _ in actions) if self.next else 0}
         for kind, mb in actions:
             self._flush(block=False)   # sends whose host copy finished during the last action
             self._post_ahead()
             if kind == "F":
                 self._forward(mb, inputs, targets, saved, losses)
+            elif kind == "I":
+                self._backward_input(mb, saved, losses)
+            elif kind == "W":
+                self._backward_weight(mb)
             else:
                 self._backward(mb, saved, losses)
         with self.busy("send wait", "transfer", busy=False):
@@ -270,6 +278,28 @@ class StageRunner:
             need = [a for a in args if a.requires_grad]
             self.prev.send("grad", [a.grad if a.grad is not None else torch.zeros_like(a)
                                     for a in need])
+
+    def _backward_input(self, mb, saved, losses) -> None:
+        """I pass: the gradient of the stage's inputs, sent back now; the W pass is kept."""
+        args, outs = saved.pop(mb)
+        grads = None
+        if self.next is None:
+            outs = [losses[mb]]
+        else:
+            with self.busy(f"recv grad {mb}", "transfer", busy=False):
+                grads = self._recv(self.next, "grad")
+        need = [a for a in args if a.requires_grad] if self.prev is not None else []
+        with self.busy(f"I{mb}", "backward"):
+            got, self.weight_passes[mb] = input_pass(outs, grads, need, list(self.module.parameters()))
+        if self.prev is not None:
+            self.prev.send("grad", [g if g is not None else torch.zeros_like(a) for a, g in zip(need, got)])
+
+    def _backward_weight(self, mb) -> None:
+        """W pass: the weights' gradients of microbatch mb; its activations are freed after it."""
+        with self.busy(f"W{mb}", "backward"):
+            self.weight_passes.pop(mb).run()
+        if self.track:
+            self.saved_tracker.release(mb)
 
 
 class WholeModel(torch.nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from dataclasses import replace
 
 from simhelpers import device, graph, layer, link, plan, topology
 
@@ -92,6 +93,8 @@ def random_case(rng: random.Random):
               granularity=rng.choice(["fine", "coarse"]),
               bucket_bytes=rng.choice([10**5, 4 * 10**5, 1 << 40]), optimizer=rng.choice(["sgd", "adam"]),
               placement=rng.choice(["device", "cpu"]), recompute=rng.random() < 0.3)
+    if not pl.recompute and rng.random() < 0.3:     # zb-h1 takes no recompute (files.plan)
+        pl = replace(pl, schedule="zb-h1")
     return g, topology(devs, links), pl
 
 
@@ -123,20 +126,34 @@ def random_twin_case(rng: random.Random):
 def build_one_by_one(builder, r, rep):
     """Replica r's tasks added one at a time, as the builder did before templates
     (planner.sim.template): each stage's compute in schedule order, then per stage pair and
-    microbatch the activation's hops and the gradient's hops. For equivalence tests."""
+    microbatch the activation's hops and the gradient's hops. For equivalence tests. A split
+    backward (zb-h1): an I task per I action (the gradient leaves and arrives there) and the
+    backward's pieces per W action; its I values are numbered after the hops."""
     from planner.sim.build import Chunk
-    from planner.sim.schedule import make_schedule
+    from planner.sim.schedule import make_schedule, split_backward
     g, sim, m = builder.g, builder.sim, rep.microbatches
     pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
     g.begin_replica((m, tuple(st.layers for st in rep.stages),
                      tuple((len(sim.hops(a, b)), len(sim.hops(b, a))) for a, b in pairs)), None)
     sched = make_schedule(builder.plan.schedule, len(rep.stages), m)
+    split = split_backward(builder.plan.schedule)
+    pieces_of = builder.weight_values if split else builder.backward_values
+    if split:   # number the values as the template's slots do: stages, hops, then the I passes
+        for s, st in enumerate(rep.stages):
+            builder.forward_value(r, s, rep.stages)
+            pieces_of(r, s, rep.stages, builder.backward_chunks(st))
+            if m > 1:
+                pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)])
+        for s in range(1, len(rep.stages)):
+            src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
+            builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
     fwd, first, last = [], [], []
     for s, st in enumerate(rep.stages):
         rid, dev = sim._rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)
-        pieces = builder.backward_values(r, s, rep.stages, builder.backward_chunks(st))
-        other = builder.backward_values(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []
+        pieces = pieces_of(r, s, rep.stages, builder.backward_chunks(st))
+        other = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []
+        i_k = builder.input_value(r, s, rep.stages) if split else None
         f, b0, b1, prev = [None] * m, [None] * m, [None] * m, None
         for act in sched[s]:
             i = act.microbatch
@@ -144,13 +161,19 @@ def build_one_by_one(builder, r, rep):
                 prev = f[i] = g.add(f_k, (rid,), (prev,))
                 g.count(dev, "fwd_s", f_k)
                 continue
+            if act.kind == "I":
+                prev = b0[i] = b1[i] = g.add(i_k, (rid,), (prev,))
+                g.count(dev, "bwd_s", i_k)
+                continue
             for j, (k, bucket) in enumerate(pieces if i == m - 1 else other):
                 prev = g.add(k, (rid,), (prev,))
                 g.count(dev, "bwd_s", k)
-                b0[i] = prev if j == 0 else b0[i]
+                if act.kind == "B":
+                    b0[i] = prev if j == 0 else b0[i]
                 if bucket is not None:
                     builder.progress.chunk_of[(dev, bucket)] = prev
-            b1[i] = prev
+            if act.kind == "B":
+                b1[i] = prev
         builder.progress.last_backward[dev] = prev
         fwd.append(f), first.append(b0), last.append(b1)
     for s in range(1, len(rep.stages)):

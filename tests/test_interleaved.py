@@ -221,7 +221,12 @@ def test_search_picks_interleaving_where_the_bubble_dominates():
     g = uniform_graph(num_layers=8, batch=4, param_bytes=1e8)
     topo = Topology("two-gpus", (Device("cuda:0", "cuda", 1e9, 1e12, 1e12), Device("cuda:1", "cuda", 1e9, 1e12, 1e12)),
                     (Link("cuda:0", "cuda:1", 1e18, 0.0),))
-    problem, result = sim_search(g, topo)
+    # with ZB-H1 allowed the search picks it here ((3m + p - 1) * 2 = 26 of these slots against
+    # interleaving's 27): this test isolates the interleave move among the schedules before ZB-H1
+    _, with_zb = sim_search(g, topo)
+    assert with_zb.best.plan.schedule == "zb-h1"
+    problem, result = sim_search(g, topo, schedules=("1f1b", "gpipe"))
+    assert with_zb.best.iteration_s < result.best.iteration_s
     best = result.best.plan
     assert best.schedule == "interleaved-1f1b" and len(best.replicas) == 1
     assert len(best.replicas[0].stages) == 4 and best.replicas[0].microbatches == 4

@@ -88,6 +88,22 @@ def test_offload_activations_round_trips_and_excludes_recompute():
         plan_from_dict(d, "p.json")
 
 
+def test_zb_h1_round_trips_and_refuses_recompute_offload_and_few_microbatches():
+    d = copy.deepcopy(BASE)
+    d["schedule"] = "zb-h1"
+    plan = plan_from_dict(d, "p.json")
+    assert plan.schedule == "zb-h1" and plan_from_dict(plan_to_dict(plan), "p.json") == plan
+    for key, value, message in [
+            ("recompute", True, r"p.json: recompute: expected false with schedule \"zb-h1\""),
+            ("replicas.1.stages.0.offload_activations", True,
+             r"p.json: replicas\[1\].stages\[0\].offload_activations: expected false with schedule \"zb-h1\""),
+            ("replicas.1.microbatches", 1, r"p.json: replicas\[1\].microbatches: zb-h1 needs microbatches >= stages \(2\)")]:
+        bad = copy.deepcopy(d)
+        _set(bad, key, value)
+        with pytest.raises(InputError, match=message):
+            plan_from_dict(bad, "p.json")
+
+
 def _set(d, path, value):
     keys = path.split(".")
     for k in keys[:-1]:
@@ -106,7 +122,8 @@ R1 = "replicas.1"
 CASES = [
     ("global_batch", 0, "global_batch: expected a positive integer"),
     ("replicas", [], "replicas: expected a non-empty list"),
-    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, got 'zb'"),
+    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, got 'zb'"),
+    ("schedule", "hippie", "schedule: \"hippie\" is not supported by this version"),
     ("sync.granularity", "medium", "sync.granularity: expected one of coarse, fine"),
     ("sync.bucket_bytes", 0, "sync.bucket_bytes: expected a positive integer"),
     ("optimizer.name", "lamb", "optimizer.name: expected one of sgd, adam"),

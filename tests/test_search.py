@@ -49,7 +49,7 @@ def toy_evaluate(speeds: dict, memory: dict, link_bytes_per_s: float = 1e9):
             for k, st in enumerate(r.stages):
                 w = sum(WORK[st.start:st.end]) * L / len(WORK) if L != len(WORK) else sum(WORK[st.start:st.end])
                 ts.append((b / m) * w / speeds[st.device] * (4 / 3 if plan.recompute else 1) + 1e-3)
-                in_flight = min(m, S - k) if plan.schedule == "1f1b" else m
+                in_flight = {"1f1b": min(m, S - k), "zb-h1": min(m, S)}.get(plan.schedule, m)
                 acts = (b / m) * ACT_BYTES * (st.end - st.start) * in_flight * (0.2 if plan.recompute else 1)
                 copies = 2 if plan.optimizer.placement == "cpu" else 4
                 peak[st.device] = copies * sum(PARAM_BYTES[st.start:st.end]) + acts
@@ -212,8 +212,8 @@ def two_gpus(speed_ratio=3.0, memory_bytes=1e12, bandwidth=1e18):
     return Topology("two-gpus", devs, (Link("cuda:0", "cuda:1", bandwidth, 0.0),))
 
 
-def sim_search(graph, topo, iterations=300, seed=0):
-    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "sgd", 0.1)
+def sim_search(graph, topo, iterations=300, seed=0, **space_kw):
+    space = replace(make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "sgd", 0.1), **space_kw)
     problem = simulator_problem(Simulator(graph, topo), space)
     return problem, search(problem, random.Random(seed), SearchConfig(iterations=iterations, time_limit_s=60))
 
@@ -242,6 +242,21 @@ def test_memory_tight_topology_gives_a_feasible_plan():
     assert best is not None and best.feasible
     check = Simulator(graph, topo).simulate(best.plan)
     assert check.feasible and all(v <= 3e8 for v in check.peak_memory_bytes.values())
+
+
+def test_zb_h1_chosen_where_a_pipeline_must_hide_its_bubble():
+    # the memory-tight pair above at batch 8: the model only fits as a 2-stage pipeline, and at
+    # most 8 microbatches leave a bubble of p - 1 = 1 slot. Per microbatch F = 1, B = 2 units
+    # (I = W = 1): 1F1B (m + p - 1) * 3 = 27 units, ZB-H1 3m + p - 1 = 25; both fit (ZB-H1 holds
+    # 2 microbatches of small activations on each stage).
+    graph = uniform_graph(batch=8, param_bytes=4e7)
+    topo = two_gpus(1.0, memory_bytes=3e8, bandwidth=1e10)
+    problem, result = sim_search(graph, topo)
+    best = result.best
+    assert best.plan.schedule == "zb-h1" and best.feasible and len(best.plan.replicas[0].stages) == 2
+    sim = Simulator(graph, topo)
+    others = {s: sim.simulate(replace(best.plan, schedule=s)).iteration_s for s in ("1f1b", "gpipe")}
+    assert best.iteration_s < 0.95 * min(others.values())
 
 
 def test_split_optimizer_chosen_on_a_slow_gpu_workstation():

@@ -30,6 +30,58 @@ def test_uniform_pipeline_takes_m_plus_p_minus_1_slots(schedule, p, m):
     assert r.per_device["cuda:0"]["busy_s"] == approx(m * 0.75)
 
 
+@pytest.mark.parametrize("p,m", [(4, 4), (2, 6), (3, 3), (4, 8)])
+def test_zb_h1_fills_the_cool_down_with_weight_gradients(p, m):
+    # one layer per stage holding weights: t_f = 0.25 s, t_b = 0.5 s split into I = W = 0.25 s
+    # (cost.model.weight_grad_share); stage 0 has no input gradient: I = 0, W = 0.5 s.
+    # Hand-run (planner.sim.schedule.grid): every stage is busy 3m quarter-slots after its warm-up,
+    # and the pipeline fills and drains in p - 1 slots of F + I - W = 0.25 s: (3m + p - 1) * 0.25
+    # against 1F1B's (m + p - 1) * 0.75; the same work per device.
+    g = graph([layer(i, param_bytes=4) for i in range(p)], batch=4)
+    stages = [(f"cuda:{i}", i, i + 1) for i in range(p)]
+    zb = simulate(plan([(1.0, m, stages)], m, schedule="zb-h1"), g, chain(p))
+    fb = simulate(plan([(1.0, m, stages)], m, schedule="1f1b"), g, chain(p))
+    assert zb.iteration_s == approx((3 * m + p - 1) * 0.25)
+    assert fb.iteration_s == approx((m + p - 1) * 0.75)
+    for d in ("cuda:0", f"cuda:{p - 1}"):
+        assert zb.per_device[d]["bwd_s"] == approx(fb.per_device[d]["bwd_s"]) == approx(m * 0.5)
+
+
+def test_zb_h1_gradient_transfers_leave_after_the_input_pass():
+    # 2 stages, 2 microbatches, 1 s per transfer (1 B cut at 1 B/s): F = 1, I = W = 1 (stage 0:
+    # I = 0, W = 2). Orders: stage 0 F0 F1 I0 W0 I1 W1, stage 1 F0 I0 F1 I1 W0 W1.
+    # Activations arrive at 2 and 3. Stage 1: F0 2-3, I0 3-4, F1 4-5, I1 5-6, W0 6-7, W1 7-8;
+    # gradients arrive at 5 and 7. Stage 0: F0 0-1, F1 1-2, I0 at 5, W0 5-7, I1 at 7, W1 7-9: 9 s.
+    # Fused 1F1B (B = 2): stage 1 F0 2-3, B0 3-5, F1 5-6, B1 6-8; gradients at 6 and 9;
+    # stage 0 B0 6-8, B1 9-11: 11 s.
+    g = graph([layer(0, fwd_flops=1e9, bwd_flops=2e9, param_bytes=4), layer(1, fwd_flops=1e9, bwd_flops=2e9,
+                                                                           param_bytes=4)],
+              batch=1, cut_bytes=[0, 1, 0])
+    stages = [("cuda:0", 0, 1), ("cuda:1", 1, 2)]
+    t = chain(2, bw=1.0)
+    assert simulate(plan([(1.0, 2, stages)], 2, schedule="zb-h1"), g, t).iteration_s == approx(9.0)
+    assert simulate(plan([(1.0, 2, stages)], 2, schedule="1f1b"), g, t).iteration_s == approx(11.0)
+
+
+def test_one_f_one_b_exchanges_each_stage_inside_the_cool_down():
+    # what Hippie adds to 1F1B is already 1F1B here (why plan.py refuses "hippie"): two replicas
+    # of a 2-stage pipeline, m = 4, F = 1 s, B = 2 s, coarse sync. Stage 1's last backward ends
+    # at 13 s, stage 0's at 15 s ((m + p - 1) * 3); each stage's all-reduce (1e6 B at 1e6 B/s
+    # over 2 devices: 1 s) starts at its own last backward, stage 1's inside stage 0's cool-down,
+    # then its SGD step (3e6 B at 1e8 B/s: 0.03 s): 15 + 1 + 0.03.
+    g = graph([layer(i, param_bytes=10**6) for i in range(2)], batch=1)
+    t = topology([device(f"cuda:{i}", mem_bw=1e8) for i in range(4)],
+                 [link("cuda:0", "cuda:1"), link("cuda:2", "cuda:3"),
+                  link("cuda:0", "cuda:2", bw=1e6), link("cuda:1", "cuda:3", bw=1e6)])
+    pl = plan([(0.5, 4, [("cuda:0", 0, 1), ("cuda:1", 1, 2)]), (0.5, 4, [("cuda:2", 0, 1), ("cuda:3", 1, 2)])],
+              8, granularity="coarse")
+    r = simulate(pl, g, t, trace=True)
+    assert r.iteration_s == approx(16.03)
+    starts = sorted((x["start_s"], x["lane"]) for x in r.tasks if x["kind"] == "allreduce")
+    assert [s for s, _ in starts] == [approx(13.0), approx(15.0)]
+    assert set(starts[0][1].split("+")) == {"cuda:1", "cuda:3"}
+
+
 def test_coarse_data_parallel_is_compute_plus_ring_allreduce_plus_optimizer():
     # 2 replicas x 1 sample; layer: 1e9 fwd / 2e9 bwd FLOPs at batch 2 -> 0.5 s + 1.0 s.
     # all-reduce of 1e6 B over 2 devices, 1e6 B/s, 10 ms: 2*1*0.01 + 2*1/2*1e6/1e6 = 1.02 s.
@@ -79,6 +131,16 @@ def test_one_f_one_b_holds_less_activation_memory_than_gpipe():
     assert rc == {"cuda:0": 4000 + 2 * 10 + 50, "cuda:1": 4000 + 1 * 10 + 50}
     adam = peak_memory(plan([(1.0, 4, stages)], 4, optimizer="adam"), g, t)
     assert adam["cuda:0"] == 4000 + 2 * 2000 + 2 * 50
+
+
+def test_zb_h1_holds_p_microbatches_on_every_stage():
+    # a microbatch is held from F to W; stage s runs its W's s late: min(p, m) everywhere, the
+    # most 1F1B holds on any stage (50 B per microbatch per stage, as above)
+    g = graph([layer(i, param_bytes=1000, saved_bytes=100) for i in range(4)], batch=4,
+              cut_bytes=[40, 40, 40, 40, 40])
+    stages = [("cuda:0", 0, 2), ("cuda:1", 2, 4)]
+    zb = peak_memory(plan([(1.0, 4, stages)], 4, schedule="zb-h1"), g, chain(2))
+    assert zb == {"cuda:0": 4000 + 2 * 50, "cuda:1": 4000 + 2 * 50}
 
 
 def test_recompute_adds_forward_to_backward():

@@ -14,7 +14,10 @@ microbatches, stage index s):
   microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m). Interleaved 1F1B:
   a device holds several virtual stages; its peak is the most it holds at once walking its
   schedule (each F adds the stage's microbatch, each B frees it): (p - r - 1) * 2 + (v - 1) * p
-  + 1 stage-microbatches on device r when the warm-up is not capped by m * v.
+  + 1 stage-microbatches on device r when the warm-up is not capped by m * v. ZB-H1 min(p, m)
+  on every stage (a microbatch is held from its F to its W, which stage s runs s microbatches
+  late; 1F1B's stage-0 peak everywhere). Not modelled under ZB-H1: the gradients an I pass keeps
+  for its W (the inputs' gradients of the weight-holding ops).
   With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
   microbatch, plus one microbatch's full saved activations while it is recomputed.
 * precision: the graph was captured in the plan's precision, so saved bytes are of the dtypes
@@ -41,10 +44,13 @@ from planner.sim.schedule import make_schedule
 
 
 def in_flight(schedule: str, stages: int, stage: int, microbatches: int, devices: int | None = None) -> int:
-    """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B);
-    interleaved 1F1B (`devices` p): the most its device's schedule holds of that stage."""
+    """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B),
+    min(p, m) (ZB-H1); interleaved 1F1B (`devices` p): the most its device's schedule holds of
+    that stage."""
     if schedule == "gpipe":
         return microbatches
+    if schedule == "zb-h1":
+        return min(stages, microbatches)
     if schedule == "interleaved-1f1b":
         p = devices or stages
         held, most = 0, 0

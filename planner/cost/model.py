@@ -60,6 +60,16 @@ def layer_bwd_s(layer: Layer, device: Device, precision: str = "fp32") -> float:
                       layer.bwd_n_ops, device, precision)
 
 
+def weight_grad_share(layer: Layer, tied: bool = False) -> float:
+    """The share of a layer's backward that computes its weights' gradients (a zero-bubble
+    schedule's W pass; the rest is its I pass, the gradient of its input), by FLOPs: a matmul's
+    input gradient dX = dY W^T and weight gradient dW = X^T dY cost the same 2*b*i*o FLOPs, so a
+    layer holding weights (its own, or a tied weight: `tied`) splits 1/2 : 1/2, a layer without
+    any 0 : 1. Applied alike to the roofline's and the measured backward times. Not modelled:
+    a layer's parameterless ops (attention's score matmuls, activations) count on both sides."""
+    return 0.5 if layer.param_bytes > 0 or tied else 0.0
+
+
 def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:
     """One optimizer step over `param_bytes` of parameters, memory-bound:
     OPTIMIZER_BYTES_PER_PARAM_BYTE[optimizer] * param_bytes / memory_bytes_per_s
@@ -110,6 +120,9 @@ class CostModel:
         self._prefix: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._layer: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._opt: dict[tuple[str, str, float], float] = {}
+        self._wprefix: dict[tuple[str, float], list[float]] = {}   # weight-gradient part of bwd
+        tied = {l for t in graph.tied for l in t.layers}
+        self._wshare = [weight_grad_share(l, l.index in tied) for l in graph.layers]
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         raise NotImplementedError
@@ -161,6 +174,23 @@ class CostModel:
         pb = self._tables(device, batch)[1]
         t = pb[end] - pb[start]
         return t if busy <= 1 else t * self.contention(device, busy)
+
+    def bwd_weight_s(self, device: str, start: int, end: int, batch: float) -> float:
+        """The weight-gradient part (W pass) of bwd_s over layers [start, end): each layer's
+        backward times weight_grad_share."""
+        key = (device, batch)
+        pw = self._wprefix.get(key)
+        if pw is None:
+            self._tables(device, batch)
+            pw = [0.0]
+            for b, share in zip(self._layer[key][1], self._wshare):
+                pw.append(pw[-1] + b * share)
+            self._wprefix[key] = pw
+        return pw[end] - pw[start]
+
+    def bwd_input_s(self, device: str, start: int, end: int, batch: float) -> float:
+        """The input-gradient part (I pass) of bwd_s over layers [start, end): bwd_s - bwd_weight_s."""
+        return self.bwd_s(device, start, end, batch) - self.bwd_weight_s(device, start, end, batch)
 
     def layer_s(self, device: str, index: int, batch: float) -> tuple[float, float]:
         self._tables(device, batch)
@@ -249,5 +279,5 @@ class RooflineCost(CostModel):
         return [layer_fwd_s(l, device, p) for l in scaled], [layer_bwd_s(l, device, p) for l in scaled]
 
 
-__all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "optimizer_s", "host_cpu", "split_host_count", "CostModel",
+__all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "weight_grad_share", "optimizer_s", "host_cpu", "split_host_count", "CostModel",
            "RooflineCost", "OPTIMIZER_BYTES_PER_PARAM_BYTE", "OPTIMIZER_STATE_PER_PARAM_BYTE"]

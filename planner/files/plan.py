@@ -13,7 +13,7 @@ from typing import Any
 from planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 SCHEMA = "hetplan.plan/1"
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # zb-h1: zero-bubble, backward split into I and W
 GRANULARITIES = ("coarse", "fine")
 # sync.mode: synchronous training, or one of the asynchronous strategies of the contract
 SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwild", "parameter-server")
@@ -26,12 +26,12 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
 
 def min_microbatches(stages: int, schedule: str, devices: int | None = None) -> int:
-    """The fewest microbatches a pipeline of `stages` stages may run: 1F1B needs one per stage
-    (its warm-up holds one per stage), interleaved 1F1B one per device (`devices`; and a
+    """The fewest microbatches a pipeline of `stages` stages may run: 1F1B and ZB-H1 need one per
+    stage (their warm-up holds one per stage), interleaved 1F1B one per device (`devices`; and a
     multiple of it), GPipe one."""
     if schedule == "interleaved-1f1b":
         return devices or stages
-    return stages if schedule == "1f1b" else 1
+    return stages if schedule in ("1f1b", "zb-h1") else 1
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,10 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("global_batch", f"expected a positive integer, got {plan.global_batch}")
     if not plan.replicas:
         raise err("replicas", "expected at least one replica")
+    if plan.schedule == "hippie":   # issue 17's name; see docs/guide.md, "When ZB-H1 wins"
+        raise err("schedule", "\"hippie\" is not supported by this version: what it adds to 1F1B, each "
+                              "stage's gradient exchange and optimizer step starting at that stage's last "
+                              "backward, is what \"1f1b\" does here; expected one of " + ", ".join(SCHEDULES))
     if plan.schedule not in SCHEDULES:
         raise err("schedule", f"expected one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
     if plan.sync.granularity not in GRANULARITIES:
@@ -175,6 +179,9 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                                             f"{plan.optimizer.placement!r}")
     if plan.precision not in PRECISIONS:
         raise err("precision", f"expected one of {', '.join(PRECISIONS)}, got {plan.precision!r}")
+    if plan.schedule == "zb-h1" and plan.recompute:
+        raise err("recompute", "expected false with schedule \"zb-h1\" (recomputing for a split "
+                               "backward is not supported)")
     if not plan.optimizer.lr > 0:
         raise err("optimizer.lr", f"expected a positive number, got {plan.optimizer.lr}")
     L = num_layers if num_layers is not None else plan.num_layers
@@ -200,7 +207,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
             _validate_interleaved(rep, where, err)
         elif rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
             raise err(f"{where}.microbatches",
-                      f"1f1b needs microbatches >= stages ({len(rep.stages)}), got {rep.microbatches}")
+                      f"{plan.schedule} needs microbatches >= stages ({len(rep.stages)}), got {rep.microbatches}")
         expect_start = 0
         for j, st in enumerate(rep.stages):
             sw = f"{where}.stages[{j}]"
@@ -221,6 +228,9 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
             if st.offload_activations and st.device.split("/")[-1].startswith("cpu:"):
                 raise err(f"{sw}.offload_activations", f"expected only on an accelerator stage "
                                                        f"(a CPU's activations are in host memory), got it on {st.device!r}")
+            if st.offload_activations and plan.schedule == "zb-h1":
+                raise err(f"{sw}.offload_activations", "expected false with schedule \"zb-h1\" (its "
+                                                       "weight-gradient pass reads the activations again; not supported)")
             if st.offload_activations and plan.recompute:
                 raise err(f"{sw}.offload_activations", "expected false with recompute (recompute keeps "
                                                        "only the stage input; offload it or recompute, not both)")

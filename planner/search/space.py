@@ -38,7 +38,7 @@ class Space:
     optimizer_name: str = "adam"
     lr: float = 1e-3
     bucket_choices_bytes: tuple[int, ...] = BUCKET_CHOICES_BYTES
-    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1")
     granularities: tuple[str, ...] = ("fine", "coarse")
     recompute_choices: tuple[bool, ...] = (False, True)
     precisions: tuple[str, ...] = ("fp32",)  # what the user allows (`plan --precision`); the
@@ -94,7 +94,7 @@ class Strategy:
     precision: str = "fp32"
     cpu_fraction: float | None = None      # placement "split" only
     offload: bool = False                  # offload_activations on every accelerator stage
-                                           # (not under recompute)
+                                           # (not under recompute, nor zb-h1)
 
     @property
     def used(self) -> frozenset[str]:
@@ -131,7 +131,8 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     replicas = []
     for p, b in zip(s.pipelines, batches, strict=True):
         m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule, len(p.distinct))
-        stages = tuple(Stage(d, r, s.offload and not s.recompute and space.kinds[d] != "cpu")
+        offload = s.offload and not s.recompute and s.schedule != "zb-h1"
+        stages = tuple(Stage(d, r, offload and space.kinds[d] != "cpu")
                        for d, r in zip(p.devices, p.ranges(space.num_layers)))
         replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
@@ -173,7 +174,10 @@ def _interleavable(space: Space, s: Strategy) -> bool:
 
 def fits(space: Space, s: Strategy) -> bool:
     """Structural validity: distinct devices (an interleaved pipeline's virtual stages apart),
-    cuts inside (0, L), batch enough for every pipeline."""
+    cuts inside (0, L), batch enough for every pipeline, no recompute under zb-h1
+    (planner.files.plan refuses it)."""
+    if s.schedule == "zb-h1" and s.recompute:
+        return False
     used = [d for p in s.pipelines for d in p.distinct]
     if not s.pipelines or len(used) != len(set(used)):
         return False
@@ -430,8 +434,10 @@ def enumerate_plans(space: Space) -> Iterator[Plan]:
         cut_sets = [list(itertools.combinations(range(1, L), len(g) - 1)) for g in groups]
         for cuts in itertools.product(*cut_sets):
             for sched, gran, bucket, place, rec, prec, off in globals_:
-                if off and rec:
-                    continue   # offload is not used under recompute (to_plan)
+                if off and (rec or sched == "zb-h1"):
+                    continue   # offload is not used under recompute nor zb-h1 (to_plan)
+                if rec and sched == "zb-h1":
+                    continue   # not a valid plan (fits)
                 pipes = tuple(Pipeline(g, c) for g, c in zip(groups, cuts))
                 lows = [min_batch(p, sched) for p in pipes]
                 if sum(lows) > B:

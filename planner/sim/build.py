@@ -17,6 +17,7 @@ from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buck
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import Plan, Replica, Stage
 from planner.hardware.topology import Topology
+from planner.sim.schedule import split_backward
 from planner.sim.template import ReplicaTemplate, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
                                    RouteHop, SavedCopy, TaskGraph, TaskMeta, TransferLabel)
@@ -124,14 +125,16 @@ class Builder:
         chunks = [self.backward_chunks(st) for st in stages]
         devices = len(rep.pipeline_devices) if self.plan.schedule == "interleaved-1f1b" else None
         t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices)
+        split = split_backward(self.plan.schedule)
+        pieces = self.weight_values if split else self.backward_values
         vals: list[int] = []
         lasts = []
         for s, (st, ch) in enumerate(zip(stages, chunks)):   # values in the order the slots number them
             vals.append(self.forward_value(r, s, stages))
-            lasts.append(self.backward_values(r, s, stages, ch))
+            lasts.append(pieces(r, s, stages, ch))
             vals += [k for k, _ in lasts[-1]]
             if m > 1:
-                vals += [k for k, _ in self.backward_values(r, s, stages, [Chunk(st.end, st.start, None)])]
+                vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)])]
         rids = [sim._rid[st.device] for st in stages]
         lanes = [st.device for st in stages]
         for st, route_pair in zip(stages[1:], routes):
@@ -140,6 +143,8 @@ class Builder:
                     vals.append(g.value(HopRecipe(r, st.start, h.latency_s, h.bandwidth_bytes_per_s)))
                     rids.append(h.resource)
                     lanes.append(h.lane)
+        if split:
+            vals += [self.input_value(r, s, stages) for s in range(len(stages))]
         res = [(x,) for x in rids]
         ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
                       t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
@@ -244,6 +249,22 @@ class Builder:
                 recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives)
             out.append((self.g.value(recipe), c.bucket))
         return out
+
+    def input_value(self, r: int, s: int, stages) -> int:
+        """The value id of stage s's I pass (split backward) of one microbatch: the input-gradient
+        part of its layers' backward; it consumes the gradient from the next stage and sends its
+        input's gradient back. Stage 0's inputs need no gradient: its I computes nothing (its W
+        runs the whole backward, as torch.distributed.pipelining does)."""
+        st = stages[s]
+        return self.g.value(LayerRange("inp", r, st.device, st.start, st.end if s > 0 else st.start,
+                                       sends=int(s > 0), receives=int(s < len(stages) - 1)))
+
+    def weight_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
+        """(value id, bucket) per W task (split backward) of one microbatch of stage s: the
+        weight-gradient part of each chunk's layers (stage 0: their whole backward); no messages."""
+        st = stages[s]
+        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi)), c.bucket)
+                for c in chunks]
 
     # --- transfers ---------------------------------------------------------------------------
     def route(self, src: str, dst: str, replica: int | None = None, cut: int | None = None,

@@ -1,7 +1,9 @@
 """Pipeline schedules as data (in the style of torch.distributed.pipelining).
 
 An `Action` is one stage's forward or backward of one microbatch and prints as `1F0`
-(stage 1, forward, microbatch 0) or `0B3`; `Action.parse` reads it back. A schedule is a list
+(stage 1, forward, microbatch 0) or `0B3`; `Action.parse` reads it back. Zero-bubble schedules
+split a backward into `I` (the gradient of the stage's inputs, sent back) and `W` (the gradient
+of its weights, which nothing downstream waits for). A schedule is a list
 of actions per device, in the order that device runs them: one stage per device, except under
 interleaved 1F1B, where device r of p holds the virtual stages r, r + p, r + 2p, ... `grid` dry-runs a schedule
 with unit-time actions and prints the step x stage table (and names the step of a deadlock).
@@ -11,13 +13,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
 @dataclass(frozen=True)
 class Action:
     stage: int
-    kind: str          # "F" (forward) or "B" (backward)
+    kind: str          # "F" (forward), "B" (backward), or its halves "I" (input grad), "W" (weight grad)
     microbatch: int
 
     def __str__(self) -> str:
@@ -77,6 +79,33 @@ def interleaved_1f1b(devices: int, stages: int, microbatches: int) -> list[list[
     return out
 
 
+def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each
+    backward split into I and W; stage s runs its W's s microbatches late (the W of microbatch
+    i after the I of i + s), so every stage holds min(p, m) microbatches, 1F1B's stage-0 peak,
+    and the late W's fill the cool-down bubble: (p-1)(F + I - W) instead of (p-1)(F + I + W)."""
+    out = []
+    for s in range(stages):
+        warmup = min(stages - s - 1, microbatches)
+        acts = [Action(s, "F", i) for i in range(warmup)]                  # warm-up
+        done_w = 0
+
+        def backward(i: int) -> list[Action]:
+            nonlocal done_w
+            out_ = [Action(s, "I", i)]
+            if i >= s:                                                    # W lags s behind I
+                out_.append(Action(s, "W", done_w))
+                done_w += 1
+            return out_
+        for i in range(microbatches - warmup):                            # steady: F, I (, W)
+            acts += [Action(s, "F", warmup + i), *backward(i)]
+        for i in range(microbatches - warmup, microbatches):              # cool-down: I (, W)
+            acts += backward(i)
+        acts += [Action(s, "W", i) for i in range(done_w, microbatches)]  # the W's still owed
+        out.append(acts)
+    return out
+
+
 def make_schedule(name: str, stages: int, microbatches: int, devices: int | None = None) -> list[list[Action]]:
     """Each device's actions; `devices` (interleaved-1f1b only) is the number of distinct
     devices p of the pipeline (default: one per stage)."""
@@ -86,7 +115,14 @@ def make_schedule(name: str, stages: int, microbatches: int, devices: int | None
         return gpipe(stages, microbatches)
     if name == "1f1b":
         return one_f_one_b(stages, microbatches)
-    raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b or interleaved-1f1b")
+    if name == "zb-h1":
+        return zb_h1(stages, microbatches)
+    raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b, interleaved-1f1b or zb-h1")
+
+
+def split_backward(name: str) -> bool:
+    """Whether schedule `name` splits each backward into I and W actions."""
+    return name == "zb-h1"
 
 
 def format_schedule(schedule: list[list[Action]]) -> str:
@@ -101,7 +137,8 @@ def dry_run(schedule: list[list[Action]]) -> list[list[Action | None]]:
     """Unit-time execution: per step, the action each device runs (None when idle).
 
     F(s, i) needs F(s-1, i) done in an earlier step; B(s, i) needs B(s+1, i) (or, on the last
-    stage, F(s, i)). Raises ValueError naming the step when no device can progress."""
+    stage, F(s, i)); I as B, with I(s+1, i); W(s, i) needs I(s, i). Raises ValueError naming the
+    step when no device can progress."""
     p = len(schedule)
     last = max((a.stage for acts in schedule for a in acts), default=0)
     done: set[tuple[int, str, int]] = set()
@@ -114,8 +151,9 @@ def dry_run(schedule: list[list[Action]]) -> list[list[Action | None]]:
             if a is not None:
                 k = a.stage
                 need = ((k - 1, "F", a.microbatch) if a.kind == "F" and k > 0 else
-                        (k + 1, "B", a.microbatch) if a.kind == "B" and k < last else
-                        (k, "F", a.microbatch) if a.kind == "B" else None)
+                        (k + 1, a.kind, a.microbatch) if a.kind in "BI" and k < last else
+                        (k, "F", a.microbatch) if a.kind in "BI" else
+                        (k, "I", a.microbatch) if a.kind == "W" else None)
                 if need is not None and need not in done:
                     a = None
             row.append(a)
@@ -141,5 +179,6 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "make_schedule", "format_schedule",
+__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
+           "format_schedule",
            "parse_schedule", "dry_run", "grid"]

@@ -16,7 +16,9 @@ Sync: "fine" splits the last microbatch's backward of a stage at bucket boundari
 bucket's all-reduce starts when its layers' gradients are final on every device of its group,
 overlapping the remaining backward; "coarse" starts a bucket's all-reduce after all backward
 work of every device in its group, one flat all-reduce per device set (buckets of one set
-merged, as the runtime does). Recompute adds the stage's forward to its backward.
+merged, as the runtime does). Recompute adds the stage's forward to its backward. A split
+backward (zb-h1) is two tasks per microbatch: I (cost.bwd_input_s), which receives and sends the
+gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets follow.
 
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead

@@ -30,8 +30,10 @@ class Const:
 @dataclass(frozen=True, slots=True)
 class LayerRange:
     """Forward (phase "fwd") or backward ("bwd") of layers [start, end) on device, at the
-    replica's microbatch: cost.fwd_s / cost.bwd_s, plus issuing the `sends` messages it
-    produces and posting the `receives` it consumes on the same thread (cost.message_issue_s)."""
+    replica's microbatch: cost.fwd_s / cost.bwd_s, or a split backward's input-gradient ("inp":
+    cost.bwd_input_s) or weight-gradient part ("wgt": cost.bwd_weight_s); plus issuing the
+    `sends` messages it produces and posting the `receives` it consumes on the same thread
+    (cost.message_issue_s)."""
     phase: str
     replica: int
     device: str
@@ -43,8 +45,12 @@ class LayerRange:
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         if self.phase == "fwd":
             t = cost.fwd_s(self.device, self.start, self.end, mbs[self.replica])
-        else:
+        elif self.phase == "bwd":
             t = cost.bwd_s(self.device, self.start, self.end, mbs[self.replica])
+        elif self.phase == "inp":
+            t = cost.bwd_input_s(self.device, self.start, self.end, mbs[self.replica])
+        else:
+            t = cost.bwd_weight_s(self.device, self.start, self.end, mbs[self.replica])
         if self.sends or self.receives:
             send_s, post_s = cost.message_issue_s(self.device)
             t += self.sends * send_s + self.receives * post_s

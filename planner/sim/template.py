@@ -7,19 +7,24 @@ each route. `replica_template` lays them out once over *slots* (value and resour
 numbered as `Slots` describes); `planner.sim.build.Builder.replica` maps the slots to the plan's
 value and resource ids. Task ids, dependencies and the order of the statistics are those of
 building the tasks one by one, so a stamped graph is identical to a hand-built one.
+
+A split backward (zb-h1: actions I and W) has one more value slot per stage, its I pass: the
+gradient goes back from I to the previous stage's I, and the W pass takes the backward's
+pieces and buckets (the weights' gradients are final when the last microbatch's W ends).
 """
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import NamedTuple
 
-from planner.sim.schedule import Action, make_schedule
+from planner.sim.schedule import Action, make_schedule, split_backward
 
 
 class Slots(NamedTuple):
     """Slot layout. Values: per stage its forward, its last microbatch's backward pieces, then
     (m > 1) the backward of other microbatches; then per stage pair the ahead hops, the back
-    hops. Resources: per stage its device; then per pair the ahead hops, the back hops."""
+    hops; then (split backward) per stage its I pass. Resources: per stage its device; then per
+    pair the ahead hops, the back hops."""
     fwd: tuple[int, ...]                    # value slot of stage s's forward
     last: tuple[tuple[int, ...], ...]       # value slots of stage s's last-microbatch pieces
     other: tuple[tuple[int, ...], ...]      # value slots of stage s's other backwards
@@ -27,6 +32,7 @@ class Slots(NamedTuple):
     back: tuple[tuple[int, ...], ...]       # value slots of its back hops
     ahead_res: tuple[tuple[int, ...], ...]  # resource slots of pair p's ahead hops
     back_res: tuple[tuple[int, ...], ...]
+    inp: tuple[int, ...] = ()               # value slot of stage s's I pass (split backward)
 
 
 class ReplicaTemplate(NamedTuple):
@@ -59,7 +65,8 @@ class ReplicaTemplate(NamedTuple):
         return out
 
 
-def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -> tuple[Slots, int, int]:
+def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
+           split: bool = False) -> tuple[Slots, int, int]:
     v = r = 0
     fwd, last, other = [], [], []
     for n in pieces:
@@ -77,8 +84,10 @@ def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -
         back.append(tuple(range(v, v + nb)))
         back_res.append(tuple(range(r, r + nb)))
         v, r = v + nb, r + nb
+    inp = tuple(range(v, v + len(pieces))) if split else ()
+    v += len(inp)
     return Slots(tuple(fwd), tuple(last), tuple(other), tuple(ahead), tuple(back),
-                 tuple(ahead_res), tuple(back_res)), v, r
+                 tuple(ahead_res), tuple(back_res), inp), v, r
 
 
 @lru_cache(maxsize=256)
@@ -90,7 +99,7 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     stage). A device's actions are chained in its schedule order, whichever of its (virtual)
     stages they belong to; a compute task's resource slot is its stage's (the builder maps
     the virtual stages of one device to that device's resource)."""
-    slots, _, _ = _slots(pieces, m, hops)
+    slots, _, _ = _slots(pieces, m, hops, split_backward(schedule))
     value: list[int] = []
     res: list[int] = []
     succ: list[list[int]] = []
@@ -125,6 +134,10 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                 prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
                 counts.setdefault((s, "fwd_s"), []).append(slots.fwd[s])
                 continue
+            if act.kind == "I":   # the gradient is received and sent on by the I pass
+                prev = bf[i] = bl[i] = last_of[s] = add(slots.inp[s], s, prev, ("compute", s, act))
+                counts.setdefault((s, "bwd_s"), []).append(slots.inp[s])
+                continue
             first = None
             for k in (slots.last[s] if i == m - 1 else slots.other[s]):
                 prev = add(k, s, prev, ("compute", s, act))
@@ -133,7 +146,8 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                     first = prev
                 if i == m - 1:
                     ends.append(prev)
-            bf[i], bl[i] = first, prev
+            if act.kind == "B":
+                bf[i], bl[i] = first, prev
             last_of[s] = prev
     chunk_end = [tuple(e) for e in ends_of]
     last_backward = last_of
