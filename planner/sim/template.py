@@ -18,11 +18,13 @@ from planner.sim.schedule import Action, make_schedule
 
 class Slots(NamedTuple):
     """Slot layout. Values: per stage its forward, its last microbatch's backward pieces, then
-    (m > 1) the backward of other microbatches; then per stage pair the ahead hops, the back
-    hops. Resources: per stage its device; then per pair the ahead hops, the back hops."""
+    (m > 1) the backward of other microbatches, then (a stream) its weight update; then per
+    stage pair the ahead hops, the back hops. Resources: per stage its device; then per pair
+    the ahead hops, the back hops."""
     fwd: tuple[int, ...]                    # value slot of stage s's forward
     last: tuple[tuple[int, ...], ...]       # value slots of stage s's last-microbatch pieces
     other: tuple[tuple[int, ...], ...]      # value slots of stage s's other backwards
+    update: tuple[tuple[int, ...], ...]     # value slot of stage s's update (a stream), or ()
     ahead: tuple[tuple[int, ...], ...]      # value slots of pair p's ahead hops
     back: tuple[tuple[int, ...], ...]       # value slots of its back hops
     ahead_res: tuple[tuple[int, ...], ...]  # resource slots of pair p's ahead hops
@@ -35,7 +37,8 @@ class ReplicaTemplate(NamedTuple):
     they are counted); `chunk_end[s][j]` is the local task ending piece j of stage s's last
     microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
     `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace; `shifted` caches
-    `succ_at`."""
+    `succ_at`. A stream (`Stream`): `iteration_end[s][i]` is stage s's last task of iteration i
+    (its update after the iteration's last backward)."""
     slots: Slots
     value: tuple[int, ...]
     res: tuple[int, ...]
@@ -46,6 +49,7 @@ class ReplicaTemplate(NamedTuple):
     last_backward: tuple[int, ...]
     label: tuple[tuple, ...]
     shifted: dict[int, list[tuple[int, ...]]]
+    iteration_end: tuple[tuple[int, ...], ...] = ()
 
     def succ_at(self, base: int) -> list[tuple[int, ...]]:
         """`succ` with the block starting at task `base`. The last few bases are kept: a
@@ -59,15 +63,26 @@ class ReplicaTemplate(NamedTuple):
         return out
 
 
-def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -> tuple[Slots, int, int]:
+class Stream(NamedTuple):
+    """A pipeline that keeps running across iterations (sync.mode pipedream, pipedream-2bw):
+    the template's microbatches are several iterations of `per_iteration` each, and every stage
+    updates its weights after every `update_every`-th backward (planner.sim.build)."""
+    per_iteration: int
+    update_every: int
+
+
+def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
+           stream: Stream | None = None) -> tuple[Slots, int, int]:
     v = r = 0
-    fwd, last, other = [], [], []
+    fwd, last, other, update = [], [], [], []
     for n in pieces:
         fwd.append(v)
         last.append(tuple(range(v + 1, v + 1 + n)))
         v += 1 + n
         other.append((v,) if m > 1 else ())
         v += 1 if m > 1 else 0
+        update.append((v,) if stream else ())
+        v += 1 if stream else 0
     r = len(pieces)
     ahead, back, ahead_res, back_res = [], [], [], []
     for na, nb in hops:
@@ -77,17 +92,17 @@ def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -
         back.append(tuple(range(v, v + nb)))
         back_res.append(tuple(range(r, r + nb)))
         v, r = v + nb, r + nb
-    return Slots(tuple(fwd), tuple(last), tuple(other), tuple(ahead), tuple(back),
+    return Slots(tuple(fwd), tuple(last), tuple(other), tuple(update), tuple(ahead), tuple(back),
                  tuple(ahead_res), tuple(back_res)), v, r
 
 
 @lru_cache(maxsize=256)
 def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
-                     hops: tuple[tuple[int, int], ...]) -> ReplicaTemplate:
+                     hops: tuple[tuple[int, int], ...], stream: Stream | None = None) -> ReplicaTemplate:
     """The template of a replica with len(pieces) stages (stage s's last microbatch's backward
     in pieces[s] pieces) and m microbatches; hops[p] = (hops ahead, hops back) between stages
-    p and p+1."""
-    slots, _, _ = _slots(pieces, m, hops)
+    p and p+1; a `stream` adds each stage's updates and marks its iterations' ends."""
+    slots, _, _ = _slots(pieces, m, hops, stream)
     value: list[int] = []
     res: list[int] = []
     succ: list[list[int]] = []
@@ -112,9 +127,11 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     bwd_last: list[list[int]] = []
     chunk_end: list[tuple[int, ...]] = []
     last_backward: list[int] = []
+    iteration_end: list[list[int]] = []
     for s, acts in enumerate(make_schedule(schedule, len(pieces), m)):
         f, bf, bl = [0] * m, [0] * m, [0] * m
         ends: list[int] = []
+        iteration_end.append([])
         prev = None
         for act in acts:
             i = act.microbatch
@@ -131,6 +148,11 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                 if i == m - 1:
                     ends.append(prev)
             bf[i], bl[i] = first, prev
+            if stream and (i + 1) % stream.update_every == 0:   # the stage's weight update
+                prev = add(slots.update[s][0], s, prev, ("update", s, act))
+                counts.setdefault((s, "optimizer_s"), []).append(slots.update[s][0])
+            if stream and (i + 1) % stream.per_iteration == 0:
+                iteration_end[s].append(prev)
         fwd_t.append(f)
         bwd_first.append(bf)
         bwd_last.append(bl)
@@ -158,7 +180,7 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                        ("grad", s, s - 1, i)), bwd_first[s - 1][i])
     return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
                            tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
-                           tuple(last_backward), tuple(label), {})
+                           tuple(last_backward), tuple(label), {}, tuple(map(tuple, iteration_end)))
 
 
-__all__ = ["Slots", "ReplicaTemplate", "replica_template", "Action"]
+__all__ = ["Slots", "Stream", "ReplicaTemplate", "replica_template", "Action"]
