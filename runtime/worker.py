@@ -78,7 +78,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         if sorted(names) != sorted(plan.devices):
             raise ValueError(f"ranks map to devices {names}; expected each plan device once")
         marks.mark("rendezvous")
-        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan)
+        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=cfg.iters)
         marks.mark("stages")
         if rank == 0:      # after the model check: bad input stays one line on stderr
             print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations",
