@@ -242,3 +242,30 @@ def test_a_trace_of_the_stream_shows_each_stages_updates():
     r = simulate(p, g, t, trace=True)
     updates = [x for x in r.tasks if x["kind"] == "optimizer"]
     assert len(updates) == 2 * 4 * 3                                     # 2 stages x 4 x 3 iterations
+
+
+# --- plan --objective time-to-loss ---------------------------------------------------------------
+def test_time_to_loss_ranks_the_asynchronous_pipelines_of_the_fastest_pipeline():
+    # a two-stage pipeline of the learnable SkipNet, priced on a hand-made graph: each variant's
+    # time to the target = its emulated iterations x its simulated iteration
+    from planner.search.convergence import emulate, iterations_to, smoothed
+    from planner.search.time_to_loss import pipeline_variants, rank
+    from planner.sim.simulator import Simulator
+    from planner.workload.load import load_workload
+    w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
+    pipe = plan_from_dict(_pipeline(LEARNABLE, {"granularity": "coarse"}, m=4, global_batch=12, lr=0.3,
+                                    ranges=((0, 2), (2, 4))))
+    g = graph([layer(i, param_bytes=10**3) for i in range(4)], batch=12)
+    t = topology([device("cpu:0"), device("cpu:1")], [link("cpu:0", "cpu:1")])
+    sim = Simulator(g, t)
+    target = float(smoothed(emulate(w, pipe, 24))[11])
+    ranked = {c.name: c for c in rank(sim.simulate, w, [("pipeline", pipe)], target, 24)}
+    assert set(ranked) == {"pipeline", "pipeline, pipedream", "pipeline, pipedream-2bw", "pipeline, pipedream + SWA"}
+    for name, plan in pipeline_variants("pipeline", pipe):
+        c = ranked[name]
+        assert c.iterations == iterations_to(emulate(w, plan, 24), target)
+        assert c.time_s == pytest.approx(c.iterations * c.iteration_s)
+        assert c.iteration_s < ranked["pipeline"].iteration_s           # no flush bubble
+    dp = plan_from_dict(_pipeline(LEARNABLE, {"granularity": "coarse"}, m=4, global_batch=12, lr=0.3,
+                                  ranges=((0, 4),), devices=("cpu:0",)))
+    assert pipeline_variants("one stage", dp) == []
