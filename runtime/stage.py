@@ -261,6 +261,12 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         runner.offload = ActivationOffload(device, named.values())
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
     if plan.sync.mode in PIPEDREAM_MODES:
+        shared = [t for t in layout.tied if len(t.ranks) > 1]
+        if shared:        # each stage would update its own copy: refused, not trained apart
+            from planner.files.io import InputError
+            raise InputError(f"{file}: replicas[0].stages: sync.mode {plan.sync.mode!r} needs stages that share "
+                             f"no parameter in this version; the model ties a weight across stages "
+                             f"(layer {shared[0].first_layer} and later)")
         return _pipedream(plan, workload, module, runner, optimizer, groups, timer, st_j, micro, iterations)
     if synchronous:
         if sync_mb is None:

@@ -88,3 +88,24 @@ def scalars() -> Workload:
         return torch.randn(batch_size, 1, generator=g), torch.randn(batch_size, 1, generator=g)
     model = nn.Sequential(*(nn.Linear(1, 1, bias=False) for _ in range(3)))
     return Workload(model=model, make_batch=make_batch, loss_fn=F.mse_loss)
+
+
+class TiedEnds(nn.Module):
+    """Three layers, the first and the last sharing one weight (tied across a cut after layer 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4, bias=False)
+        self.c.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def tied_ends() -> Workload:
+    def make_batch(batch_size: int, seed: int):
+        g = torch.Generator().manual_seed(int(seed))
+        return torch.randn(batch_size, 4, generator=g), torch.randint(0, 4, (batch_size,), generator=g)
+    return Workload(model=TiedEnds(), make_batch=make_batch, loss_fn=F.cross_entropy)

@@ -269,3 +269,19 @@ def test_time_to_loss_ranks_the_asynchronous_pipelines_of_the_fastest_pipeline()
     dp = plan_from_dict(_pipeline(LEARNABLE, {"granularity": "coarse"}, m=4, global_batch=12, lr=0.3,
                                   ranges=((0, 4),), devices=("cpu:0",)))
     assert pipeline_variants("one stage", dp) == []
+
+
+def test_stages_that_tie_a_weight_are_refused_by_run_and_not_emulated(tmp_path):
+    # each stage would update its own copy of the shared weight: refused, not silently untied
+    from planner.search.convergence import emulate
+    from planner.workload.load import load_workload
+    from test_cli_inputs import _hetplan, one_error_line
+    tied = {"spec": "tests.runtime_models:tied_ends", "args": {}}
+    p = _pipeline(tied, _sync("pipedream"), m=2, global_batch=4, lr=0.1)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(p))
+    one_error_line(_hetplan("run", path, "--iters", 3, "-o", tmp_path / "m.json"),
+                   "replicas[0].stages: sync.mode 'pipedream' needs stages that share no parameter")
+    assert not (tmp_path / "m.json").exists()
+    with pytest.raises(ValueError, match="ties a weight across the pipeline's stages"):
+        emulate(load_workload(tied["spec"], {}), plan_from_dict(p), 2)

@@ -26,6 +26,9 @@ def emulate_pipeline(workload, plan, iterations: int) -> list[float]:
     workload = copy.copy(workload)
     workload.model = copy.deepcopy(workload.model)
     modules = _stages(workload, rep, micro)
+    owners = [{id(q) for q in mod.parameters()} for mod in modules]
+    if any(a & b for i, a in enumerate(owners) for b in owners[i + 1:]):
+        raise ValueError("the model ties a weight across the pipeline's stages (runtime.pipedream refuses it)")
     versions = [WeightVersions(list(mod.named_parameters()), make_optimizer(
         [q for q in mod.parameters() if q.requires_grad], plan.optimizer.name, plan.optimizer.lr), plan.sync, m)
         for mod in modules]

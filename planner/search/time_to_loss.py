@@ -99,7 +99,12 @@ def rank(evaluate, workload, named_plans: list[tuple[str, Plan]], target: float,
     for name, plan in tried:
         key = _math_key(plan)
         if key not in curves:
-            curves[key] = iterations_to(emulate(workload, plan, horizon), target)
+            try:
+                curves[key] = iterations_to(emulate(workload, plan, horizon), target)
+            except ValueError:       # a pipeline the emulation cannot run (stages tying a weight): not ranked
+                if plan.sync.mode not in PIPEDREAM_MODES:
+                    raise
+                continue
         r = sims[name] if name in sims else evaluate(plan)
         its = curves[key]
         out.append(Ranked(name, plan, r.iteration_s, r.feasible, dict(r.peak_memory_bytes), its,
