@@ -10,7 +10,19 @@ from __future__ import annotations
 
 def emulate_pipeline(workload, plan, iterations: int) -> list[float]:
     """The loss per iteration (the mean over its microbatches) of the plan's pipeline, trained
-    from a copy of the workload's model."""
+    from a copy of the workload's model, on one intra-op thread: its ops are of one microbatch,
+    too small to gain from more, and on a shared host more threads made it 5x slower (measured)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _emulate(workload, plan, iterations)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _emulate(workload, plan, iterations: int) -> list[float]:
     import copy
 
     import torch
