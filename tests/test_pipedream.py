@@ -131,12 +131,13 @@ def test_each_mode_lowers_the_loss_and_differs_from_synchronous_training(tmp_pat
 from test_runtime_cuda import gpus  # noqa: E402,F401  (the fixture: CPU stand-ins, then real GPUs)
 
 
-def test_a_cpu_gpu_pipeline_runs_pipedream_as_emulated(tmp_path, gpus):
+@pytest.mark.parametrize("mode,swa", [("pipedream", False), ("pipedream-2bw", False), ("pipedream", True)])
+def test_a_cpu_gpu_pipeline_runs_each_mode_as_emulated(tmp_path, gpus, mode, swa):
     # stage 0 on the CPU, stage 1 on cuda:0 (a stand-in without a GPU): the stream crosses host memory
     from planner.search.convergence import emulate
     from planner.workload.load import load_workload
     from test_runtime import run_plan
-    p = _pipeline(LEARNABLE, _sync("pipedream"), m=4, global_batch=12, lr=0.01, opt="adam",
+    p = _pipeline(LEARNABLE, _sync(mode, swa), m=4, global_batch=12, lr=0.01, opt="adam",
                   ranges=((0, 2), (2, 4)), devices=("cpu:0", "cuda:0"))
     r, _ = run_plan(tmp_path, p, iters=4)
     w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
