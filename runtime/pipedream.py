@@ -75,7 +75,7 @@ class PipeDreamRunner(StageRunner):
             self._post_ahead()
             if kind == "F":
                 self.module.weights = self.versions.for_forward(mb)
-                if self.saved_tracker is not None:     # a stashed version is not an activation
+                if self.track:                         # a stashed version is not an activation
                     self.saved_tracker.param_ptrs.update(
                         w.untyped_storage().data_ptr() for w in self.module.weights.values())
                 self._forward(mb, inputs, targets, self.saved, losses)

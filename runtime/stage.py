@@ -79,6 +79,11 @@ class Built:
         self.optimizer.zero_grad()
         self.sync.begin()
 
+    def held_peak_bytes(self) -> int:
+        """The most bytes held at once besides parameters, gradients, optimizer state and saved
+        activations (a PipeDream stage's stashed weight versions)."""
+        return 0
+
     def step(self, batch) -> torch.Tensor | None:
         with self.timer.timer("buffer broadcast", "allreduce", busy=False):
             self.buffers.broadcast()
@@ -305,6 +310,9 @@ class PipeDreamBuilt(Built):
 
     def step(self, batch) -> torch.Tensor | None:
         return self.runner.run(None, *batch)
+
+    def held_peak_bytes(self) -> int:
+        return self.runner.versions.peak_bytes
 
 
 def _pipedream(plan: Plan, workload, module, runner: StageRunner, optimizer: StageOptimizer, groups: Groups,

@@ -153,7 +153,7 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
     saved = built.runner.saved_tracker.peak_bytes
     grad_bytes = sum(p.numel() * p.element_size() for p in built.params if p.requires_grad)
     on_host = device.device.type == "cpu"   # a CPU worker or a stand-in: no allocator statistics
-    peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved if on_host
+    peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved + built.held_peak_bytes() if on_host
             else mem.peak_bytes())
     return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
             "page_faults": faults,

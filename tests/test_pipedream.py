@@ -124,8 +124,13 @@ def test_each_mode_lowers_the_loss_and_differs_from_synchronous_training(tmp_pat
         assert losses[0] == pytest.approx(ref_losses[0], rel=1e-5)
     assert losses[-1] != pytest.approx(ref_losses[-1], rel=1e-3)
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3])
-    updates = [e for e in r["per_device"]["cpu:0"]["events"] if e["name"].startswith("update")]
+    dev = r["per_device"]["cpu:0"]
+    updates = [e for e in dev["events"] if e["name"].startswith("update")]
     assert len(updates) == 4         # the last iteration's four backwards, each followed by its rule
+    # SGD keeps no state: the live parameters, their gradients, the stashed versions (2 on stage
+    # 0 of 2; SWA's sum one more) and the saved activations
+    versions = 3 if swa else 2
+    assert dev["peak_memory_bytes"] == (2 + versions) * dev["param_bytes"] + dev["saved_activation_peak_bytes"]
 
 
 from test_runtime_cuda import gpus  # noqa: E402,F401  (the fixture: CPU stand-ins, then real GPUs)

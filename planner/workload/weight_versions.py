@@ -36,6 +36,7 @@ class WeightVersions:
         self.used: dict[int, int] = {}                     # microbatch -> its version
         self.backwards = 0
         self.sum: list[torch.Tensor] | None = None         # SWA: this iteration's versions summed
+        self.peak_bytes = 0                                # the most stashed (and summed) at once
 
     def for_forward(self, mb: int) -> dict[str, torch.Tensor]:
         """The weights microbatch `mb`'s forward uses (and later its backward): the current
@@ -46,6 +47,7 @@ class WeightVersions:
             self.users[v] = 0
         self.users[v] += 1
         self.used[mb] = v
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
         return self.stash[v]
 
     @torch.no_grad()
@@ -76,6 +78,7 @@ class WeightVersions:
         if self.swa:
             live = [p.detach() for _, p in self.named]
             self.sum = [x.clone() for x in live] if self.sum is None else [s.add_(x) for s, x in zip(self.sum, live)]
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes())
             if end_of_iteration:
                 for x, s in zip(live, self.sum):
                     x.copy_(s.div_(self.m))
@@ -86,8 +89,10 @@ class WeightVersions:
         for v in [v for v, n in self.users.items() if n == 0 and v != self.version]:
             del self.stash[v], self.users[v]
 
-    def stashed_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for w in self.stash.values() for t in w.values())
+    def held_bytes(self) -> int:
+        """Bytes of the stashed versions and of SWA's running sum."""
+        return (sum(t.numel() * t.element_size() for w in self.stash.values() for t in w.values())
+                + sum(t.numel() * t.element_size() for t in self.sum or ()))
 
 
 __all__ = ["WeightVersions"]
