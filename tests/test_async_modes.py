@@ -217,6 +217,9 @@ def test_time_to_loss_picks_an_asynchronous_plan_where_the_gradient_exchange_dom
     assert p.sync.mode in ("local-sgd", "easgd", "hogwild")
     by_mode = {c["sync"]: c for c in ttl["candidates"]}
     assert ttl["time_s"] < by_mode["sync"]["time_s"]                         # faster than synchronous
+    # the asynchronous pipelines of the balanced pipeline baseline are ranked with them
+    pipes = {(c["sync"], c["average"]) for c in ttl["candidates"] if c["sync"].startswith("pipedream")}
+    assert pipes == {("pipedream", None), ("pipedream-2bw", None), ("pipedream", "swa")}
     assert ttl["time_s"] == pytest.approx(ttl["iterations"] * p.predicted.iteration_s)
     assert "time to loss s" in r.stdout and f"sync mode {p.sync.mode}" in r.stdout
     # run it, and compare the predicted time to the loss with the measured one

@@ -18,6 +18,11 @@ overlapping the remaining backward; "coarse" starts a bucket's all-reduce after 
 work of every device in its group, one flat all-reduce per device set (buckets of one set
 merged, as the runtime does). Recompute adds the stage's forward to its backward.
 
+PipeDream and 2BW (sync.mode): no all-reduce; the pipeline is simulated as a stream of three
+iterations of 1F1B without flush, each stage's updates on its device after its backwards
+(planner.sim.build.Builder.stream); the iteration is the steady state's (`_iteration_s`), the
+per-device statistics a third of the stream's, and each stage's staleness is reported.
+
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.
