@@ -90,22 +90,24 @@ def scalars() -> Workload:
     return Workload(model=model, make_batch=make_batch, loss_fn=F.mse_loss)
 
 
-class TiedEnds(nn.Module):
-    """Three layers, the first and the last sharing one weight (tied across a cut after layer 1)."""
+class TiedNet(nn.Module):
+    """Five layers; layers 1 and 3 use one weight (a tied parameter held by two stages)."""
 
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
-        self.a = nn.Linear(4, 4, bias=False)
-        self.b = nn.Linear(4, 4)
-        self.c = nn.Linear(4, 4, bias=False)
-        self.c.weight = self.a.weight
+        self.inp = nn.Linear(8, width)
+        self.a = nn.Linear(width, width)
+        self.mid = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(width, 3)
 
     def forward(self, x):
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.b(torch.tanh(self.mid(torch.tanh(self.a(h))))))
+        return self.out(h)
 
 
-def tied_ends() -> Workload:
-    def make_batch(batch_size: int, seed: int):
-        g = torch.Generator().manual_seed(int(seed))
-        return torch.randn(batch_size, 4, generator=g), torch.randint(0, 4, (batch_size,), generator=g)
-    return Workload(model=TiedEnds(), make_batch=make_batch, loss_fn=F.cross_entropy)
+def tiednet(width: int = 16) -> Workload:
+    w = skipnet(width)
+    return Workload(model=TiedNet(width), make_batch=w.make_batch, loss_fn=F.cross_entropy)

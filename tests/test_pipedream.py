@@ -282,8 +282,8 @@ def test_stages_that_tie_a_weight_are_refused_by_run_and_not_emulated(tmp_path):
     from planner.search.convergence import emulate
     from planner.workload.load import load_workload
     from test_cli_inputs import _hetplan, one_error_line
-    tied = {"spec": "tests.runtime_models:tied_ends", "args": {}}
-    p = _pipeline(tied, _sync("pipedream"), m=2, global_batch=4, lr=0.1)
+    tied = {"spec": "tests.runtime_models:tiednet", "args": {}}     # layers 1 and 3 share a weight
+    p = _pipeline(tied, _sync("pipedream"), m=2, global_batch=4, lr=0.1, ranges=((0, 2), (2, 5)))
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(p))
     one_error_line(_hetplan("run", path, "--iters", 3, "-o", tmp_path / "m.json"),

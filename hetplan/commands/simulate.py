@@ -52,5 +52,6 @@ def main(args) -> int:
         for r, rep in enumerate(plan.replicas):
             what = f"{rep.microbatches} microbatches" + (f" x {stream} iterations, no flush" if stream > 1 else "")
             print(f"\nreplica {r} ({plan.schedule}, {what}):")
-            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches * stream), list(rep.devices)))
+            devs = rep.pipeline_devices
+            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches * stream, len(devs)), list(devs)))
     return 0
