@@ -11,9 +11,10 @@ reads iteration i+1's batch during iteration i). The loss recorded for iteration
 of its microbatches' losses, as the last stage computed them (with the weights of their
 forwards); the parameters saved are the live ones.
 
-Transfers are those of runtime.pipeline (the same links and messages); sends are waited for
-only at the run's end, so a stage never waits at an iteration's end for a peer still in the
-previous one.
+Transfers are those of runtime.pipeline (the same links and messages); at the end of iteration
+i a stage waits only for the sends it issued before iteration i (the peer takes them by the end
+of its own iteration i), so it never waits for a peer still behind in the stream, and the
+sent tensors are released an iteration later.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class PipeDreamRunner(StageRunner):
         self.versions, self.iterations = versions, iterations
         self.done = 0
         self.saved: dict[int, tuple[list, list]] = {}
+        self.older = [0, 0]          # per link (prev, next): sends issued before this iteration
 
     def run(self, actions, inputs, targets) -> torch.Tensor | None:
         acts = self.iterations[self.done]
@@ -85,11 +87,19 @@ class PipeDreamRunner(StageRunner):
                     self.versions.after_backward(mb)
         self._flush()
         with self.busy("send wait", "transfer", busy=False):
-            for link in (self.prev, self.next):
-                if link is not None and self.done == len(self.iterations):
+            for j, link in enumerate((self.prev, self.next)):
+                if link is None:
+                    continue
+                if self.done == len(self.iterations):
                     link.drain()
-                elif link is not None:           # forget the sends already delivered
-                    link.pending = [w for w in link.pending if not w.is_completed()]
+                    continue
+                # the previous iteration's sends: the peer receives them by the end of its
+                # iteration i, which needs nothing this stage sends later (gloo reports a send
+                # complete only when waited for, so they are waited for, not polled)
+                for w in link.pending[:self.older[j]]:
+                    w.wait()
+                del link.pending[:self.older[j]]
+                self.older[j] = len(link.pending)
         if self.next is None:
             return sum(l.detach() for l in losses.values())
         return None

@@ -291,3 +291,15 @@ def test_stages_that_tie_a_weight_are_refused_by_run_and_not_emulated(tmp_path):
     assert not (tmp_path / "m.json").exists()
     with pytest.raises(ValueError, match="ties a weight across the pipeline's stages"):
         emulate(load_workload(tied["spec"], {}), plan_from_dict(p), 2)
+
+
+def test_three_stages_run_as_emulated(tmp_path):
+    # a middle stage (no data of its own), stage 0 two updates stale, 8 iterations of the stream
+    from planner.search.convergence import emulate
+    from planner.workload.load import load_workload
+    from test_runtime import run_plan
+    p = _pipeline(LEARNABLE, _sync("pipedream"), m=3, global_batch=12, lr=0.01, opt="adam",
+                  ranges=((0, 1), (1, 2), (2, 4)), devices=("cpu:0", "cpu:1", "cpu:2"))
+    r, _ = run_plan(tmp_path, p, iters=8)
+    w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
+    assert r["losses"] == pytest.approx(emulate(w, plan_from_dict(p), 8), rel=1e-5)
