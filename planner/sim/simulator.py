@@ -43,7 +43,7 @@ from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
-from planner.files.plan import Plan
+from planner.files.plan import PIPEDREAM_MODES, Plan
 from planner.sim.taskgraph import TIMED, RouteHop, TaskGraph
 from planner.hardware.topology import Topology
 
@@ -299,7 +299,7 @@ def staleness(plan: Plan) -> dict[str, int]:
     microbatch's forward and the update its gradient enters: p - 1 - s under PipeDream (stage
     s of p), at most 1 under 2BW (0 on the last stage); empty for every other mode."""
     mode = plan.sync.mode
-    if mode not in ("pipedream", "pipedream-2bw"):
+    if mode not in PIPEDREAM_MODES:
         return {}
     stages = plan.replicas[0].stages
     p = len(stages)
