@@ -2,8 +2,9 @@
 
 For each learnable workload (benchmarks/learnable.py) on this machine's profile: the planner's
 candidates for `--objective time-to-loss` (planner.search.time_to_loss: the best synchronous
-plan the search finds, its baselines, and local SGD, EASGD and Hogwild on the fastest
-data-parallel layout), each predicted (emulated iterations to the target x simulated iteration
+plan the search finds, its baselines, local SGD, EASGD and Hogwild on the fastest
+data-parallel layout, and PipeDream, 2BW and PipeDream+SWA on the fastest one-pipeline layout,
+the balanced pipeline baseline at least), each predicted (emulated iterations to the target x simulated iteration
 time) and run for real (`hetplan run --iters N`: measured iterations to the target, from the
 measured losses with the same running mean, x the measured median iteration). The target is the
 loss synchronous training reaches after `--target-at` of the iterations. Prints both rankings

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from planner.hardware.device import TorchDevice, standin_gpus
-from planner.files.plan import Plan
+from planner.files.plan import PIPEDREAM_MODES, Plan
+from planner.workload.weight_versions import WeightVersions
 from planner.hardware.topology import parse_device_name
 from planner.workload.inputs import call_args, slice_inputs
 from runtime import ddp
@@ -21,6 +22,7 @@ from runtime.instruments import BusyTimer, SavedTracker
 from runtime.interleaved import InterleavedRunner, VirtualStages, device_actions, sent_messages
 from runtime.offload import ActivationOffload
 from runtime.optim import StageOptimizer
+from runtime.pipedream import PipeDreamRunner, Stashed, StreamData, stream_iterations
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
 from runtime.sync import BufferSync, GradSync, Groups, Tied, layer_ranks
 
@@ -77,6 +79,11 @@ class Built:
     def begin(self) -> None:
         self.optimizer.zero_grad()
         self.sync.begin()
+
+    def held_peak_bytes(self) -> int:
+        """The most bytes held at once besides parameters, gradients, optimizer state and saved
+        activations (a PipeDream stage's stashed weight versions)."""
+        return 0
 
     def step(self, batch) -> torch.Tensor | None:
         with self.timer.timer("buffer broadcast", "allreduce", busy=False):
@@ -207,9 +214,10 @@ def check_model(plan: Plan, file: str):
 
 
 def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None,
-          marks=None, file: str = "<plan>") -> Built:
+          marks=None, file: str = "<plan>", iterations: int = 1) -> Built:
     """What rank `rank` runs; `device` is its planner.hardware.device.TorchDevice; `marks`
-    (runtime.startup.Marks) gets "model" once the workload is built and checked."""
+    (runtime.startup.Marks) gets "model" once the workload is built and checked; `iterations`:
+    how many the run trains (a PipeDream stream's length)."""
 
     rank_of = {d: r for r, d in enumerate(names)}
     kinds = [parse_device_name(d)[1] for d in names]
@@ -275,6 +283,14 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     if rep.stages[st_j].offload_activations:
         runner.offload = ActivationOffload(device, named.values())
     optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
+    if plan.sync.mode in PIPEDREAM_MODES:
+        shared = [t for t in layout.tied if len(t.ranks) > 1]
+        if shared:        # each stage would update its own copy: refused, not trained apart
+            from planner.files.io import InputError
+            raise InputError(f"{file}: replicas[0].stages: sync.mode {plan.sync.mode!r} needs stages that share "
+                             f"no parameter in this version; the model ties a weight across stages "
+                             f"(layer {shared[0].first_layer} and later)")
+        return _pipedream(plan, workload, module, runner, optimizer, groups, timer, st_j, micro, iterations)
     if synchronous:
         if sync_mb is None:
             sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
@@ -296,6 +312,39 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                  module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, []),
                  exchange, loss_weight=fraction)
+
+
+@dataclass
+class PipeDreamBuilt(Built):
+    """A stage of a PipeDream / 2BW pipeline (runtime.pipedream): each `step` runs the stream's
+    next iteration; the stage updates its weights itself."""
+    data: StreamData | None = None
+
+    def microbatches(self, global_batch: int, iteration: int):
+        return self.data.batches(global_batch, iteration, self._call_args)
+
+    def begin(self) -> None:
+        pass
+
+    def step(self, batch) -> torch.Tensor | None:
+        return self.runner.run(None, *batch)
+
+    def held_peak_bytes(self) -> int:
+        return self.runner.versions.peak_bytes
+
+
+def _pipedream(plan: Plan, workload, module, runner: StageRunner, optimizer: StageOptimizer, groups: Groups,
+               timer: BusyTimer, st_j: int, micro: int, iterations: int) -> PipeDreamBuilt:
+    rep = plan.replicas[0]
+    p, m = len(rep.stages), rep.microbatches
+    versions = WeightVersions(list(module.named_parameters()), optimizer, plan.sync, m)
+    pd = PipeDreamRunner(Stashed(module), runner.device, runner.loss_fn, runner.prev, runner.next, runner.scale,
+                         runner.busy, precision=runner.precision, versions=versions,
+                         iterations=stream_iterations(p, st_j, m, iterations))
+    pd.saved_tracker = runner.saved_tracker
+    data = StreamData(workload, m, micro, st_j == 0, st_j == p - 1, iterations)
+    return PipeDreamBuilt(plan, workload, 0, st_j, p, 0, micro, module, pd, NoGradSync(), optimizer, groups,
+                          timer, [], BufferSync(groups, []), data=data)
 
 
 @dataclass

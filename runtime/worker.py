@@ -78,7 +78,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         if sorted(names) != sorted(plan.devices):
             raise ValueError(f"ranks map to devices {names}; expected each plan device once")
         marks.mark("rendezvous")
-        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan)
+        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=cfg.iters)
         marks.mark("stages")
         if rank == 0:      # after the model check: bad input stays one line on stderr
             print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations",
@@ -153,7 +153,7 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
     saved = built.runner.saved_tracker.peak_bytes
     grad_bytes = sum(p.numel() * p.element_size() for p in built.params if p.requires_grad)
     on_host = device.device.type == "cpu"   # a CPU worker or a stand-in: no allocator statistics
-    peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved if on_host
+    peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved + built.held_peak_bytes() if on_host
             else mem.peak_bytes())
     return {"rank": rank, "device": name, "iter_s": iter_s, "busy_s": busy_s, "loss": losses,
             "page_faults": faults,

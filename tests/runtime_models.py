@@ -80,6 +80,16 @@ def learnable(width: int = 16) -> Workload:
     return Workload(model=SkipNet(width), make_batch=make_batch, loss_fn=F.cross_entropy)
 
 
+def scalars() -> Workload:
+    """Three layers of one weight each, y = b * (c * (a * x)), with a squared error: small
+    enough to compute a PipeDream run by hand (tests/test_pipedream.py)."""
+    def make_batch(batch_size: int, seed: int):
+        g = torch.Generator().manual_seed(int(seed))
+        return torch.randn(batch_size, 1, generator=g), torch.randn(batch_size, 1, generator=g)
+    model = nn.Sequential(*(nn.Linear(1, 1, bias=False) for _ in range(3)))
+    return Workload(model=model, make_batch=make_batch, loss_fn=F.mse_loss)
+
+
 class TiedNet(nn.Module):
     """Five layers; layers 1 and 3 use one weight (a tied parameter held by two stages)."""
 

@@ -32,6 +32,8 @@ def main(args) -> int:
     from planner.files.plan import load_plan
     from planner.hardware.lookup import plan_topology
     from planner.sim.predict import simulate_plan_file
+    from planner.files.plan import PIPEDREAM_MODES
+    from planner.sim.build import STREAM_ITERATIONS
     from planner.sim.schedule import grid, make_schedule
     from planner.sim.chrome_trace import write_chrome_trace
 
@@ -46,8 +48,10 @@ def main(args) -> int:
         return 0
     print(_summary(result, topology))
     if args.grid:
+        stream = STREAM_ITERATIONS if plan.sync.mode in PIPEDREAM_MODES else 1   # no flush between iterations
         for r, rep in enumerate(plan.replicas):
-            print(f"\nreplica {r} ({plan.schedule}, {rep.microbatches} microbatches):")
+            what = f"{rep.microbatches} microbatches" + (f" x {stream} iterations, no flush" if stream > 1 else "")
+            print(f"\nreplica {r} ({plan.schedule}, {what}):")
             devs = rep.pipeline_devices
-            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches, len(devs)), list(devs)))
+            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches * stream, len(devs)), list(devs)))
     return 0

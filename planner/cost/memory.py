@@ -27,6 +27,10 @@ microbatches, stage index s):
 * sync.mode "easgd": each worker also holds the center variable, a copy of its parameters.
 * sync.mode "parameter-server": the workers hold parameters and gradients, the server the
   parameters, one worker's gradients and the optimizer state.
+* sync.mode "pipedream" / "pipedream-2bw": each stage also holds the weight versions its
+  in-flight microbatches' forwards used (weight stashing, runtime.pipedream): one copy of its
+  parameters per microbatch in flight under PipeDream (p - s on stage s; 1F1B without flush
+  keeps p - s in flight), at most 2 under 2BW; "average": "swa" one more (the running sum).
 * offload_activations: the stage's host CPU holds what the device would (every microbatch in
   flight); the device holds two of the stage's largest layer's saved bytes (one being copied
   out or back while the next is computed).
@@ -118,6 +122,16 @@ def offloaded_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -
     return n * saved_per_microbatch(plan, graph, rep_index, stage)
 
 
+def stashed_versions(plan: Plan, stages: int, stage: int) -> int:
+    """Copies of a stage's parameters besides its live weights (see the module docstring)."""
+    mode = plan.sync.mode
+    if mode == "pipedream":
+        return stages - stage + (plan.sync.average == "swa")
+    if mode == "pipedream-2bw":
+        return min(2, stages - stage)
+    return 1 if mode == "easgd" else 0      # EASGD's center variable
+
+
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
     """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
@@ -138,8 +152,8 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
                 before = [x.layers for x in rep.stages[:s] if x.device == st.device]
                 params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
             acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s)
-            center = params if plan.sync.mode == "easgd" else 0.0
-            out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + center
+            copies = stashed_versions(plan, len(rep.stages), s) * params
+            out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
             if st.offload_activations:
                 h = host_cpu(topology, st.device)
                 out[h] = out.get(h, 0.0) + offloaded_bytes(plan, graph, r, s)
@@ -157,4 +171,5 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["in_flight", "device_activation_bytes", "saved_per_microbatch", "activation_bytes", "offloaded_bytes", "peak_memory", "feasible"]
+__all__ = ["in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
+           "offloaded_bytes", "peak_memory", "feasible"]

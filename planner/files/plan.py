@@ -17,7 +17,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # zb-h1: zero-bubbl
 GRANULARITIES = ("coarse", "fine")
 # sync.mode: synchronous training, or one of the asynchronous strategies of the contract
 SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwild", "parameter-server")
-SUPPORTED_SYNC_MODES = ("sync", "local-sgd", "easgd", "hogwild", "parameter-server")   # what this version runs
+PIPEDREAM_MODES = ("pipedream", "pipedream-2bw")   # asynchronous pipelines (runtime.pipedream)
 MODE_PARAMS = {"local-sgd": ("period",), "easgd": ("period", "alpha"), "parameter-server": ("server",)}
 OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu", "split")
@@ -73,7 +73,8 @@ class Sync:
     period: int | None = None          # local-sgd, easgd: iterations between two exchanges
     alpha: float | None = None         # easgd: the elastic force, in [0, 1]
     server: str | None = None          # parameter-server: the device holding the parameters
-    average: str | None = None         # pipedream: "swa" (weights combined by averaging)
+    average: str | None = None         # pipedream: "swa" (each stage's weights averaged over an
+                                       # iteration's versions; runtime.pipedream)
 
 
 @dataclass(frozen=True)
@@ -273,8 +274,8 @@ def _validate_interleaved(rep: Replica, where: str, err) -> None:
 
 
 def _validate_mode(plan: Plan, err) -> None:
-    """sync.mode and its parameters: known, present where the mode needs them, absent elsewhere,
-    and supported by this version."""
+    """sync.mode and its parameters: known, present where the mode needs them, absent elsewhere;
+    and the plan's shape one the mode runs in this version."""
     sync = plan.sync
     if sync.mode not in SYNC_MODES:
         raise err("sync.mode", f"expected one of {', '.join(SYNC_MODES)}, got {sync.mode!r}")
@@ -283,7 +284,7 @@ def _validate_mode(plan: Plan, err) -> None:
     for name, value in given.items():
         if value is None and name in needed:
             raise err(f"sync.{name}", f"expected a value: sync.mode {sync.mode!r} needs it")
-        allowed = needed + (("average",) if sync.mode.startswith("pipedream") else ())
+        allowed = needed + (("average",) if sync.mode == "pipedream" else ())
         if value is not None and name not in allowed:
             raise err(f"sync.{name}", f"applies only to sync.mode "
                       f"{' or '.join(m for m, ps in MODE_PARAMS.items() if name in ps) or 'pipedream'}; "
@@ -294,10 +295,9 @@ def _validate_mode(plan: Plan, err) -> None:
         raise err("sync.alpha", f"expected a number in [0, 1], got {sync.alpha}")
     if sync.average is not None and sync.average != "swa":
         raise err("sync.average", f"expected \"swa\", got {sync.average!r}")
-    if sync.mode not in SUPPORTED_SYNC_MODES:
-        raise err("sync.mode", f"{sync.mode!r} is not supported by this version "
-                               f"(supported: {', '.join(SUPPORTED_SYNC_MODES)})")
-    if sync.mode != "sync":
+    if sync.mode in PIPEDREAM_MODES:
+        _validate_pipedream(plan, err)
+    elif sync.mode != "sync":
         for i, rep in enumerate(plan.replicas):
             if len(rep.stages) > 1:
                 raise err(f"replicas[{i}].stages", f"sync.mode {sync.mode!r} needs one-stage replicas "
@@ -311,6 +311,26 @@ def _validate_mode(plan: Plan, err) -> None:
         if len(nodes) > 1 or not cpus:
             raise err("sync.mode", f"hogwild needs CPU devices of one node (they share the parameters "
                                    f"in memory); got {', '.join(plan.devices)}")
+
+
+def _validate_pipedream(plan: Plan, err) -> None:
+    """PipeDream and 2BW run one pipeline (1F1B without flush) whose stages update their own
+    weights on the device; what this version does not combine with them is refused."""
+    mode = plan.sync.mode
+    if len(plan.replicas) != 1:
+        raise err("replicas", f"sync.mode {mode!r} needs one replica (a single pipeline) in this version; "
+                              f"got {len(plan.replicas)}")
+    if plan.schedule != "1f1b":
+        raise err("schedule", f"sync.mode {mode!r} runs 1f1b (without flush); got {plan.schedule!r}")
+    if plan.recompute:
+        raise err("recompute", f"expected false with sync.mode {mode!r} in this version")
+    if plan.optimizer.placement != "device":
+        raise err("optimizer.placement", f"expected \"device\" with sync.mode {mode!r} in this version "
+                                         f"(each stage steps after its backwards); got {plan.optimizer.placement!r}")
+    for j, st in enumerate(plan.replicas[0].stages):
+        if st.offload_activations:
+            raise err(f"replicas[0].stages[{j}].offload_activations",
+                      f"expected false with sync.mode {mode!r} in this version")
 
 
 # --- file format ---------------------------------------------------------------------------
@@ -422,4 +442,4 @@ def plan_key(plan: Plan) -> str:
 
 __all__ = ["Plan", "Replica", "Stage", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
            "validate_plan", "min_microbatches", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan",
-           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "SYNC_MODES", "SUPPORTED_SYNC_MODES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]
+           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "SYNC_MODES", "PIPEDREAM_MODES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]

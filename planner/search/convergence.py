@@ -10,7 +10,9 @@ target (`iterations_to`); beyond its horizon, a power law fitted to it extrapola
 
 Hogwild and the asynchronous parameter server are emulated with staleness of one iteration:
 every worker's gradient is taken at the parameters of the iteration's start, then the workers'
-steps are applied in turn.
+steps are applied in turn. PipeDream, 2BW and PipeDream+SWA run their stages' actions in one
+process with the runtime's weight versions, so their staleness is the runtime's
+(planner.search.pipeline_emulation).
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from planner.files.plan import PIPEDREAM_MODES
+from planner.search.pipeline_emulation import emulate_pipeline
 
 SMOOTH_WINDOW = 8      # iterations in the running mean that must reach the target
 
@@ -81,6 +86,8 @@ def emulate(workload, plan, iterations: int) -> list[float]:
     from planner.workload.inputs import call_args, slice_inputs
 
     torch.manual_seed(0)
+    if plan.sync.mode in PIPEDREAM_MODES:
+        return emulate_pipeline(workload, plan, iterations)
     model = copy.deepcopy(workload.model)
     shares = plan.replica_batches()
     fractions = [b / plan.global_batch for b in shares]

@@ -15,10 +15,10 @@ from typing import Any, NamedTuple, Protocol
 
 from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buckets
 from planner.cost.model import CostModel, host_cpu
-from planner.files.plan import Plan, Replica, Stage
+from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.schedule import split_backward
-from planner.sim.template import ReplicaTemplate, replica_template
+from planner.sim.template import ReplicaTemplate, Stream, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
                                    RouteHop, SavedCopy, TaskGraph, TaskMeta, TransferLabel)
 from planner.workload.graph import ModelGraph
@@ -61,6 +61,11 @@ class Progress:
     last_backward: dict[str, int] = field(default_factory=dict)          # device -> its last backward task
 
 
+# iterations of a PipeDream / 2BW stream simulated: the second's end minus the first's is the
+# steady state's iteration (the first ends after the warm-up, the third holds the cool-down)
+STREAM_ITERATIONS = 3
+
+
 class Builder:
     """Builds one plan shape's task graph for `sim` (a Simulator: its resource ids, routes and
     all-reduce cache); replica r is simulated by replica like[r] where that differs from r."""
@@ -76,6 +81,8 @@ class Builder:
         self.exchange = self.exchanged_buckets()
         for r, rep in enumerate(self.plan.replicas):
             self.replica(r, rep)
+        if self.plan.sync.mode in PIPEDREAM_MODES:   # the stages' updates are in the stream
+            return
         if self.plan.sync.mode == "parameter-server":
             self.server_steps()
             return
@@ -117,6 +124,8 @@ class Builder:
         """The replica's tasks, stamped from its structure's template (planner.sim.template)."""
         g, hops, like, sim = self.g, self.sim.hops, self.like, self.sim
         m, stages = rep.microbatches, rep.stages
+        stream = self.stream(m)
+        m = m * STREAM_ITERATIONS if stream else m
         pairs = [(a.device, b.device) for a, b in zip(stages, stages[1:])]
         routes = [(hops(a, b), hops(b, a)) for a, b in pairs]
         counts = tuple((len(x), len(y)) for x, y in routes)
@@ -124,7 +133,7 @@ class Builder:
                         g.replica_tasks[like[r]] if like and like[r] != r else None)
         chunks = [self.backward_chunks(st) for st in stages]
         devices = len(rep.pipeline_devices) if self.plan.schedule == "interleaved-1f1b" else None
-        t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices)
+        t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream)
         split = split_backward(self.plan.schedule)
         pieces = self.weight_values if split else self.backward_values
         vals: list[int] = []
@@ -135,6 +144,8 @@ class Builder:
             vals += [k for k, _ in lasts[-1]]
             if m > 1:
                 vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)])]
+            if stream:
+                vals.append(self.update_value(st))
         rids = [sim._rid[st.device] for st in stages]
         lanes = [st.device for st in stages]
         for st, route_pair in zip(stages[1:], routes):
@@ -163,7 +174,29 @@ class Builder:
         for s, st in enumerate(stages):
             if st.offload_activations:
                 self.offload_copies(r, s, st, t, ids)
+        if stream:
+            g.iteration_ends = [[ids[x] for x in ends] for ends in t.iteration_end]
+            g.memory_bound.update(ids[x] for x, lab in enumerate(t.label) if lab[0] == "update")
         g.end_replica()
+
+    def stream(self, m: int) -> Stream | None:
+        """PipeDream and 2BW: the pipeline keeps running across iterations (1F1B without flush), so
+        the replica is simulated as a stream of STREAM_ITERATIONS iterations of m microbatches
+        (Simulator.simulate takes the steady state's iteration from it); PipeDream updates a
+        stage after every backward, 2BW after an iteration's m."""
+        mode = self.plan.sync.mode
+        if mode not in PIPEDREAM_MODES:
+            return None
+        return Stream(m, 1 if mode == "pipedream" else m)
+
+    def update_value(self, st: Stage) -> int:
+        """The value id of one weight update of a stage's parameters on its device (the SWA
+        average's element-wise work not modelled)."""
+        graph = self.sim.graph
+        n = graph.stage_param_bytes(st.start, st.end)
+        n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
+        opt = self.plan.optimizer.name
+        return self.g.value(Const(self.sim.cost.optimizer_s(st.device, n, opt, n_t) if n > 0 else 0.0))
 
     def offload_copies(self, r: int, s: int, st: Stage, t: ReplicaTemplate, ids: list[int]) -> None:
         """offload_activations: each microbatch's saved activations go to the host after its
@@ -207,6 +240,8 @@ class Builder:
             if lab[0] == "compute":
                 out.append(TaskMeta(ComputeLabel(r, lab[2]), lanes[x],
                                     "forward" if lab[2].kind == "F" else "backward"))
+            elif lab[0] == "update":
+                out.append(TaskMeta(f"{r}:update after {lab[2]}", lanes[x], "optimizer"))
             else:
                 out.append(TaskMeta(TransferLabel(lab[0], r, lab[1], lab[2], lab[3]), lanes[x], "transfer"))
         return out
@@ -418,4 +453,4 @@ class Builder:
         return self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
 
 
-__all__ = ["Builder", "Exchange", "Chunk", "Progress"]
+__all__ = ["Builder", "Exchange", "Chunk", "Progress", "STREAM_ITERATIONS"]

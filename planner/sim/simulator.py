@@ -20,6 +20,11 @@ merged, as the runtime does). Recompute adds the stage's forward to its backward
 backward (zb-h1) is two tasks per microbatch: I (cost.bwd_input_s), which receives and sends the
 gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets follow.
 
+PipeDream and 2BW (sync.mode): no all-reduce; the pipeline is simulated as a stream of three
+iterations of 1F1B without flush, each stage's updates on its device after its backwards
+(planner.sim.build.Builder.stream); the iteration is the steady state's (`_iteration_s`), the
+per-device statistics a third of the stream's, and each stage's staleness is reported.
+
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.
@@ -36,11 +41,11 @@ from typing import Any, NamedTuple
 
 from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention
-from planner.sim.build import Builder
+from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
-from planner.files.plan import Plan
+from planner.files.plan import PIPEDREAM_MODES, Plan
 from planner.sim.taskgraph import TIMED, RouteHop, TaskGraph
 from planner.hardware.topology import Topology
 
@@ -246,8 +251,9 @@ class Simulator:
         for _ in range(contention.CONTENTION_PASSES if contended else 0):
             dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
             start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
-        iteration_s = (max(end) if end else 0.0) + self.cost.iteration_overhead_s(len(plan.devices))
+        iteration_s = _iteration_s(g, end) + self.cost.iteration_overhead_s(len(plan.devices))
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
+        per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = peak_memory(plan, self.graph, self.topology)
         stats: dict[str, dict[str, float]] = {}
         for d in g.devices:
@@ -257,7 +263,7 @@ class Simulator:
                     acc = 0.0
                     for k in g.stat_seq[(d, s)]:   # in build order, so sums are reproducible
                         acc += values[k]
-                    v[s] = acc
+                    v[s] = acc * per_iteration
                 else:
                     v[s] = 0.0
             if d in slowed:
@@ -267,6 +273,8 @@ class Simulator:
             v["busy_s"] = v["compute_s"]
             v["idle_s"] = iteration_s - v["busy_s"]
             v["peak_memory_bytes"] = peaks.get(d, 0.0)
+        for d, steps in staleness(plan).items():
+            stats[d]["staleness_steps"] = float(steps)
         tasks = None
         if trace:
             tasks = tuple({"name": str(m.label), "lane": m.lane, "kind": m.kind, "start_s": s, "end_s": e}
@@ -278,6 +286,26 @@ class Simulator:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = result
         return result
+
+
+def _iteration_s(g: TaskGraph, end: list[float]) -> float:
+    """The iteration: the last task's end; in a PipeDream / 2BW stream the steady state's, the
+    time between the ends of the stream's first two iterations (the slowest stage's)."""
+    if not g.iteration_ends:
+        return max(end) if end else 0.0
+    return max(end[ends[1]] - end[ends[0]] for ends in g.iteration_ends)
+
+
+def staleness(plan: Plan) -> dict[str, int]:
+    """Per device of a PipeDream / 2BW pipeline, how many updates of its stage land between a
+    microbatch's forward and the update its gradient enters: p - 1 - s under PipeDream (stage
+    s of p), at most 1 under 2BW (0 on the last stage); empty for every other mode."""
+    mode = plan.sync.mode
+    if mode not in PIPEDREAM_MODES:
+        return {}
+    stages = plan.replicas[0].stages
+    p = len(stages)
+    return {st.device: (p - 1 - s if mode == "pipedream" else int(s < p - 1)) for s, st in enumerate(stages)}
 
 
 class ByPrecision:
@@ -300,6 +328,6 @@ def simulate(plan: Plan, graph: ModelGraph, topology: Topology, cost: CostModel 
     return Simulator(graph, topology, cost).simulate(plan, trace=trace)
 
 
-__all__ = ["SimResult", "Simulator", "ByPrecision", "PrecisionMismatch", "simulate"]
+__all__ = ["SimResult", "Simulator", "ByPrecision", "PrecisionMismatch", "simulate", "staleness"]
 
 

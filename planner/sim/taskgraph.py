@@ -181,6 +181,9 @@ class TaskGraph:
         self.collapsible = False
         self._ghost: list[int] | None = None
         self.wake: dict[int, float] | None = None   # receivers' wake-ups (Simulator._wakes)
+        # a PipeDream / 2BW stream (planner.sim.build.Builder.stream): per stage, its last task
+        # of each iteration
+        self.iteration_ends: list[list[int]] | None = None
 
     def begin_replica(self, shape: tuple, like: list[int] | None) -> None:
         """Tasks added until `end_replica` are this replica's; with `like` (the task ids of an

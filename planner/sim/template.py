@@ -22,12 +22,13 @@ from planner.sim.schedule import Action, make_schedule, split_backward
 
 class Slots(NamedTuple):
     """Slot layout. Values: per stage its forward, its last microbatch's backward pieces, then
-    (m > 1) the backward of other microbatches; then per stage pair the ahead hops, the back
-    hops; then (split backward) per stage its I pass. Resources: per stage its device; then per
-    pair the ahead hops, the back hops."""
+    (m > 1) the backward of other microbatches, then (a stream) its weight update; then per
+    stage pair the ahead hops, the back hops; then (split backward) per stage its I pass.
+    Resources: per stage its device; then per pair the ahead hops, the back hops."""
     fwd: tuple[int, ...]                    # value slot of stage s's forward
     last: tuple[tuple[int, ...], ...]       # value slots of stage s's last-microbatch pieces
     other: tuple[tuple[int, ...], ...]      # value slots of stage s's other backwards
+    update: tuple[tuple[int, ...], ...]     # value slot of stage s's update (a stream), or ()
     ahead: tuple[tuple[int, ...], ...]      # value slots of pair p's ahead hops
     back: tuple[tuple[int, ...], ...]       # value slots of its back hops
     ahead_res: tuple[tuple[int, ...], ...]  # resource slots of pair p's ahead hops
@@ -41,7 +42,8 @@ class ReplicaTemplate(NamedTuple):
     they are counted); `chunk_end[s][j]` is the local task ending piece j of stage s's last
     microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
     `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace; `shifted` caches
-    `succ_at`."""
+    `succ_at`. A stream (`Stream`): `iteration_end[s][i]` is stage s's last task of iteration i
+    (its update after the iteration's last backward)."""
     slots: Slots
     value: tuple[int, ...]
     res: tuple[int, ...]
@@ -52,6 +54,7 @@ class ReplicaTemplate(NamedTuple):
     last_backward: tuple[int, ...]
     label: tuple[tuple, ...]
     shifted: dict[int, list[tuple[int, ...]]]
+    iteration_end: tuple[tuple[int, ...], ...] = ()
 
     def succ_at(self, base: int) -> list[tuple[int, ...]]:
         """`succ` with the block starting at task `base`. The last few bases are kept: a
@@ -65,16 +68,26 @@ class ReplicaTemplate(NamedTuple):
         return out
 
 
+class Stream(NamedTuple):
+    """A pipeline that keeps running across iterations (sync.mode pipedream, pipedream-2bw):
+    the template's microbatches are several iterations of `per_iteration` each, and every stage
+    updates its weights after every `update_every`-th backward (planner.sim.build)."""
+    per_iteration: int
+    update_every: int
+
+
 def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
-           split: bool = False) -> tuple[Slots, int, int]:
+           stream: Stream | None = None, split: bool = False) -> tuple[Slots, int, int]:
     v = r = 0
-    fwd, last, other = [], [], []
+    fwd, last, other, update = [], [], [], []
     for n in pieces:
         fwd.append(v)
         last.append(tuple(range(v + 1, v + 1 + n)))
         v += 1 + n
         other.append((v,) if m > 1 else ())
         v += 1 if m > 1 else 0
+        update.append((v,) if stream else ())
+        v += 1 if stream else 0
     r = len(pieces)
     ahead, back, ahead_res, back_res = [], [], [], []
     for na, nb in hops:
@@ -86,20 +99,22 @@ def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
         v, r = v + nb, r + nb
     inp = tuple(range(v, v + len(pieces))) if split else ()
     v += len(inp)
-    return Slots(tuple(fwd), tuple(last), tuple(other), tuple(ahead), tuple(back),
+    return Slots(tuple(fwd), tuple(last), tuple(other), tuple(update), tuple(ahead), tuple(back),
                  tuple(ahead_res), tuple(back_res), inp), v, r
 
 
 @lru_cache(maxsize=256)
 def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
-                     hops: tuple[tuple[int, int], ...], devices: int | None = None) -> ReplicaTemplate:
+                     hops: tuple[tuple[int, int], ...], devices: int | None = None,
+                     stream: Stream | None = None) -> ReplicaTemplate:
     """The template of a replica with len(pieces) stages (stage s's last microbatch's backward
     in pieces[s] pieces) and m microbatches; hops[p] = (hops ahead, hops back) between stages
     p and p+1; `devices`: the pipeline's distinct devices (interleaved-1f1b; default one per
     stage). A device's actions are chained in its schedule order, whichever of its (virtual)
     stages they belong to; a compute task's resource slot is its stage's (the builder maps
-    the virtual stages of one device to that device's resource)."""
-    slots, _, _ = _slots(pieces, m, hops, split_backward(schedule))
+    the virtual stages of one device to that device's resource). A `stream` adds each stage's
+    updates and marks its iterations' ends."""
+    slots, _, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
     value: list[int] = []
     res: list[int] = []
     succ: list[list[int]] = []
@@ -125,6 +140,7 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     bwd_last: list[list[int]] = [[0] * m for _ in range(n)]
     ends_of: list[list[int]] = [[] for _ in range(n)]
     last_of: list[int] = [0] * n
+    iteration_end: list[list[int]] = [[] for _ in range(n)]
     for acts in make_schedule(schedule, n, m, devices):
         prev = None
         for act in acts:
@@ -148,6 +164,11 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                     ends.append(prev)
             if act.kind == "B":
                 bf[i], bl[i] = first, prev
+            if stream and (i + 1) % stream.update_every == 0:   # the stage's weight update
+                prev = add(slots.update[s][0], s, prev, ("update", s, act))
+                counts.setdefault((s, "optimizer_s"), []).append(slots.update[s][0])
+            if stream and (i + 1) % stream.per_iteration == 0:
+                iteration_end[s].append(prev)
             last_of[s] = prev
     chunk_end = [tuple(e) for e in ends_of]
     last_backward = last_of
@@ -173,7 +194,7 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                        ("grad", s, s - 1, i)), bwd_first[s - 1][i])
     return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
                            tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
-                           tuple(last_backward), tuple(label), {})
+                           tuple(last_backward), tuple(label), {}, tuple(map(tuple, iteration_end)))
 
 
-__all__ = ["Slots", "ReplicaTemplate", "replica_template", "Action"]
+__all__ = ["Slots", "Stream", "ReplicaTemplate", "replica_template", "Action"]
