@@ -21,6 +21,10 @@ microbatches, stage index s):
 * sync.mode "easgd": each worker also holds the center variable, a copy of its parameters.
 * sync.mode "parameter-server": the workers hold parameters and gradients, the server the
   parameters, one worker's gradients and the optimizer state.
+* a tensor-split stage ("devices"): each device holds its share of the split linear pairs'
+  parameters, gradients and optimizer state and the rest whole (`held_param_bytes`), and the
+  stage's saved activations whole (an upper bound: the split pairs' hidden activations are
+  held in shares).
 * offload_activations: the stage's host CPU holds what the device would (every microbatch in
   flight); the device holds two of the stage's largest layer's saved bytes (one being copied
   out or back while the next is computed).
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 from planner.cost.model import OPTIMIZER_STATE_PER_PARAM_BYTE, host_cpu
 from planner.workload.graph import ModelGraph
-from planner.files.plan import Plan
+from planner.files.plan import Plan, Stage
 from planner.hardware.topology import Topology
 
 
@@ -76,6 +80,16 @@ def offloaded_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -
     return n * saved_per_microbatch(plan, graph, rep_index, stage)
 
 
+def held_param_bytes(st: Stage, graph: ModelGraph) -> list[tuple[str, float]]:
+    """(device, parameter bytes it holds) for a stage: all of them on its device; under a tensor
+    split each device holds its share of the split pairs' bytes and the rest whole."""
+    n = float(graph.stage_param_bytes(st.start, st.end))
+    if not st.split:
+        return [(st.device, n)]
+    split = float(sum(p.param_bytes for p in graph.split_pairs(st.start, st.end)))
+    return [(s.device, n - (1.0 - s.share) * split) for s in st.split]
+
+
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
     """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
@@ -87,8 +101,12 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
         state_ratio = 0.0            # the workers keep no optimizer state
     for r, rep in enumerate(plan.replicas):
         for s, st in enumerate(rep.stages):
-            params = float(graph.stage_param_bytes(st.start, st.end))
             acts = activation_bytes(plan, graph, r, s)
+            if st.split:       # validated: optimizer on the devices, synchronous, no offload
+                for dev, params in held_param_bytes(st, graph):
+                    out[dev] = out.get(dev, 0.0) + (2 + state_ratio) * params + acts
+                continue
+            params = float(graph.stage_param_bytes(st.start, st.end))
             center = params if plan.sync.mode == "easgd" else 0.0
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + center
             if st.offload_activations:
@@ -108,4 +126,4 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["in_flight", "saved_per_microbatch", "activation_bytes", "offloaded_bytes", "peak_memory", "feasible"]
+__all__ = ["held_param_bytes", "in_flight", "saved_per_microbatch", "activation_bytes", "offloaded_bytes", "peak_memory", "feasible"]

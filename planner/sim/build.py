@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buckets
+from planner.cost.memory import held_param_bytes
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.template import ReplicaTemplate, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
-                                   RouteHop, SavedCopy, TaskGraph, TaskMeta, TransferLabel)
+                                   RouteHop, SavedCopy, SplitRange, TaskGraph, TaskMeta, TransferLabel)
 from planner.workload.graph import ModelGraph
 
 
@@ -131,31 +132,55 @@ class Builder:
             vals += [k for k, _ in lasts[-1]]
             if m > 1:
                 vals += [k for k, _ in self.backward_values(r, s, stages, [Chunk(st.end, st.start, None)])]
-        rids = [sim._rid[st.device] for st in stages]
-        lanes = [st.device for st in stages]
+        res = [self.stage_resources(st) for st in stages]
+        lanes = ["+".join(st.devices) for st in stages]
         for st, route_pair in zip(stages[1:], routes):
             for route in route_pair:
                 for h in route:
                     vals.append(g.value(HopRecipe(r, st.start, h.latency_s, h.bandwidth_bytes_per_s)))
-                    rids.append(h.resource)
+                    res.append((h.resource,))
                     lanes.append(h.lane)
-        res = [(x,) for x in rids]
         ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
                       t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
         devs = [st.device for st in stages]
         seq = g.stat_seq
         for s, stat, vs in t.counts:   # a plan's devices are distinct: each group keeps its order
+            if stages[s].split:
+                self.count_split(stages[s], stat, [vals[v] for v in vs])
+                continue
             seq[(devs[s], stat)] += map(vals.__getitem__, vs)
         progress = self.progress
-        for s, dev in enumerate(devs):
+        for s, st in enumerate(stages):
             for (_, bucket), end in zip(lasts[s], t.chunk_end[s]):
                 if bucket is not None:
-                    progress.chunk_of[(dev, bucket)] = ids[end]
-            progress.last_backward[dev] = ids[t.last_backward[s]]
+                    progress.chunk_of[(st.device, bucket)] = ids[end]
+            for dev in st.devices:
+                progress.last_backward[dev] = ids[t.last_backward[s]]
         for s, st in enumerate(stages):
             if st.offload_activations:
                 self.offload_copies(r, s, st, t, ids)
         g.end_replica()
+
+    def stage_resources(self, st: Stage) -> tuple[int, ...]:
+        """What a stage's compute holds: its device's queue; a tensor-split stage's holds every
+        device of the split and the link directions of their all-reduce ring (they compute in
+        lock step, exchanging activations)."""
+        if not st.split:
+            return (self.sim._rid[st.device],)
+        ring = self.sim._allreduce(st.devices, 0.0)[0]
+        return tuple(dict.fromkeys([self.sim._rid[d] for d in st.devices] + list(ring)))
+
+    def count_split(self, st: Stage, stat: str, ks: list[int]) -> None:
+        """A tensor-split stage's statistics: each device its own compute (SplitPart), and the
+        all-reduces as communication of every device."""
+        g = self.g
+        for k in ks:
+            recipe = g.recipes[k]
+            for sh in st.split:
+                g.count(sh.device, stat, g.value(recipe.part(sh.device, sh.share)))
+            sync = g.value(recipe.sync())
+            for d in st.devices:
+                g.count(d, "comm_s", sync)
 
     def offload_copies(self, r: int, s: int, st: Stage, t: ReplicaTemplate, ids: list[int]) -> None:
         """offload_activations: each microbatch's saved activations go to the host after its
@@ -221,6 +246,8 @@ class Builder:
         """The value id of stage s's forward of one microbatch: it consumes an activation
         (s > 0) and sends one on (not the last stage)."""
         st = stages[s]
+        if st.split:     # the only stage of its replica (planner.files.plan): no messages
+            return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end))
         return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end,
                                        sends=int(s < len(stages) - 1), receives=int(s > 0)))
 
@@ -232,7 +259,9 @@ class Builder:
         for j, c in enumerate(chunks):
             receives = int(j == 0 and s < len(stages) - 1)
             sends = int(j == len(chunks) - 1 and s > 0)
-            if self.plan.recompute and j == 0:
+            if st.split:   # one chunk: a lone replica exchanges no buckets; no recompute
+                recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi)
+            elif self.plan.recompute and j == 0:
                 recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives)
             else:
                 recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives)
@@ -315,27 +344,25 @@ class Builder:
         opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
         f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         steps: list[int] = []
-        for rep in self.plan.replicas:
-            for st in rep.stages:
-                dev = st.device
-                n = graph.stage_param_bytes(st.start, st.end)
-                if n <= 0:
-                    continue
-                n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
-                deps = synced.get(dev) or [self.progress.last_backward[dev]]
-                host = host_cpu(sim.topology, dev) if placement != "device" else dev
-                if host != dev and f is None:
-                    steps.append(self.offloaded_step(dev, host, n, n_t, deps))
-                    continue
-                if host != dev:
-                    steps.append(self.offloaded_step(dev, host, f * n, round(f * n_t), deps))
-                    n, n_t = (1 - f) * n, n_t - round(f * n_t)
-                cold = sim.cost.cold_compute_s(dev) if synced.get(dev) else 0.0
-                d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t) + cold))
-                t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(f"{opt} step", dev, "optimizer"))
-                g.memory_bound.add(t)
-                g.count(dev, "optimizer_s", d_k)
-                steps.append(t)
+        for st, dev, n in ((st, dev, n) for rep in self.plan.replicas for st in rep.stages
+                           for dev, n in held_param_bytes(st, graph)):
+            if n <= 0:
+                continue
+            n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
+            deps = synced.get(dev) or [self.progress.last_backward[dev]]
+            host = host_cpu(sim.topology, dev) if placement != "device" else dev
+            if host != dev and f is None:
+                steps.append(self.offloaded_step(dev, host, n, n_t, deps))
+                continue
+            if host != dev:
+                steps.append(self.offloaded_step(dev, host, f * n, round(f * n_t), deps))
+                n, n_t = (1 - f) * n, n_t - round(f * n_t)
+            cold = sim.cost.cold_compute_s(dev) if synced.get(dev) else 0.0
+            d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t) + cold))
+            t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(f"{opt} step", dev, "optimizer"))
+            g.memory_bound.add(t)
+            g.count(dev, "optimizer_s", d_k)
+            steps.append(t)
         return steps
 
     def parameter_exchange(self, steps: list[int]) -> None:
@@ -387,6 +414,10 @@ class Builder:
         g.memory_bound.add(t)
         g.count(host, "optimizer_s", d_k)
         return self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
+
+
+def _shares(st: Stage) -> tuple[tuple[str, float], ...]:
+    return tuple((s.device, s.share) for s in st.split)
 
 
 __all__ = ["Builder", "Exchange", "Chunk", "Progress"]

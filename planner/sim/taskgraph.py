@@ -100,7 +100,55 @@ class SavedCopy:
         return self.latency_s + graph.saved_bytes_at(self.start, self.end, mbs[self.replica]) / self.bytes_per_s
 
 
-Recipe = Const | LayerRange | Recompute | HopRecipe | SavedCopy
+@dataclass(frozen=True, slots=True)
+class SplitRange:
+    """Forward or backward of a tensor-split stage of layers [start, end) over `split`'s
+    (device, share) pairs, at the replica's microbatch: cost.tensor_stage_s (the slowest
+    device per layer, plus the pairs' all-reduces)."""
+    phase: str
+    replica: int
+    split: tuple[tuple[str, float], ...]
+    start: int
+    end: int
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return cost.tensor_stage_s(self.phase, self.split, self.start, self.end, mbs[self.replica])
+
+    def part(self, device: str, share: float) -> "SplitPart":
+        return SplitPart(self.phase, self.replica, device, share, self.start, self.end)
+
+    def sync(self) -> "SplitSync":
+        return SplitSync(self.phase, self.replica, tuple(d for d, _ in self.split), self.start, self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPart:
+    """One device's own compute in a SplitRange (its statistics): cost.tensor_part_s."""
+    phase: str
+    replica: int
+    device: str
+    share: float
+    start: int
+    end: int
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return cost.tensor_part_s(self.phase, self.device, self.share, self.start, self.end, mbs[self.replica])
+
+
+@dataclass(frozen=True, slots=True)
+class SplitSync:
+    """The all-reduces of a SplitRange (its devices' comm_s statistics): cost.tensor_sync_s."""
+    phase: str
+    replica: int
+    devices: tuple[str, ...]
+    start: int
+    end: int
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return cost.tensor_sync_s(self.phase, self.devices, self.start, self.end, mbs[self.replica])
+
+
+Recipe = Const | LayerRange | Recompute | HopRecipe | SavedCopy | SplitRange | SplitPart | SplitSync
 
 
 # --- names of routes and tasks ------------------------------------------------------------------
@@ -252,4 +300,5 @@ class TaskGraph:
 
 
 __all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "SavedCopy",
+           "SplitRange", "SplitPart", "SplitSync",
            "Recipe", "RouteHop", "ComputeLabel", "TransferLabel", "TaskMeta"]

@@ -1,0 +1,156 @@
+"""Tensor split of a stage between devices ("devices": [{"device", "share"}]): the plan field,
+the linear pairs found in a model, the simulator's exact times and the memory model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.cost.memory import peak_memory
+from planner.files.io import InputError
+from planner.files.plan import Share, Stage, load_plan, plan_from_dict, plan_to_dict, validate_plan
+from planner.sim.simulator import simulate
+from planner.workload.graph import SplitPair
+from planner.workload.tensor_split import find_pairs, split_bounds
+from simhelpers import device, graph, layer, link, plan, topology
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-12, abs=1e-12)
+
+
+def _doc(stage: dict, **extra) -> dict:
+    return {"model": {"spec": "mlp"}, "global_batch": 8,
+            "replicas": [{"batch_fraction": 1, "stages": [{"layers": [0, 5], **stage}]}], **extra}
+
+
+SPLIT = {"devices": [{"device": "cpu:0", "share": 0.25}, {"device": "cpu:1", "share": 0.75}]}
+
+
+# --- the plan field -------------------------------------------------------------------------
+def test_split_stage_round_trips_and_lists_every_device():
+    p = plan_from_dict(_doc(SPLIT), "p.json")
+    st = p.replicas[0].stages[0]
+    assert st.split == (Share("cpu:0", 0.25), Share("cpu:1", 0.75)) and st.device == "cpu:0"
+    assert p.devices == ("cpu:0", "cpu:1") and p.replicas[0].devices == ("cpu:0", "cpu:1")
+    assert plan_from_dict(plan_to_dict(p)) == p
+    assert plan_to_dict(p)["replicas"][0]["stages"][0]["devices"][1] == {"device": "cpu:1", "share": 0.75}
+    validate_plan(p, "p.json", device_names={"cpu:0", "cpu:1"})
+
+
+@pytest.mark.parametrize("stage,extra,field", [
+    ({"device": "cpu:0", **SPLIT}, {}, "stages[0].devices: expected either"),
+    ({"devices": [{"device": "cpu:0", "share": 0.5}, {"device": "cpu:1", "share": 0.4}]}, {},
+     "stages[0].devices: share values sum to 0.9"),
+    ({"devices": [{"device": "cpu:0", "share": 0.5}, {"device": "cpu:0", "share": 0.5}]}, {},
+     "stages[0].devices[1].device: device 'cpu:0' is already used"),
+    ({"devices": [{"device": "cpu:0", "share": 1.0}]}, {}, "expected at least two devices"),
+    ({"devices": [{"device": "cpu:0", "share": 1.5}, {"device": "cpu:1", "share": -0.5}]}, {},
+     "stages[0].devices[0].share: expected a number in (0, 1]"),
+    ({"devices": [{"device": "cpu:0"}, {"device": "cpu:1", "share": 0.5}]}, {},
+     "stages[0].devices[0].share: missing"),
+    ({"devices": []}, {}, "stages[0].devices: expected a non-empty list"),
+    (SPLIT, {"recompute": True}, "recompute: expected false with a tensor-split stage"),
+    (SPLIT, {"optimizer": {"placement": "cpu"}}, "optimizer.placement: expected \"device\""),
+])
+def test_bad_split_is_one_line_naming_the_field(stage, extra, field):
+    with pytest.raises(InputError) as e:
+        plan_from_dict(_doc(stage, **extra), "p.json")
+    msg = str(e.value)
+    assert msg.startswith("p.json: ") and field in msg and "\n" not in msg
+
+
+def test_split_stage_must_be_the_only_stage_and_use_known_devices():
+    doc = _doc(SPLIT)
+    doc["replicas"][0]["stages"] = [{"layers": [0, 2], **SPLIT}, {"layers": [2, 5], "device": "cpu:2"}]
+    doc["replicas"][0]["microbatches"] = 2
+    with pytest.raises(InputError, match="only stage"):
+        plan_from_dict(doc, "p.json")
+    p = plan_from_dict(_doc(SPLIT), "p.json")
+    with pytest.raises(InputError, match=r"stages\[0\]\.devices\[1\]\.device: expected a device of the topology"):
+        validate_plan(p, "p.json", device_names={"cpu:0"})
+
+
+def test_cli_refuses_a_bad_split_with_exit_2(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(_doc({"devices": [{"device": "cpu:0", "share": 0.6}, {"device": "cpu:1", "share": 0.6}]})))
+    r = subprocess.run([sys.executable, "-m", "hetplan", "simulate", str(f)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "share values sum to 1.2" in r.stderr
+
+
+# --- pairs in a model -----------------------------------------------------------------------
+def test_pairs_of_the_builtins_and_share_bounds():
+    from planner.workload.builtin import gpt, mlp
+    from planner.workload.partition import build_stages
+    torch.manual_seed(0)
+    st = build_stages(mlp(hidden=16, depth=4), [(0, 5)])[0]
+    pairs = find_pairs(st.graph, dict(st.named_parameters()))
+    assert [(p.col_weight, p.row_weight, p.hidden) for p in pairs] == [
+        ("layers.0.fc.weight", "layers.1.fc.weight", 16), ("layers.2.fc.weight", "layers.3.fc.weight", 16)]
+    st = build_stages(gpt(layers=2, d_model=16, heads=2, vocab=32, context=4), [(0, 4)])[0]
+    pairs = find_pairs(st.graph, dict(st.named_parameters()))
+    # attention's qkv -> proj is not elementwise-connected; proj -> fc crosses a LayerNorm
+    assert [(p.col_weight, p.row_weight) for p in pairs] == [
+        ("blocks.0.fc.weight", "blocks.0.fc_out.weight"), ("blocks.1.fc.weight", "blocks.1.fc_out.weight")]
+    assert split_bounds(10, (0.25, 0.75)) == [(0, 2), (2, 10)]
+    assert split_bounds(7, (1 / 3,) * 3) == [(0, 2), (2, 5), (5, 7)]
+
+
+# --- simulator and memory: a hand-computed case ---------------------------------------------
+def _split_case():
+    """3 layers at graph batch 2: 1e9 forward, 2e9 backward FLOPs each; layers 0 and 1 hold
+    1e6 B of parameters. One pair: column linear in layer 0 (80 % of its FLOPs), row linear all
+    of layer 1; 1.5e6 B of split parameters, 2e6 B output, 1e6 B input gradient."""
+    g = replace(graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6), layer(2)], batch=2),
+                pairs=(SplitPair(0, 1, 0.8e9, 1.6e9, 1e9, 2e9, 1_500_000, 2_000_000, 1_000_000),))
+    t = topology([device("cuda:0", flops=1e9, mem_bw=1e8), device("cuda:1", flops=2e9, mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    p = plan([(1.0, 1, [("cuda:0", 0, 3)])], 2)
+    st = replace(p.replicas[0].stages[0], split=(Share("cuda:0", 0.25), Share("cuda:1", 0.75)))
+    return g, t, replace(p, replicas=(replace(p.replicas[0], stages=(st,)),))
+
+
+def test_split_stage_time_is_slowest_part_per_layer_plus_activation_allreduces():
+    g, t, p = _split_case()
+    r = simulate(p, g, t)
+    # part of a layer on a device = layer time * (1 - phi + share * phi), phi = split FLOP share
+    # forward, cuda:0 (1 s a layer) | cuda:1 (0.5 s): l0 phi .8: .4 | .4; l1 phi 1: .25 | .375;
+    # l2 phi 0: 1 | .5 -> max per layer .4 + .375 + 1 = 1.775
+    # forward all-reduce of 2e6 B: 2 * 0.01 + 2 * 1/2 * 2e6 / 1e6 = 2.02
+    # backward (2x): .8 | .8, .5 | .75, 2 | 1 -> 3.55; all-reduce of 1e6 B: 1.02
+    # SGD: cuda:1 holds 2e6 - 0.25 * 1.5e6 = 1.625e6 B: 3 * 1.625e6 / 1e8 = 0.04875 s (the slower)
+    assert r.iteration_s == approx(1.775 + 2.02 + 3.55 + 1.02 + 0.04875)
+    d0, d1 = r.per_device["cuda:0"], r.per_device["cuda:1"]
+    assert (d0["fwd_s"], d0["bwd_s"]) == (approx(0.4 + 0.25 + 1.0), approx(0.8 + 0.5 + 2.0))
+    assert (d1["fwd_s"], d1["bwd_s"]) == (approx(0.4 + 0.375 + 0.5), approx(0.8 + 0.75 + 1.0))
+    assert d0["comm_s"] == approx(3.04) and d1["comm_s"] == approx(3.04)
+    assert d0["optimizer_s"] == approx(3 * 0.875e6 / 1e8) and d1["optimizer_s"] == approx(0.04875)
+    # memory: SGD keeps no state; parameters + gradients of each device's holding
+    assert r.peak_memory_bytes == {"cuda:0": approx(2 * 0.875e6), "cuda:1": approx(2 * 1.625e6)}
+
+
+def test_split_stage_with_microbatches_and_adam_memory():
+    g, t, p = _split_case()
+    p2 = replace(p, global_batch=4, replicas=(replace(p.replicas[0], microbatches=2),),
+                 optimizer=replace(p.optimizer, name="adam"))
+    r = simulate(p2, g, t)
+    # two microbatches of 2 samples: each as above; Adam 7x bytes: 7 * 1.625e6 / 1e8
+    assert r.iteration_s == approx(2 * (1.775 + 2.02 + 3.55 + 1.02) + 7 * 1.625e6 / 1e8)
+    assert peak_memory(p2, g, t) == {"cuda:0": approx(4 * 0.875e6), "cuda:1": approx(4 * 1.625e6)}
+
+
+def test_split_stage_shares_trade_compute_between_devices():
+    g, t, p = _split_case()
+    st = p.replicas[0].stages[0]
+
+    def at(share0):
+        s = replace(st, split=(Share("cuda:0", share0), Share("cuda:1", 1 - share0)))
+        return simulate(replace(p, replicas=(replace(p.replicas[0], stages=(s,)),)), g, t).iteration_s
+    # cuda:1 is twice as fast: giving cuda:0 a third of the pairs balances layer 1 exactly
+    assert at(1 / 3) < at(0.5) and at(1 / 3) < at(0.1)
