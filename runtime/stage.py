@@ -5,7 +5,7 @@ creation in `sync.Groups` happens in the same order everywhere.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -212,9 +212,11 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     kinds = [parse_device_name(d)[1] for d in names]
     if plan.sync.mode == "parameter-server" and names[rank] == plan.sync.server:
         return _server(plan, kinds, device, timeout, marks, file)
-    where = {st.device: (i, j) for i, rep in enumerate(plan.replicas) for j, st in enumerate(rep.stages)}
+    where = {d: (i, j) for i, rep in enumerate(plan.replicas) for j, st in enumerate(rep.stages) for d in st.devices}
     rep_i, st_j = where[names[rank]]
     rep = plan.replicas[rep_i]
+    if rep.stages[st_j].split:
+        return _split_rank(plan, names, rank, device, timeout, marks, file)
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
     workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
@@ -278,6 +280,51 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                  module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, []),
                  exchange, loss_weight=fraction)
+
+
+@dataclass
+class SplitBuilt(Built):
+    """A rank of a tensor-split stage (runtime.tensor): the first rank records the loss."""
+    split_index: int = 0                          # this rank's place in the stage's devices
+    split_ranks: tuple[int, ...] = ()             # the stage's ranks
+    pairs: list = field(default_factory=list)     # the linear pairs split (runtime.tensor)
+
+    def full_parameters(self) -> dict | None:
+        from runtime.tensor import full_parameters
+        return full_parameters(self.module, self.pairs, self.split_index, self.groups.sync[self.split_ranks])
+
+
+def _split_rank(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout, marks,
+                file: str) -> SplitBuilt:
+    """Rank `rank`'s part of the plan's one stage, split between its devices (runtime.tensor):
+    the whole model as one fx stage with this rank's slices of the linear pairs; no gradient
+    exchange (one replica; replicated parameters get equal gradients on every rank)."""
+    from planner.workload.layer_cache import plan_batch
+    from planner.workload.partition import build_stages, place_stages
+    from runtime.tensor import split_stage
+    rep = plan.replicas[0]
+    st = rep.stages[0]
+    micro = plan.global_batch // rep.microbatches
+    workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
+    if marks is not None:
+        marks.mark("model")
+    rank_of = {d: r for r, d in enumerate(names)}
+    ranks = tuple(sorted(rank_of[d] for d in st.devices))
+    groups = Groups([parse_device_name(d)[1] for d in names], [], [ranks], timeout, nccl=standin_gpus() == 0)
+    index = st.devices.index(names[rank])
+    module = build_stages(workload, [st.layers], micro, found.exported if micro == plan_batch(plan) else None)[0]
+    pairs = split_stage(module, index, [s.share for s in st.split], groups.sync[ranks], groups.host_staged(ranks))
+    module = place_stages([module], device.device)[0]
+    params = list(module.parameters())
+    timer = BusyTimer(device)
+    runner = StageRunner(module, device.device, workload.loss_fn, None, None, scale=1.0 / rep.microbatches,
+                         busy=timer.timer, precision=plan.precision)
+    runner.saved_tracker = SavedTracker(params)
+    optimizer = StageOptimizer(params, plan.optimizer, device)
+    actions = stage_actions(plan.schedule, 0, 1, rep.microbatches)
+    return SplitBuilt(plan, workload, 0, 0, 1, 0, micro, module, runner, NoGradSync(), optimizer, groups,
+                      timer, actions, BufferSync(groups, []), loss_weight=1.0 if index == 0 else 0.0,
+                      split_index=index, split_ranks=ranks, pairs=pairs)
 
 
 @dataclass
