@@ -154,3 +154,56 @@ def test_split_stage_shares_trade_compute_between_devices():
         return simulate(replace(p, replicas=(replace(p.replicas[0], stages=(s,)),)), g, t).iteration_s
     # cuda:1 is twice as fast: giving cuda:0 a third of the pairs balances layer 1 exactly
     assert at(1 / 3) < at(0.5) and at(1 / 3) < at(0.1)
+
+
+# --- search: a what-if workstation where the split wins ---------------------------------------
+def _slow_gpu_workstation():
+    """A CPU and a GPU of about the same speed (1e11 and 1.2e11 FLOP/s), 10 GB/s between them."""
+    from planner.hardware.topology import Device, Link, Topology
+    return Topology("slow-gpu", (Device("cpu:0", "cpu", 64e9, 1e11, 1e11),
+                                 Device("cuda:0", "cuda", 8e9, 1.2e11, 2e11)),
+                    (Link("cpu:0", "cuda:0", 1e10, 1e-5),))
+
+
+def test_search_splits_a_wide_mlp_between_a_cpu_and_a_slow_gpu():
+    # mlp 784 -> 2048 -> 2048 -> 10 at batch 16: one pair holds 99.6 % of the FLOPs and the
+    # parameters. Data parallelism all-reduces 23 MB of gradients (2.3 ms at 10 GB/s), a
+    # pipeline cannot balance the 2048 x 2048 layer against the rest, while the split
+    # exchanges 128 KB of activations and halves both the compute and the Adam step.
+    import random
+    from planner.files.plan import ModelRef
+    from planner.search.mcmc import SearchConfig, search
+    from planner.search.problem import plan_problem
+    from planner.workload.load import load_workload
+    args = {"hidden": 2048, "depth": 2}
+    _, problem = plan_problem(load_workload("mlp", args), ModelRef("mlp", args), 16, _slow_gpu_workstation(),
+                              "adam", 1e-3)
+    assert problem.space.tensor_split
+    cfg = SearchConfig(iterations=300, time_limit_s=60)
+    result = search(problem, random.Random(0), cfg)
+    best = result.best
+    (st,) = best.plan.replicas[0].stages
+    assert {s.device for s in st.split} == {"cpu:0", "cuda:0"}
+    # shares solved so the devices finish together: the GPU (1.2x) gets the larger share
+    assert dict((s.device, s.share) for s in st.split)["cuda:0"] == pytest.approx(0.545, abs=0.02)
+    assert best.iteration_s < 0.7 * min(c.iteration_s for c in result.baselines)
+    without = search(replace(problem, space=replace(problem.space, tensor_split=False)), random.Random(0), cfg)
+    assert not any(s.split for r in without.best.plan.replicas for s in r.stages)
+    assert best.iteration_s < 0.8 * without.best.iteration_s     # 3.1 ms against 4.0 ms
+
+
+def test_cli_plan_writes_a_split_plan_that_simulates(tmp_path):
+    from planner.hardware.topology import save_topology
+    save_topology(_slow_gpu_workstation(), tmp_path / "t.json")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "hetplan", "plan", "--model", "mlp", "--model-arg", "hidden=2048",
+                        "--model-arg", "depth=2", "--batch", "16", "--topology", str(tmp_path / "t.json"),
+                        "-o", str(tmp_path / "p.json")], capture_output=True, text=True, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "cuda:0 5" in r.stdout and "+ cpu:0 4" in r.stdout       # 'cuda:0 55% + cpu:0 45%[0:3]'
+    p = load_plan(tmp_path / "p.json")
+    assert p.replicas[0].stages[0].split and p.devices == ("cuda:0", "cpu:0")
+    s = subprocess.run([sys.executable, "-m", "hetplan", "simulate", str(tmp_path / "p.json"), "--json"],
+                       capture_output=True, text=True, cwd=root, timeout=300)
+    assert s.returncode == 0, s.stderr
+    assert json.loads(s.stdout)["iteration_s"] == pytest.approx(p.predicted.iteration_s, rel=1e-9)

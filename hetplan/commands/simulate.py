@@ -48,5 +48,6 @@ def main(args) -> int:
     if args.grid:
         for r, rep in enumerate(plan.replicas):
             print(f"\nreplica {r} ({plan.schedule}, {rep.microbatches} microbatches):")
-            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches), list(rep.devices)))
+            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches),
+                       ["+".join(st.devices) for st in rep.stages]))
     return 0

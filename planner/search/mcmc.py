@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan, plan_key
-from planner.search.space import Pipeline, Space, Strategy, fits, min_batch, propose, to_plan
+from planner.search.space import Pipeline, Space, Strategy, even_split, fits, min_batch, propose, to_plan
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,43 @@ class Searcher:
             batches[i] += 1
         return tuple(batches)
 
+    def solve_shares(self, s: Strategy) -> Strategy:
+        """A tensor split's shares so that its devices finish together.
+
+        Device d's time for the split stage, from the cost model at the microbatch, is affine
+        in its share x: t_d(x) = a_d + c_d·x (a_d: what it runs whole, c_d: all the linear
+        pairs). The shares are the level T with sum_d clip((T - a_d)/c_d, 0, 1) = 1
+        (bisection), rounded to 1e-3; a device left with less than 1 % drops out of the split.
+        Without a cost model the shares stay as they are."""
+        cost = self.p.cost
+        if not s.tensor or cost is None:
+            return s
+        L, B = self.p.space.num_layers, self.p.space.global_batch
+        mb = B / s.pipelines[0].microbatches
+        models = []
+        for d, _ in s.tensor:
+            a = sum(cost.tensor_part_s(ph, d, 0.0, 0, L, mb) for ph in ("fwd", "bwd"))
+            c = sum(cost.tensor_part_s(ph, d, 1.0, 0, L, mb) for ph in ("fwd", "bwd")) - a
+            models.append((a, max(c, 1e-15)))
+
+        def total(level: float) -> float:
+            return sum(min(1.0, max(0.0, (level - a) / c)) for a, c in models)
+        lo, hi = 0.0, max(a + c for a, c in models)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if total(mid) < 1 else (lo, mid)
+        raw = [min(1.0, max(0.0, (hi - a) / c)) for a, c in models]
+        kept = [(d, x) for (d, _), x in zip(s.tensor, raw) if x >= 0.01]
+        if len(kept) < 2:
+            return even_split(s, (max(kept, key=lambda t: t[1])[0],) if kept else (s.tensor[0][0],))
+        norm = sum(x for _, x in kept)
+        shares = [round(x / norm, 3) for _, x in kept[:-1]]
+        if not all(x > 0 for x in shares) or sum(shares) >= 1:
+            return even_split(s, [d for d, _ in kept])
+        shares.append(1 - sum(shares))
+        t = even_split(s, [d for d, _ in kept])
+        return replace(t, tensor=tuple((d, x) for (d, _), x in zip(kept, shares)))
+
     def shift_batch(self, s: Strategy, batches: tuple[int, ...]) -> tuple[int, ...] | None:
         """Move a few samples from one replica to another (fine-tuning with the full simulator)."""
         if len(batches) < 2:
@@ -202,6 +239,7 @@ class Searcher:
         space, cfg, rng = self.p.space, self.cfg, self.rng
         bases = self.baselines()
         seeds = [self.evaluate(to_plan(space, g.strategy, g.batches)) for g in self._grid]
+        seeds += [self.evaluate(to_plan(space, t, (space.global_batch,))) for t in self.tensor_seeds()]
         start = min([*bases, *seeds], key=lambda c: (not c.feasible, c.cost))
         cur = best = start
         history = [(time.monotonic() - t0, best.iteration_s)]
@@ -240,6 +278,20 @@ class Searcher:
                             stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
                             accepted=accepted, patience=stall)
 
+    def tensor_seeds(self) -> list[Strategy]:
+        """Where the space allows a tensor split: the whole model split between the two fastest
+        devices and, up to 8 devices, between all, shares solved."""
+        space = self.p.space
+        if not space.tensor_split or len(space.devices) < 2:
+            return []
+        base = Strategy((Pipeline(space.devices[:1], ()),), precision=space.precisions[0])
+        fastest = sorted(space.devices, key=lambda d: (self._single_s[d], space.devices.index(d)))[:2]
+        groups = [tuple(d for d in space.devices if d in fastest)]
+        if 2 < len(space.devices) <= 8:
+            groups.append(space.devices)
+        out = [self.solve_shares(even_split(base, g)) for g in groups]
+        return [t for t in out if fits(space, t)]
+
     def _propose(self, cur: Candidate) -> Candidate | None:
         s, batches = _split(cur.plan)
         if self._grid and self.rng.random() < self.cfg.grid_move_prob:
@@ -251,6 +303,8 @@ class Searcher:
         t = propose(self.p.space, s, self.rng)
         if t is None:
             return None
+        if t.tensor and t.tensor != s.tensor:
+            t = self.solve_shares(t)
         if [p.devices for p in t.pipelines] == [p.devices for p in s.pipelines] and \
                 [min_batch(p, t.schedule) for p in t.pipelines] == [min_batch(p, s.schedule) for p in s.pipelines] \
                 and self.rng.random() < 0.5:

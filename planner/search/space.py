@@ -3,7 +3,9 @@
 A `Strategy` is a plan without its batch split: which devices form which pipelines, where the
 stage boundaries are, the desired microbatch count of each pipeline, and the global choices
 (schedule, sync granularity and bucket size, optimizer placement and a split optimizer's host
-share, recompute, activation offload, precision). A plan is a
+share, recompute, activation offload, precision), or a tensor split of the whole model between
+devices with their shares (`Strategy.tensor`, solved by the search like the batch split:
+planner.search.mcmc.Searcher.solve_shares). A plan is a
 strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
 search solve it directly (planner.search.mcmc.solve_batches) instead of random-walking fractions.
 
@@ -18,7 +20,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync, min_microbatches
+from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Share, Stage, Sync, min_microbatches
 
 MiB = 2**20
 BUCKET_CHOICES_BYTES = (1 * MiB, 4 * MiB, 25 * MiB, 100 * MiB)
@@ -43,6 +45,8 @@ class Space:
                                              # baselines use the first
     max_microbatches: int = 64             # more microbatches than this only add overhead
     cpu_fractions: tuple[float, ...] = CPU_FRACTIONS
+    tensor_split: bool = False             # the model has linear pairs to split between devices
+                                           # (ModelGraph.pairs): the tensor move is drawn
 
     @property
     def has_gpu(self) -> bool:
@@ -86,9 +90,14 @@ class Strategy:
     cpu_fraction: float | None = None      # placement "split" only
     offload: bool = False                  # offload_activations on every accelerator stage
                                            # (not under recompute)
+    tensor: tuple[tuple[str, float], ...] = ()   # (device, share): the whole model as one stage
+                                           # split between them; pipelines is then the one
+                                           # one-stage pipeline on the first of them
 
     @property
     def used(self) -> frozenset[str]:
+        """The pipelines' devices (a tensor split's others are not: moves other than
+        `tensor_move` leave a split strategy only to be refused by `fits`)."""
         return frozenset(d for p in self.pipelines for d in p.devices)
 
 
@@ -119,7 +128,8 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     replicas = []
     for p, b in zip(s.pipelines, batches, strict=True):
         m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule)
-        stages = tuple(Stage(d, r, s.offload and not s.recompute and space.kinds[d] != "cpu")
+        split = tuple(Share(d, x) for d, x in s.tensor)
+        stages = tuple(Stage(d, r, s.offload and not s.recompute and space.kinds[d] != "cpu", split)
                        for d, r in zip(p.devices, p.ranges(space.num_layers)))
         replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
@@ -131,11 +141,12 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
 
 def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
     """Inverse of to_plan (microbatches as realised)."""
-    pipes = tuple(Pipeline(devices=r.devices, cuts=tuple(st.start for st in r.stages[1:]),
+    pipes = tuple(Pipeline(devices=tuple(st.device for st in r.stages), cuts=tuple(st.start for st in r.stages[1:]),
                            microbatches=r.microbatches) for r in plan.replicas)
     s = Strategy(pipes, plan.schedule, plan.sync.granularity, plan.sync.bucket_bytes,
                  plan.optimizer.placement, plan.recompute, plan.precision, plan.optimizer.cpu_fraction,
-                 any(st.offload_activations for r in plan.replicas for st in r.stages))
+                 any(st.offload_activations for r in plan.replicas for st in r.stages),
+                 tuple((x.device, x.share) for r in plan.replicas for st in r.stages for x in st.split))
     return s, tuple(plan.replica_batches())
 
 
@@ -144,6 +155,8 @@ def fits(space: Space, s: Strategy) -> bool:
     used = [d for p in s.pipelines for d in p.devices]
     if not s.pipelines or len(used) != len(set(used)):
         return False
+    if s.tensor and not _tensor_fits(s):
+        return False
     for p in s.pipelines:
         if len(p.cuts) != len(p.devices) - 1 or not p.devices:
             return False
@@ -151,6 +164,30 @@ def fits(space: Space, s: Strategy) -> bool:
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             return False
     return sum(min_batch(p, s.schedule) for p in s.pipelines) <= space.global_batch
+
+
+def _tensor_fits(s: Strategy) -> bool:
+    """A tensor split as the plan file allows it (planner.files.plan): the one stage of the one
+    replica, two or more distinct devices with shares in (0, 1] summing to 1, the optimizer on
+    the devices, neither recompute nor offload."""
+    devices = [d for d, _ in s.tensor]
+    return (len(s.pipelines) == 1 and s.pipelines[0].devices == (devices[0],) and len(devices) >= 2
+            and len(set(devices)) == len(devices) and all(0 < x <= 1 for _, x in s.tensor)
+            and abs(sum(x for _, x in s.tensor) - 1) <= 1e-9 and s.placement == "device"
+            and not s.recompute and not s.offload)
+
+
+def even_split(s: Strategy, devices) -> Strategy:
+    """`s` as a tensor split of the whole model between `devices` at equal shares (the search
+    solves the shares: planner.search.mcmc.Searcher.solve_shares); one device: no split."""
+    devices = tuple(devices)
+    m = s.pipelines[0].microbatches if len(s.pipelines) == 1 else 1
+    pipe = Pipeline(devices[:1], (), m)
+    if len(devices) == 1:
+        return replace(s, pipelines=(pipe,), tensor=())
+    shares = tuple((d, 1 / len(devices)) for d in devices)
+    return replace(s, pipelines=(pipe,), tensor=shares, placement="device", cpu_fraction=None,
+                   recompute=False, offload=False)
 
 
 # --- moves ----------------------------------------------------------------------------------
@@ -307,14 +344,34 @@ def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | N
     return replace(s, **{name: v})
 
 
+def tensor_move(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Split the whole model between two or more devices, or change a split's devices (add or
+    drop one), or end it on one of its devices. Shares start equal (solved by the search)."""
+    if not s.tensor:
+        k = rng.randint(2, len(space.devices)) if len(space.devices) >= 2 else 0
+        return even_split(s, rng.sample(space.devices, k)) if k else None
+    devices = [d for d, _ in s.tensor]
+    free = [d for d in space.devices if d not in devices]
+    r = rng.random()
+    if r < 0.3:
+        return even_split(s, (rng.choice(devices),))
+    if r < 0.65 and free:
+        return even_split(s, devices + [rng.choice(free)])
+    if len(devices) > 2:
+        devices.remove(rng.choice(devices))
+        return even_split(s, devices)
+    return None
+
+
 # (move, weight): structural moves dominate; global toggles are few and cheap to try.
 MOVES = ((move_cut, 4), (split_stage, 1), (merge_stages, 1), (swap_devices, 2), (add_replica, 1),
          (remove_device, 1), (move_device, 1), (change_microbatches, 2), (toggle_global, 2))
+TENSOR_MOVE = (tensor_move, 1)   # drawn only where the space allows a tensor split
 
 
 def propose(space: Space, s: Strategy, rng: random.Random, tries: int = 8) -> Strategy | None:
     """One random rewrite of one choice of `s` that stays structurally valid (or None)."""
-    moves, weights = zip(*MOVES)
+    moves, weights = zip(*(MOVES + ((TENSOR_MOVE,) if space.tensor_split else ())))
     for _ in range(tries):
         move = rng.choices(moves, weights)[0]
         t = move(space, s, rng)
