@@ -207,3 +207,23 @@ def test_cli_plan_writes_a_split_plan_that_simulates(tmp_path):
                        capture_output=True, text=True, cwd=root, timeout=300)
     assert s.returncode == 0, s.stderr
     assert json.loads(s.stdout)["iteration_s"] == pytest.approx(p.predicted.iteration_s, rel=1e-9)
+
+
+def test_cpu_workers_of_one_host_in_a_split_compute_at_once_under_contention():
+    # the cost model's contention (a measured host's calibration) applies to a split's CPU
+    # devices of one node, all busy at once; a GPU beside one CPU slows nothing
+    from planner.cost.model import RooflineCost
+
+    class Contended(RooflineCost):
+        def contention(self, device, busy):
+            return 1.0 + 0.5 * (busy - 1) if self.topology.device(device).kind == "cpu" else 1.0
+    g, _, _ = _split_case()
+    cpus = topology([device("cpu:0"), device("cpu:1")], [link("cpu:0", "cpu:1")])
+    split = (("cpu:0", 0.5), ("cpu:1", 0.5))
+    plain, busy = RooflineCost(g, cpus), Contended(g, cpus)
+    # layer 2 (not split) forward: 1 s alone, 1.5 s with the other CPU worker computing
+    assert plain.tensor_device_s("fwd", split, "cpu:0", 0, 3, 2, 2) == approx(1.0)
+    assert busy.tensor_device_s("fwd", split, "cpu:0", 0, 3, 2, 2) == approx(1.5)
+    mixed = topology([device("cpu:0"), device("cuda:0")], [link("cpu:0", "cuda:0")])
+    assert Contended(g, mixed).tensor_device_s("fwd", (("cpu:0", 0.5), ("cuda:0", 0.5)), "cpu:0", 0, 3, 2, 2) \
+        == approx(1.0)

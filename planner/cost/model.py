@@ -199,12 +199,25 @@ class CostModel:
                  for p in self.graph.split_pairs(start, end)]
         return sum(self.allreduce_s(devices, n) for n in sizes if n > 0)
 
+    def tensor_device_s(self, phase: str, split, device: str, start: int, end: int, batch: float,
+                        i: int | None = None) -> float:
+        """`device`'s part of a tensor-split stage (`split`: (device, share) pairs) computed
+        beside the others: tensor_part_s times contention(device, k), k the split's CPU devices
+        on its node when it is a CPU (they compute at once, in lock step), else 1."""
+        share = dict(split)[device]
+        t = self.tensor_part_s(phase, device, share, start, end, batch, i)
+        dev = self.topology.device(device)
+        if dev.kind != "cpu":
+            return t
+        k = sum(1 for d, _ in split if (x := self.topology.device(d)).kind == "cpu" and x.node == dev.node)
+        return t if k <= 1 else t * self.contention(device, k)
+
     def tensor_stage_s(self, phase: str, split, start: int, end: int, batch: float) -> float:
         """A tensor-split stage's forward or backward (`split`: (device, share) pairs): the
         devices wait for each other at every pair's all-reduce, approximated per layer, so
-        sum over layers of max over devices of its part, plus tensor_sync_s."""
+        sum over layers of max over devices of tensor_device_s, plus tensor_sync_s."""
         devices = tuple(d for d, _ in split)
-        compute = sum(max(self.tensor_part_s(phase, d, s, start, end, batch, i) for d, s in split)
+        compute = sum(max(self.tensor_device_s(phase, split, d, start, end, batch, i) for d in devices)
                       for i in range(start, end))
         return compute + self.tensor_sync_s(phase, devices, start, end, batch)
 

@@ -176,8 +176,8 @@ class Builder:
         g = self.g
         for k in ks:
             recipe = g.recipes[k]
-            for sh in st.split:
-                g.count(sh.device, stat, g.value(recipe.part(sh.device, sh.share)))
+            for d in st.devices:
+                g.count(d, stat, g.value(recipe.part(d)))
             sync = g.value(recipe.sync())
             for d in st.devices:
                 g.count(d, "comm_s", sync)

@@ -114,8 +114,8 @@ class SplitRange:
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         return cost.tensor_stage_s(self.phase, self.split, self.start, self.end, mbs[self.replica])
 
-    def part(self, device: str, share: float) -> "SplitPart":
-        return SplitPart(self.phase, self.replica, device, share, self.start, self.end)
+    def part(self, device: str) -> "SplitPart":
+        return SplitPart(self.phase, self.replica, self.split, device, self.start, self.end)
 
     def sync(self) -> "SplitSync":
         return SplitSync(self.phase, self.replica, tuple(d for d, _ in self.split), self.start, self.end)
@@ -123,16 +123,16 @@ class SplitRange:
 
 @dataclass(frozen=True, slots=True)
 class SplitPart:
-    """One device's own compute in a SplitRange (its statistics): cost.tensor_part_s."""
+    """One device's own compute in a SplitRange (its statistics): cost.tensor_device_s."""
     phase: str
     replica: int
+    split: tuple[tuple[str, float], ...]
     device: str
-    share: float
     start: int
     end: int
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
-        return cost.tensor_part_s(self.phase, self.device, self.share, self.start, self.end, mbs[self.replica])
+        return cost.tensor_device_s(self.phase, self.split, self.device, self.start, self.end, mbs[self.replica])
 
 
 @dataclass(frozen=True, slots=True)
