@@ -5,7 +5,8 @@
 exchange; per replica, each stage's compute in schedule order and the transfers between
 stages; one all-reduce per exchanged bucket; one optimizer step per device holding parameters
 (on its host CPU when offloaded; under "split" both: the device's part and, at the same time,
-its host's part with the copies). The same statistics are counted in the same order as tasks
+its host's part with the copies; a tensor-split stage: one per device of the split, over what
+it holds). The same statistics are counted in the same order as tasks
 are added, so per-device sums are reproducible bit for bit.
 """
 from __future__ import annotations

@@ -18,6 +18,11 @@ overlapping the remaining backward; "coarse" starts a bucket's all-reduce after 
 work of every device in its group, one flat all-reduce per device set (buckets of one set
 merged, as the runtime does). Recompute adds the stage's forward to its backward.
 
+Tensor split (a stage's "devices"): the stage's forward and backward are each one task holding
+every device of the split and the links of their ring, lasting the slowest device's part per
+layer plus the activation all-reduces (CostModel.tensor_stage_s); each device's statistics
+count its own part. Each device steps the parameters it holds.
+
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.
