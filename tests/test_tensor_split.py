@@ -108,7 +108,8 @@ def _split_case():
     1e6 B of parameters. One pair: column linear in layer 0 (80 % of its FLOPs), row linear all
     of layer 1; 1.5e6 B of split parameters, 2e6 B output, 1e6 B input gradient."""
     g = replace(graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6), layer(2)], batch=2),
-                pairs=(SplitPair(0, 1, 0.8e9, 1.6e9, 1e9, 2e9, 1_500_000, 2_000_000, 1_000_000),))
+                pairs=(SplitPair(0, 1, 0.8e9, 1.6e9, 1e9, 2e9, 1_500_000, 2_000_000, 1_000_000,
+                                 "l0.weight", "l1.weight"),))
     t = topology([device("cuda:0", flops=1e9, mem_bw=1e8), device("cuda:1", flops=2e9, mem_bw=1e8)],
                  [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
     p = plan([(1.0, 1, [("cuda:0", 0, 3)])], 2)

@@ -240,12 +240,13 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
 
 
 def _pairs(ex, model, rec) -> tuple[SplitPair, ...]:
-    """The model's linear pairs (planner.workload.tensor_split) with what a tensor split divides."""
-    from planner.workload.tensor_split import find_pairs, needs_grad
+    """The model's candidate linear pairs (planner.workload.tensor_split) with what a tensor
+    split divides; a stage's are picked by ModelGraph.split_pairs."""
+    from planner.workload.tensor_split import candidates, needs_grad
     params = dict(model.named_parameters(remove_duplicate=False))
     layer = {n.name: ex.layer_of[n] for n in ex.compute_nodes()}
     out = []
-    for p in find_pairs(ex.gm.graph, params):
+    for p in candidates(ex.gm.graph, params):
         def tot(field: str, names) -> float:
             return sum(rec.ops.get(n, {}).get(field, 0.0) for n in names)
         col = (p.col, *p.between)
@@ -255,7 +256,8 @@ def _pairs(ex, model, rec) -> tuple[SplitPair, ...]:
         out.append(SplitPair(layer[p.col], layer[p.row], tot("fwd_flops", col), tot("bwd_flops", col),
                              tot("fwd_flops", [p.row]), tot("bwd_flops", [p.row]),
                              sum(t.numel() * t.element_size() for t in split),
-                             int(rec.ops.get(p.row, {}).get("output_bytes", 0.0)), int(in_grad)))
+                             int(rec.ops.get(p.row, {}).get("output_bytes", 0.0)), int(in_grad),
+                             p.col_weight, p.row_weight))
     return tuple(out)
 
 

@@ -64,6 +64,8 @@ class SplitPair:
                                # (the row bias stays whole on the stage's first device)
     out_bytes: int             # the row linear's output: summed over the devices in forward
     in_grad_bytes: int         # the column linear's input gradient, summed in backward (0: none)
+    col_weight: str            # the linears' weight names: a candidate's identity
+    row_weight: str            # (planner.workload.tensor_split.greedy)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class ModelGraph:
     precision: str = "fp32"                # what the capture ran in (planner.workload.precision): bytes
                                            # are of the dtypes autocast gives
     tied: tuple[TiedParam, ...] = ()       # parameters used by several layers
-    pairs: tuple[SplitPair, ...] = ()      # linear pairs of the whole model, execution order
+    pairs: tuple[SplitPair, ...] = ()      # candidate linear pairs of the whole model, in
+                                           # execution order (split_pairs picks a stage's)
 
     @property
     def num_layers(self) -> int:
@@ -110,8 +113,10 @@ class ModelGraph:
         return self.layers[i].param_bytes - sum(t.bytes for t in self.tied if t.layers[0] == i)
 
     def split_pairs(self, start: int, end: int) -> tuple[SplitPair, ...]:
-        """The pairs a tensor-split stage of layers [start, end) divides: both linears inside."""
-        return tuple(p for p in self.pairs if start <= p.col_layer and p.row_layer < end)
+        """The pairs a tensor-split stage of layers [start, end) divides: the candidates with
+        both linears inside, taken greedily as the runtime takes them from the stage's graph."""
+        from planner.workload.tensor_split import greedy
+        return tuple(greedy([p for p in self.pairs if start <= p.col_layer and p.row_layer < end]))
 
     def split_flops(self, i: int, start: int, end: int) -> tuple[float, float]:
         """(forward, backward) FLOPs of layer i, at the graph batch, that a tensor-split stage

@@ -7,8 +7,8 @@ input features are A's output features. A is split by output features (column pa
 by input features (row parallel): with the hidden features cut in slices, each device computes
 its slice of A, the elementwise ops and its partial product of B, and the partial outputs are
 summed (an all-reduce); in backward the gradients of A's input are summed the same way. Pairs
-are found greedily in execution order (a linear ending a pair starts none), so the built-in
-`mlp` pairs its layers two by two and `gpt` pairs each block's `fc` -> `fc_out`. Everything
+are taken greedily in execution order (a linear ending a pair starts none: `greedy`), so the
+built-in `mlp` pairs its layers two by two and `gpt` pairs each block's `fc` -> `fc_out`. Everything
 else (attention, norms, embeddings, unpaired linears) runs whole on every device of the stage.
 
 Dropout with p > 0 between A and B is not paired: each device would draw its own mask.
@@ -56,30 +56,29 @@ def _elementwise(n: fx.Node) -> bool:
     return n.target is _aten.dropout.default and len(n.args) > 1 and n.args[1] == 0.0
 
 
-def find_pairs(graph: fx.Graph, params: Mapping[str, torch.Tensor]) -> list[LinearPair]:
-    """The pairs of `graph` in execution order; `params` maps get_attr targets to tensors.
-    A weight read by more than one get_attr use (a tied weight) is never split."""
+def candidates(graph: fx.Graph, params: Mapping[str, torch.Tensor],
+               exclude: frozenset[str] = frozenset()) -> list[LinearPair]:
+    """Every linear A -> B of `graph` that may pair, in execution order of A (a linear may be
+    the B of one candidate and the A of the next); `params` maps get_attr targets to tensors.
+    A weight read by more than one get_attr use, or named in `exclude` (tied weights used in
+    other stages), is never split."""
     uses = Counter(n.target for n in graph.nodes if n.op == "get_attr" for _ in n.users)
     linears = [n for n in graph.nodes if n.op == "call_function" and n.target is LINEAR]
 
     def weight_ok(n: fx.Node) -> bool:
         w = _attr(n.args[1])
         b = _attr(n.args[2]) if len(n.args) > 2 and n.args[2] is not None else None
-        ok = w is not None and uses[w] == 1 and isinstance(params.get(w), torch.nn.Parameter)
-        return ok and params[w].dim() == 2 and (b is None or uses[b] == 1)
+        ok = w is not None and uses[w] == 1 and w not in exclude and isinstance(params.get(w), torch.nn.Parameter)
+        return ok and params[w].dim() == 2 and (b is None or (uses[b] == 1 and b not in exclude))
 
-    out, used = [], set()
+    out = []
     for a in linears:
-        if a in used or not weight_ok(a):
+        if not weight_ok(a):
             continue
         between, cur = [], a
-        while len(cur.users) == 1:
-            nxt = next(iter(cur.users))
-            if _elementwise(nxt):
-                between.append(nxt)
-                cur = nxt
-                continue
-            break
+        while len(cur.users) == 1 and _elementwise(nxt := next(iter(cur.users))):
+            between.append(nxt)
+            cur = nxt
         if len(cur.users) != 1:
             continue
         b = next(iter(cur.users))
@@ -89,10 +88,29 @@ def find_pairs(graph: fx.Graph, params: Mapping[str, torch.Tensor]) -> list[Line
         if wb.shape[1] != wa.shape[0]:
             continue
         bias = [(_attr(n.args[2]) if len(n.args) > 2 else None) for n in (a, b)]
-        out.append(LinearPair(a.args[0].name, a.name, tuple(n.name for n in between), b.name, _attr(a.args[1]), bias[0],
-                              _attr(b.args[1]), bias[1], int(wa.shape[0]), int(wa.shape[1]), int(wb.shape[0])))
-        used.update((a, b))
+        out.append(LinearPair(a.args[0].name, a.name, tuple(n.name for n in between), b.name, _attr(a.args[1]),
+                              bias[0], _attr(b.args[1]), bias[1], int(wa.shape[0]), int(wa.shape[1]),
+                              int(wb.shape[0])))
     return out
+
+
+def greedy(cands: list):
+    """The pairs taken from candidates in execution order: a candidate whose first linear ends
+    a pair already taken is skipped. Candidates are identified by their weights (`col_weight`,
+    `row_weight`), so the same rule picks a stage's pairs from its own graph (runtime) and from
+    the whole model's candidates within the stage's layers (ModelGraph.split_pairs)."""
+    out, rows = [], set()
+    for c in cands:
+        if c.col_weight not in rows:
+            out.append(c)
+            rows.add(c.row_weight)
+    return out
+
+
+def find_pairs(graph: fx.Graph, params: Mapping[str, torch.Tensor],
+               exclude: frozenset[str] = frozenset()) -> list[LinearPair]:
+    """The pairs a stage of this graph splits: `greedy(candidates(...))`."""
+    return greedy(candidates(graph, params, exclude))
 
 
 def split_bounds(n: int, shares) -> list[tuple[int, int]]:
@@ -124,4 +142,4 @@ def needs_grad(graph: fx.Graph, node_name: str, params: Mapping[str, torch.Tenso
     return False
 
 
-__all__ = ["LinearPair", "find_pairs", "split_bounds", "needs_grad", "ELEMENTWISE"]
+__all__ = ["LinearPair", "candidates", "greedy", "find_pairs", "split_bounds", "needs_grad", "ELEMENTWISE"]
