@@ -80,13 +80,15 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor | None) -> None
         owner.register_parameter(leaf, nn.Parameter(value.detach().clone(), requires_grad=old.requires_grad))
 
 
-def split_stage(module: fx.GraphModule, index: int, shares, group: Any, staged: bool) -> list[LinearPair]:
+def split_stage(module: fx.GraphModule, index: int, shares, group: Any, staged: bool,
+                exclude: frozenset[str] = frozenset()) -> list[LinearPair]:
     """Make `module` rank `index`'s part of a stage split with `shares` (in the stage's device
-    order) over `group`; returns the pairs split. Call before placing the module on its device:
-    the slices are copies of the whole stage's (identically initialised) parameters."""
+    order) over `group`; returns the pairs split (`exclude`: weights never split, those tied
+    to other stages). Call before placing the module on its device: the slices are copies of
+    the whole stage's (identically initialised) parameters."""
     graph = module.graph
     params = dict(module.named_parameters())
-    pairs = find_pairs(graph, params)
+    pairs = find_pairs(graph, params, exclude)
     nodes = {n.name: n for n in graph.nodes}
     module.add_submodule("tensor_copy", SplitExchange("copy", group, staged))
     module.add_submodule("tensor_reduce", SplitExchange("reduce", group, staged))

@@ -78,3 +78,25 @@ def learnable(width: int = 16) -> Workload:
         x = torch.randn(batch_size, 8, generator=g)
         return x, (x @ w_true).argmax(1)
     return Workload(model=SkipNet(width), make_batch=make_batch, loss_fn=F.cross_entropy)
+
+
+class TiedNet(nn.Module):
+    """Three layers; the last reuses the first's weight (transposed): a weight tied across
+    layers, as GPT-2's embedding and output head."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.mid = nn.Linear(width, width)
+        self.out = nn.Linear(width, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.mid(torch.relu(self.inp(x))))
+        return self.out(h) + F.linear(h, self.inp.weight.t())
+
+
+def tiednet(width: int = 16) -> Workload:
+    def make_batch(batch_size: int, seed: int):
+        g = torch.Generator().manual_seed(int(seed))
+        return torch.randn(batch_size, 8, generator=g), torch.randint(0, 8, (batch_size,), generator=g)
+    return Workload(model=TiedNet(width), make_batch=make_batch, loss_fn=F.cross_entropy)

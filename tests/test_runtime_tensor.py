@@ -74,3 +74,38 @@ def test_split_between_a_gpu_and_the_cpu_goes_through_host_memory(tmp_path, gpu)
                    devices=("cuda:0", "cpu:0"), opt="sgd")
     r = run_and_compare(tmp_path, p, tol=1e-5 if gpu == "standin" else 1e-3)
     assert set(r["per_device"]) == {"cuda:0", "cpu:0"}
+
+
+def _pipeline(stages, microbatches, schedule="1f1b", global_batch=12, opt="sgd") -> dict:
+    """mlp 784 -> 20 -> 20 -> 20 -> 10 (4 layers); stages: [(device or [(device, share)], (a, b))]."""
+    def where(d):
+        return {"device": d} if isinstance(d, str) else {"devices": [{"device": x, "share": s} for x, s in d]}
+    return {"schema": "hetplan.plan/1", "model": {"spec": "mlp", "args": {"hidden": 20, "depth": 3}},
+            "global_batch": global_batch, "schedule": schedule,
+            "replicas": [{"batch_fraction": 1.0, "microbatches": microbatches,
+                          "stages": [{**where(d), "layers": list(r)} for d, r in stages]}],
+            "optimizer": {"name": opt, "lr": 0.01}}
+
+
+def test_pipeline_into_a_split_stage(tmp_path):
+    # cpu:0 runs layer 0 and sends each activation to both ranks of the split stage, whose
+    # first rank sends the input gradients back; the stage [1, 4) splits (layers.1, layers.2)
+    # and leaves `out` whole (layers.2 -> out is not taken: layers.2 ends the first pair)
+    r = run_and_compare(tmp_path, _pipeline([("cpu:0", (0, 1)), ([("cpu:1", 0.4), ("cpu:2", 0.6)], (1, 4))], 2))
+    assert r["per_device"]["cpu:1"]["param_bytes"] == 4 * (8 * 20 + 8 + 20 * 8 + 20 + 20 * 10 + 10)
+
+
+def test_split_stage_then_a_pipeline_stage_under_gpipe(tmp_path):
+    # the split stage's first rank sends its output on; both of its ranks get the gradient
+    run_and_compare(tmp_path, _pipeline([([("cpu:0", 0.5), ("cpu:1", 0.5)], (0, 2)), ("cpu:2", (2, 4))], 3,
+                                        schedule="gpipe"))
+
+
+def test_weights_tied_across_stages_beside_a_split_are_refused(tmp_path):
+    from planner.files.io import InputError
+    p = _pipeline([("cpu:0", (0, 1)), ([("cpu:1", 0.5), ("cpu:2", 0.5)], (1, 3))], 2)
+    p["model"] = {"spec": "tests.runtime_models:tiednet", "args": {}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(p))
+    with pytest.raises(InputError, match=r"replicas\[0\]\.stages: weights tied across stages \(inp\.weight\)"):
+        launch(RunConfig(plan=str(path), iters=1, warmup=0, timeout_s=30), load_plan(path).devices)

@@ -65,11 +65,14 @@ def test_bad_split_is_one_line_naming_the_field(stage, extra, field):
     assert msg.startswith("p.json: ") and field in msg and "\n" not in msg
 
 
-def test_split_stage_must_be_the_only_stage_and_use_known_devices():
+def test_split_stage_needs_one_replica_and_known_devices():
     doc = _doc(SPLIT)
     doc["replicas"][0]["stages"] = [{"layers": [0, 2], **SPLIT}, {"layers": [2, 5], "device": "cpu:2"}]
     doc["replicas"][0]["microbatches"] = 2
-    with pytest.raises(InputError, match="only stage"):
+    assert plan_from_dict(doc, "p.json").devices == ("cpu:0", "cpu:1", "cpu:2")     # a pipeline: fine
+    doc["replicas"][0]["batch_fraction"] = 0.5
+    doc["replicas"].append({"batch_fraction": 0.5, "stages": [{"device": "cpu:3", "layers": [0, 5]}]})
+    with pytest.raises(InputError, match=r"stages\[0\]\.devices: a tensor-split stage needs a plan of one replica"):
         plan_from_dict(doc, "p.json")
     p = plan_from_dict(_doc(SPLIT), "p.json")
     with pytest.raises(InputError, match=r"stages\[0\]\.devices\[1\]\.device: expected a device of the topology"):
@@ -208,6 +211,27 @@ def test_cli_plan_writes_a_split_plan_that_simulates(tmp_path):
                        capture_output=True, text=True, cwd=root, timeout=300)
     assert s.returncode == 0, s.stderr
     assert json.loads(s.stdout)["iteration_s"] == pytest.approx(p.predicted.iteration_s, rel=1e-9)
+
+
+def test_pipeline_stage_before_a_split_stage():
+    # layer 0 (1 s forward, 2 s backward) on cuda:2, then the hand-computed split above as the
+    # stage [1, 4): its input arrives at cuda:0 (1e6 B at 1e6 B/s: 1 s), its input gradient
+    # goes back the same way. GPipe, one microbatch: 1 + 1 + (1.775 + 2.02) + (3.55 + 1.02) + 1 + 2;
+    # the split devices' steps (0.049 s) run during the gradient's trip and cuda:2's backward
+    _, t, _ = _split_case()
+    g = replace(graph([layer(0), layer(1, param_bytes=10**6), layer(2, param_bytes=10**6), layer(3)], batch=2,
+                      cut_bytes=[0, 10**6, 0, 0, 0]),
+                pairs=(SplitPair(1, 2, 0.8e9, 1.6e9, 1e9, 2e9, 1_500_000, 2_000_000, 1_000_000,
+                                 "l1.weight", "l2.weight"),))
+    t = replace(t, devices=t.devices + (device("cuda:2", flops=1e9),),
+                links=t.links + (link("cuda:2", "cuda:0", bw=1e6),))
+    p = plan([(1.0, 1, [("cuda:2", 0, 1), ("cuda:0", 1, 4)])], 2, schedule="gpipe")
+    split = replace(p.replicas[0].stages[1], split=(Share("cuda:0", 0.25), Share("cuda:1", 0.75)))
+    p = replace(p, replicas=(replace(p.replicas[0], stages=(p.replicas[0].stages[0], split)),))
+    r = simulate(p, g, t)
+    assert r.iteration_s == approx(1 + 1 + 1.775 + 2.02 + 3.55 + 1.02 + 1 + 2)
+    assert r.per_device["cuda:2"]["comm_s"] == approx(2.0) and r.per_device["cuda:0"]["comm_s"] == approx(2 + 3.04)
+    assert r.per_device["cuda:1"]["comm_s"] == approx(3.04)   # the boundary copies to cuda:1: not modelled
 
 
 def test_cpu_workers_of_one_host_in_a_split_compute_at_once_under_contention():

@@ -244,8 +244,8 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
 
 def _validate_split(plan: Plan, i: int, j: int, err) -> None:
     """A tensor-split stage ("devices"): two or more entries, shares in (0, 1] summing to 1, and
-    what this version runs: the whole model on one replica, synchronous, optimizer on the devices,
-    neither recompute nor activation offload."""
+    what this version runs: one replica, synchronous, optimizer on the devices, neither
+    recompute nor activation offload on the split stage."""
     st, sw = plan.replicas[i].stages[j], f"replicas[{i}].stages[{j}]"
     if len(st.split) < 2:
         raise err(f"{sw}.devices", f"expected at least two devices to split the stage between, got {len(st.split)}")
@@ -255,9 +255,9 @@ def _validate_split(plan: Plan, i: int, j: int, err) -> None:
     total = sum(sh.share for sh in st.split)
     if abs(total - 1.0) > 1e-6:
         raise err(f"{sw}.devices", f"share values sum to {total:.6g}; expected 1")
-    if len(plan.replicas) > 1 or len(plan.replicas[i].stages) > 1:
-        raise err(f"{sw}.devices", "a tensor-split stage must be the plan's only stage (one replica, "
-                                   "one stage) in this version")
+    if len(plan.replicas) > 1:
+        raise err(f"{sw}.devices", "a tensor-split stage needs a plan of one replica (one pipeline) "
+                                   f"in this version; got {len(plan.replicas)} replicas")
     if st.offload_activations:
         raise err(f"{sw}.offload_activations", "expected false on a tensor-split stage (not supported)")
     if plan.recompute:

@@ -173,10 +173,14 @@ class Builder:
 
     def count_split(self, st: Stage, stat: str, ks: list[int]) -> None:
         """A tensor-split stage's statistics: each device its own compute (SplitPart), and the
-        all-reduces as communication of every device."""
+        all-reduces as communication of every device; the transfers to and from the
+        neighbouring stages are its first device's."""
         g = self.g
         for k in ks:
             recipe = g.recipes[k]
+            if not isinstance(recipe, SplitRange):
+                g.count(st.device, stat, k)
+                continue
             for d in st.devices:
                 g.count(d, stat, g.value(recipe.part(d)))
             sync = g.value(recipe.sync())
@@ -247,10 +251,10 @@ class Builder:
         """The value id of stage s's forward of one microbatch: it consumes an activation
         (s > 0) and sends one on (not the last stage)."""
         st = stages[s]
-        if st.split:     # the only stage of its replica (planner.files.plan): no messages
-            return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end))
-        return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end,
-                                       sends=int(s < len(stages) - 1), receives=int(s > 0)))
+        sends, receives = int(s < len(stages) - 1), int(s > 0)
+        if st.split:
+            return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end, sends, receives))
+        return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end, sends, receives))
 
     def backward_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
         """(value id, bucket) per backward task of one microbatch of stage s; with recompute, the
@@ -261,7 +265,7 @@ class Builder:
             receives = int(j == 0 and s < len(stages) - 1)
             sends = int(j == len(chunks) - 1 and s > 0)
             if st.split:   # one chunk: a lone replica exchanges no buckets; no recompute
-                recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi)
+                recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi, sends, receives)
             elif self.plan.recompute and j == 0:
                 recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives)
             else:

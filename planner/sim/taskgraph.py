@@ -104,15 +104,22 @@ class SavedCopy:
 class SplitRange:
     """Forward or backward of a tensor-split stage of layers [start, end) over `split`'s
     (device, share) pairs, at the replica's microbatch: cost.tensor_stage_s (the slowest
-    device per layer, plus the pairs' all-reduces)."""
+    device per layer, plus the pairs' all-reduces); messages as LayerRange's, issued by the
+    first device of the split."""
     phase: str
     replica: int
     split: tuple[tuple[str, float], ...]
     start: int
     end: int
+    sends: int = 0
+    receives: int = 0
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
-        return cost.tensor_stage_s(self.phase, self.split, self.start, self.end, mbs[self.replica])
+        t = cost.tensor_stage_s(self.phase, self.split, self.start, self.end, mbs[self.replica])
+        if self.sends or self.receives:
+            send_s, post_s = cost.message_issue_s(self.split[0][0])
+            t += self.sends * send_s + self.receives * post_s
+        return t
 
     def part(self, device: str) -> "SplitPart":
         return SplitPart(self.phase, self.replica, self.split, device, self.start, self.end)
