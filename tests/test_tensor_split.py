@@ -252,3 +252,28 @@ def test_cpu_workers_of_one_host_in_a_split_compute_at_once_under_contention():
     mixed = topology([device("cpu:0"), device("cuda:0")], [link("cpu:0", "cuda:0")])
     assert Contended(g, mixed).tensor_device_s("fwd", (("cpu:0", 0.5), ("cuda:0", 0.5)), "cpu:0", 0, 3, 2, 2) \
         == approx(1.0)
+
+
+def test_tensor_moves_give_valid_plans_whole_model_and_pipeline_splits():
+    import random
+    from planner.files.plan import ModelRef
+    from planner.search.space import Pipeline, Space, Strategy, from_plan, propose, to_plan
+    devices = ("cuda:0", "cuda:1", "cpu:0", "cpu:1")
+    space = Space(devices=devices, kinds={d: d.split(":")[0] for d in devices}, num_layers=6, global_batch=24,
+                  model=ModelRef("toy"), tensor_split=True)
+    rng = random.Random(0)
+    s, seen = Strategy((Pipeline(("cuda:0", "cuda:1"), (3,), 4),)), set()
+    for _ in range(400):
+        t = propose(space, s, rng) or s
+        batches = (24,) if len(t.pipelines) == 1 else tuple([24 // len(t.pipelines)] * (len(t.pipelines) - 1)
+                                                             + [24 - 24 // len(t.pipelines) * (len(t.pipelines) - 1)])
+        plan = to_plan(space, t, batches)
+        validate_plan(plan, "proposal", 6, set(devices))
+        back = from_plan(plan)[0]
+        assert (back.tensor, back.tensor_stage) == (t.tensor, t.tensor_stage if t.tensor else 0)
+        if t.tensor:
+            seen.add("whole" if len(t.pipelines[0].devices) == 1 else "pipeline")
+            st = plan.replicas[0].stages[t.tensor_stage]
+            assert [x.device for x in st.split] == [d for d, _ in t.tensor] and st.device == t.tensor[0][0]
+        s = t if rng.random() < 0.5 else s
+    assert seen == {"whole", "pipeline"}

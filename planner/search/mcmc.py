@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan, plan_key
-from planner.search.space import Pipeline, Space, Strategy, even_split, fits, min_batch, propose, to_plan
+from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, min_batch, propose, to_plan,
+                                  with_split)
 
 
 @dataclass(frozen=True)
@@ -177,30 +178,31 @@ class Searcher:
         cost = self.p.cost
         if not s.tensor or cost is None:
             return s
-        L, B = self.p.space.num_layers, self.p.space.global_batch
-        mb = B / s.pipelines[0].microbatches
+        pipe, k = s.pipelines[0], s.tensor_stage
+        lo, hi = pipe.ranges(self.p.space.num_layers)[k]
+        mb = self.p.space.global_batch / pipe.microbatches
         models = []
         for d, _ in s.tensor:
-            a = sum(cost.tensor_part_s(ph, d, 0.0, 0, L, mb) for ph in ("fwd", "bwd"))
-            c = sum(cost.tensor_part_s(ph, d, 1.0, 0, L, mb) for ph in ("fwd", "bwd")) - a
+            a = sum(cost.tensor_part_s(ph, d, 0.0, lo, hi, mb) for ph in ("fwd", "bwd"))
+            c = sum(cost.tensor_part_s(ph, d, 1.0, lo, hi, mb) for ph in ("fwd", "bwd")) - a
             models.append((a, max(c, 1e-15)))
 
         def total(level: float) -> float:
             return sum(min(1.0, max(0.0, (level - a) / c)) for a, c in models)
-        lo, hi = 0.0, max(a + c for a, c in models)
+        low, high = 0.0, max(a + c for a, c in models)
         for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if total(mid) < 1 else (lo, mid)
-        raw = [min(1.0, max(0.0, (hi - a) / c)) for a, c in models]
+            mid = (low + high) / 2
+            low, high = (mid, high) if total(mid) < 1 else (low, mid)
+        raw = [min(1.0, max(0.0, (high - a) / c)) for a, c in models]
         kept = [(d, x) for (d, _), x in zip(s.tensor, raw) if x >= 0.01]
         if len(kept) < 2:
-            return even_split(s, (max(kept, key=lambda t: t[1])[0],) if kept else (s.tensor[0][0],))
+            return with_split(s, k, (max(kept, key=lambda t: t[1])[0],) if kept else (s.tensor[0][0],))
         norm = sum(x for _, x in kept)
         shares = [round(x / norm, 3) for _, x in kept[:-1]]
+        t = with_split(s, k, [d for d, _ in kept])
         if not all(x > 0 for x in shares) or sum(shares) >= 1:
-            return even_split(s, [d for d, _ in kept])
+            return t
         shares.append(1 - sum(shares))
-        t = even_split(s, [d for d, _ in kept])
         return replace(t, tensor=tuple((d, x) for (d, _), x in zip(kept, shares)))
 
     def shift_batch(self, s: Strategy, batches: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -303,7 +305,7 @@ class Searcher:
         t = propose(self.p.space, s, self.rng)
         if t is None:
             return None
-        if t.tensor and t.tensor != s.tensor:
+        if t.tensor:       # shares solved for the split stage as it now is
             t = self.solve_shares(t)
         if [p.devices for p in t.pipelines] == [p.devices for p in s.pipelines] and \
                 [min_batch(p, t.schedule) for p in t.pipelines] == [min_batch(p, s.schedule) for p in s.pipelines] \

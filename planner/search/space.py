@@ -3,8 +3,9 @@
 A `Strategy` is a plan without its batch split: which devices form which pipelines, where the
 stage boundaries are, the desired microbatch count of each pipeline, and the global choices
 (schedule, sync granularity and bucket size, optimizer placement and a split optimizer's host
-share, recompute, activation offload, precision), or a tensor split of the whole model between
-devices with their shares (`Strategy.tensor`, solved by the search like the batch split:
+share, recompute, activation offload, precision), and a tensor split of one stage of a lone
+pipeline (the whole model, or one stage of a pipeline) between devices with their shares
+(`Strategy.tensor`, solved by the search like the batch split:
 planner.search.mcmc.Searcher.solve_shares). A plan is a
 strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
 search solve it directly (planner.search.mcmc.solve_batches) instead of random-walking fractions.
@@ -90,9 +91,9 @@ class Strategy:
     cpu_fraction: float | None = None      # placement "split" only
     offload: bool = False                  # offload_activations on every accelerator stage
                                            # (not under recompute)
-    tensor: tuple[tuple[str, float], ...] = ()   # (device, share): the whole model as one stage
-                                           # split between them; pipelines is then the one
-                                           # one-stage pipeline on the first of them
+    tensor: tuple[tuple[str, float], ...] = ()   # (device, share): stage `tensor_stage` of the
+                                           # one pipeline split between them, its device first
+    tensor_stage: int = 0
 
     @property
     def used(self) -> frozenset[str]:
@@ -129,8 +130,9 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     for p, b in zip(s.pipelines, batches, strict=True):
         m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule)
         split = tuple(Share(d, x) for d, x in s.tensor)
-        stages = tuple(Stage(d, r, s.offload and not s.recompute and space.kinds[d] != "cpu", split)
-                       for d, r in zip(p.devices, p.ranges(space.num_layers)))
+        stages = tuple(Stage(d, r, s.offload and not s.recompute and space.kinds[d] != "cpu",
+                             split if k == s.tensor_stage else ())
+                       for k, (d, r) in enumerate(zip(p.devices, p.ranges(space.num_layers))))
         replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
                 sync=Sync(s.granularity, s.bucket_bytes),
@@ -146,7 +148,8 @@ def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
     s = Strategy(pipes, plan.schedule, plan.sync.granularity, plan.sync.bucket_bytes,
                  plan.optimizer.placement, plan.recompute, plan.precision, plan.optimizer.cpu_fraction,
                  any(st.offload_activations for r in plan.replicas for st in r.stages),
-                 tuple((x.device, x.share) for r in plan.replicas for st in r.stages for x in st.split))
+                 *next(((tuple((x.device, x.share) for x in st.split), k) for r in plan.replicas
+                        for k, st in enumerate(r.stages) if st.split), ((), 0)))
     return s, tuple(plan.replica_batches())
 
 
@@ -167,27 +170,37 @@ def fits(space: Space, s: Strategy) -> bool:
 
 
 def _tensor_fits(s: Strategy) -> bool:
-    """A tensor split as the plan file allows it (planner.files.plan): the one stage of the one
-    replica, two or more distinct devices with shares in (0, 1] summing to 1, the optimizer on
-    the devices, neither recompute nor offload."""
+    """A tensor split as the plan file allows it (planner.files.plan): a stage of the one
+    replica, its device first among two or more devices no other stage uses, shares in (0, 1]
+    summing to 1, the optimizer on the devices, neither recompute nor offload."""
     devices = [d for d, _ in s.tensor]
-    return (len(s.pipelines) == 1 and s.pipelines[0].devices == (devices[0],) and len(devices) >= 2
-            and len(set(devices)) == len(devices) and all(0 < x <= 1 for _, x in s.tensor)
+    if len(s.pipelines) != 1 or not 0 <= s.tensor_stage < len(s.pipelines[0].devices):
+        return False
+    pipe = s.pipelines[0].devices
+    return (pipe[s.tensor_stage] == devices[0] and len(devices) >= 2 and len(set(devices)) == len(devices)
+            and not set(devices[1:]) & set(pipe) and all(0 < x <= 1 for _, x in s.tensor)
             and abs(sum(x for _, x in s.tensor) - 1) <= 1e-9 and s.placement == "device"
             and not s.recompute and not s.offload)
 
 
-def even_split(s: Strategy, devices) -> Strategy:
-    """`s` as a tensor split of the whole model between `devices` at equal shares (the search
-    solves the shares: planner.search.mcmc.Searcher.solve_shares); one device: no split."""
+def with_split(s: Strategy, stage: int, devices) -> Strategy:
+    """`s`'s one pipeline with stage `stage` on devices[0] and split between `devices` at equal
+    shares (the search solves them: planner.search.mcmc.Searcher.solve_shares); one device: no
+    split."""
     devices = tuple(devices)
-    m = s.pipelines[0].microbatches if len(s.pipelines) == 1 else 1
-    pipe = Pipeline(devices[:1], (), m)
+    p = s.pipelines[0]
+    pipe = replace(p, devices=p.devices[:stage] + devices[:1] + p.devices[stage + 1:])
     if len(devices) == 1:
-        return replace(s, pipelines=(pipe,), tensor=())
+        return replace(s, pipelines=(pipe,), tensor=(), tensor_stage=0)
     shares = tuple((d, 1 / len(devices)) for d in devices)
-    return replace(s, pipelines=(pipe,), tensor=shares, placement="device", cpu_fraction=None,
-                   recompute=False, offload=False)
+    return replace(s, pipelines=(pipe,), tensor=shares, tensor_stage=stage, placement="device",
+                   cpu_fraction=None, recompute=False, offload=False)
+
+
+def even_split(s: Strategy, devices) -> Strategy:
+    """`s` as a tensor split of the whole model between `devices` (see `with_split`)."""
+    m = s.pipelines[0].microbatches if len(s.pipelines) == 1 else 1
+    return with_split(replace(s, pipelines=(Pipeline(tuple(devices)[:1], (), m),)), 0, devices)
 
 
 # --- moves ----------------------------------------------------------------------------------
@@ -345,21 +358,25 @@ def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | N
 
 
 def tensor_move(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
-    """Split the whole model between two or more devices, or change a split's devices (add or
-    drop one), or end it on one of its devices. Shares start equal (solved by the search)."""
+    """Split the whole model, or one stage of a lone pipeline with unused devices, between two
+    or more devices; or change a split's devices (add or drop one), or end it on one of them.
+    Shares start equal (solved by the search)."""
+    free = [d for d in space.devices if d not in s.used and d not in dict(s.tensor)]
     if not s.tensor:
-        k = rng.randint(2, len(space.devices)) if len(space.devices) >= 2 else 0
-        return even_split(s, rng.sample(space.devices, k)) if k else None
-    devices = [d for d, _ in s.tensor]
-    free = [d for d in space.devices if d not in devices]
+        if len(s.pipelines) == 1 and len(s.pipelines[0].devices) > 1 and free and rng.random() < 0.5:
+            k = rng.randrange(len(s.pipelines[0].devices))
+            return with_split(s, k, (s.pipelines[0].devices[k], *rng.sample(free, rng.randint(1, len(free)))))
+        n = rng.randint(2, len(space.devices)) if len(space.devices) >= 2 else 0
+        return even_split(s, rng.sample(space.devices, n)) if n else None
+    devices, k = [d for d, _ in s.tensor], s.tensor_stage
     r = rng.random()
     if r < 0.3:
-        return even_split(s, (rng.choice(devices),))
+        return with_split(s, k, (rng.choice(devices),))
     if r < 0.65 and free:
-        return even_split(s, devices + [rng.choice(free)])
+        return with_split(s, k, devices + [rng.choice(free)])
     if len(devices) > 2:
         devices.remove(rng.choice(devices))
-        return even_split(s, devices)
+        return with_split(s, k, devices)
     return None
 
 
