@@ -5,7 +5,7 @@ creation in `sync.Groups` happens in the same order everywhere.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from runtime.sync_modes import (NoGradSync, ParameterExchange, ParameterServer, 
 from runtime.instruments import BusyTimer, SavedTracker
 from runtime.offload import ActivationOffload
 from runtime.optim import StageOptimizer
-from runtime.pipeline import FanLink, PeerLink, StageRunner, WholeModel, stage_actions
+from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
 from runtime.sync import BufferSync, GradSync, Groups, Tied, layer_ranks
 
 
@@ -121,7 +121,7 @@ def _bucket_of(plan: Plan, layout: _Layout) -> dict[torch.nn.Parameter, int]:
     return out
 
 
-def _tied(names_by_layer) -> dict[str, tuple[int, ...]]:
+def tied_layers(names_by_layer) -> dict[str, tuple[int, ...]]:
     """Parameters used by several layers (tied weights) -> those layers."""
     layers: dict[str, list[int]] = {}
     for layer, names in enumerate(names_by_layer):
@@ -162,7 +162,7 @@ def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found) 
         return _Layout({0: list(named.values())}, [ranks_of_layer[0]], [(0,)], [], buffers)
     names_by_layer, buffers_by_layer = found.params, found.buffers
     _check_ownership(named, names_by_layer)
-    tied = _tied(names_by_layer)
+    tied = tied_layers(names_by_layer)
     # a tied weight is exchanged on its own, in no layer's bucket (planner.cost.buckets)
     owned = [tuple(n for n in ns if n not in tied) for ns in names_by_layer]
     params_by_layer = {l: [named[n] for n in ns if n in named and n not in tied]
@@ -215,8 +215,9 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     where = {d: (i, j) for i, rep in enumerate(plan.replicas) for j, st in enumerate(rep.stages) for d in st.devices}
     rep_i, st_j = where[names[rank]]
     rep = plan.replicas[rep_i]
-    if any(st.split for st in rep.stages):
-        return _split_rank(plan, names, rank, device, timeout, marks, file)
+    if any(st.split for st in rep.stages):      # validated: the plan's only replica
+        from runtime.tensor import build_rank
+        return build_rank(plan, names, rank, device, timeout, marks, file)
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
     workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
@@ -239,8 +240,8 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     groups = Groups(kinds, pairs, layout.sync_sets if synchronous else [], timeout, nccl=standin_gpus() == 0)
     my_ranks = replica_ranks[rep_i]
 
-    prev = _peer_link(groups, rank, my_ranks[st_j - 1], device) if st_j > 0 else None
-    nxt = _peer_link(groups, rank, my_ranks[st_j + 1], device) if st_j + 1 < len(my_ranks) else None
+    prev = peer_link(groups, rank, my_ranks[st_j - 1], device) if st_j > 0 else None
+    nxt = peer_link(groups, rank, my_ranks[st_j + 1], device) if st_j + 1 < len(my_ranks) else None
     timer = BusyTimer(device)
     actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
     sync_mb = ddp.sync_microbatch(actions) if ddp.uses_ddp(plan) else None
@@ -277,84 +278,8 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
                  exchange, loss_weight=fraction)
 
 
-@dataclass
-class SplitBuilt(Built):
-    """A rank of a plan with tensor-split stages (runtime.tensor): one replica, no gradient
-    exchange; of a split stage, the first rank records the loss."""
-    split_index: int = 0                          # this rank's place in its stage's devices
-    split_ranks: tuple[int, ...] = ()             # its stage's ranks
-    pairs: list = field(default_factory=list)     # the linear pairs split (runtime.tensor)
-
-    def full_parameters(self) -> dict | None:
-        """The stage's whole parameters on its first rank (a collective over a split stage)."""
-        if len(self.split_ranks) < 2:
-            return {n: p.detach().cpu() for n, p in self.module.named_parameters()}
-        from runtime.tensor import full_parameters
-        return full_parameters(self.module, self.pairs, self.split_index, self.groups.sync[self.split_ranks])
-
-
-def _split_rank(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout, marks,
-                file: str) -> SplitBuilt:
-    """Rank `rank` of a plan with tensor-split stages (validated: one replica): its stage, on a
-    split stage with its slices of the linear pairs (runtime.tensor); links to the neighbouring
-    stages' ranks (pipeline.FanLink); no gradient exchange (one replica; a split stage's
-    replicated parameters get equal gradients on every rank)."""
-    from planner.files.io import InputError
-    from planner.workload.layer_cache import plan_batch
-    from planner.workload.partition import build_stages, place_stages
-    from runtime.tensor import split_stage
-    rep = plan.replicas[0]
-    rank_of = {d: r for r, d in enumerate(names)}
-    stage_ranks = [[rank_of[d] for d in st.devices] for st in rep.stages]     # first device first
-    st_j = next(j for j, rs in enumerate(stage_ranks) if rank in rs)
-    st = rep.stages[st_j]
-    micro = plan.global_batch // rep.microbatches
-    workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
-    if marks is not None:
-        marks.mark("model")
-    tied = _tied(found.params)
-    crossing = [n for n, ls in tied.items() if len({j for j, s in enumerate(rep.stages)
-                                                   for l in ls if s.start <= l < s.end}) > 1]
-    if crossing:
-        raise InputError(f"{file}: replicas[0].stages: weights tied across stages ({crossing[0]}) are "
-                         "not supported beside a tensor-split stage in this version")
-    pairs_p2p = [(min(a, b), max(a, b)) for A, B in zip(stage_ranks, stage_ranks[1:])
-                 for a in A for b in B if a == A[0] or b == B[0]]
-    split_sets = [tuple(sorted(rs)) for rs in stage_ranks if len(rs) > 1]
-    groups = Groups([parse_device_name(d)[1] for d in names], pairs_p2p, split_sets, timeout,
-                    nccl=standin_gpus() == 0)
-    ranks = tuple(sorted(stage_ranks[st_j]))
-    index = st.devices.index(names[rank])
-    module = build_stages(workload, [s.layers for s in rep.stages], micro,
-                          found.exported if micro == plan_batch(plan) else None)[st_j]
-    pairs = (split_stage(module, index, [s.share for s in st.split], groups.sync[ranks],
-                         groups.host_staged(ranks), frozenset(tied)) if st.split else [])
-    module = place_stages([module], device.device)[0]
-    params = list(module.parameters())
-
-    def neighbour(j: int):
-        peers, mine = stage_ranks[j], stage_ranks[st_j]
-        first = _peer_link(groups, rank, peers[0], device)
-        if len(peers) == 1 and len(mine) == 1:
-            return first
-        sending = rank == mine[0]
-        return FanLink(first, [_peer_link(groups, rank, p, device) for p in peers[1:]] if sending else [], sending)
-
-    timer = BusyTimer(device)
-    runner = StageRunner(module, device.device, workload.loss_fn, neighbour(st_j - 1) if st_j > 0 else None,
-                         neighbour(st_j + 1) if st_j + 1 < len(rep.stages) else None,
-                         scale=1.0 / rep.microbatches, busy=timer.timer, precision=plan.precision)
-    runner.saved_tracker = SavedTracker(params)
-    if st.offload_activations:
-        runner.offload = ActivationOffload(device, params)
-    optimizer = StageOptimizer(params, plan.optimizer, device)
-    actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
-    return SplitBuilt(plan, workload, 0, st_j, len(rep.stages), 0, micro, module, runner, NoGradSync(), optimizer,
-                      groups, timer, actions, BufferSync(groups, []), loss_weight=1.0 if index == 0 else 0.0,
-                      split_index=index, split_ranks=ranks, pairs=pairs)
-
-
-def _peer_link(groups: Groups, rank: int, peer: int, device: TorchDevice) -> PeerLink:
+def peer_link(groups: Groups, rank: int, peer: int, device: TorchDevice) -> PeerLink:
+    """The pipeline link between this rank and `peer` over the run's groups."""
     send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
     return PeerLink(peer=peer, send_group=send, recv_group=recv, device=device,
                     host_staged=device.accelerator and send is groups.world)

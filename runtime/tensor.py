@@ -16,13 +16,25 @@ kernels and may drift apart by rounding over many iterations (not corrected).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from planner.files.io import InputError
+from planner.files.plan import Plan
+from planner.hardware.device import TorchDevice, standin_gpus
+from planner.hardware.topology import parse_device_name
 from planner.workload.tensor_split import LinearPair, find_pairs, split_bounds
+from runtime.instruments import BusyTimer, SavedTracker
+from runtime.offload import ActivationOffload
+from runtime.optim import StageOptimizer
+from runtime.pipeline import FanLink, StageRunner, stage_actions
+from runtime.stage import Built, check_model, peer_link, tied_layers
+from runtime.sync import BufferSync, Groups
+from runtime.sync_modes import NoGradSync
 
 
 def _all_reduce(t: torch.Tensor, group: Any, staged: bool) -> torch.Tensor:
@@ -134,4 +146,79 @@ def full_parameters(module: nn.Module, pairs: list[LinearPair], index: int, grou
     return full
 
 
-__all__ = ["split_stage", "full_parameters", "SplitExchange"]
+# --- a rank of a plan with tensor-split stages ---------------------------------------------------
+@dataclass
+class SplitBuilt(Built):
+    """A rank of a plan with tensor-split stages (runtime.tensor): one replica, no gradient
+    exchange; of a split stage, the first rank records the loss."""
+    split_index: int = 0                          # this rank's place in its stage's devices
+    split_ranks: tuple[int, ...] = ()             # its stage's ranks
+    pairs: list = field(default_factory=list)     # the linear pairs split (runtime.tensor)
+
+    def full_parameters(self) -> dict | None:
+        """The stage's whole parameters on its first rank (a collective over a split stage)."""
+        if len(self.split_ranks) < 2:
+            return {n: p.detach().cpu() for n, p in self.module.named_parameters()}
+        return full_parameters(self.module, self.pairs, self.split_index, self.groups.sync[self.split_ranks])
+
+
+def build_rank(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout, marks,
+               file: str) -> SplitBuilt:
+    """Rank `rank` of a plan with tensor-split stages (validated: one replica): its stage, on a
+    split stage with its slices of the linear pairs (runtime.tensor); links to the neighbouring
+    stages' ranks (pipeline.FanLink); no gradient exchange (one replica; a split stage's
+    replicated parameters get equal gradients on every rank)."""
+    from planner.workload.layer_cache import plan_batch
+    from planner.workload.partition import build_stages, place_stages
+    rep = plan.replicas[0]
+    rank_of = {d: r for r, d in enumerate(names)}
+    stage_ranks = [[rank_of[d] for d in st.devices] for st in rep.stages]     # first device first
+    st_j = next(j for j, rs in enumerate(stage_ranks) if rank in rs)
+    st = rep.stages[st_j]
+    micro = plan.global_batch // rep.microbatches
+    workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
+    if marks is not None:
+        marks.mark("model")
+    tied = tied_layers(found.params)
+    crossing = [n for n, ls in tied.items() if len({j for j, s in enumerate(rep.stages)
+                                                   for l in ls if s.start <= l < s.end}) > 1]
+    if crossing:
+        raise InputError(f"{file}: replicas[0].stages: weights tied across stages ({crossing[0]}) are "
+                         "not supported beside a tensor-split stage in this version")
+    pairs_p2p = [(min(a, b), max(a, b)) for A, B in zip(stage_ranks, stage_ranks[1:])
+                 for a in A for b in B if a == A[0] or b == B[0]]
+    split_sets = [tuple(sorted(rs)) for rs in stage_ranks if len(rs) > 1]
+    groups = Groups([parse_device_name(d)[1] for d in names], pairs_p2p, split_sets, timeout,
+                    nccl=standin_gpus() == 0)
+    ranks = tuple(sorted(stage_ranks[st_j]))
+    index = st.devices.index(names[rank])
+    module = build_stages(workload, [s.layers for s in rep.stages], micro,
+                          found.exported if micro == plan_batch(plan) else None)[st_j]
+    pairs = (split_stage(module, index, [s.share for s in st.split], groups.sync[ranks],
+                         groups.host_staged(ranks), frozenset(tied)) if st.split else [])
+    module = place_stages([module], device.device)[0]
+    params = list(module.parameters())
+
+    def neighbour(j: int):
+        peers, mine = stage_ranks[j], stage_ranks[st_j]
+        first = peer_link(groups, rank, peers[0], device)
+        if len(peers) == 1 and len(mine) == 1:
+            return first
+        sending = rank == mine[0]
+        return FanLink(first, [peer_link(groups, rank, p, device) for p in peers[1:]] if sending else [], sending)
+
+    timer = BusyTimer(device)
+    runner = StageRunner(module, device.device, workload.loss_fn, neighbour(st_j - 1) if st_j > 0 else None,
+                         neighbour(st_j + 1) if st_j + 1 < len(rep.stages) else None,
+                         scale=1.0 / rep.microbatches, busy=timer.timer, precision=plan.precision)
+    runner.saved_tracker = SavedTracker(params)
+    if st.offload_activations:
+        runner.offload = ActivationOffload(device, params)
+    optimizer = StageOptimizer(params, plan.optimizer, device)
+    actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
+    return SplitBuilt(plan, workload, 0, st_j, len(rep.stages), 0, micro, module, runner, NoGradSync(), optimizer,
+                      groups, timer, actions, BufferSync(groups, []), loss_weight=1.0 if index == 0 else 0.0,
+                      split_index=index, split_ranks=ranks, pairs=pairs)
+
+
+__all__ = ["split_stage", "full_parameters", "SplitExchange", "SplitBuilt", "build_rank"]

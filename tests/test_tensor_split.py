@@ -13,7 +13,7 @@ import torch
 
 from planner.cost.memory import peak_memory
 from planner.files.io import InputError
-from planner.files.plan import Share, Stage, load_plan, plan_from_dict, plan_to_dict, validate_plan
+from planner.files.plan import Share, load_plan, plan_from_dict, plan_to_dict, validate_plan
 from planner.sim.simulator import simulate
 from planner.workload.graph import SplitPair
 from planner.workload.tensor_split import find_pairs, split_bounds
