@@ -215,9 +215,11 @@ def test_cli_plan_writes_a_split_plan_that_simulates(tmp_path):
 
 def test_pipeline_stage_before_a_split_stage():
     # layer 0 (1 s forward, 2 s backward) on cuda:2, then the hand-computed split above as the
-    # stage [1, 4): its input arrives at cuda:0 (1e6 B at 1e6 B/s: 1 s), its input gradient
-    # goes back the same way. GPipe, one microbatch: 1 + 1 + (1.775 + 2.02) + (3.55 + 1.02) + 1 + 2;
-    # the split devices' steps (0.049 s) run during the gradient's trip and cuda:2's backward
+    # stage [1, 4): its input goes to cuda:0 (1e6 B at 1e6 B/s: 1 s), then a copy to cuda:1 over
+    # the same link (1 s, queued behind) and on from cuda:0 (0.01 + 1 s); the input gradient
+    # goes back from cuda:0 alone. GPipe, one microbatch:
+    # 1 + 1 + 1 + 1.01 + (1.775 + 2.02) + (3.55 + 1.02) + 1 + 2; the split devices' steps
+    # (0.049 s) run during the gradient's trip and cuda:2's backward
     _, t, _ = _split_case()
     g = replace(graph([layer(0), layer(1, param_bytes=10**6), layer(2, param_bytes=10**6), layer(3)], batch=2,
                       cut_bytes=[0, 10**6, 0, 0, 0]),
@@ -229,9 +231,26 @@ def test_pipeline_stage_before_a_split_stage():
     split = replace(p.replicas[0].stages[1], split=(Share("cuda:0", 0.25), Share("cuda:1", 0.75)))
     p = replace(p, replicas=(replace(p.replicas[0], stages=(p.replicas[0].stages[0], split)),))
     r = simulate(p, g, t)
-    assert r.iteration_s == approx(1 + 1 + 1.775 + 2.02 + 3.55 + 1.02 + 1 + 2)
-    assert r.per_device["cuda:2"]["comm_s"] == approx(2.0) and r.per_device["cuda:0"]["comm_s"] == approx(2 + 3.04)
-    assert r.per_device["cuda:1"]["comm_s"] == approx(3.04)   # the boundary copies to cuda:1: not modelled
+    assert r.iteration_s == approx(1 + 1 + 1 + 1.01 + 1.775 + 2.02 + 3.55 + 1.02 + 1 + 2)
+    assert r.per_device["cuda:2"]["comm_s"] == approx(2 + 2.01)
+    assert r.per_device["cuda:0"]["comm_s"] == approx(2 + 3.04)
+    assert r.per_device["cuda:1"]["comm_s"] == approx(2.01 + 3.04)
+
+
+def test_split_stage_before_a_pipeline_stage_gets_the_gradient_on_every_device():
+    # the split above as stage [0, 3), then layer 3 (1 s, 2 s) on cuda:2: the activation goes
+    # from cuda:0 alone (1 s); the gradient comes back to cuda:0 (1 s) and, queued behind it,
+    # to cuda:1 through cuda:0 (1 + 1.01 s) before the split's backward; then cuda:1's step
+    g0, t, _ = _split_case()
+    g = replace(graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6), layer(2), layer(3)], batch=2,
+                      cut_bytes=[0, 0, 0, 10**6, 0]), pairs=g0.pairs)
+    t = replace(t, devices=t.devices + (device("cuda:2", flops=1e9),),
+                links=t.links + (link("cuda:2", "cuda:0", bw=1e6),))
+    p = plan([(1.0, 1, [("cuda:0", 0, 3), ("cuda:2", 3, 4)])], 2, schedule="gpipe")
+    split = replace(p.replicas[0].stages[0], split=(Share("cuda:0", 0.25), Share("cuda:1", 0.75)))
+    p = replace(p, replicas=(replace(p.replicas[0], stages=(split, p.replicas[0].stages[1])),))
+    r = simulate(p, g, t)
+    assert r.iteration_s == approx((1.775 + 2.02) + 1 + 1 + 2 + 1 + 1 + 1.01 + (3.55 + 1.02) + 0.04875)
 
 
 def test_cpu_workers_of_one_host_in_a_split_compute_at_once_under_contention():

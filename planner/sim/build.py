@@ -160,6 +160,8 @@ class Builder:
         for s, st in enumerate(stages):
             if st.offload_activations:
                 self.offload_copies(r, s, st, t, ids)
+            if st.split:
+                self.fan_copies(r, s, stages, t, ids)
         g.end_replica()
 
     def stage_resources(self, st: Stage) -> tuple[int, ...]:
@@ -186,6 +188,29 @@ class Builder:
             sync = g.value(recipe.sync())
             for d in st.devices:
                 g.count(d, "comm_s", sync)
+
+    def fan_copies(self, r: int, s: int, stages, t: ReplicaTemplate, ids: list[int]) -> None:
+        """A tensor-split stage's other devices get each microbatch's boundary tensors too
+        (runtime.pipeline.FanLink): the activation from the previous stage's first device after
+        its forward, the gradient from the next stage's after its backward, each over its route
+        (one task per hop, queued on the links like the template's), before the split stage's
+        forward or backward of that microbatch."""
+        g, st = self.g, stages[s]
+        tasks: dict[tuple[int, str, int], int] = {}       # (stage, "F" / "B", microbatch) -> task
+        for local, lab in enumerate(t.label):
+            if lab[0] == "compute":
+                tasks.setdefault((lab[1], lab[2].kind, lab[2].microbatch), local)   # B: its first piece
+                if lab[2].kind == "B":
+                    tasks[(lab[1], "B end", lab[2].microbatch)] = local          # and its last
+        for src_stage, cut, what, after, before in ((s - 1, st.start, "act", "F", "F"), (s + 1, st.end, "grad", "B end", "B")):
+            if not 0 <= src_stage < len(stages):
+                continue
+            src = stages[src_stage].device
+            for d in st.devices[1:]:
+                route = self.route(src, d, r, cut)
+                for i in range(self.plan.replicas[r].microbatches):
+                    last = self.chain(route, src, d, ids[tasks[(src_stage, after, i)]], f"{r}:{what} {src}->{d} mb{i}")
+                    g.wire(last, ids[tasks[(s, before, i)]])
 
     def offload_copies(self, r: int, s: int, st: Stage, t: ReplicaTemplate, ids: list[int]) -> None:
         """offload_activations: each microbatch's saved activations go to the host after its

@@ -21,9 +21,9 @@ merged, as the runtime does). Recompute adds the stage's forward to its backward
 Tensor split (a stage's "devices"): the stage's forward and backward are each one task holding
 every device of the split and the links of their ring, lasting the slowest device's part per
 layer plus the activation all-reduces (CostModel.tensor_stage_s); each device's statistics
-count its own part. Each device steps the parameters it holds. Transfers to and from the
-neighbouring stages go to and from the split's first device; the copies to its other devices
-(on their own links) are not modelled.
+count its own part. Each device steps the parameters it holds. The neighbouring stages'
+transfers go to and from the split's first device, and copies of them to its other devices
+(Builder.fan_copies).
 
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
