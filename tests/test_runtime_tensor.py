@@ -109,3 +109,14 @@ def test_weights_tied_across_stages_beside_a_split_are_refused(tmp_path):
     path.write_text(json.dumps(p))
     with pytest.raises(InputError, match=r"replicas\[0\]\.stages: weights tied across stages \(inp\.weight\)"):
         launch(RunConfig(plan=str(path), iters=1, warmup=0, timeout_s=30), load_plan(path).devices)
+
+
+def test_a_split_device_not_on_this_machine_is_named(monkeypatch):
+    from planner.files.io import InputError
+    from planner.files.plan import plan_from_dict
+    from planner.hardware.device import STANDIN_ENV
+    from runtime.launch import check_devices
+    monkeypatch.setenv(STANDIN_ENV, "1")          # cuda:0 here (a stand-in), no cuda:1
+    p = plan_from_dict(split_plan({"spec": "mlp", "args": {}, "num_layers": 5}, devices=("cuda:0", "cuda:1")))
+    with pytest.raises(InputError, match=r"p\.json: replicas\[0\]\.stages\[0\]\.devices\[1\]\.device: 'cuda:1' is not"):
+        check_devices(p, "p.json")
