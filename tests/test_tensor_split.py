@@ -296,3 +296,22 @@ def test_tensor_moves_give_valid_plans_whole_model_and_pipeline_splits():
             assert [x.device for x in st.split] == [d for d, _ in t.tensor] and st.device == t.tensor[0][0]
         s = t if rng.random() < 0.5 else s
     assert seen == {"whole", "pipeline"}
+
+
+def test_shift_share_moves_a_few_percent_and_keeps_the_sum():
+    import random
+    from planner.files.plan import ModelRef
+    from planner.search.mcmc import Problem, Searcher
+    from planner.search.space import Pipeline, Space, Strategy
+    space = Space(devices=("cuda:0", "cpu:0", "cpu:1"), kinds={"cuda:0": "cuda", "cpu:0": "cpu", "cpu:1": "cpu"},
+                  num_layers=3, global_batch=8, model=ModelRef("toy"), tensor_split=True)
+    searcher = Searcher(Problem(space, lambda p: None, {}, {}), random.Random(1))
+    s = Strategy((Pipeline(("cuda:0",), ()),), tensor=(("cuda:0", 0.5), ("cpu:0", 0.3), ("cpu:1", 0.2)))
+    for _ in range(20):
+        t = searcher.shift_share(s)
+        if t is None:
+            continue
+        moved = sorted(round(b - a, 6) for (_, a), (_, b) in zip(s.tensor, t.tensor))
+        assert sum(x for _, x in t.tensor) == pytest.approx(1, abs=1e-9)
+        assert moved[0] < 0 < moved[-1] and moved[0] == -moved[-1] and abs(moved[-1]) in (0.01, 0.02, 0.05)
+        assert [d for d, _ in t.tensor] == ["cuda:0", "cpu:0", "cpu:1"]

@@ -205,6 +205,18 @@ class Searcher:
         shares.append(1 - sum(shares))
         return replace(t, tensor=tuple((d, x) for (d, _), x in zip(kept, shares)))
 
+    def shift_share(self, s: Strategy) -> Strategy | None:
+        """Move 1, 2 or 5 % of a tensor split from one device to another (fine-tuning with the
+        full simulator what solve_shares' model misses: the per-layer waits, the steps)."""
+        i, j = self.rng.sample(range(len(s.tensor)), 2)
+        delta = self.rng.choice((0.01, 0.02, 0.05))
+        shares = [x for _, x in s.tensor]
+        if shares[i] - delta < 0.01:
+            return None
+        shares[i], shares[j] = round(shares[i] - delta, 3), round(shares[j] + delta, 3)
+        shares[-1] = 1 - sum(shares[:-1])
+        return replace(s, tensor=tuple((d, x) for (d, _), x in zip(s.tensor, shares)))
+
     def shift_batch(self, s: Strategy, batches: tuple[int, ...]) -> tuple[int, ...] | None:
         """Move a few samples from one replica to another (fine-tuning with the full simulator)."""
         if len(batches) < 2:
@@ -302,10 +314,13 @@ class Searcher:
             nb = self.shift_batch(s, batches)
             if nb is not None:
                 return self.evaluate(to_plan(self.p.space, s, nb))
+            shifted = self.shift_share(s) if s.tensor else None    # a split's shares instead
+            if shifted is not None:
+                return self.evaluate(to_plan(self.p.space, shifted, batches))
         t = propose(self.p.space, s, self.rng)
         if t is None:
             return None
-        if t.tensor:       # shares solved for the split stage as it now is
+        if t.tensor and _split_shape(t) != _split_shape(s):   # solved for the split as it now is
             t = self.solve_shares(t)
         if [p.devices for p in t.pipelines] == [p.devices for p in s.pipelines] and \
                 [min_batch(p, t.schedule) for p in t.pipelines] == [min_batch(p, s.schedule) for p in s.pipelines] \
@@ -329,6 +344,15 @@ class Searcher:
             return self.evaluate(to_plan(self.p.space, t, g.batches))
         except ValueError:   # a batch too small for the schedule's microbatches
             return None
+
+
+def _split_shape(s: Strategy) -> tuple:
+    """What a tensor split's solved shares depend on: its devices and its stage's layers and
+    microbatches (the shares are solved again when one changes)."""
+    if not s.tensor:
+        return ()
+    p = s.pipelines[0]
+    return (tuple(d for d, _ in s.tensor), s.tensor_stage, p.cuts, p.microbatches, len(p.devices))
 
 
 def _split(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
