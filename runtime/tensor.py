@@ -11,8 +11,10 @@ all-reduce of the partial outputs forward and identity backward. Every other ope
 whole on every rank: its parameters get the same gradients everywhere (same inputs, same ops)
 and need no exchange; each rank's optimizer steps what it holds.
 
-Limit: on devices of different kinds the replicated parameters are computed by different
-kernels and may drift apart by rounding over many iterations (not corrected).
+Limits: on devices of different kinds the replicated parameters are computed by different
+kernels and may drift apart by rounding over many iterations (not corrected); a dropout with
+p > 0 in the replicated part draws its mask from each device's own generator (no shared RNG
+state as Megatron keeps), so devices of different kinds disagree.
 """
 from __future__ import annotations
 
