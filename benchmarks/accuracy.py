@@ -5,7 +5,7 @@ simulator and the measured cost model (what `hetplan simulate` does on a topolog
 run the plan for real `--repeats` times (`hetplan run`, median after warm-up; the plan's time is
 the median of the runs, their spread shown beside it), and report MAPE, the worst error and
 Kendall's tau, overall, per workload and per size class (microbatch, iteration time, pipeline
-depth, sync). The plan set follows the topology: on CPU workers only, 40 plans over mlp, gpt,
+depth, sync). The plan set follows the topology: on CPU workers only, 42 plans over mlp, gpt,
 cnn, a small-microbatch mlp and two Hugging Face models (Llama, ResNet; when `transformers` is
 installed); with a GPU, plans of the GPU alone and of the CPU and the GPU together (batch split,
 CPU pipeline stage, optimizer on the CPU).

@@ -103,8 +103,8 @@ def _where(device) -> dict:
 
 
 def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
-    """Covers single device, even/uneven DP, coarse/fine sync, GPipe and 1F1B, CPU optimizer
-    placement, SGD and Adam; a hybrid when there are three devices."""
+    """Covers single device, even/uneven DP, coarse/fine sync, GPipe, 1F1B and interleaved 1F1B,
+    CPU optimizer placement, SGD and Adam; a hybrid when there are three devices."""
     a, b = devices[0], devices[1]
     W = CPU_WORKLOADS
     out = {}
@@ -123,6 +123,10 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
                                               opt="sgd", lr=0.01)
         out[f"{w}/gpipe-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="gpipe")
         out[f"{w}/1f1b-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="1f1b")
+        if w in ("mlp", "gpt") and L >= 4:   # each device's half in two virtual stages
+            q = [round(k * L / 4) for k in range(5)]
+            virtual = [(d, (q[k], q[k + 1])) for k, d in enumerate((a, b, a, b))]
+            out[f"{w}/interleaved-4mb"] = make_plan(W[w], [(1.0, 4, virtual)], schedule="interleaved-1f1b")
     out["mlp/single-2mb"] = make_plan(W["mlp"], [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
     out["mlp/tensor-40-60"] = make_plan(W["mlp"], [(1.0, 1, [([(a, 0.4), (b, 0.6)], (0, num_layers["mlp"]))])])
     # asynchronous modes (their iteration time; planner/search/time_to_loss ranks them by loss)

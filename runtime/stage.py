@@ -18,6 +18,7 @@ from runtime import ddp
 from runtime.sync_modes import (NoGradSync, ParameterExchange, ParameterServer, ServerClient,
                                 ServerStepped, hogwild_parameters)
 from runtime.instruments import BusyTimer, SavedTracker
+from runtime.interleaved import InterleavedRunner, VirtualStages, device_actions, sent_messages
 from runtime.offload import ActivationOffload
 from runtime.optim import StageOptimizer
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
@@ -153,8 +154,9 @@ class _Layout:
         return sorted(set(self.ranks_of_layer) | {t.ranks for t in self.tied})
 
 
-def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found) -> _Layout:
-    """`found`: the workload's planner.workload.layer_cache.LayerMap."""
+def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found, mine=()) -> _Layout:
+    """`found`: the workload's planner.workload.layer_cache.LayerMap; `mine`: this rank's stage
+    layer ranges when it holds several (interleaved), for how many of them use a tied weight."""
     named = dict(module.named_parameters())
     if len(set(ranks_of_layer)) == 1 and plan.sync.granularity == "coarse":
         # every layer has the same ranks: one flat bucket; no need to know the layers
@@ -167,7 +169,8 @@ def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found) 
     owned = [tuple(n for n in ns if n not in tied) for ns in names_by_layer]
     params_by_layer = {l: [named[n] for n in ns if n in named and n not in tied]
                        for l, ns in enumerate(names_by_layer)}
-    ties = [Tied(named.get(n), tuple(sorted({r for l in ls for r in ranks_of_layer[l]})), ls[0])
+    ties = [Tied(named.get(n), tuple(sorted({r for l in ls for r in ranks_of_layer[l]})), ls[0],
+                 max(1, sum(any(a <= l < b for l in ls) for a, b in mine)))
             for n, ls in sorted(tied.items())]
     buckets = _buckets(plan, owned, dict(workload.model.named_parameters()))
     buffers = _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer)
@@ -212,7 +215,11 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     kinds = [parse_device_name(d)[1] for d in names]
     if plan.sync.mode == "parameter-server" and names[rank] == plan.sync.server:
         return _server(plan, kinds, device, timeout, marks, file)
-    where = {d: (i, j) for i, rep in enumerate(plan.replicas) for j, st in enumerate(rep.stages) for d in st.devices}
+    where: dict[str, tuple[int, int]] = {}   # device -> (replica, its first stage)
+    for i, r in enumerate(plan.replicas):
+        for j, st in enumerate(r.stages):
+            for d in st.devices:
+                where.setdefault(d, (i, j))
     rep_i, st_j = where[names[rank]]
     rep = plan.replicas[rep_i]
     if any(st.split for st in rep.stages):      # validated: the plan's only replica
@@ -225,14 +232,19 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         marks.mark("model")
     from planner.workload.layer_cache import plan_batch
     # on a cold layer-map cache the map's export is at this batch when micro is the plan's batch
-    module = _module(workload, rep, st_j, micro, device,
-                     found.exported if micro == plan_batch(plan) else None)
+    exported = found.exported if micro == plan_batch(plan) else None
+    # interleaved-1f1b: this rank holds several virtual stages (runtime.interleaved)
+    mine = [j for j, st in enumerate(rep.stages) if st.device == names[rank]]
+    interleaved = len(mine) > 1
+    module = (_virtual_stages(workload, rep, mine, micro, device, exported) if interleaved
+              else _module(workload, rep, st_j, micro, device, exported))
 
     # who holds which layer: one rank per replica
     replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
     ranks_of_layer = layer_ranks([[st.layers for st in r.stages] for r in plan.replicas],
                                  replica_ranks, plan.num_layers)
-    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, found)
+    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, found,
+                     [rep.stages[j].layers for j in mine] if interleaved else ())
     named = dict(module.named_parameters())
 
     pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
@@ -240,17 +252,27 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     groups = Groups(kinds, pairs, layout.sync_sets if synchronous else [], timeout, nccl=standin_gpus() == 0)
     my_ranks = replica_ranks[rep_i]
 
-    prev = peer_link(groups, rank, my_ranks[st_j - 1], device) if st_j > 0 else None
-    nxt = peer_link(groups, rank, my_ranks[st_j + 1], device) if st_j + 1 < len(my_ranks) else None
+    def link(peer: int) -> PeerLink:
+        return peer_link(groups, rank, peer, device)
+
     timer = BusyTimer(device)
-    actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
-    sync_mb = ddp.sync_microbatch(actions) if ddp.uses_ddp(plan) else None
-    wrapped = module if sync_mb is None else ddp.wrap(module, groups.sync[ranks_of_layer[0]],
-                                                      device.device, _bucket_of(plan, layout))
     fraction = batch / plan.global_batch      # asynchronous: each replica's loss its own mean
-    runner = StageRunner(wrapped, device.device, workload.loss_fn, prev, nxt,
-                         scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
-                         recompute=plan.recompute, precision=plan.precision)
+    if interleaved:
+        runner, actions = _interleaved_runner(plan, rep, module, my_ranks, rank, link, device, workload,
+                                              fraction / rep.microbatches, timer)
+        sync_mb = None
+        st_j, n_stages = rep.pipeline_devices.index(names[rank]), len(rep.pipeline_devices)   # data: first/last
+    else:
+        n_stages = len(rep.stages)
+        prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
+        nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
+        actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
+        sync_mb = ddp.sync_microbatch(actions) if ddp.uses_ddp(plan) else None
+        wrapped = module if sync_mb is None else ddp.wrap(module, groups.sync[ranks_of_layer[0]],
+                                                          device.device, _bucket_of(plan, layout))
+        runner = StageRunner(wrapped, device.device, workload.loss_fn, prev, nxt,
+                             scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
+                             recompute=plan.recompute, precision=plan.precision)
     runner.saved_tracker = SavedTracker(named.values())
     if rep.stages[st_j].offload_activations:
         runner.offload = ActivationOffload(device, named.values())
@@ -262,7 +284,7 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         else:   # plain data parallel: torch DDP syncs during backward (runtime.ddp)
             sync = ddp.DDPSync()
             runner.forward_context = ddp.forward_context(wrapped, sync_mb)
-        return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
+        return Built(plan, workload, rep_i, st_j, n_stages, plan.replica_offsets()[rep_i], micro,
                      module, runner, sync, optimizer, groups, timer, actions,
                      BufferSync(groups, layout.buffers))
     params = list(named.values())
@@ -313,6 +335,29 @@ def _server(plan: Plan, kinds: list[str], device: TorchDevice, timeout, marks, f
     return ServerBuilt(plan, workload, -1, 0, 1, 0, 0, module, runner, NoGradSync(), optimizer, groups,
                        timer, [], BufferSync(groups, []), loss_weight=0.0,
                        server=ParameterServer(params, optimizer, groups.world, timer.timer))
+
+
+def _virtual_stages(workload, rep, mine: list[int], micro: int, device: TorchDevice, exported=None):
+    """interleaved-1f1b: this rank's stages `mine` of the replica, on its device, as one module."""
+    from planner.workload.partition import build_stages, place_stages
+    built = build_stages(workload, [st.layers for st in rep.stages], micro, exported)
+    return VirtualStages(dict(zip(mine, place_stages([built[j] for j in mine], device.device))))
+
+
+def _interleaved_runner(plan: Plan, rep, module: VirtualStages, my_ranks: list[int], rank: int, link,
+                        device: TorchDevice, workload, scale: float, timer: BusyTimer):
+    """The runner of a rank holding several virtual stages, and its actions: one link per
+    neighbouring device, and each neighbour's send order (runtime.interleaved)."""
+    n, p = len(rep.stages), len(rep.pipeline_devices)
+    row = rep.pipeline_devices.index(rep.stages[next(iter(module.by_stage))].device)
+    order = [device_actions(plan.schedule, n, rep.microbatches, p, r) for r in range(p)]
+    peers = sorted({my_ranks[j + d] for j in module.by_stage for d in (-1, 1) if 0 <= j + d < n})
+    sends = {my_ranks[r]: [msg for msg in sent_messages(order[r], n) if my_ranks[msg[1]] == rank]
+             for r in range(p) if my_ranks[r] in peers}
+    runner = InterleavedRunner(module.by_stage, n, device.device, workload.loss_fn,
+                               {q: link(q) for q in peers}, my_ranks, sends, scale, timer.timer,
+                               recompute=plan.recompute, precision=plan.precision)
+    return runner, order[row]
 
 
 def _module(workload, rep, st_j: int, micro: int, device: TorchDevice, exported=None) -> torch.nn.Module:

@@ -94,6 +94,8 @@ class Tied:
     param: torch.nn.Parameter | None  # None where this rank holds none of its layers
     ranks: tuple[int, ...]
     first_layer: int                  # its gradient is final after this layer's backward
+    uses: int = 1                     # backward passes per microbatch accumulating into it on this
+                                      # rank: its stage modules using it (interleaved: up to v)
 
 
 @dataclass
@@ -129,7 +131,7 @@ class GradSync:
                 self.buckets.append(_Bucket(ranks, params, len(params) * microbatches, max(layers)))
         for t in tied:
             if t.param is not None and rank in t.ranks and len(t.ranks) > 1 and t.param.requires_grad:
-                self.buckets.append(_Bucket(t.ranks, [t.param], microbatches, t.first_layer))
+                self.buckets.append(_Bucket(t.ranks, [t.param], microbatches * t.uses, t.first_layer))
         self.buckets.sort(key=lambda b: -b.order)    # stable: the same order on every rank
         if self.fine:
             self._owner = {}

@@ -81,22 +81,23 @@ def learnable(width: int = 16) -> Workload:
 
 
 class TiedNet(nn.Module):
-    """Three layers; the last reuses the first's weight (transposed): a weight tied across
-    layers, as GPT-2's embedding and output head."""
+    """Five layers; layers 1 and 3 use one weight (a tied parameter held by two stages)."""
 
     def __init__(self, width: int):
         super().__init__()
         self.inp = nn.Linear(8, width)
+        self.a = nn.Linear(width, width)
         self.mid = nn.Linear(width, width)
-        self.out = nn.Linear(width, 8)
+        self.b = nn.Linear(width, width)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(width, 3)
 
     def forward(self, x):
-        h = torch.relu(self.mid(torch.relu(self.inp(x))))
-        return self.out(h) + F.linear(h, self.inp.weight.t())
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.b(torch.tanh(self.mid(torch.tanh(self.a(h))))))
+        return self.out(h)
 
 
 def tiednet(width: int = 16) -> Workload:
-    def make_batch(batch_size: int, seed: int):
-        g = torch.Generator().manual_seed(int(seed))
-        return torch.randn(batch_size, 8, generator=g), torch.randint(0, 8, (batch_size,), generator=g)
-    return Workload(model=TiedNet(width), make_batch=make_batch, loss_fn=F.cross_entropy)
+    w = skipnet(width)
+    return Workload(model=TiedNet(width), make_batch=w.make_batch, loss_fn=F.cross_entropy)

@@ -106,7 +106,7 @@ R1 = "replicas.1"
 CASES = [
     ("global_batch", 0, "global_batch: expected a positive integer"),
     ("replicas", [], "replicas: expected a non-empty list"),
-    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, got 'zb'"),
+    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, got 'zb'"),
     ("sync.granularity", "medium", "sync.granularity: expected one of coarse, fine"),
     ("sync.bucket_bytes", 0, "sync.bucket_bytes: expected a positive integer"),
     ("optimizer.name", "lamb", "optimizer.name: expected one of sgd, adam"),

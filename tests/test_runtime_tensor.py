@@ -103,11 +103,12 @@ def test_split_stage_then_a_pipeline_stage_under_gpipe(tmp_path):
 
 def test_weights_tied_across_stages_beside_a_split_are_refused(tmp_path):
     from planner.files.io import InputError
-    p = _pipeline([("cpu:0", (0, 1)), ([("cpu:1", 0.5), ("cpu:2", 0.5)], (1, 3))], 2)
+    # tiednet: layers 1 and 3 use one weight (a.weight), here in different stages
+    p = _pipeline([("cpu:0", (0, 2)), ([("cpu:1", 0.5), ("cpu:2", 0.5)], (2, 5))], 2)
     p["model"] = {"spec": "tests.runtime_models:tiednet", "args": {}}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(p))
-    with pytest.raises(InputError, match=r"replicas\[0\]\.stages: weights tied across stages \(inp\.weight\)"):
+    with pytest.raises(InputError, match=r"replicas\[0\]\.stages: weights tied across stages \(a\.weight\)"):
         launch(RunConfig(plan=str(path), iters=1, warmup=0, timeout_s=30), load_plan(path).devices)
 
 

@@ -48,6 +48,7 @@ def main(args) -> int:
     if args.grid:
         for r, rep in enumerate(plan.replicas):
             print(f"\nreplica {r} ({plan.schedule}, {rep.microbatches} microbatches):")
-            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches),
-                       ["+".join(st.devices) for st in rep.stages]))
+            devs = (list(rep.pipeline_devices) if plan.schedule == "interleaved-1f1b"
+                    else ["+".join(st.devices) for st in rep.stages])     # a split stage: its devices
+            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches, len(devs)), devs))
     return 0

@@ -11,7 +11,10 @@ microbatches, stage index s):
   "cpu" a GPU keeps none; its host CPU holds the state plus a copy of the gradients. Under
   "split" the host holds both for cpu_fraction f of the bytes, the GPU the state of 1 - f.
 * activations: saved_bytes of one microbatch (sum over [a, b), scaled to mb) times the
-  microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m).
+  microbatches in flight: GPipe holds all m; 1F1B at most min(p - s, m). Interleaved 1F1B:
+  a device holds several virtual stages; its peak is the most it holds at once walking its
+  schedule (each F adds the stage's microbatch, each B frees it): (p - r - 1) * 2 + (v - 1) * p
+  + 1 stage-microbatches on device r when the warm-up is not capped by m * v.
   With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
   microbatch, plus one microbatch's full saved activations while it is recomputed.
 * precision: the graph was captured in the plan's precision, so saved bytes are of the dtypes
@@ -38,13 +41,46 @@ from planner.cost.model import OPTIMIZER_STATE_PER_PARAM_BYTE, host_cpu
 from planner.workload.graph import ModelGraph
 from planner.files.plan import Plan, Stage
 from planner.hardware.topology import Topology
+from planner.sim.schedule import make_schedule
 
 
-def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
-    """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B)."""
+def in_flight(schedule: str, stages: int, stage: int, microbatches: int, devices: int | None = None) -> int:
+    """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B);
+    interleaved 1F1B (`devices` p): the most its device's schedule holds of that stage."""
     if schedule == "gpipe":
         return microbatches
+    if schedule == "interleaved-1f1b":
+        p = devices or stages
+        held, most = 0, 0
+        for a in make_schedule(schedule, stages, microbatches, p)[stage % p]:
+            if a.stage == stage:
+                held += 1 if a.kind == "F" else -1
+                most = max(most, held)
+        return most
     return min(stages - stage, microbatches)
+
+
+def device_activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int) -> dict[str, float]:
+    """Interleaved 1F1B: each device's peak saved-activation bytes over its virtual stages,
+    walking its schedule; with recompute a stage keeps its input per microbatch and, during a
+    backward, one microbatch's full saved activations."""
+    rep = plan.replicas[rep_index]
+    devs = rep.pipeline_devices
+    mb = plan.replica_batches()[rep_index] / rep.microbatches
+    one = [saved_per_microbatch(plan, graph, rep_index, s) for s in range(len(rep.stages))]
+    keep = [graph.cut_bytes_at(st.start, mb) for st in rep.stages] if plan.recompute else one
+    out = {}
+    for r, acts in enumerate(make_schedule(plan.schedule, len(rep.stages), rep.microbatches, len(devs))):
+        held = most = 0.0
+        for a in acts:
+            if a.kind == "F":
+                held += keep[a.stage]
+                most = max(most, held)
+            else:
+                most = max(most, held + (one[a.stage] if plan.recompute else 0.0))
+                held -= keep[a.stage]
+        out[devs[r]] = most
+    return out
 
 
 def saved_per_microbatch(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
@@ -99,14 +135,21 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
     if plan.sync.mode == "parameter-server":
         out[plan.sync.server] = (2 + state_ratio) * float(graph.stage_param_bytes(0, graph.num_layers))
         state_ratio = 0.0            # the workers keep no optimizer state
+    interleaved = plan.schedule == "interleaved-1f1b"
     for r, rep in enumerate(plan.replicas):
+        if interleaved:      # activations per device (its virtual stages together)
+            for d, acts in device_activation_bytes(plan, graph, r).items():
+                out[d] = out.get(d, 0.0) + acts
         for s, st in enumerate(rep.stages):
-            acts = activation_bytes(plan, graph, r, s)
-            if st.split:       # validated: optimizer on the devices, synchronous, no offload
+            acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s)
+            if st.split:       # validated: optimizer on the devices, synchronous, no offload, not interleaved
                 for dev, params in held_param_bytes(st, graph):
                     out[dev] = out.get(dev, 0.0) + (2 + state_ratio) * params + acts
                 continue
             params = float(graph.stage_param_bytes(st.start, st.end))
+            if interleaved:   # what this stage adds to its device's earlier ones (one tied copy)
+                before = [x.layers for x in rep.stages[:s] if x.device == st.device]
+                params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
             center = params if plan.sync.mode == "easgd" else 0.0
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + center
             if st.offload_activations:
@@ -126,4 +169,5 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["held_param_bytes", "in_flight", "saved_per_microbatch", "activation_bytes", "offloaded_bytes", "peak_memory", "feasible"]
+__all__ = ["held_param_bytes", "in_flight", "device_activation_bytes", "saved_per_microbatch", "activation_bytes",
+           "offloaded_bytes", "peak_memory", "feasible"]

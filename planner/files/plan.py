@@ -13,7 +13,7 @@ from typing import Any
 from planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 SCHEMA = "hetplan.plan/1"
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 GRANULARITIES = ("coarse", "fine")
 # sync.mode: synchronous training, or one of the asynchronous strategies of the contract
 SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwild", "parameter-server")
@@ -25,9 +25,12 @@ PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master w
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 
 
-def min_microbatches(stages: int, schedule: str) -> int:
+def min_microbatches(stages: int, schedule: str, devices: int | None = None) -> int:
     """The fewest microbatches a pipeline of `stages` stages may run: 1F1B needs one per stage
-    (its warm-up holds one per stage), GPipe one."""
+    (its warm-up holds one per stage), interleaved 1F1B one per device (`devices`; and a
+    multiple of it), GPipe one."""
+    if schedule == "interleaved-1f1b":
+        return devices or stages
     return stages if schedule == "1f1b" else 1
 
 
@@ -69,6 +72,11 @@ class Replica:
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(d for s in self.stages for d in s.devices)
+
+    @property
+    def pipeline_devices(self) -> tuple[str, ...]:
+        """The distinct devices in stage order (interleaved-1f1b: device r holds stages r, r + p, ...)."""
+        return tuple(dict.fromkeys(self.devices))
 
 
 @dataclass(frozen=True)
@@ -126,8 +134,9 @@ class Plan:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Every device the plan runs on: its stages', then a parameter server's."""
-        stages = tuple(d for r in self.replicas for d in r.devices)
+        """Every device the plan runs on, once: its stages' (a split stage's every device), then a
+        parameter server's."""
+        stages = tuple(dict.fromkeys(d for r in self.replicas for d in r.devices))
         server = self.sync.server if self.sync.mode == "parameter-server" else None
         return stages + (server,) if server is not None and server not in stages else stages
 
@@ -202,7 +211,9 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                       f"expected a divisor of the replica's batch {batches[i]}, got {rep.microbatches}")
         if not rep.stages:
             raise err(f"{where}.stages", "expected at least one stage")
-        if rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
+        if plan.schedule == "interleaved-1f1b":
+            _validate_interleaved(rep, where, err)
+        elif rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
             raise err(f"{where}.microbatches",
                       f"1f1b needs microbatches >= stages ({len(rep.stages)}), got {rep.microbatches}")
         expect_start = 0
@@ -220,9 +231,13 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                 df = f"{sw}.devices[{k}].device" if st.split else f"{sw}.device"
                 if device_names is not None and d not in device_names:
                     raise err(df, f"expected a device of the topology ({', '.join(sorted(device_names))}), got {d!r}")
-                if d in seen:
-                    raise err(df, f"device {d!r} is already used by {seen[d]}; expected distinct devices")
-                seen[d] = sw
+                if d in seen and not (plan.schedule == "interleaved-1f1b" and not st.split
+                                      and seen[d].startswith(where + ".")):
+                    raise err(df, f"device {d!r} is already used by {seen[d]}; expected distinct devices"
+                                  + ("" if plan.schedule == "interleaved-1f1b" else
+                                     " (a device holds several stages of one replica only under "
+                                     "schedule \"interleaved-1f1b\")"))
+                seen.setdefault(d, sw)
             if st.offload_activations and st.device.split("/")[-1].startswith("cpu:"):
                 raise err(f"{sw}.offload_activations", f"expected only on an accelerator stage "
                                                        f"(a CPU's activations are in host memory), got it on {st.device!r}")
@@ -267,6 +282,34 @@ def _validate_split(plan: Plan, i: int, j: int, err) -> None:
                                          f"{plan.optimizer.placement!r}")
     if plan.sync.mode != "sync":
         raise err("sync.mode", f"expected \"sync\" with a tensor-split stage, got {plan.sync.mode!r}")
+    if plan.schedule == "interleaved-1f1b":
+        raise err("schedule", "expected gpipe or 1f1b with a tensor-split stage (interleaved-1f1b is not "
+                              "supported together in this version)")
+
+
+def _validate_interleaved(rep: Replica, where: str, err) -> None:
+    """interleaved-1f1b: p distinct devices hold v = stages / p virtual stages each, stage k on
+    the device of stage k mod p (so consecutive stages are on different devices); microbatches
+    a multiple of p (Megatron's rule); no offloaded activations (not modelled for it)."""
+    devs = rep.pipeline_devices
+    p, n = len(devs), len(rep.stages)
+    if n > 1 and p < 2:
+        raise err(f"{where}.stages", f"interleaved-1f1b needs at least 2 devices in a pipeline of several "
+                                     f"stages; got {n} stages all on {devs[0]!r}")
+    for k, st in enumerate(rep.stages):
+        if st.device != devs[k % p]:
+            raise err(f"{where}.stages[{k}].device",
+                      f"interleaved-1f1b expects stage {k} on {devs[k % p]!r} (stage k on the device of "
+                      f"stage k mod {p}, the first {p} stages' distinct devices), got {st.device!r}")
+        if st.offload_activations:
+            raise err(f"{where}.stages[{k}].offload_activations",
+                      "expected false under interleaved-1f1b (not supported together in this version)")
+    if n % p:
+        raise err(f"{where}.stages", f"interleaved-1f1b expects a multiple of the {p} devices' count of "
+                                     f"stages (v virtual stages per device), got {n}")
+    if rep.microbatches % p:
+        raise err(f"{where}.microbatches", f"interleaved-1f1b needs microbatches a multiple of the pipeline's "
+                                           f"{p} devices, got {rep.microbatches}")
 
 
 def _validate_mode(plan: Plan, err) -> None:

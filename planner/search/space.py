@@ -6,7 +6,9 @@ stage boundaries are, the desired microbatch count of each pipeline, and the glo
 share, recompute, activation offload, precision), and a tensor split of one stage of a lone
 pipeline (the whole model, or one stage of a pipeline) between devices with their shares
 (`Strategy.tensor`, solved by the search like the batch split:
-planner.search.mcmc.Searcher.solve_shares). A plan is a
+planner.search.mcmc.Searcher.solve_shares). Under interleaved 1F1B a pipeline's `devices`
+name every virtual stage, a device appearing v times (stage k on the device of stage k mod p,
+as the plan file says). A plan is a
 strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
 search solve it directly (planner.search.mcmc.solve_batches) instead of random-walking fractions.
 
@@ -46,6 +48,8 @@ class Space:
                                              # baselines use the first
     max_microbatches: int = 64             # more microbatches than this only add overhead
     cpu_fractions: tuple[float, ...] = CPU_FRACTIONS
+    interleave: bool = True                # the `interleave` move may turn 1F1B pipelines into
+                                           # interleaved ones with v = 2 virtual stages per device
     tensor_split: bool = False             # the model has linear pairs to split between devices
                                            # (ModelGraph.pairs): the tensor move is drawn
 
@@ -73,6 +77,11 @@ class Pipeline:
     devices: tuple[str, ...]               # stage k runs on devices[k]
     cuts: tuple[int, ...]                  # len(devices) - 1 strictly increasing layers in (0, L)
     microbatches: int = 1                  # desired; realised as a divisor of the replica batch
+
+    @property
+    def distinct(self) -> tuple[str, ...]:
+        """Its devices once each, in stage order (p; fewer than stages only when interleaved)."""
+        return tuple(dict.fromkeys(self.devices))
 
     def ranges(self, num_layers: int) -> list[tuple[int, int]]:
         bounds = (0, *self.cuts, num_layers)
@@ -105,16 +114,19 @@ class Strategy:
 # --- strategy -> plan ---------------------------------------------------------------------
 def min_batch(p: Pipeline, schedule: str) -> int:
     """Smallest replica batch a pipeline can take: one sample per microbatch it needs."""
-    return min_microbatches(len(p.devices), schedule)
+    return min_microbatches(len(p.devices), schedule, len(p.distinct))
 
 
-def realise_microbatches(desired: int, batch: int, stages: int, schedule: str) -> int:
+def realise_microbatches(desired: int, batch: int, stages: int, schedule: str, devices: int | None = None) -> int:
     """The divisor m of `batch` closest to `desired` (in ratio; ties -> smaller) with m >= stages
-    under 1F1B. Raises ValueError when none exists (batch < stages under 1F1B)."""
-    low = min_microbatches(stages, schedule)
-    divs = [m for m in range(low, batch + 1) if batch % m == 0]
+    under 1F1B, m a multiple of the `devices` under interleaved 1F1B. Raises ValueError when
+    none exists (batch < stages under 1F1B; no multiple of p divides the batch)."""
+    low = min_microbatches(stages, schedule, devices)
+    step = low if schedule == "interleaved-1f1b" else 1
+    divs = [m for m in range(low, batch + 1, step) if batch % m == 0]
     if not divs:
-        raise ValueError(f"no microbatch count >= {low} divides batch {batch}")
+        raise ValueError(f"no microbatch count >= {low}{' (a multiple of it)' if step > 1 else ''} "
+                         f"divides batch {batch}")
     return min(divs, key=lambda m: (abs(math.log(m / max(desired, 1))), m))
 
 
@@ -128,7 +140,7 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     B = space.global_batch
     replicas = []
     for p, b in zip(s.pipelines, batches, strict=True):
-        m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule)
+        m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule, len(p.distinct))
         split = tuple(Share(d, x) for d, x in s.tensor)
         stages = tuple(Stage(d, r, s.offload and not s.recompute and space.kinds[d] != "cpu",
                              split if k == s.tensor_stage else ())
@@ -153,15 +165,38 @@ def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
     return s, tuple(plan.replica_batches())
 
 
+def _layout_ok(p: Pipeline, schedule: str) -> bool:
+    """Distinct devices; under interleaved 1F1B stage k on the device of stage k mod p (p >= 2
+    unless one stage)."""
+    devs = p.distinct
+    if schedule != "interleaved-1f1b":
+        return len(devs) == len(p.devices)
+    n = len(devs)
+    return ((len(p.devices) == 1 or n >= 2) and len(p.devices) % n == 0
+            and all(d == devs[k % n] for k, d in enumerate(p.devices)))
+
+
+def _interleavable(space: Space, s: Strategy) -> bool:
+    """The search interleaves one pipeline taking the whole batch, a multiple of its p devices
+    (so every batch split and microbatch count it draws is valid), without activation offload.
+    Plan files may hold more (data-parallel interleaved pipelines): the simulator and runtime
+    run them; the search does not propose them."""
+    return (len(s.pipelines) == 1 and not s.offload
+            and space.global_batch % len(s.pipelines[0].distinct) == 0)
+
+
 def fits(space: Space, s: Strategy) -> bool:
-    """Structural validity: distinct devices, cuts inside (0, L), batch enough for every pipeline."""
-    used = [d for p in s.pipelines for d in p.devices]
+    """Structural validity: distinct devices (an interleaved pipeline's virtual stages apart),
+    cuts inside (0, L), batch enough for every pipeline."""
+    used = [d for p in s.pipelines for d in p.distinct]
     if not s.pipelines or len(used) != len(set(used)):
+        return False
+    if s.schedule == "interleaved-1f1b" and not _interleavable(space, s):
         return False
     if s.tensor and not _tensor_fits(s):
         return False
     for p in s.pipelines:
-        if len(p.cuts) != len(p.devices) - 1 or not p.devices:
+        if len(p.cuts) != len(p.devices) - 1 or not p.devices or not _layout_ok(p, s.schedule):
             return False
         bounds = (0, *p.cuts, space.num_layers)
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
@@ -172,7 +207,7 @@ def fits(space: Space, s: Strategy) -> bool:
 def _tensor_fits(s: Strategy) -> bool:
     """A tensor split as the plan file allows it (planner.files.plan): a stage of the one
     replica, its device first among two or more devices no other stage uses, shares in (0, 1]
-    summing to 1, the optimizer on the devices, neither recompute nor offload."""
+    summing to 1, the optimizer on the devices, neither recompute nor offload nor interleaving."""
     devices = [d for d, _ in s.tensor]
     if len(s.pipelines) != 1 or not 0 <= s.tensor_stage < len(s.pipelines[0].devices):
         return False
@@ -180,7 +215,7 @@ def _tensor_fits(s: Strategy) -> bool:
     return (pipe[s.tensor_stage] == devices[0] and len(devices) >= 2 and len(set(devices)) == len(devices)
             and not set(devices[1:]) & set(pipe) and all(0 < x <= 1 for _, x in s.tensor)
             and abs(sum(x for _, x in s.tensor) - 1) <= 1e-9 and s.placement == "device"
-            and not s.recompute and not s.offload)
+            and not s.recompute and not s.offload and s.schedule != "interleaved-1f1b")
 
 
 def with_split(s: Strategy, stage: int, devices) -> Strategy:
@@ -380,15 +415,47 @@ def tensor_move(space: Space, s: Strategy, rng: random.Random) -> Strategy | Non
     return None
 
 
+def interleave(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """1F1B -> interleaved 1F1B with v = 2: each device's layers split into two chunks (the
+    first the larger), virtual stage c*p + j holding device j's chunk c, so every device keeps
+    its share of the layers; back from interleaved to 1F1B, each device's chunks joined. Only
+    for one pipeline of several devices, each holding at least 2 layers (see _interleavable)."""
+    if s.schedule == "interleaved-1f1b":
+        pipes = []
+        for p in s.pipelines:
+            devs, ranges = p.distinct, p.ranges(space.num_layers)
+            sizes = [sum(b - a for (a, b), d in zip(ranges, p.devices) if d == x) for x in devs]
+            pipes.append(replace(p, devices=devs, cuts=tuple(itertools.accumulate(sizes[:-1]))))
+        return replace(s, schedule="1f1b", pipelines=tuple(pipes))
+    if not space.interleave or s.schedule != "1f1b" or len(s.pipelines) != 1 or len(s.pipelines[0].devices) < 2:
+        return None
+    p = s.pipelines[0]
+    sizes = [b - a for a, b in p.ranges(space.num_layers)]
+    if min(sizes) < 2:
+        return None
+    chunks = [n - n // 2 for n in sizes] + [n // 2 for n in sizes]
+    p = replace(p, devices=p.devices * 2, cuts=tuple(itertools.accumulate(chunks[:-1])))
+    return replace(s, schedule="interleaved-1f1b", pipelines=(p,))
+
+
 # (move, weight): structural moves dominate; global toggles are few and cheap to try.
 MOVES = ((move_cut, 4), (split_stage, 1), (merge_stages, 1), (swap_devices, 2), (add_replica, 1),
          (remove_device, 1), (move_device, 1), (change_microbatches, 2), (toggle_global, 2))
 TENSOR_MOVE = (tensor_move, 1)   # drawn only where the space allows a tensor split
+INTERLEAVE_WEIGHT = 1   # drawn only where `interleave` applies, so other walks draw as before it
+
+
+def _moves(space: Space, s: Strategy) -> tuple:
+    out = MOVES
+    if space.interleave and (s.schedule == "interleaved-1f1b" or (
+            s.schedule == "1f1b" and len(s.pipelines) == 1 and len(s.pipelines[0].devices) > 1)):
+        out = (*out, (interleave, INTERLEAVE_WEIGHT))
+    return (*out, TENSOR_MOVE) if space.tensor_split else out
 
 
 def propose(space: Space, s: Strategy, rng: random.Random, tries: int = 8) -> Strategy | None:
     """One random rewrite of one choice of `s` that stays structurally valid (or None)."""
-    moves, weights = zip(*(MOVES + ((TENSOR_MOVE,) if space.tensor_split else ())))
+    moves, weights = zip(*_moves(space, s))
     for _ in range(tries):
         move = rng.choices(moves, weights)[0]
         t = move(space, s, rng)

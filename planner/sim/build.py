@@ -124,7 +124,8 @@ class Builder:
         g.begin_replica((m, tuple(st.layers for st in stages), counts),
                         g.replica_tasks[like[r]] if like and like[r] != r else None)
         chunks = [self.backward_chunks(st) for st in stages]
-        t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts)
+        devices = len(rep.pipeline_devices) if self.plan.schedule == "interleaved-1f1b" else None
+        t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices)
         vals: list[int] = []
         lasts = []
         for s, (st, ch) in enumerate(zip(stages, chunks)):   # values in the order the slots number them
@@ -145,7 +146,7 @@ class Builder:
                       t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
         devs = [st.device for st in stages]
         seq = g.stat_seq
-        for s, stat, vs in t.counts:   # a plan's devices are distinct: each group keeps its order
+        for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
             if stages[s].split:
                 self.count_split(stages[s], stat, [vals[v] for v in vs])
                 continue
@@ -155,8 +156,10 @@ class Builder:
             for (_, bucket), end in zip(lasts[s], t.chunk_end[s]):
                 if bucket is not None:
                     progress.chunk_of[(st.device, bucket)] = ids[end]
+            # a device's tasks are chained in creation order: its last is its latest stage's
+            last = ids[t.last_backward[s]]
             for dev in st.devices:
-                progress.last_backward[dev] = ids[t.last_backward[s]]
+                progress.last_backward[dev] = max(last, progress.last_backward.get(dev, last))
         for s, st in enumerate(stages):
             if st.offload_activations:
                 self.offload_copies(r, s, st, t, ids)
@@ -265,7 +268,10 @@ class Builder:
         if not (ex.fine and st.device in ex.by_device):
             return [Chunk(st.end, st.start, None)]
         chunks, hi = [], st.end
-        ks = ex.by_device[st.device]
+        # this stage's buckets (a device holding several interleaved stages holds others too)
+        ks = [k for k in ex.by_device[st.device] if st.start <= min(ex.buckets[k].layers) < st.end]
+        if not ks:
+            return [Chunk(st.end, st.start, None)]
         for j, k in enumerate(ks):
             lo = st.start if j == len(ks) - 1 else min(ex.buckets[k].layers)
             chunks.append(Chunk(hi, lo, k))
@@ -374,11 +380,22 @@ class Builder:
         opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
         f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         steps: list[int] = []
-        for st, dev, n in ((st, dev, n) for rep in self.plan.replicas for st in rep.stages
-                           for dev, n in held_param_bytes(st, graph)):
+        ranges: dict[str, list[tuple[int, int]]] = {}   # device -> its stages (several: interleaved)
+        split: dict[str, tuple[float, int]] = {}         # a tensor split's device -> (bytes, tensors) held
+        for rep in self.plan.replicas:
+            for st in rep.stages:
+                if st.split:
+                    n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
+                    for dev, n in held_param_bytes(st, graph):
+                        split[dev] = (n, n_t)
+                        ranges.setdefault(dev, [])
+                else:
+                    ranges.setdefault(st.device, []).append(st.layers)
+        for dev, rs in ranges.items():
+            n, n_t = split.get(dev) or (graph.device_param_bytes(rs),
+                                        sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b)))
             if n <= 0:
                 continue
-            n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
             deps = synced.get(dev) or [self.progress.last_backward[dev]]
             host = host_cpu(sim.topology, dev) if placement != "device" else dev
             if host != dev and f is None:

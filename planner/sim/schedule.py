@@ -2,7 +2,8 @@
 
 An `Action` is one stage's forward or backward of one microbatch and prints as `1F0`
 (stage 1, forward, microbatch 0) or `0B3`; `Action.parse` reads it back. A schedule is a list
-of actions per stage, in the order that stage's device runs them. `grid` dry-runs a schedule
+of actions per device, in the order that device runs them: one stage per device, except under
+interleaved 1F1B, where device r of p holds the virtual stages r, r + p, r + 2p, ... `grid` dry-runs a schedule
 with unit-time actions and prints the step x stage table (and names the step of a deadlock).
 """
 from __future__ import annotations
@@ -49,12 +50,43 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     return out
 
 
-def make_schedule(name: str, stages: int, microbatches: int) -> list[list[Action]]:
+def interleaved_1f1b(devices: int, stages: int, microbatches: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): p devices, v = stages / p virtual
+    stages each (stage c*p + r on device r), m a multiple of p. Device r's k-th forward runs
+    chunk (k // p) % v on microbatch (k // (p*v)) * p + k % p; its k-th backward the same
+    microbatch of chunk v - 1 - (k // p) % v. Warm-up: (p - r - 1) * 2 + (v - 1) * p forwards
+    (at most m*v), then 1F1B, then the remaining backwards. Bubble (p - 1) / (v * m)."""
+    p, v, m = devices, stages // devices, microbatches
+    if p < 1 or v * p != stages or m % p:
+        raise ValueError(f"interleaved-1f1b needs stages a multiple of devices and microbatches a "
+                         f"multiple of devices; got {stages} stages, {p} devices, {m} microbatches")
+
+    def act(r: int, k: int, kind: str) -> Action:
+        c = (k // p) % v
+        return Action((c if kind == "F" else v - 1 - c) * p + r, kind, (k // (p * v)) * p + k % p)
+
+    out = []
+    for r in range(p):
+        total = m * v
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        acts = [act(r, k, "F") for k in range(warmup)]                     # warm-up
+        for k in range(total - warmup):                                   # steady: 1F then 1B
+            acts += [act(r, warmup + k, "F"), act(r, k, "B")]
+        acts += [act(r, k, "B") for k in range(total - warmup, total)]     # cool-down
+        out.append(acts)
+    return out
+
+
+def make_schedule(name: str, stages: int, microbatches: int, devices: int | None = None) -> list[list[Action]]:
+    """Each device's actions; `devices` (interleaved-1f1b only) is the number of distinct
+    devices p of the pipeline (default: one per stage)."""
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(devices or stages, stages, microbatches)
     if name == "gpipe":
         return gpipe(stages, microbatches)
     if name == "1f1b":
         return one_f_one_b(stages, microbatches)
-    raise ValueError(f"unknown schedule {name!r}; expected gpipe or 1f1b")
+    raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b or interleaved-1f1b")
 
 
 def format_schedule(schedule: list[list[Action]]) -> str:
@@ -66,11 +98,12 @@ def parse_schedule(text: str) -> list[list[Action]]:
 
 
 def dry_run(schedule: list[list[Action]]) -> list[list[Action | None]]:
-    """Unit-time execution: per step, the action each stage runs (None when idle).
+    """Unit-time execution: per step, the action each device runs (None when idle).
 
     F(s, i) needs F(s-1, i) done in an earlier step; B(s, i) needs B(s+1, i) (or, on the last
-    stage, F(s, i)). Raises ValueError naming the step when no stage can progress."""
+    stage, F(s, i)). Raises ValueError naming the step when no device can progress."""
     p = len(schedule)
+    last = max((a.stage for acts in schedule for a in acts), default=0)
     done: set[tuple[int, str, int]] = set()
     pos = [0] * p
     steps: list[list[Action | None]] = []
@@ -79,9 +112,10 @@ def dry_run(schedule: list[list[Action]]) -> list[list[Action | None]]:
         for s in range(p):
             a = schedule[s][pos[s]] if pos[s] < len(schedule[s]) else None
             if a is not None:
-                need = ((s - 1, "F", a.microbatch) if a.kind == "F" and s > 0 else
-                        (s + 1, "B", a.microbatch) if a.kind == "B" and s < p - 1 else
-                        (s, "F", a.microbatch) if a.kind == "B" else None)
+                k = a.stage
+                need = ((k - 1, "F", a.microbatch) if a.kind == "F" and k > 0 else
+                        (k + 1, "B", a.microbatch) if a.kind == "B" and k < last else
+                        (k, "F", a.microbatch) if a.kind == "B" else None)
                 if need is not None and need not in done:
                     a = None
             row.append(a)
@@ -107,5 +141,5 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "make_schedule", "format_schedule",
+__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "make_schedule", "format_schedule",
            "parse_schedule", "dry_run", "grid"]

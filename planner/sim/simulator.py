@@ -176,7 +176,7 @@ class Simulator:
             # replicas or all-reduces share a link direction.
             seen: set[int] = set()
             g.collapsible = (like is None and plan.optimizer.placement == "device"
-                             and len(set(plan.devices)) == len(plan.devices))
+                             and len(plan.devices) == sum(len(r.stages) for r in plan.replicas))
             for used in g.replica_res if g.collapsible else ():
                 if used & seen or used & g.sync_res:
                     g.collapsible = False

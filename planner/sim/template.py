@@ -83,10 +83,13 @@ def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...]) -
 
 @lru_cache(maxsize=256)
 def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
-                     hops: tuple[tuple[int, int], ...]) -> ReplicaTemplate:
+                     hops: tuple[tuple[int, int], ...], devices: int | None = None) -> ReplicaTemplate:
     """The template of a replica with len(pieces) stages (stage s's last microbatch's backward
     in pieces[s] pieces) and m microbatches; hops[p] = (hops ahead, hops back) between stages
-    p and p+1."""
+    p and p+1; `devices`: the pipeline's distinct devices (interleaved-1f1b; default one per
+    stage). A device's actions are chained in its schedule order, whichever of its (virtual)
+    stages they belong to; a compute task's resource slot is its stage's (the builder maps
+    the virtual stages of one device to that device's resource)."""
     slots, _, _ = _slots(pieces, m, hops)
     value: list[int] = []
     res: list[int] = []
@@ -107,17 +110,17 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
             ndeps[t] += 1
         return t
 
-    fwd_t: list[list[int]] = []
-    bwd_first: list[list[int]] = []
-    bwd_last: list[list[int]] = []
-    chunk_end: list[tuple[int, ...]] = []
-    last_backward: list[int] = []
-    for s, acts in enumerate(make_schedule(schedule, len(pieces), m)):
-        f, bf, bl = [0] * m, [0] * m, [0] * m
-        ends: list[int] = []
+    n = len(pieces)
+    fwd_t: list[list[int]] = [[0] * m for _ in range(n)]
+    bwd_first: list[list[int]] = [[0] * m for _ in range(n)]
+    bwd_last: list[list[int]] = [[0] * m for _ in range(n)]
+    ends_of: list[list[int]] = [[] for _ in range(n)]
+    last_of: list[int] = [0] * n
+    for acts in make_schedule(schedule, n, m, devices):
         prev = None
         for act in acts:
-            i = act.microbatch
+            i, s = act.microbatch, act.stage
+            f, bf, bl, ends = fwd_t[s], bwd_first[s], bwd_last[s], ends_of[s]
             if act.kind == "F":
                 prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
                 counts.setdefault((s, "fwd_s"), []).append(slots.fwd[s])
@@ -131,11 +134,9 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                 if i == m - 1:
                     ends.append(prev)
             bf[i], bl[i] = first, prev
-        fwd_t.append(f)
-        bwd_first.append(bf)
-        bwd_last.append(bl)
-        chunk_end.append(tuple(ends))
-        last_backward.append(prev)
+            last_of[s] = prev
+    chunk_end = [tuple(e) for e in ends_of]
+    last_backward = last_of
 
     def chain(vals, rs, src: int, dst: int, after: int, lab: tuple) -> int:
         t = after

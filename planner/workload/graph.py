@@ -101,6 +101,15 @@ class ModelGraph:
                      if not start <= t.layers[0] < end and any(start <= l < end for l in t.layers))
         return sum(l.param_bytes for l in self.layers[start:end]) + copies
 
+    def device_param_bytes(self, ranges) -> int:
+        """Parameter bytes a device holding the stages `ranges` ([(start, end), ...]; several
+        under interleaved 1F1B) holds: their layers' own, plus one copy of each tied parameter
+        one of them uses whose first layer none of them holds. One range: stage_param_bytes."""
+        def held(l: int) -> bool:
+            return any(a <= l < b for a, b in ranges)
+        copies = sum(t.bytes for t in self.tied if not held(t.layers[0]) and any(map(held, t.layers)))
+        return sum(l.param_bytes for a, b in ranges for l in self.layers[a:b]) + copies
+
     def saved_bytes_at(self, start: int, end: int, batch: float) -> float:
         """Bytes layers [start, end) save for backward at a microbatch of `batch` samples:
         saved_bytes scaled to it, plus autocast's weight copies (not scaled)."""
