@@ -211,6 +211,9 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                       f"expected a divisor of the replica's batch {batches[i]}, got {rep.microbatches}")
         if not rep.stages:
             raise err(f"{where}.stages", "expected at least one stage")
+        if plan.schedule == "interleaved-1f1b" and any(st.split for st in rep.stages):
+            raise err("schedule", "expected gpipe or 1f1b with a tensor-split stage (interleaved-1f1b is not "
+                                  "supported together in this version)")
         if plan.schedule == "interleaved-1f1b":
             _validate_interleaved(rep, where, err)
         elif rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
@@ -260,7 +263,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
 def _validate_split(plan: Plan, i: int, j: int, err) -> None:
     """A tensor-split stage ("devices"): two or more entries, shares in (0, 1] summing to 1, and
     what this version runs: one replica, synchronous, optimizer on the devices, neither
-    recompute nor activation offload on the split stage."""
+    recompute nor activation offload on the split stage (nor interleaved-1f1b: validate_plan)."""
     st, sw = plan.replicas[i].stages[j], f"replicas[{i}].stages[{j}]"
     if len(st.split) < 2:
         raise err(f"{sw}.devices", f"expected at least two devices to split the stage between, got {len(st.split)}")
@@ -282,9 +285,6 @@ def _validate_split(plan: Plan, i: int, j: int, err) -> None:
                                          f"{plan.optimizer.placement!r}")
     if plan.sync.mode != "sync":
         raise err("sync.mode", f"expected \"sync\" with a tensor-split stage, got {plan.sync.mode!r}")
-    if plan.schedule == "interleaved-1f1b":
-        raise err("schedule", "expected gpipe or 1f1b with a tensor-split stage (interleaved-1f1b is not "
-                              "supported together in this version)")
 
 
 def _validate_interleaved(rep: Replica, where: str, err) -> None:
