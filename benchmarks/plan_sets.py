@@ -6,7 +6,8 @@ of the measured topology.
   adds the three ways of using the CPU and the GPU together: the batch split across a CPU
   replica and a GPU replica, a CPU stage in a pipeline with a GPU stage, and the optimizer of
   a GPU stage on the CPU (`"optimizer": {"placement": "cpu"}`), or a quarter of it there beside
-  the GPU's part (`"placement": "split", "cpu_fraction": 0.25`).
+  the GPU's part (`"placement": "split", "cpu_fraction": 0.25`); and the mlp's linear pairs
+  split between the CPU and the GPU (a stage's `"devices"`).
 
 A plan here is a plan-file dict (`hetplan.plan/1`) without `topology` and `predicted`.
 """
@@ -79,12 +80,13 @@ def plans_for(topology, num_layers: dict[str, int]) -> dict[str, dict]:
 def make_plan(workload: dict, replicas, schedule="1f1b", sync="coarse", opt="adam",
               placement="device", bucket_bytes=1 << 20, lr=1e-3, cpu_fraction=None, **fields) -> dict:
     """A plan dict; `replicas` is [(batch_fraction, microbatches, [(device, (start, end)[, offload])])]
-    (offload: the stage's offload_activations); `fields` are extra top-level plan keys."""
+    (offload: the stage's offload_activations; device: a name, or [(name, share), ...] for a
+    tensor-split stage); `fields` are extra top-level plan keys."""
     return {"schema": "hetplan.plan/1",
             "model": {"spec": workload["spec"], "args": workload["args"]},
             "global_batch": workload["batch"],
             "replicas": [{"batch_fraction": f, "microbatches": m,
-                          "stages": [{"device": d, "layers": list(r), **({"offload_activations": True} if off else {})}
+                          "stages": [{**_where(d), "layers": list(r), **({"offload_activations": True} if off else {})}
                                      for d, r, *off in stages]}
                          for f, m, stages in replicas],
             "schedule": schedule, "sync": {"granularity": sync, "bucket_bytes": bucket_bytes},
@@ -92,6 +94,12 @@ def make_plan(workload: dict, replicas, schedule="1f1b", sync="coarse", opt="ada
                           **({"cpu_fraction": cpu_fraction} if cpu_fraction is not None else {})},
             "recompute": False,
             **fields}
+
+
+def _where(device) -> dict:
+    if isinstance(device, str):
+        return {"device": device}
+    return {"devices": [{"device": d, "share": x} for d, x in device]}
 
 
 def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
@@ -121,6 +129,7 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
             virtual = [(d, (q[k], q[k + 1])) for k, d in enumerate((a, b, a, b))]
             out[f"{w}/interleaved-4mb"] = make_plan(W[w], [(1.0, 4, virtual)], schedule="interleaved-1f1b")
     out["mlp/single-2mb"] = make_plan(W["mlp"], [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
+    out["mlp/tensor-40-60"] = make_plan(W["mlp"], [(1.0, 1, [([(a, 0.4), (b, 0.6)], (0, num_layers["mlp"]))])])
     # asynchronous modes (their iteration time; planner/search/time_to_loss ranks them by loss)
     for w, sync in (("mlp", {"mode": "local-sgd", "period": 4}), ("gpt", {"mode": "hogwild"})):
         if w in num_layers:
@@ -208,6 +217,8 @@ def _gpu_workload_plans(w: str, spec: dict, L: int, cpu: str, gpu: str, **fields
         f"{w}/gpu-cpu-opt": plan([(1.0, 1, gpu_only)], placement="cpu"),
         f"{w}/gpu-split-opt": plan([(1.0, 1, gpu_only)], placement="split", cpu_fraction=0.25),
         f"{w}/gpu-offload-gpipe-4mb": plan([(1.0, 4, [(gpu, (0, L), True)])], schedule="gpipe"),
+        **({f"{w}/cpu-gpu-tensor": plan([(1.0, 1, [([(gpu, 1 - share), (cpu, share)], (0, L))])])}
+           if w == "mlp" else {}),
     }
 
 
@@ -215,10 +226,15 @@ def _kind(device: str) -> str:
     return device.split("/")[-1].split(":")[0]      # "node1/cuda:3" -> "cuda"
 
 
+def _stage_devices(stage: dict) -> list[str]:
+    """A plan dict stage's devices: its "device", or those of its tensor split."""
+    return [x["device"] for x in stage["devices"]] if "devices" in stage else [stage["device"]]
+
+
 def plan_class(plan: dict) -> str:
     """'cpu', 'gpu' or 'cpu+gpu': the kinds of device a plan computes on (a GPU stage whose
     optimizer step runs on the host uses both)."""
-    kinds = {_kind(s["device"]) for r in plan["replicas"] for s in r["stages"]}
+    kinds = {_kind(d) for r in plan["replicas"] for s in r["stages"] for d in _stage_devices(s)}
     if plan["optimizer"]["placement"] in ("cpu", "split"):
         kinds.add("cpu")
     return "+".join(name for kind, name in (("cpu", "cpu"), ("cuda", "gpu")) if kind in kinds)
@@ -227,14 +243,18 @@ def plan_class(plan: dict) -> str:
 def hybrid_kinds(plan: dict) -> set[str]:
     """How a plan uses the CPU and a GPU together: 'batch-split' (a CPU replica beside a GPU
     replica), 'pipeline' (a CPU stage and a GPU stage in one replica), 'cpu-optimizer' (a GPU
-    stage's optimizer step on the host), 'split-optimizer' (part of it on the host)."""
-    per_replica = [{_kind(s["device"]) for s in r["stages"]} for r in plan["replicas"]]
+    stage's optimizer step on the host), 'split-optimizer' (part of it on the host),
+    'tensor-split' (a stage's linear pairs split between a CPU and a GPU)."""
+    per_replica = [{_kind(d) for s in r["stages"] for d in _stage_devices(s)} for r in plan["replicas"]]
     everywhere = set().union(*per_replica)
     out = set()
     if {"cpu"} in per_replica and {"cuda"} in per_replica:
         out.add("batch-split")
-    if any(k == {"cpu", "cuda"} for k in per_replica):
+    if any({_kind(s["device"]) for s in r["stages"] if "device" in s} == {"cpu", "cuda"}
+           for r in plan["replicas"]):
         out.add("pipeline")
+    if any({_kind(d) for d in _stage_devices(s)} == {"cpu", "cuda"} for r in plan["replicas"] for s in r["stages"]):
+        out.add("tensor-split")
     if plan["optimizer"]["placement"] == "cpu" and "cuda" in everywhere:
         out.add("cpu-optimizer")
     if plan["optimizer"]["placement"] == "split" and "cuda" in everywhere:
@@ -244,4 +264,4 @@ def hybrid_kinds(plan: dict) -> set[str]:
 
 def plan_devices(plan: dict) -> list[str]:
     """The plan's devices, in order of first use."""
-    return list(dict.fromkeys(s["device"] for r in plan["replicas"] for s in r["stages"]))
+    return list(dict.fromkeys(d for r in plan["replicas"] for s in r["stages"] for d in _stage_devices(s)))

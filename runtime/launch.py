@@ -75,15 +75,17 @@ def check_devices(plan: Plan, file: str) -> None:
     n_gpu = None
     for i, rep in enumerate(plan.replicas):
         for j, st in enumerate(rep.stages):
-            _, kind, index = parse_device_name(st.device)
-            if kind != "cuda":
-                continue
-            if n_gpu is None:
-                from planner.hardware.device import gpu_count
-                n_gpu = gpu_count()
-            if index >= n_gpu:
-                raise InputError(f"{file}: replicas[{i}].stages[{j}].device: {st.device!r} is not on "
-                                 f"this machine ({n_gpu} CUDA device(s)); expected a device present here")
+            for k, d in enumerate(st.devices):
+                _, kind, index = parse_device_name(d)
+                if kind != "cuda":
+                    continue
+                if n_gpu is None:
+                    from planner.hardware.device import gpu_count
+                    n_gpu = gpu_count()
+                if index >= n_gpu:
+                    field = f"devices[{k}].device" if st.split else "device"
+                    raise InputError(f"{file}: replicas[{i}].stages[{j}].{field}: {d!r} is not on "
+                                     f"this machine ({n_gpu} CUDA device(s)); expected a device present here")
 
 
 def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:

@@ -159,6 +159,47 @@ class PeerLink:
         self.pending.clear()
 
 
+@dataclass
+class FanLink:
+    """A pipeline link beside a tensor-split stage (runtime.tensor): receives from the
+    neighbouring stage's first rank (every rank of a split stage receives the boundary tensors
+    and holds its outputs), and sends to every rank of the neighbouring stage, or to none: a
+    split stage's first rank sends for it. Same interface as PeerLink."""
+    first: PeerLink                    # the neighbouring stage's first rank
+    others: list[PeerLink]             # its other ranks (sent to when `sending`)
+    sending: bool
+
+    @property
+    def headers(self) -> dict[str, list]:
+        return self.first.headers
+
+    @property
+    def posted(self) -> list:
+        return self.first.posted
+
+    def _links(self) -> list[PeerLink]:
+        return [self.first, *self.others]
+
+    def send(self, key: str, tensors: list[torch.Tensor]) -> None:
+        if self.sending:
+            for link in self._links():
+                link.send(key, tensors)
+
+    def recv(self, key: str) -> list[torch.Tensor]:
+        return self.first.recv(key)
+
+    def post(self, key: str) -> None:
+        self.first.post(key)
+
+    def flush(self, block: bool = True) -> None:
+        for link in self._links():
+            link.flush(block)
+
+    def drain(self) -> None:
+        for link in self._links():
+            link.drain()
+
+
 # --- one stage --------------------------------------------------------------------------------
 class StageRunner:
     """Runs one stage's actions for an iteration and keeps what backward needs.

@@ -129,7 +129,7 @@ def _bucket_of(plan: Plan, layout: _Layout) -> dict[torch.nn.Parameter, int]:
     return out
 
 
-def _tied(names_by_layer) -> dict[str, tuple[int, ...]]:
+def tied_layers(names_by_layer) -> dict[str, tuple[int, ...]]:
     """Parameters used by several layers (tied weights) -> those layers."""
     layers: dict[str, list[int]] = {}
     for layer, names in enumerate(names_by_layer):
@@ -171,7 +171,7 @@ def _layout(plan: Plan, workload, module, replica_ranks, ranks_of_layer, found, 
         return _Layout({0: list(named.values())}, [ranks_of_layer[0]], [(0,)], [], buffers)
     names_by_layer, buffers_by_layer = found.params, found.buffers
     _check_ownership(named, names_by_layer)
-    tied = _tied(names_by_layer)
+    tied = tied_layers(names_by_layer)
     # a tied weight is exchanged on its own, in no layer's bucket (planner.cost.buckets)
     owned = [tuple(n for n in ns if n not in tied) for ns in names_by_layer]
     params_by_layer = {l: [named[n] for n in ns if n in named and n not in tied]
@@ -226,9 +226,13 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     where: dict[str, tuple[int, int]] = {}   # device -> (replica, its first stage)
     for i, r in enumerate(plan.replicas):
         for j, st in enumerate(r.stages):
-            where.setdefault(st.device, (i, j))
+            for d in st.devices:
+                where.setdefault(d, (i, j))
     rep_i, st_j = where[names[rank]]
     rep = plan.replicas[rep_i]
+    if any(st.split for st in rep.stages):      # validated: the plan's only replica
+        from runtime.tensor import build_rank
+        return build_rank(plan, names, rank, device, timeout, marks, file)
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
     workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
@@ -257,9 +261,7 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     my_ranks = replica_ranks[rep_i]
 
     def link(peer: int) -> PeerLink:
-        send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
-        return PeerLink(peer=peer, send_group=send, recv_group=recv, device=device,
-                    host_staged=device.accelerator and send is groups.world)
+        return peer_link(groups, rank, peer, device)
 
     timer = BusyTimer(device)
     fraction = batch / plan.global_batch      # asynchronous: each replica's loss its own mean
@@ -312,6 +314,13 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
                  module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, []),
                  exchange, loss_weight=fraction)
+
+
+def peer_link(groups: Groups, rank: int, peer: int, device: TorchDevice) -> PeerLink:
+    """The pipeline link between this rank and `peer` over the run's groups."""
+    send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
+    return PeerLink(peer=peer, send_group=send, recv_group=recv, device=device,
+                    host_staged=device.accelerator and send is groups.world)
 
 
 @dataclass

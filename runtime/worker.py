@@ -189,7 +189,11 @@ def _gather_params(cfg, built, rank, world):
     import torch.distributed as dist
     if not cfg.save_params:
         return None
-    mine = ({n: p.detach().cpu() for n, p in built.named_params} if built.replica == 0 else {})
+    full = getattr(built, "full_parameters", None)    # a tensor-split rank: its slices joined
+    if full is not None:
+        mine = full() or {}
+    else:
+        mine = ({n: p.detach().cpu() for n, p in built.named_params} if built.replica == 0 else {})
     out: list = [None] * world if rank == 0 else None
     dist.gather_object(mine, out, dst=0)
     if rank != 0:

@@ -166,7 +166,9 @@ def test_gpu_plan_set_uses_cpu_and_gpu_together_and_validates():
     assert len(plans) >= 10 and {n.split("/")[0] for n in plans} == {"mlp", "gpt", "cnn"}
     hybrid = {n: hybrid_kinds(p) for n, p in plans.items() if plan_class(p) == "cpu+gpu"}
     assert len(hybrid) >= 3
-    assert set().union(*hybrid.values()) == {"batch-split", "pipeline", "cpu-optimizer", "split-optimizer"}
+    assert set().union(*hybrid.values()) == {"batch-split", "pipeline", "cpu-optimizer", "split-optimizer",
+                                             "tensor-split"}
+    assert hybrid["mlp/cpu-gpu-tensor"] == {"tensor-split"}
     assert {"batch-split", "pipeline", "cpu-optimizer", "split-optimizer"} <= set().union(
         *(k for n, k in hybrid.items() if n.startswith("gpt/")))     # the transformer too
     assert all(plan_class(p) in ("gpu", "cpu+gpu") for p in plans.values())

@@ -81,11 +81,16 @@ def parse_precisions(text: str) -> tuple[str, ...]:
     return out
 
 
+def _where(st) -> str:
+    """A stage's device, or its tensor split: 'cpu:0 30% + cuda:0 70%'."""
+    return " + ".join(f"{x.device} {x.share:.0%}" for x in st.split) if st.split else st.device
+
+
 def describe(plan) -> str:
     """'cuda:0[0:6] | cpu:0[0:4]+cuda:1[4:6]' with batches and microbatches."""
     parts = []
     for r, b in zip(plan.replicas, plan.replica_batches()):
-        stages = " -> ".join(f"{s.device}[{s.start}:{s.end}]" for s in r.stages)
+        stages = " -> ".join(f"{_where(s)}[{s.start}:{s.end}]" for s in r.stages)
         parts.append(f"{stages} (batch {b}, {r.microbatches} microbatch{'es' if r.microbatches > 1 else ''})")
     return "; ".join(parts)
 

@@ -52,6 +52,7 @@ def main(args) -> int:
         for r, rep in enumerate(plan.replicas):
             what = f"{rep.microbatches} microbatches" + (f" x {stream} iterations, no flush" if stream > 1 else "")
             print(f"\nreplica {r} ({plan.schedule}, {what}):")
-            devs = rep.pipeline_devices
-            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches * stream, len(devs)), list(devs)))
+            devs = (list(rep.pipeline_devices) if plan.schedule == "interleaved-1f1b"
+                    else ["+".join(st.devices) for st in rep.stages])     # a split stage: its devices
+            print(grid(make_schedule(plan.schedule, len(rep.stages), rep.microbatches * stream, len(devs)), devs))
     return 0

@@ -31,6 +31,10 @@ microbatches, stage index s):
   in-flight microbatches' forwards used (weight stashing, runtime.pipedream): one copy of its
   parameters per microbatch in flight under PipeDream (p - s on stage s; 1F1B without flush
   keeps p - s in flight), at most 2 under 2BW; "average": "swa" one more (the running sum).
+* a tensor-split stage ("devices"): each device holds its share of the split linear pairs'
+  parameters, gradients and optimizer state and the rest whole (`held_param_bytes`), and the
+  stage's saved activations whole (an upper bound: the split pairs' hidden activations are
+  held in shares).
 * offload_activations: the stage's host CPU holds what the device would (every microbatch in
   flight); the device holds two of the stage's largest layer's saved bytes (one being copied
   out or back while the next is computed).
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 from planner.cost.model import OPTIMIZER_STATE_PER_PARAM_BYTE, host_cpu
 from planner.workload.graph import ModelGraph
-from planner.files.plan import Plan
+from planner.files.plan import Plan, Stage
 from planner.hardware.topology import Topology
 from planner.sim.schedule import make_schedule
 
@@ -132,6 +136,16 @@ def stashed_versions(plan: Plan, stages: int, stage: int) -> int:
     return 1 if mode == "easgd" else 0      # EASGD's center variable
 
 
+def held_param_bytes(st: Stage, graph: ModelGraph) -> list[tuple[str, float]]:
+    """(device, parameter bytes it holds) for a stage: all of them on its device; under a tensor
+    split each device holds its share of the split pairs' bytes and the rest whole."""
+    n = float(graph.stage_param_bytes(st.start, st.end))
+    if not st.split:
+        return [(st.device, n)]
+    split = float(sum(p.param_bytes for p in graph.split_pairs(st.start, st.end)))
+    return [(s.device, n - (1.0 - s.share) * split) for s in st.split]
+
+
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
     """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
@@ -147,11 +161,15 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
             for d, acts in device_activation_bytes(plan, graph, r).items():
                 out[d] = out.get(d, 0.0) + acts
         for s, st in enumerate(rep.stages):
+            acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s)
+            if st.split:       # validated: optimizer on the devices, synchronous, no offload, not interleaved
+                for dev, params in held_param_bytes(st, graph):
+                    out[dev] = out.get(dev, 0.0) + (2 + state_ratio) * params + acts
+                continue
             params = float(graph.stage_param_bytes(st.start, st.end))
             if interleaved:   # what this stage adds to its device's earlier ones (one tied copy)
                 before = [x.layers for x in rep.stages[:s] if x.device == st.device]
                 params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
-            acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s)
             copies = stashed_versions(plan, len(rep.stages), s) * params
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
             if st.offload_activations:
@@ -171,5 +189,5 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
+__all__ = ["held_param_bytes", "in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
            "offloaded_bytes", "peak_memory", "feasible"]

@@ -77,6 +77,14 @@ def optimizer_s(param_bytes: float, optimizer: str, device: Device) -> float:
     return OPTIMIZER_BYTES_PER_PARAM_BYTE[optimizer] * param_bytes / device.memory_bytes_per_s
 
 
+def tensor_part_s(layer_s: float, flops: float, split_flops: float, share: float) -> float:
+    """One device's time for a layer of a tensor-split stage: layer_s * (1 - phi + share * phi),
+    phi = split_flops / flops: the split linear pairs take their share of the layer's FLOPs in
+    its time, the device computes `share` of them, the rest of the layer runs whole."""
+    phi = split_flops / flops if flops > 0 else 0.0
+    return layer_s * (1.0 - phi + share * phi)
+
+
 def host_cpu(topology: Topology, device: str) -> str:
     """The CPU that runs `device`'s optimizer under placement "cpu" (ZeRO-Offload) or its host
     part under "split" (CoTrain): a CPU
@@ -197,6 +205,52 @@ class CostModel:
         fwd, bwd = self._layer[(device, batch)]
         return fwd[index], bwd[index]
 
+    # --- a tensor-split stage (planner.workload.tensor_split) ---------------------------------
+    def tensor_part_s(self, phase: str, device: str, share: float, start: int, end: int,
+                      batch: float, i: int | None = None) -> float:
+        """`device`'s own forward ("fwd") or backward ("bwd") compute of a tensor-split stage of
+        layers [start, end) at `batch` samples (layer i alone if given): per layer
+        `tensor_part_s(layer_s, flops, split_flops, share)`."""
+        graph, k = self.graph, (0 if phase == "fwd" else 1)
+        total = 0.0
+        for j in (range(start, end) if i is None else (i,)):
+            layer = graph.layers[j]
+            flops = layer.fwd_flops if k == 0 else layer.bwd_flops
+            total += tensor_part_s(self.layer_s(device, j, batch)[k], flops,
+                                   graph.split_flops(j, start, end)[k], share)
+        return total
+
+    def tensor_sync_s(self, phase: str, devices: tuple[str, ...], start: int, end: int, batch: float) -> float:
+        """The all-reduces of a tensor-split stage's forward (each pair's output) or backward
+        (each pair's input gradient, where it has one) at `batch` samples:
+        sum over pairs of allreduce_s(devices, bytes * batch / graph.batch)."""
+        scale = batch / self.graph.batch
+        sizes = [(p.out_bytes if phase == "fwd" else p.in_grad_bytes) * scale
+                 for p in self.graph.split_pairs(start, end)]
+        return sum(self.allreduce_s(devices, n) for n in sizes if n > 0)
+
+    def tensor_device_s(self, phase: str, split, device: str, start: int, end: int, batch: float,
+                        i: int | None = None) -> float:
+        """`device`'s part of a tensor-split stage (`split`: (device, share) pairs) computed
+        beside the others: tensor_part_s times contention(device, k), k the split's CPU devices
+        on its node when it is a CPU (they compute at once, in lock step), else 1."""
+        share = dict(split)[device]
+        t = self.tensor_part_s(phase, device, share, start, end, batch, i)
+        dev = self.topology.device(device)
+        if dev.kind != "cpu":
+            return t
+        k = sum(1 for d, _ in split if (x := self.topology.device(d)).kind == "cpu" and x.node == dev.node)
+        return t if k <= 1 else t * self.contention(device, k)
+
+    def tensor_stage_s(self, phase: str, split, start: int, end: int, batch: float) -> float:
+        """A tensor-split stage's forward or backward (`split`: (device, share) pairs): the
+        devices wait for each other at every pair's all-reduce, approximated per layer, so
+        sum over layers of max over devices of tensor_device_s, plus tensor_sync_s."""
+        devices = tuple(d for d, _ in split)
+        compute = sum(max(self.tensor_device_s(phase, split, d, start, end, batch, i) for d in devices)
+                      for i in range(start, end))
+        return compute + self.tensor_sync_s(phase, devices, start, end, batch)
+
     def optimizer_s(self, device: str, param_bytes: float, optimizer: str, n_tensors: int = 0,
                     busy: int = 1) -> float:
         """One optimizer step on `device`: with a calibration fit for `optimizer` on a CPU device,
@@ -279,5 +333,5 @@ class RooflineCost(CostModel):
         return [layer_fwd_s(l, device, p) for l in scaled], [layer_bwd_s(l, device, p) for l in scaled]
 
 
-__all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "weight_grad_share", "optimizer_s", "host_cpu", "split_host_count", "CostModel",
+__all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "weight_grad_share", "optimizer_s", "tensor_part_s", "host_cpu", "split_host_count", "CostModel",
            "RooflineCost", "OPTIMIZER_BYTES_PER_PARAM_BYTE", "OPTIMIZER_STATE_PER_PARAM_BYTE"]

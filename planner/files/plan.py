@@ -35,10 +35,24 @@ def min_microbatches(stages: int, schedule: str, devices: int | None = None) -> 
 
 
 @dataclass(frozen=True)
-class Stage:
+class Share:
+    """One device of a tensor-split stage and its share of the split linear operators."""
     device: str
+    share: float                       # in (0, 1]; a stage's shares sum to 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    device: str                        # the stage's device; under `split` the first listed
     layers: tuple[int, int]  # half-open [start, end)
     offload_activations: bool = False  # saved activations in host memory between F and B
+    split: tuple[Share, ...] = ()      # the file's "devices": linear pairs split between them
+                                       # (planner.workload.tensor_split); () = on `device` alone
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every device running the stage: its split's, or its one device."""
+        return tuple(s.device for s in self.split) if self.split else (self.device,)
 
     @property
     def start(self) -> int:
@@ -57,7 +71,7 @@ class Replica:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(s.device for s in self.stages)
+        return tuple(d for s in self.stages for d in s.devices)
 
     @property
     def pipeline_devices(self) -> tuple[str, ...]:
@@ -121,8 +135,9 @@ class Plan:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Every device the plan runs on, once: its stages', then a parameter server's."""
-        stages = tuple(dict.fromkeys(s.device for r in self.replicas for s in r.stages))
+        """Every device the plan runs on, once: its stages' (a split stage's every device), then a
+        parameter server's."""
+        stages = tuple(dict.fromkeys(d for r in self.replicas for d in r.devices))
         server = self.sync.server if self.sync.mode == "parameter-server" else None
         return stages + (server,) if server is not None and server not in stages else stages
 
@@ -204,6 +219,9 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                       f"expected a divisor of the replica's batch {batches[i]}, got {rep.microbatches}")
         if not rep.stages:
             raise err(f"{where}.stages", "expected at least one stage")
+        if plan.schedule in ("interleaved-1f1b", "zb-h1") and any(st.split for st in rep.stages):
+            raise err("schedule", f"expected gpipe or 1f1b with a tensor-split stage ({plan.schedule} is not "
+                                  "supported together in this version)")
         if plan.schedule == "interleaved-1f1b":
             _validate_interleaved(rep, where, err)
         elif rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
@@ -218,14 +236,19 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
             if end <= start:
                 raise err(f"{sw}.layers", f"expected a non-empty range [start, end), got [{start}, {end}]")
             expect_start = end
-            if device_names is not None and st.device not in device_names:
-                raise err(f"{sw}.device", f"expected a device of the topology ({', '.join(sorted(device_names))}), got {st.device!r}")
-            if st.device in seen and not (plan.schedule == "interleaved-1f1b" and seen[st.device].startswith(where + ".")):
-                raise err(f"{sw}.device", f"device {st.device!r} is already used by {seen[st.device]}; expected distinct devices"
-                                          + ("" if plan.schedule == "interleaved-1f1b" else
-                                             " (a device holds several stages of one replica only under "
-                                             "schedule \"interleaved-1f1b\")"))
-            seen.setdefault(st.device, sw)
+            if st.split:
+                _validate_split(plan, i, j, err)
+            for k, d in enumerate(st.devices):
+                df = f"{sw}.devices[{k}].device" if st.split else f"{sw}.device"
+                if device_names is not None and d not in device_names:
+                    raise err(df, f"expected a device of the topology ({', '.join(sorted(device_names))}), got {d!r}")
+                if d in seen and not (plan.schedule == "interleaved-1f1b" and not st.split
+                                      and seen[d].startswith(where + ".")):
+                    raise err(df, f"device {d!r} is already used by {seen[d]}; expected distinct devices"
+                                  + ("" if plan.schedule == "interleaved-1f1b" else
+                                     " (a device holds several stages of one replica only under "
+                                     "schedule \"interleaved-1f1b\")"))
+                seen.setdefault(d, sw)
             if st.offload_activations and st.device.split("/")[-1].startswith("cpu:"):
                 raise err(f"{sw}.offload_activations", f"expected only on an accelerator stage "
                                                        f"(a CPU's activations are in host memory), got it on {st.device!r}")
@@ -246,6 +269,33 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
     if sum(batches) != plan.global_batch:
         raise err("replicas", f"replica batches {batches} (round(fraction * global_batch)) sum to "
                               f"{sum(batches)}; expected global_batch {plan.global_batch}")
+
+
+def _validate_split(plan: Plan, i: int, j: int, err) -> None:
+    """A tensor-split stage ("devices"): two or more entries, shares in (0, 1] summing to 1, and
+    what this version runs: one replica, synchronous, optimizer on the devices, neither
+    recompute nor activation offload on the split stage (nor interleaved-1f1b: validate_plan)."""
+    st, sw = plan.replicas[i].stages[j], f"replicas[{i}].stages[{j}]"
+    if len(st.split) < 2:
+        raise err(f"{sw}.devices", f"expected at least two devices to split the stage between, got {len(st.split)}")
+    for k, sh in enumerate(st.split):
+        if not 0 < sh.share <= 1:
+            raise err(f"{sw}.devices[{k}].share", f"expected a number in (0, 1], got {sh.share}")
+    total = sum(sh.share for sh in st.split)
+    if abs(total - 1.0) > 1e-6:
+        raise err(f"{sw}.devices", f"share values sum to {total:.6g}; expected 1")
+    if len(plan.replicas) > 1:
+        raise err(f"{sw}.devices", "a tensor-split stage needs a plan of one replica (one pipeline) "
+                                   f"in this version; got {len(plan.replicas)} replicas")
+    if st.offload_activations:
+        raise err(f"{sw}.offload_activations", "expected false on a tensor-split stage (not supported)")
+    if plan.recompute:
+        raise err("recompute", "expected false with a tensor-split stage (not supported)")
+    if plan.optimizer.placement != "device":
+        raise err("optimizer.placement", f"expected \"device\" with a tensor-split stage, got "
+                                         f"{plan.optimizer.placement!r}")
+    if plan.sync.mode != "sync":
+        raise err("sync.mode", f"expected \"sync\" with a tensor-split stage, got {plan.sync.mode!r}")
 
 
 def _validate_interleaved(rep: Replica, where: str, err) -> None:
@@ -350,8 +400,11 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
             lay = s.get("layers", list, check=lambda v: len(v) == 2 and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
                 expected="[start, end] with non-negative integers")
-            stages.append(Stage(device=s.get("device", str), layers=(lay[0], lay[1]),
-                                offload_activations=s.get("offload_activations", bool, default=False)))
+            split = _read_split(s)
+            stages.append(Stage(device=split[0].device if split else s.get("device", str),
+                                layers=(lay[0], lay[1]),
+                                offload_activations=s.get("offload_activations", bool, default=False),
+                                split=split))
         replicas.append(Replica(batch_fraction=rr.get("batch_fraction", float),
                                 microbatches=rr.get("microbatches", int, default=1),
                                 stages=tuple(stages)))
@@ -390,6 +443,21 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     return plan
 
 
+def _read_split(s: Reader) -> tuple[Share, ...]:
+    """A stage's "devices" ([{"device", "share"}, ...]), or () when it has "device" instead."""
+    if not s.has("devices"):
+        return ()
+    if s.has("device"):
+        raise s.error("devices", "expected either \"device\" or \"devices\", not both")
+    return tuple(Share(e.get("device", str), e.get("share", float)) for e in s.readers("devices"))
+
+
+def _stage_dict(s: Stage) -> dict[str, Any]:
+    where = ({"devices": [{"device": x.device, "share": x.share} for x in s.split]} if s.split
+             else {"device": s.device})
+    return {**where, "layers": list(s.layers), **({"offload_activations": True} if s.offload_activations else {})}
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {
         "schema": SCHEMA,
@@ -402,8 +470,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["topology"] = {"name": plan.topology.name, "sha256": plan.topology.sha256}
     out["replicas"] = [
         {"batch_fraction": r.batch_fraction, "microbatches": r.microbatches,
-         "stages": [{"device": s.device, "layers": list(s.layers),
-                     **({"offload_activations": True} if s.offload_activations else {})} for s in r.stages]}
+         "stages": [_stage_dict(s) for s in r.stages]}
         for r in plan.replicas]
     out["schedule"] = plan.schedule
     out["sync"] = {"granularity": plan.sync.granularity, "bucket_bytes": plan.sync.bucket_bytes}
@@ -440,6 +507,6 @@ def plan_key(plan: Plan) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-__all__ = ["Plan", "Replica", "Stage", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
+__all__ = ["Plan", "Replica", "Stage", "Share", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
            "validate_plan", "min_microbatches", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan",
            "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "SYNC_MODES", "PIPEDREAM_MODES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan, plan_key
-from planner.search.space import Pipeline, Space, Strategy, fits, min_batch, propose, to_plan
+from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, min_batch, propose, to_plan,
+                                  with_split)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,56 @@ class Searcher:
             batches[i] += 1
         return tuple(batches)
 
+    def solve_shares(self, s: Strategy) -> Strategy:
+        """A tensor split's shares so that its devices finish together.
+
+        Device d's time for the split stage, from the cost model at the microbatch, is affine
+        in its share x: t_d(x) = a_d + c_d·x (a_d: what it runs whole, c_d: all the linear
+        pairs). The shares are the level T with sum_d clip((T - a_d)/c_d, 0, 1) = 1
+        (bisection), rounded to 1e-3; a device left with less than 1 % drops out of the split.
+        Without a cost model the shares stay as they are."""
+        cost = self.p.cost
+        if not s.tensor or cost is None:
+            return s
+        pipe, k = s.pipelines[0], s.tensor_stage
+        lo, hi = pipe.ranges(self.p.space.num_layers)[k]
+        mb = self.p.space.global_batch / pipe.microbatches
+        models = []
+        for d, _ in s.tensor:
+            a = sum(cost.tensor_part_s(ph, d, 0.0, lo, hi, mb) for ph in ("fwd", "bwd"))
+            c = sum(cost.tensor_part_s(ph, d, 1.0, lo, hi, mb) for ph in ("fwd", "bwd")) - a
+            models.append((a, max(c, 1e-15)))
+
+        def total(level: float) -> float:
+            return sum(min(1.0, max(0.0, (level - a) / c)) for a, c in models)
+        low, high = 0.0, max(a + c for a, c in models)
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if total(mid) < 1 else (low, mid)
+        raw = [min(1.0, max(0.0, (high - a) / c)) for a, c in models]
+        kept = [(d, x) for (d, _), x in zip(s.tensor, raw) if x >= 0.01]
+        if len(kept) < 2:
+            return with_split(s, k, (max(kept, key=lambda t: t[1])[0],) if kept else (s.tensor[0][0],))
+        norm = sum(x for _, x in kept)
+        shares = [round(x / norm, 3) for _, x in kept[:-1]]
+        t = with_split(s, k, [d for d, _ in kept])
+        if not all(x > 0 for x in shares) or sum(shares) >= 1:
+            return t
+        shares.append(1 - sum(shares))
+        return replace(t, tensor=tuple((d, x) for (d, _), x in zip(kept, shares)))
+
+    def shift_share(self, s: Strategy) -> Strategy | None:
+        """Move 1, 2 or 5 % of a tensor split from one device to another (fine-tuning with the
+        full simulator what solve_shares' model misses: the per-layer waits, the steps)."""
+        i, j = self.rng.sample(range(len(s.tensor)), 2)
+        delta = self.rng.choice((0.01, 0.02, 0.05))
+        shares = [x for _, x in s.tensor]
+        if shares[i] - delta < 0.01:
+            return None
+        shares[i], shares[j] = round(shares[i] - delta, 3), round(shares[j] + delta, 3)
+        shares[-1] = 1 - sum(shares[:-1])
+        return replace(s, tensor=tuple((d, x) for (d, _), x in zip(s.tensor, shares)))
+
     def shift_batch(self, s: Strategy, batches: tuple[int, ...]) -> tuple[int, ...] | None:
         """Move a few samples from one replica to another (fine-tuning with the full simulator)."""
         if len(batches) < 2:
@@ -202,6 +253,7 @@ class Searcher:
         space, cfg, rng = self.p.space, self.cfg, self.rng
         bases = self.baselines()
         seeds = [self.evaluate(to_plan(space, g.strategy, g.batches)) for g in self._grid]
+        seeds += [self.evaluate(to_plan(space, t, (space.global_batch,))) for t in self.tensor_seeds()]
         start = min([*bases, *seeds], key=lambda c: (not c.feasible, c.cost))
         cur = best = start
         history = [(time.monotonic() - t0, best.iteration_s)]
@@ -240,6 +292,20 @@ class Searcher:
                             stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
                             accepted=accepted, patience=stall)
 
+    def tensor_seeds(self) -> list[Strategy]:
+        """Where the space allows a tensor split: the whole model split between the two fastest
+        devices and, up to 8 devices, between all, shares solved."""
+        space = self.p.space
+        if not space.tensor_split or len(space.devices) < 2:
+            return []
+        base = Strategy((Pipeline(space.devices[:1], ()),), precision=space.precisions[0])
+        fastest = sorted(space.devices, key=lambda d: (self._single_s[d], space.devices.index(d)))[:2]
+        groups = [tuple(d for d in space.devices if d in fastest)]
+        if 2 < len(space.devices) <= 8:
+            groups.append(space.devices)
+        out = [self.solve_shares(even_split(base, g)) for g in groups]
+        return [t for t in out if fits(space, t)]
+
     def _propose(self, cur: Candidate) -> Candidate | None:
         s, batches = _split(cur.plan)
         if self._grid and self.rng.random() < self.cfg.grid_move_prob:
@@ -248,9 +314,14 @@ class Searcher:
             nb = self.shift_batch(s, batches)
             if nb is not None:
                 return self.evaluate(to_plan(self.p.space, s, nb))
+            shifted = self.shift_share(s) if s.tensor else None    # a split's shares instead
+            if shifted is not None:
+                return self.evaluate(to_plan(self.p.space, shifted, batches))
         t = propose(self.p.space, s, self.rng)
         if t is None:
             return None
+        if t.tensor and _split_shape(t) != _split_shape(s):   # solved for the split as it now is
+            t = self.solve_shares(t)
         if [p.devices for p in t.pipelines] == [p.devices for p in s.pipelines] and \
                 [min_batch(p, t.schedule) for p in t.pipelines] == [min_batch(p, s.schedule) for p in s.pipelines] \
                 and self.rng.random() < 0.5:
@@ -273,6 +344,15 @@ class Searcher:
             return self.evaluate(to_plan(self.p.space, t, g.batches))
         except ValueError:   # a batch too small for the schedule's microbatches
             return None
+
+
+def _split_shape(s: Strategy) -> tuple:
+    """What a tensor split's solved shares depend on: its devices and its stage's layers and
+    microbatches (the shares are solved again when one changes)."""
+    if not s.tensor:
+        return ()
+    p = s.pipelines[0]
+    return (tuple(d for d, _ in s.tensor), s.tensor_stage, p.cuts, p.microbatches, len(p.devices))
 
 
 def _split(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:

@@ -28,11 +28,13 @@ class _Rejected:
 
 
 def make_space(topology, num_layers: int, global_batch: int, model, optimizer_name: str,
-               lr: float, precisions: tuple[str, ...] = ("fp32",)) -> Space:
+               lr: float, precisions: tuple[str, ...] = ("fp32",), tensor_split: bool = False) -> Space:
+    """`tensor_split`: the graph has linear pairs (ModelGraph.pairs), so the search may split
+    the whole model between devices."""
     kinds = {d.name: d.kind for d in topology.devices}
     return Space(devices=device_order(list(kinds), kinds), kinds=kinds, num_layers=num_layers,
                  global_batch=global_batch, model=model, optimizer_name=optimizer_name, lr=lr,
-                 precisions=tuple(precisions))
+                 precisions=tuple(precisions), tensor_split=tensor_split)
 
 
 def simulator_problem(simulator, space: Space) -> Problem:
@@ -83,7 +85,8 @@ def plan_problem(workload, model, global_batch: int, topology, optimizer_name: s
         cost.prepare(d.name for d in topology.devices)   # measured once; the search never times
         sims[p] = Simulator(graph, topology, cost)
     first = sims[precisions[0]].graph
-    space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions)
+    space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions,
+                       tensor_split=bool(first.pairs))
     return first, simulator_problem(ByPrecision(sims), space)
 
 

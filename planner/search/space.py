@@ -3,7 +3,10 @@
 A `Strategy` is a plan without its batch split: which devices form which pipelines, where the
 stage boundaries are, the desired microbatch count of each pipeline, and the global choices
 (schedule, sync granularity and bucket size, optimizer placement and a split optimizer's host
-share, recompute, activation offload, precision). Under interleaved 1F1B a pipeline's `devices`
+share, recompute, activation offload, precision), and a tensor split of one stage of a lone
+pipeline (the whole model, or one stage of a pipeline) between devices with their shares
+(`Strategy.tensor`, solved by the search like the batch split:
+planner.search.mcmc.Searcher.solve_shares). Under interleaved 1F1B a pipeline's `devices`
 name every virtual stage, a device appearing v times (stage k on the device of stage k mod p,
 as the plan file says). A plan is a
 strategy plus integer replica batches (`to_plan`). Keeping the batch split apart lets the
@@ -20,7 +23,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync, min_microbatches
+from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Share, Stage, Sync, min_microbatches
 
 MiB = 2**20
 BUCKET_CHOICES_BYTES = (1 * MiB, 4 * MiB, 25 * MiB, 100 * MiB)
@@ -47,6 +50,8 @@ class Space:
     cpu_fractions: tuple[float, ...] = CPU_FRACTIONS
     interleave: bool = True                # the `interleave` move may turn 1F1B pipelines into
                                            # interleaved ones with v = 2 virtual stages per device
+    tensor_split: bool = False             # the model has linear pairs to split between devices
+                                           # (ModelGraph.pairs): the tensor move is drawn
 
     @property
     def has_gpu(self) -> bool:
@@ -95,9 +100,14 @@ class Strategy:
     cpu_fraction: float | None = None      # placement "split" only
     offload: bool = False                  # offload_activations on every accelerator stage
                                            # (not under recompute, nor zb-h1)
+    tensor: tuple[tuple[str, float], ...] = ()   # (device, share): stage `tensor_stage` of the
+                                           # one pipeline split between them, its device first
+    tensor_stage: int = 0
 
     @property
     def used(self) -> frozenset[str]:
+        """The pipelines' devices (a tensor split's others are not: moves other than
+        `tensor_move` leave a split strategy only to be refused by `fits`)."""
         return frozenset(d for p in self.pipelines for d in p.devices)
 
 
@@ -132,8 +142,10 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     for p, b in zip(s.pipelines, batches, strict=True):
         m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule, len(p.distinct))
         offload = s.offload and not s.recompute and s.schedule != "zb-h1"
-        stages = tuple(Stage(d, r, offload and space.kinds[d] != "cpu")
-                       for d, r in zip(p.devices, p.ranges(space.num_layers)))
+        split = tuple(Share(d, x) for d, x in s.tensor)
+        stages = tuple(Stage(d, r, offload and space.kinds[d] != "cpu",
+                             split if k == s.tensor_stage else ())
+                       for k, (d, r) in enumerate(zip(p.devices, p.ranges(space.num_layers))))
         replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
                 sync=Sync(s.granularity, s.bucket_bytes),
@@ -144,11 +156,13 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
 
 def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
     """Inverse of to_plan (microbatches as realised)."""
-    pipes = tuple(Pipeline(devices=r.devices, cuts=tuple(st.start for st in r.stages[1:]),
+    pipes = tuple(Pipeline(devices=tuple(st.device for st in r.stages), cuts=tuple(st.start for st in r.stages[1:]),
                            microbatches=r.microbatches) for r in plan.replicas)
     s = Strategy(pipes, plan.schedule, plan.sync.granularity, plan.sync.bucket_bytes,
                  plan.optimizer.placement, plan.recompute, plan.precision, plan.optimizer.cpu_fraction,
-                 any(st.offload_activations for r in plan.replicas for st in r.stages))
+                 any(st.offload_activations for r in plan.replicas for st in r.stages),
+                 *next(((tuple((x.device, x.share) for x in st.split), k) for r in plan.replicas
+                        for k, st in enumerate(r.stages) if st.split), ((), 0)))
     return s, tuple(plan.replica_batches())
 
 
@@ -183,6 +197,8 @@ def fits(space: Space, s: Strategy) -> bool:
         return False
     if s.schedule == "interleaved-1f1b" and not _interleavable(space, s):
         return False
+    if s.tensor and not _tensor_fits(s):
+        return False
     for p in s.pipelines:
         if len(p.cuts) != len(p.devices) - 1 or not p.devices or not _layout_ok(p, s.schedule):
             return False
@@ -190,6 +206,40 @@ def fits(space: Space, s: Strategy) -> bool:
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             return False
     return sum(min_batch(p, s.schedule) for p in s.pipelines) <= space.global_batch
+
+
+def _tensor_fits(s: Strategy) -> bool:
+    """A tensor split as the plan file allows it (planner.files.plan): a stage of the one
+    replica, its device first among two or more devices no other stage uses, shares in (0, 1]
+    summing to 1, the optimizer on the devices, neither recompute nor offload nor interleaving."""
+    devices = [d for d, _ in s.tensor]
+    if len(s.pipelines) != 1 or not 0 <= s.tensor_stage < len(s.pipelines[0].devices):
+        return False
+    pipe = s.pipelines[0].devices
+    return (pipe[s.tensor_stage] == devices[0] and len(devices) >= 2 and len(set(devices)) == len(devices)
+            and not set(devices[1:]) & set(pipe) and all(0 < x <= 1 for _, x in s.tensor)
+            and abs(sum(x for _, x in s.tensor) - 1) <= 1e-9 and s.placement == "device"
+            and not s.recompute and not s.offload and s.schedule not in ("interleaved-1f1b", "zb-h1"))
+
+
+def with_split(s: Strategy, stage: int, devices) -> Strategy:
+    """`s`'s one pipeline with stage `stage` on devices[0] and split between `devices` at equal
+    shares (the search solves them: planner.search.mcmc.Searcher.solve_shares); one device: no
+    split."""
+    devices = tuple(devices)
+    p = s.pipelines[0]
+    pipe = replace(p, devices=p.devices[:stage] + devices[:1] + p.devices[stage + 1:])
+    if len(devices) == 1:
+        return replace(s, pipelines=(pipe,), tensor=(), tensor_stage=0)
+    shares = tuple((d, 1 / len(devices)) for d in devices)
+    return replace(s, pipelines=(pipe,), tensor=shares, tensor_stage=stage, placement="device",
+                   cpu_fraction=None, recompute=False, offload=False)
+
+
+def even_split(s: Strategy, devices) -> Strategy:
+    """`s` as a tensor split of the whole model between `devices` (see `with_split`)."""
+    m = s.pipelines[0].microbatches if len(s.pipelines) == 1 else 1
+    return with_split(replace(s, pipelines=(Pipeline(tuple(devices)[:1], (), m),)), 0, devices)
 
 
 # --- moves ----------------------------------------------------------------------------------
@@ -346,6 +396,29 @@ def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | N
     return replace(s, **{name: v})
 
 
+def tensor_move(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Split the whole model, or one stage of a lone pipeline with unused devices, between two
+    or more devices; or change a split's devices (add or drop one), or end it on one of them.
+    Shares start equal (solved by the search)."""
+    free = [d for d in space.devices if d not in s.used and d not in dict(s.tensor)]
+    if not s.tensor:
+        if len(s.pipelines) == 1 and len(s.pipelines[0].devices) > 1 and free and rng.random() < 0.5:
+            k = rng.randrange(len(s.pipelines[0].devices))
+            return with_split(s, k, (s.pipelines[0].devices[k], *rng.sample(free, rng.randint(1, len(free)))))
+        n = rng.randint(2, len(space.devices)) if len(space.devices) >= 2 else 0
+        return even_split(s, rng.sample(space.devices, n)) if n else None
+    devices, k = [d for d, _ in s.tensor], s.tensor_stage
+    r = rng.random()
+    if r < 0.3:
+        return with_split(s, k, (rng.choice(devices),))
+    if r < 0.65 and free:
+        return with_split(s, k, devices + [rng.choice(free)])
+    if len(devices) > 2:
+        devices.remove(rng.choice(devices))
+        return with_split(s, k, devices)
+    return None
+
+
 def interleave(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
     """1F1B -> interleaved 1F1B with v = 2: each device's layers split into two chunks (the
     first the larger), virtual stage c*p + j holding device j's chunk c, so every device keeps
@@ -372,14 +445,16 @@ def interleave(space: Space, s: Strategy, rng: random.Random) -> Strategy | None
 # (move, weight): structural moves dominate; global toggles are few and cheap to try.
 MOVES = ((move_cut, 4), (split_stage, 1), (merge_stages, 1), (swap_devices, 2), (add_replica, 1),
          (remove_device, 1), (move_device, 1), (change_microbatches, 2), (toggle_global, 2))
+TENSOR_MOVE = (tensor_move, 1)   # drawn only where the space allows a tensor split
 INTERLEAVE_WEIGHT = 1   # drawn only where `interleave` applies, so other walks draw as before it
 
 
 def _moves(space: Space, s: Strategy) -> tuple:
+    out = MOVES
     if space.interleave and (s.schedule == "interleaved-1f1b" or (
             s.schedule == "1f1b" and len(s.pipelines) == 1 and len(s.pipelines[0].devices) > 1)):
-        return (*MOVES, (interleave, INTERLEAVE_WEIGHT))
-    return MOVES
+        out = (*out, (interleave, INTERLEAVE_WEIGHT))
+    return (*out, TENSOR_MOVE) if space.tensor_split else out
 
 
 def propose(space: Space, s: Strategy, rng: random.Random, tries: int = 8) -> Strategy | None:

@@ -5,7 +5,8 @@
 exchange; per replica, each stage's compute in schedule order and the transfers between
 stages; one all-reduce per exchanged bucket; one optimizer step per device holding parameters
 (on its host CPU when offloaded; under "split" both: the device's part and, at the same time,
-its host's part with the copies). The same statistics are counted in the same order as tasks
+its host's part with the copies; a tensor-split stage: one per device of the split, over what
+it holds). The same statistics are counted in the same order as tasks
 are added, so per-device sums are reproducible bit for bit.
 """
 from __future__ import annotations
@@ -14,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buckets
+from planner.cost.memory import held_param_bytes
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.schedule import split_backward
 from planner.sim.template import ReplicaTemplate, Stream, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
-                                   RouteHop, SavedCopy, TaskGraph, TaskMeta, TransferLabel)
+                                   RouteHop, SavedCopy, SplitRange, TaskGraph, TaskMeta, TransferLabel)
 from planner.workload.graph import ModelGraph
 
 
@@ -146,34 +148,39 @@ class Builder:
                 vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)])]
             if stream:
                 vals.append(self.update_value(st))
-        rids = [sim._rid[st.device] for st in stages]
-        lanes = [st.device for st in stages]
+        res = [self.stage_resources(st) for st in stages]
+        lanes = ["+".join(st.devices) for st in stages]
         for st, route_pair in zip(stages[1:], routes):
             for route in route_pair:
                 for h in route:
                     vals.append(g.value(HopRecipe(r, st.start, h.latency_s, h.bandwidth_bytes_per_s)))
-                    rids.append(h.resource)
+                    res.append((h.resource,))
                     lanes.append(h.lane)
         if split:
             vals += [self.input_value(r, s, stages) for s in range(len(stages))]
-        res = [(x,) for x in rids]
         ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
                       t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
         devs = [st.device for st in stages]
         seq = g.stat_seq
         for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
+            if stages[s].split:
+                self.count_split(stages[s], stat, [vals[v] for v in vs])
+                continue
             seq[(devs[s], stat)] += map(vals.__getitem__, vs)
         progress = self.progress
-        for s, dev in enumerate(devs):
+        for s, st in enumerate(stages):
             for (_, bucket), end in zip(lasts[s], t.chunk_end[s]):
                 if bucket is not None:
-                    progress.chunk_of[(dev, bucket)] = ids[end]
+                    progress.chunk_of[(st.device, bucket)] = ids[end]
             # a device's tasks are chained in creation order: its last is its latest stage's
             last = ids[t.last_backward[s]]
-            progress.last_backward[dev] = max(last, progress.last_backward.get(dev, last))
+            for dev in st.devices:
+                progress.last_backward[dev] = max(last, progress.last_backward.get(dev, last))
         for s, st in enumerate(stages):
             if st.offload_activations:
                 self.offload_copies(r, s, st, t, ids)
+            if st.split:
+                self.fan_copies(r, s, stages, t, ids)
         if stream:
             g.iteration_ends = [[ids[x] for x in ends] for ends in t.iteration_end]
             g.memory_bound.update(ids[x] for x, lab in enumerate(t.label) if lab[0] == "update")
@@ -197,6 +204,54 @@ class Builder:
         n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
         opt = self.plan.optimizer.name
         return self.g.value(Const(self.sim.cost.optimizer_s(st.device, n, opt, n_t) if n > 0 else 0.0))
+
+    def stage_resources(self, st: Stage) -> tuple[int, ...]:
+        """What a stage's compute holds: its device's queue; a tensor-split stage's holds every
+        device of the split and the link directions of their all-reduce ring (they compute in
+        lock step, exchanging activations)."""
+        if not st.split:
+            return (self.sim._rid[st.device],)
+        ring = self.sim._allreduce(st.devices, 0.0)[0]
+        return tuple(dict.fromkeys([self.sim._rid[d] for d in st.devices] + list(ring)))
+
+    def count_split(self, st: Stage, stat: str, ks: list[int]) -> None:
+        """A tensor-split stage's statistics: each device its own compute (SplitPart), and the
+        all-reduces as communication of every device; the transfers to and from the
+        neighbouring stages are its first device's."""
+        g = self.g
+        for k in ks:
+            recipe = g.recipes[k]
+            if not isinstance(recipe, SplitRange):
+                g.count(st.device, stat, k)
+                continue
+            for d in st.devices:
+                g.count(d, stat, g.value(recipe.part(d)))
+            sync = g.value(recipe.sync())
+            for d in st.devices:
+                g.count(d, "comm_s", sync)
+
+    def fan_copies(self, r: int, s: int, stages, t: ReplicaTemplate, ids: list[int]) -> None:
+        """A tensor-split stage's other devices get each microbatch's boundary tensors too
+        (runtime.pipeline.FanLink): the activation from the previous stage's first device after
+        its forward, the gradient from the next stage's after its backward, each over its route
+        (one task per hop, queued on the links like the template's), before the split stage's
+        forward or backward of that microbatch."""
+        g, st = self.g, stages[s]
+        tasks: dict[tuple[int, str, int], int] = {}       # (stage, "F" / "B", microbatch) -> task
+        for local, lab in enumerate(t.label):
+            if lab[0] == "compute":
+                tasks.setdefault((lab[1], lab[2].kind, lab[2].microbatch), local)   # B: its first piece
+                if lab[2].kind == "B":
+                    tasks[(lab[1], "B end", lab[2].microbatch)] = local          # and its last
+        for src_stage, cut, what, after, before in ((s - 1, st.start, "act", "F", "F"), (s + 1, st.end, "grad", "B end", "B")):
+            if not 0 <= src_stage < len(stages):
+                continue
+            src = stages[src_stage].device
+            for d in st.devices[1:]:
+                route = self.route(src, d, r, cut)
+                for i in range(self.plan.replicas[r].microbatches):
+                    last = self.chain(route, src, d, ids[tasks[(src_stage, after, i)]], f"{r}:{what} {src}->{d} mb{i}")
+                    g.wire(last, ids[tasks[(s, before, i)]])
 
     def offload_copies(self, r: int, s: int, st: Stage, t: ReplicaTemplate, ids: list[int]) -> None:
         """offload_activations: each microbatch's saved activations go to the host after its
@@ -267,8 +322,10 @@ class Builder:
         """The value id of stage s's forward of one microbatch: it consumes an activation
         (s > 0) and sends one on (not the last stage)."""
         st = stages[s]
-        return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end,
-                                       sends=int(s < len(stages) - 1), receives=int(s > 0)))
+        sends, receives = int(s < len(stages) - 1), int(s > 0)
+        if st.split:
+            return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end, sends, receives))
+        return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end, sends, receives))
 
     def backward_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
         """(value id, bucket) per backward task of one microbatch of stage s; with recompute, the
@@ -278,7 +335,9 @@ class Builder:
         for j, c in enumerate(chunks):
             receives = int(j == 0 and s < len(stages) - 1)
             sends = int(j == len(chunks) - 1 and s > 0)
-            if self.plan.recompute and j == 0:
+            if st.split:   # one chunk: a lone replica exchanges no buckets; no recompute
+                recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi, sends, receives)
+            elif self.plan.recompute and j == 0:
                 recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives)
             else:
                 recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives)
@@ -378,12 +437,19 @@ class Builder:
         f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         steps: list[int] = []
         ranges: dict[str, list[tuple[int, int]]] = {}   # device -> its stages (several: interleaved)
+        split: dict[str, tuple[float, int]] = {}         # a tensor split's device -> (bytes, tensors) held
         for rep in self.plan.replicas:
             for st in rep.stages:
-                ranges.setdefault(st.device, []).append(st.layers)
+                if st.split:
+                    n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
+                    for dev, n in held_param_bytes(st, graph):
+                        split[dev] = (n, n_t)
+                        ranges.setdefault(dev, [])
+                else:
+                    ranges.setdefault(st.device, []).append(st.layers)
         for dev, rs in ranges.items():
-            n = graph.device_param_bytes(rs)
-            n_t = sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b))
+            n, n_t = split.get(dev) or (graph.device_param_bytes(rs),
+                                        sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b)))
             if n <= 0:
                 continue
             deps = synced.get(dev) or [self.progress.last_backward[dev]]

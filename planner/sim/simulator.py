@@ -25,6 +25,13 @@ iterations of 1F1B without flush, each stage's updates on its device after its b
 (planner.sim.build.Builder.stream); the iteration is the steady state's (`_iteration_s`), the
 per-device statistics a third of the stream's, and each stage's staleness is reported.
 
+Tensor split (a stage's "devices"): the stage's forward and backward are each one task holding
+every device of the split and the links of their ring, lasting the slowest device's part per
+layer plus the activation all-reduces (CostModel.tensor_stage_s); each device's statistics
+count its own part. Each device steps the parameters it holds. The neighbouring stages'
+transfers go to and from the split's first device, and copies of them to its other devices
+(Builder.fan_copies).
+
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), send/recv launch overhead
 beyond link latency, and all-reduce algorithms other than the ring.

@@ -106,7 +106,62 @@ class SavedCopy:
         return self.latency_s + graph.saved_bytes_at(self.start, self.end, mbs[self.replica]) / self.bytes_per_s
 
 
-Recipe = Const | LayerRange | Recompute | HopRecipe | SavedCopy
+@dataclass(frozen=True, slots=True)
+class SplitRange:
+    """Forward or backward of a tensor-split stage of layers [start, end) over `split`'s
+    (device, share) pairs, at the replica's microbatch: cost.tensor_stage_s (the slowest
+    device per layer, plus the pairs' all-reduces); messages as LayerRange's, issued by the
+    first device of the split."""
+    phase: str
+    replica: int
+    split: tuple[tuple[str, float], ...]
+    start: int
+    end: int
+    sends: int = 0
+    receives: int = 0
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        t = cost.tensor_stage_s(self.phase, self.split, self.start, self.end, mbs[self.replica])
+        if self.sends or self.receives:
+            send_s, post_s = cost.message_issue_s(self.split[0][0])
+            t += self.sends * send_s + self.receives * post_s
+        return t
+
+    def part(self, device: str) -> "SplitPart":
+        return SplitPart(self.phase, self.replica, self.split, device, self.start, self.end)
+
+    def sync(self) -> "SplitSync":
+        return SplitSync(self.phase, self.replica, tuple(d for d, _ in self.split), self.start, self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPart:
+    """One device's own compute in a SplitRange (its statistics): cost.tensor_device_s."""
+    phase: str
+    replica: int
+    split: tuple[tuple[str, float], ...]
+    device: str
+    start: int
+    end: int
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return cost.tensor_device_s(self.phase, self.split, self.device, self.start, self.end, mbs[self.replica])
+
+
+@dataclass(frozen=True, slots=True)
+class SplitSync:
+    """The all-reduces of a SplitRange (its devices' comm_s statistics): cost.tensor_sync_s."""
+    phase: str
+    replica: int
+    devices: tuple[str, ...]
+    start: int
+    end: int
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return cost.tensor_sync_s(self.phase, self.devices, self.start, self.end, mbs[self.replica])
+
+
+Recipe = Const | LayerRange | Recompute | HopRecipe | SavedCopy | SplitRange | SplitPart | SplitSync
 
 
 # --- names of routes and tasks ------------------------------------------------------------------
@@ -261,4 +316,5 @@ class TaskGraph:
 
 
 __all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "SavedCopy",
+           "SplitRange", "SplitPart", "SplitSync",
            "Recipe", "RouteHop", "ComputeLabel", "TransferLabel", "TaskMeta"]

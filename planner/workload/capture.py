@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.files.io import InputError
 from planner.workload import flops as F
-from planner.workload.graph import Layer, ModelGraph, TiedParam
+from planner.workload.graph import Layer, ModelGraph, SplitPair, TiedParam
 from planner.workload.layers import example_inputs
 from planner.workload.partition import exported_stages
 from planner.workload.precision import autocast
@@ -236,7 +236,29 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     info = {"method": ex.method, "dynamic_batch": ex.dynamic_batch, "warnings": warnings,
             "unattributed_bwd_flops": rec.unattributed_bwd_flops}
     return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info,
-                      precision=precision, tied=tied)
+                      precision=precision, tied=tied, pairs=_pairs(ex, model, rec))
+
+
+def _pairs(ex, model, rec) -> tuple[SplitPair, ...]:
+    """The model's candidate linear pairs (planner.workload.tensor_split) with what a tensor
+    split divides; a stage's are picked by ModelGraph.split_pairs."""
+    from planner.workload.tensor_split import candidates, needs_grad
+    params = dict(model.named_parameters(remove_duplicate=False))
+    layer = {n.name: ex.layer_of[n] for n in ex.compute_nodes()}
+    out = []
+    for p in candidates(ex.gm.graph, params):
+        def tot(field: str, names) -> float:
+            return sum(rec.ops.get(n, {}).get(field, 0.0) for n in names)
+        col = (p.col, *p.between)
+        split = [params[p.col_weight], params[p.row_weight]] + ([params[p.col_bias]] if p.col_bias else [])
+        col_out = rec.ops.get(p.col, {}).get("output_bytes", 0.0)
+        in_grad = col_out * p.in_features / p.hidden if needs_grad(ex.gm.graph, p.col_input, params) else 0.0
+        out.append(SplitPair(layer[p.col], layer[p.row], tot("fwd_flops", col), tot("bwd_flops", col),
+                             tot("fwd_flops", [p.row]), tot("bwd_flops", [p.row]),
+                             sum(t.numel() * t.element_size() for t in split),
+                             int(rec.ops.get(p.row, {}).get("output_bytes", 0.0)), int(in_grad),
+                             p.col_weight, p.row_weight))
+    return tuple(out)
 
 
 def _tied(stages) -> tuple[TiedParam, ...]:

@@ -50,6 +50,25 @@ class TiedParam:
 
 
 @dataclass(frozen=True)
+class SplitPair:
+    """A linear pair a tensor-split stage divides between its devices
+    (planner.workload.tensor_split): the column linear with the elementwise ops after it in layer
+    `col_layer`, the row linear in `row_layer`; FLOPs and bytes at the graph batch."""
+    col_layer: int
+    row_layer: int
+    col_fwd_flops: float       # the column linear and the ops between
+    col_bwd_flops: float
+    row_fwd_flops: float
+    row_bwd_flops: float
+    param_bytes: int           # split between the devices: both weights and the column bias
+                               # (the row bias stays whole on the stage's first device)
+    out_bytes: int             # the row linear's output: summed over the devices in forward
+    in_grad_bytes: int         # the column linear's input gradient, summed in backward (0: none)
+    col_weight: str            # the linears' weight names: a candidate's identity
+    row_weight: str            # (planner.workload.tensor_split.greedy)
+
+
+@dataclass(frozen=True)
 class ModelGraph:
     layers: tuple[Layer, ...]
     batch: int                             # the batch size the graph was captured at
@@ -61,6 +80,8 @@ class ModelGraph:
     precision: str = "fp32"                # what the capture ran in (planner.workload.precision): bytes
                                            # are of the dtypes autocast gives
     tied: tuple[TiedParam, ...] = ()       # parameters used by several layers
+    pairs: tuple[SplitPair, ...] = ()      # candidate linear pairs of the whole model, in
+                                           # execution order (split_pairs picks a stage's)
 
     @property
     def num_layers(self) -> int:
@@ -99,3 +120,20 @@ class ModelGraph:
         """Layer i's parameter bytes exchanged in its gradient bucket: tied ones are exchanged
         on their own (planner.cost.buckets.tied_buckets)."""
         return self.layers[i].param_bytes - sum(t.bytes for t in self.tied if t.layers[0] == i)
+
+    def split_pairs(self, start: int, end: int) -> tuple[SplitPair, ...]:
+        """The pairs a tensor-split stage of layers [start, end) divides: the candidates with
+        both linears inside, taken greedily as the runtime takes them from the stage's graph."""
+        from planner.workload.tensor_split import greedy
+        return tuple(greedy([p for p in self.pairs if start <= p.col_layer and p.row_layer < end]))
+
+    def split_flops(self, i: int, start: int, end: int) -> tuple[float, float]:
+        """(forward, backward) FLOPs of layer i, at the graph batch, that a tensor-split stage
+        of layers [start, end) divides between its devices."""
+        f = b = 0.0
+        for p in self.split_pairs(start, end):
+            if p.col_layer == i:
+                f, b = f + p.col_fwd_flops, b + p.col_bwd_flops
+            if p.row_layer == i:
+                f, b = f + p.row_fwd_flops, b + p.row_bwd_flops
+        return f, b
