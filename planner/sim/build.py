@@ -519,4 +519,8 @@ class Builder:
         return self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
 
 
+def _shares(st: Stage) -> tuple[tuple[str, float], ...]:
+    return tuple((s.device, s.share) for s in st.split)
+
+
 __all__ = ["Builder", "Exchange", "Chunk", "Progress", "STREAM_ITERATIONS"]
