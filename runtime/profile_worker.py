@@ -163,11 +163,21 @@ def _device_tables(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
     return out
 
 
+MAX_LOW_PRECISION_CALL_S = 0.5   # a larger size is skipped when one call would take longer
+
+
+def _any_worker(flag: bool) -> bool:
+    """True on every worker when `flag` is true on any (so that all take the same branch)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: float) -> dict:
     """`matmul_<p>_table` for tf32 (CUDA only: on a CPU, a stand-in GPU's included, tf32 is fp32,
     so the fp32 figure is copied) and bf16 (measured for real everywhere: a CPU without native
     bf16 is slow at it and is priced so), and `matmul_flops_per_s_by_precision` from each
-    table's largest size."""
+    table's largest measured size."""
     native = dev.native
     sizes = s.cuda_low_precision_sizes if native else s.cpu_low_precision_sizes
     out: dict = {}
@@ -180,6 +190,8 @@ def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: floa
             log(f"{p} matmul n={', '.join(map(str, sizes))}")
         rows = []
         for n in sizes:
+            if rows and _any_worker(2 * n ** 3 / rows[-1]["flops_per_s"] > MAX_LOW_PRECISION_CALL_S):
+                break        # a slow kernel (bf16 on a CPU without it): the smaller size's rate stands
             dist.barrier()   # every worker runs the same size at the same time
             rows.append(bench.matmul_row(n, dev, s.min_time_s, s.repeats, precision=p))
         out[f"matmul_{p}_table"] = rows

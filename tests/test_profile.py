@@ -194,3 +194,24 @@ def test_foreign_cpu_counts_other_processes_and_not_this_ones_children():
         subprocess.run(f"({spin}) &", shell=True, check=True)
         time.sleep(1.2)
     assert foreign.fraction() - mine.fraction() > 0.25 / (os.cpu_count() or 1)
+
+
+def test_low_precision_sweep_stops_where_one_call_would_take_too_long(tmp_path, monkeypatch):
+    """A bf16 matmul on a CPU without native bf16 runs at ~1 GFLOP/s: the profile must not time
+    the larger sizes (minutes each); the smaller size's rate stands for the device."""
+    import torch.distributed as dist
+    from dataclasses import replace
+    from planner.hardware.device import torch_device
+    from runtime import profile_worker
+    settings = replace(profile_worker.Settings.quick(), cpu_low_precision_sizes=(32, 256),
+                       repeats=1, min_time_s=0.001)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        full = profile_worker._low_precision_matmuls(torch_device("cpu"), settings, 1e9)
+        monkeypatch.setattr(profile_worker, "MAX_LOW_PRECISION_CALL_S", 1e-12)
+        capped = profile_worker._low_precision_matmuls(torch_device("cpu"), settings, 1e9)
+    finally:
+        dist.destroy_process_group()
+    assert [r["n"] for r in full["matmul_bf16_table"]] == [32, 256]
+    assert [r["n"] for r in capped["matmul_bf16_table"]] == [32]
+    assert capped["matmul_flops_per_s_by_precision"]["bf16"] == capped["matmul_bf16_table"][0]["flops_per_s"]
