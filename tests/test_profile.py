@@ -116,7 +116,12 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
         assert d.matmul_flops_per_s == table[-1]["flops_per_s"]
         assert d.memory_bytes_per_s > 1e8 and 0 < d.op_overhead_s < 1e-3 and d.memory_bytes > 1e8
         bf16 = d.measured["matmul_bf16_table"]   # measured for real; no TF32 on a CPU
-        assert [row["n"] for row in bf16] == [256, 1024] and "matmul_tf32_table" not in d.measured
+        assert "matmul_tf32_table" not in d.measured
+        # n=1024 is timed unless one call would exceed the cap (a CPU without native bf16)
+        from runtime.profile_worker import MAX_LOW_PRECISION_CALL_S
+        skip = any(2 * 1024 ** 3 / c.measured["matmul_bf16_table"][0]["flops_per_s"] > MAX_LOW_PRECISION_CALL_S
+                   for c in cpus)   # decided on all workers at once
+        assert [row["n"] for row in bf16] == ([256] if skip else [256, 1024])
         assert d.matmul_flops_per_s_by_precision == {"fp32": d.matmul_flops_per_s, "tf32": d.matmul_flops_per_s,
                                                      "bf16": bf16[-1]["flops_per_s"]}
         assert bf16[-1]["flops_per_s"] > 1e8
