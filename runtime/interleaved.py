@@ -60,25 +60,24 @@ class VirtualStages(torch.nn.Module):
         self.by_stage = dict(stages)
         self.parts = torch.nn.ModuleList(stages.values())
 
-    def named_parameters(self, *args, **kwargs):
+    def _once(self, method: str, *args, **kwargs):
+        """(name, tensor) of every stage's `method`, each tensor once (a tied weight)."""
         seen = set()
         for m in self.by_stage.values():
-            for n, p in m.named_parameters(*args, **kwargs):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield n, p
+            for n, t in getattr(m, method)(*args, **kwargs):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    yield n, t
+
+    def named_parameters(self, *args, **kwargs):
+        return self._once("named_parameters", *args, **kwargs)
 
     def flat_inputs(self, inputs):
         """The model inputs' leaves as stage 0 takes them (the rank holding stage 0)."""
         return self.by_stage[0].flat_inputs(inputs)
 
     def named_buffers(self, *args, **kwargs):
-        seen = set()
-        for m in self.by_stage.values():
-            for n, b in m.named_buffers(*args, **kwargs):
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    yield n, b
+        return self._once("named_buffers", *args, **kwargs)
 
 
 class InterleavedRunner:
