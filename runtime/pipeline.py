@@ -4,7 +4,7 @@ A schedule is data: a list of actions `("F", mb)` / `("B", mb)` per stage, in th
 stage runs them, taken from the simulator's `planner.sim.schedule` so that what runs is what was
 predicted. `StageRunner.run` executes one iteration's actions. Zero-bubble schedules split a
 backward into `("I", mb)`, the inputs' gradient, sent back at once, and `("W", mb)`, the
-weights' gradient, later (runtime.split_backward); a microbatch's activations are held until its W.
+weights' gradient, later (planner.workload.split_backward); a microbatch's activations are held until its W.
 
 Transfers between stages: activations go forward, gradients of the activations go backward.
 Sends are asynchronous (`isend`, waited at the end of the iteration) and receives block, so the
@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from planner.hardware.device import TorchDevice
 from planner.workload.inputs import to_device
 from planner.workload.precision import autocast
-from runtime.split_backward import input_pass
+from planner.workload.split_backward import input_pass
 
 Step = tuple[str, int]   # ("F" | "B" | "I" | "W", microbatch): a schedule Action of this stage
 

@@ -98,6 +98,50 @@ def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
     assert again.layer_times(t.device("cpu:0"), 4) == (f, b)
 
 
+def test_the_split_backward_is_timed_per_layer_by_the_runtimes_passes_and_cached(tmp_path, monkeypatch):
+    import json
+    import socket
+
+    import planner.workload.split_backward as split_backward
+    from planner.cost.timing import SPLIT, MeasuredCost, cache_path
+    from planner.hardware.topology import Device
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 2})     # layers.0, layers.1, out: all hold weights
+    g = capture_graph(w, 4)
+    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
+                 {"host": {"hostname": socket.gethostname()}})
+    dev = t.device("cpu:0")
+    m = MeasuredCost(g, t, w, repeats=2)
+    _, bwd = m.layer_times(dev, 4)
+    assert not any(k.endswith(SPLIT) for k in json.loads(cache_path().read_text()))   # only when asked
+    passes = []
+    real = split_backward.input_pass
+
+    def spy(outs, grads, inputs, weights):   # the runtime's own I pass is what is timed
+        passes.append(len(weights))
+        return real(outs, grads, inputs, weights)
+    monkeypatch.setattr(split_backward, "input_pass", spy)
+    inp, wgt = m.split_times(dev, 4)
+    assert passes and set(passes) == {2}                 # layers 1 and 2: weight and bias each
+    # the first layer's input needs no gradient: I = 0, W its whole backward (a first stage's)
+    assert inp[0] == 0.0 and wgt[0] == bwd[0]
+    assert all(x > 0 for x in inp[1:] + wgt[1:])
+    keys = json.loads(cache_path().read_text())
+    assert sum(k.endswith(SPLIT) for k in keys) == g.num_layers - 1
+    # the loss holds no weights: its backward is in the last layer's I, not its W
+    last = keys[m._key(g.num_layers - 1, dev, 4)]
+    assert inp[-1] == keys[m._key(g.num_layers - 1, dev, 4) + SPLIT][0] + last[3]
+    # a second model reads them back; nothing is timed again
+    again = MeasuredCost(g, t, w)
+    for name in ("_time_layer", "_time_split"):
+        monkeypatch.setattr(again, name, lambda *a: pytest.fail("re-measured a cached layer"))
+    assert again.split_times(dev, 4) == (inp, wgt)
+    assert again.bwd_input_s("cpu:0", 1, 3, 4) == pytest.approx(inp[1] + inp[2])
+    assert again.bwd_weight_s("cpu:0", 1, 3, 4) == pytest.approx(wgt[1] + wgt[2])
+
+
 def test_roofline_prices_the_graphs_precision_from_the_device_table():
     from dataclasses import replace
 
@@ -198,13 +242,15 @@ def test_planning_on_a_measured_host_times_layers_once_before_the_search(tmp_pat
     timed = []
     real = MeasuredCost._measure
 
-    def counting(self, dev, b):
-        timed.append((dev.name, b))
-        return real(self, dev, b)
+    def counting(self, dev, b, split=False):
+        timed.append((dev.name, b, split))
+        return real(self, dev, b, split)
     monkeypatch.setattr(MeasuredCost, "_measure", counting)
-    monkeypatch.setattr(MeasuredCost, "_time_layer", _fail_after_prepare(MeasuredCost._time_layer))
+    for name in ("_time_layer", "_time_split"):
+        monkeypatch.setattr(MeasuredCost, name, _fail_after_prepare(getattr(MeasuredCost, name)))
     _, problem = plan_problem(w, ModelRef("mlp", {"hidden": 32, "depth": 2}), 24, t, "adam", 1e-3)
-    assert {b for _, b in timed} == set(batch_grid(24))
+    # two devices: a zb-h1 pipeline may be drawn, so its split backward is timed up front too
+    assert {b for _, b, split in timed if split} == {b for _, b, _ in timed} == set(batch_grid(24))
     _fail_after_prepare.armed = True          # from here on, timing a layer fails the test
     try:
         result = search(problem, random.Random(0), SearchConfig(iterations=200, time_limit_s=60))

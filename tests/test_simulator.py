@@ -47,6 +47,25 @@ def test_zb_h1_fills_the_cool_down_with_weight_gradients(p, m):
         assert zb.per_device[d]["bwd_s"] == approx(fb.per_device[d]["bwd_s"]) == approx(m * 0.5)
 
 
+def test_zb_h1_prices_the_measured_split_passes_where_the_cost_model_has_them():
+    # split_times (the measured model's I and W per layer) replaces weight_grad_share: a split
+    # backward costing 1.2x the fused one, I = W = 0.3 s (fused t_b = 0.5 s; t_f = 0.25 s).
+    # p = 2, m = 1: F cuda:0 [0, 0.25], F cuda:1 [0.25, 0.5], I cuda:1 [0.5, 0.8] sends the
+    # gradient, cuda:0 runs stage 0's whole fused backward [0.8, 1.3] (its input needs no
+    # gradient; the table's first layer is not used), W cuda:1 [0.8, 1.1]: 1.3 s. Priced by the
+    # share (I = 0.25 s) it would be 1.25 s.
+    from planner.cost.model import RooflineCost
+
+    class Measured(RooflineCost):
+        def split_times(self, device, batch):
+            return [9.0, 0.3], [9.0, 0.3]
+    g = graph([layer(i, param_bytes=4) for i in range(2)], batch=4)
+    t = chain(2)
+    pl = plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 1, schedule="zb-h1")
+    assert Simulator(g, t, Measured(g, t)).simulate(pl).iteration_s == approx(1.3)
+    assert simulate(pl, g, t).iteration_s == approx(1.25)
+
+
 def test_zb_h1_gradient_transfers_leave_after_the_input_pass():
     # 2 stages, 2 microbatches, 1 s per transfer (1 B cut at 1 B/s): F = 1, I = W = 1 (stage 0:
     # I = 0, W = 2). Orders: stage 0 F0 F1 I0 W0 I1 W1, stage 1 F0 I0 F1 I1 W0 W1.

@@ -1,4 +1,4 @@
-"""The split backward of zero-bubble schedules (runtime.split_backward) and zb-h1 runs.
+"""The split backward of zero-bubble schedules (planner.workload.split_backward) and zb-h1 runs.
 
 Unit tier: the I pass gives exactly the fused backward's input gradients and the W pass its
 weight gradients, with post-accumulate-grad hooks fired once per weight. Run tier: zb-h1 plans
@@ -15,7 +15,7 @@ import torch
 from planner.cost.memory import in_flight
 from planner.workload.load import load_workload
 from planner.workload.partition import build_stages
-from runtime.split_backward import input_pass
+from planner.workload.split_backward import input_pass
 from test_runtime import GPT, SKIP, plan, reference, run_plan
 
 ITERS = 4

@@ -65,8 +65,10 @@ def weight_grad_share(layer: Layer, tied: bool = False) -> float:
     schedule's W pass; the rest is its I pass, the gradient of its input), by FLOPs: a matmul's
     input gradient dX = dY W^T and weight gradient dW = X^T dY cost the same 2*b*i*o FLOPs, so a
     layer holding weights (its own, or a tied weight: `tied`) splits 1/2 : 1/2, a layer without
-    any 0 : 1. Applied alike to the roofline's and the measured backward times. Not modelled:
-    a layer's parameterless ops (attention's score matmuls, activations) count on both sides."""
+    any 0 : 1. Used where the passes are not measured (the roofline, a what-if device; the
+    measured model times them: CostModel.split_times). Not modelled here: a layer's
+    parameterless ops (attention's score matmuls, activations) count on both sides, and the
+    split's own overhead (graph walk, one autograd call per pass and weight group)."""
     return 0.5 if layer.param_bytes > 0 or tied else 0.0
 
 
@@ -128,15 +130,22 @@ class CostModel:
         self._prefix: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._layer: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._opt: dict[tuple[str, str, float], float] = {}
-        self._wprefix: dict[tuple[str, float], list[float]] = {}   # weight-gradient part of bwd
+        # a split backward's (I pass, W pass) prefix sums (bwd_input_s, bwd_weight_s)
+        self._split: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         tied = {l for t in graph.tied for l in t.layers}
         self._wshare = [weight_grad_share(l, l.index in tied) for l in graph.layers]
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         raise NotImplementedError
 
-    def prepare(self, devices) -> None:
-        """Measure now whatever pricing `devices` will need (formulas need nothing)."""
+    def split_times(self, device: Device, batch: float) -> tuple[list[float], list[float]] | None:
+        """Per-layer (I pass, W pass) seconds of a split backward where measured, else None:
+        weight_grad_share of the fused backward prices them (`_split_tables`)."""
+        return None
+
+    def prepare(self, devices, split: bool = False) -> None:
+        """Measure now whatever pricing `devices` will need, with `split` the split backward's
+        passes too (formulas need nothing)."""
 
     def fit_report(self, device: str) -> dict | None:
         """How a measured cost curve fits its measurements (formulas: None)."""
@@ -183,22 +192,34 @@ class CostModel:
         t = pb[end] - pb[start]
         return t if busy <= 1 else t * self.contention(device, busy)
 
-    def bwd_weight_s(self, device: str, start: int, end: int, batch: float) -> float:
-        """The weight-gradient part (W pass) of bwd_s over layers [start, end): each layer's
-        backward times weight_grad_share."""
+    def _split_tables(self, device: str, batch: float) -> tuple[list[float], list[float]]:
+        """Prefix sums of each layer's I and W pass: split_times where measured (a split backward
+        costs more than the fused one on CPU workers: its graph walk, one autograd call per pass
+        and weight group); else the fused backward times weight_grad_share (W) and the rest (I)."""
         key = (device, batch)
-        pw = self._wprefix.get(key)
-        if pw is None:
-            self._tables(device, batch)
-            pw = [0.0]
-            for b, share in zip(self._layer[key][1], self._wshare):
-                pw.append(pw[-1] + b * share)
-            self._wprefix[key] = pw
-        return pw[end] - pw[start]
+        if key not in self._split:
+            measured = self.split_times(self.topology.device(device), batch)
+            if measured is None:
+                self._tables(device, batch)
+                bwd = self._layer[key][1]
+                measured = ([b * (1.0 - s) for b, s in zip(bwd, self._wshare)],
+                            [b * s for b, s in zip(bwd, self._wshare)])
+            pi, pw = [0.0], [0.0]
+            for i, w in zip(*measured):
+                pi.append(pi[-1] + i)
+                pw.append(pw[-1] + w)
+            self._split[key] = (pi, pw)
+        return self._split[key]
 
     def bwd_input_s(self, device: str, start: int, end: int, batch: float) -> float:
-        """The input-gradient part (I pass) of bwd_s over layers [start, end): bwd_s - bwd_weight_s."""
-        return self.bwd_s(device, start, end, batch) - self.bwd_weight_s(device, start, end, batch)
+        """The input-gradient pass (I) of a split backward over layers [start, end)."""
+        pi = self._split_tables(device, batch)[0]
+        return pi[end] - pi[start]
+
+    def bwd_weight_s(self, device: str, start: int, end: int, batch: float) -> float:
+        """The weight-gradient pass (W) of a split backward over layers [start, end)."""
+        pw = self._split_tables(device, batch)[1]
+        return pw[end] - pw[start]
 
     def layer_s(self, device: str, index: int, batch: float) -> tuple[float, float]:
         self._tables(device, batch)

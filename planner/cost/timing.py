@@ -37,6 +37,8 @@ from planner.hardware.topology import Device, Topology, parse_device_name
 # Bumped when the way layers are timed changes, so that older figures are not reused
 # (2: timed with the runtime's allocator setting, planner.hardware.host_memory).
 CACHE_VERSION = 2
+# Suffix of a layer's split-backward entry, [I pass s, W pass s] (layers after the first).
+SPLIT = "|split"
 
 
 def cache_path() -> Path:
@@ -114,18 +116,23 @@ class MeasuredCost(CostModel):
         write_json_atomic(cache_path(), merged)
 
     # --- measuring -----------------------------------------------------------------------
-    def _measure(self, device: Device, batch: int) -> tuple[list[float], list[float]]:
+    def _measure(self, device: Device, batch: int, split: bool = False) -> tuple[list[float], list[float]]:
+        """Per-layer (fwd, bwd) at `batch`, from the cache or timed now; with `split`, each
+        layer's split backward (I and W passes) is also made sure of (`_split_entries`)."""
         disk = self._load_disk()
         keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
         # The last layer's entry also holds the loss's times: [fwd, bwd, loss fwd, loss bwd].
-        if all(k in disk for k in keys) and len(disk[keys[-1]]) == 4:
+        fused = not (all(k in disk for k in keys) and len(disk[keys[-1]]) == 4)
+        split = split and not all(k + SPLIT in disk for k in keys[1:])
+        if not (fused or split):
             return _from_entries(keys, disk)
         import torch
         from planner.workload.inputs import as_tuple
         from planner.workload.partition import build_stages, place_stages, stage_inputs
 
         L = self.graph.num_layers
-        print(f"measuring {L} layers on {device.name} at batch {batch}", file=sys.stderr)
+        what = "layers" if fused else "split backward of layers"
+        print(f"measuring {what} ({L}) on {device.name} at batch {batch}", file=sys.stderr)
         from planner.hardware.device import torch_device
         from planner.hardware.host_memory import keep_freed_memory
         keep_freed_memory()      # as in the runtime's workers
@@ -139,66 +146,86 @@ class MeasuredCost(CostModel):
             torch.set_num_threads(device.threads)
         sync, dev = dev.synchronize, dev.device
         in_precision = lambda: autocast(dev.type, self.precision)  # noqa: E731
-        fwd, bwd = [], []
+        fwd, bwd, passes = [], [], []
         try:
             inputs, target = self.workload.make_batch(batch, 0)
             x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
             for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
                 # the model's input is data: as in the runtime, no gradient is computed for it
                 x = _leaf_inputs(x, grad=i > 0)
-                f_s, b_s = self._time_layer(stage, x, sync, in_precision)
-                fwd.append(f_s)
-                bwd.append(b_s)
+                if fused:
+                    f_s, b_s = self._time_layer(stage, x, sync, in_precision)
+                    fwd.append(f_s)
+                    bwd.append(b_s)
+                if split and 0 < i < L:   # the first layer's I is nothing, the loss has no W
+                    passes.append(self._time_split(stage, x, sync, in_precision))
                 with torch.no_grad(), in_precision():
                     x = as_tuple(stage(*x))
         finally:
             torch.set_num_threads(old_threads)
-        # Layers with the same signature share one entry (the median of their times), and the
-        # times are returned from the entries: measured now or read from the cache, every device
-        # of the same kind and threads gets the same figures (the search's ties stay ties).
-        shared: dict[str, list[tuple[float, float]]] = {}
-        for k, f, b in zip(keys, fwd, bwd):
-            shared.setdefault(k, []).append((f, b))
-        entries = {k: [statistics.median(f for f, _ in v), statistics.median(b for _, b in v)]
-                   for k, v in shared.items()}
-        entries[keys[-1]] = entries[keys[-1]][:2] + [fwd[-1], bwd[-1]]
+        entries = {}
+        if fused:
+            entries = _shared(keys, list(zip(fwd, bwd)))
+            entries[keys[-1]] = entries[keys[-1]][:2] + [fwd[-1], bwd[-1]]
+        if split:
+            entries.update(_shared([k + SPLIT for k in keys[1:]], passes))
         self._save_disk(entries)
-        return _from_entries(keys, entries)
+        return _from_entries(keys, self._load_disk())
+
+    def _repeat(self, once) -> list[float]:
+        """The median of each of once()'s times over `repeats` runs after `warmup`; a slow layer
+        (its times summing to SLOW_LAYER_S or more) SLOW_LAYER_REPEATS runs after one warm-up."""
+        samples, runs, rep = [], self.warmup + self.repeats, 0
+        while rep < runs:
+            times = once()
+            if rep >= self.warmup:
+                samples.append(times)
+            elif sum(times) >= SLOW_LAYER_S:   # slow: timer noise is small, one warm-up will do
+                runs = self.warmup + min(self.repeats, SLOW_LAYER_REPEATS)
+                rep = self.warmup - 1
+            rep += 1
+        return [statistics.median(s) for s in zip(*samples)]
 
     def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext) -> tuple[float, float]:
         """Median (forward, backward) seconds; the forward runs in `in_precision()`."""
         import torch
-        from torch.utils._pytree import tree_leaves
 
         from planner.workload.inputs import as_tuple
 
-        def timed(fn):
-            sync()
-            t0 = time.perf_counter()
-            out = fn()
-            sync()
-            return time.perf_counter() - t0, out
-
-        f_times, b_times = [], []
-        runs = self.warmup + self.repeats
-        rep = 0
-        while rep < runs:
+        def once():
             stage.zero_grad(set_to_none=True)
             with in_precision():
-                f_s, out = timed(lambda: as_tuple(stage(*x)))
-            outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+                f_s, out = _timed(sync, lambda: as_tuple(stage(*x)))
+            out = _needing_grad(out)
             b_s = 0.0
-            if outs:
-                grads = [torch.ones_like(o) for o in outs]
-                b_s, _ = timed(lambda: torch.autograd.backward(outs, grads))
-            if rep >= self.warmup:
-                f_times.append(f_s)
-                b_times.append(b_s)
-            elif f_s + b_s >= SLOW_LAYER_S:   # slow: timer noise is small, one warm-up will do
-                runs = self.warmup + min(self.repeats, SLOW_LAYER_REPEATS)
-                rep = self.warmup - 1
-            rep += 1
-        return statistics.median(f_times), statistics.median(b_times)
+            if out:
+                grads = [torch.ones_like(o) for o in out]
+                b_s, _ = _timed(sync, lambda: torch.autograd.backward(out, grads))
+            return f_s, b_s
+        return tuple(self._repeat(once))
+
+    def _time_split(self, stage, x, sync, in_precision=contextlib.nullcontext) -> tuple[float, float]:
+        """Median seconds of the layer's backward split as a zero-bubble stage runs it
+        (planner.workload.split_backward): the I pass (its inputs' gradient) and the W pass
+        (its weights' gradients), after an untimed forward in `in_precision()`."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        from planner.workload.split_backward import input_pass
+        need = [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
+        weights = list(stage.parameters())
+
+        def once():
+            stage.zero_grad(set_to_none=True)
+            with in_precision():
+                out = _needing_grad(stage(*x))
+            if not out:
+                return 0.0, 0.0
+            grads = [torch.ones_like(o) for o in out]
+            i_s, (_, wp) = _timed(sync, lambda: input_pass(out, grads, need, weights))
+            w_s, _ = _timed(sync, wp.run)
+            return i_s, w_s
+        return tuple(self._repeat(once))
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         if not _present(device):
@@ -211,14 +238,40 @@ class MeasuredCost(CostModel):
         return ([interpolate(batch, lo, a, hi, b) for a, b in zip(f0, f1)],
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
 
-    def prepare(self, devices) -> None:
+    def split_times(self, device: Device, batch: float) -> tuple[list[float], list[float]] | None:
+        """Per-layer (I pass, W pass) seconds measured on this machine (a curve over `sizes` as
+        layer_times); None for a device priced by the roofline."""
+        if not _present(device):
+            return None
+        if self.sizes is None:
+            return self._split_at(device, int(batch))
+        lo, hi = _neighbours(self.sizes, batch)
+        (i0, w0), (i1, w1) = self._split_at(device, lo), self._split_at(device, hi)
+        return ([interpolate(batch, lo, a, hi, b) for a, b in zip(i0, i1)],
+                [interpolate(batch, lo, a, hi, b) for a, b in zip(w0, w1)])
+
+    def _split_at(self, device: Device, batch: int) -> tuple[list[float], list[float]]:
+        """Per-layer (I, W) seconds at `batch` from the split entries: the first layer's input
+        needs no gradient (I = 0, W = its whole backward, as a first stage runs it); the loss,
+        holding no weights, is all I (its backward, added to the last layer's)."""
+        _, bwd = self._measure(device, batch, split=True)
+        disk, L = self._load_disk(), self.graph.num_layers
+        keys = [self._key(i, device, batch) for i in range(L)]
+        inp = [0.0] + [disk[k + SPLIT][0] for k in keys[1:]]
+        wgt = [bwd[0]] + [disk[k + SPLIT][1] for k in keys[1:]]
+        if L > 1:
+            inp[-1] += disk[keys[-1]][3]
+        return inp, wgt
+
+    def prepare(self, devices, split: bool = False) -> None:
         """Time every layer at every size of the curve on each of `devices` (names) now, so that a
-        search over them never times anything (devices of one kind and thread count share)."""
+        search over them never times anything (devices of one kind and thread count share); with
+        `split`, also each layer's split backward (what a zb-h1 plan runs)."""
         for name in devices:
             dev = self.topology.device(name)
             if _present(dev):
                 for b in self.sizes or ():
-                    self._measure(dev, b)
+                    self._measure(dev, b, split)
 
     def fit_report(self, device: str) -> dict[str, float] | None:
         """The curve of one device's whole model (forward + backward, every layer): its least-squares
@@ -286,6 +339,32 @@ class _Loss:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
+
+
+def _timed(sync, fn) -> tuple[float, object]:
+    """(seconds, fn()) with the device synchronized before and after."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def _needing_grad(out) -> list:
+    """The tensors of a layer's output (anywhere in it) that backward starts from."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    return [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _shared(keys: list[str], values: list[tuple[float, ...]]) -> dict[str, list[float]]:
+    """Cache entries: layers with the same key (the same signature) share one entry, the median
+    of their times, so every device of the same kind and threads gets the same figures (the
+    search's ties stay ties)."""
+    shared: dict[str, list[tuple[float, ...]]] = {}
+    for k, v in zip(keys, values):
+        shared.setdefault(k, []).append(v)
+    return {k: [statistics.median(x) for x in zip(*v)] for k, v in shared.items()}
 
 
 def _from_entries(keys: list[str], entries: dict) -> tuple[list[float], list[float]]:

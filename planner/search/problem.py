@@ -82,7 +82,9 @@ def plan_problem(workload, model, global_batch: int, topology, optimizer_name: s
     for p in precisions:
         graph = capture_graph(workload, min(global_batch, CAPTURE_BATCH), p)
         cost = cost_model(graph, topology, workload, global_batch)
-        cost.prepare(d.name for d in topology.devices)   # measured once; the search never times
+        # measured once, the search never times; the split backward where a pipeline (zb-h1) fits
+        cost.prepare([d.name for d in topology.devices],
+                     split=len(topology.devices) > 1 and graph.num_layers > 1)
         sims[p] = Simulator(graph, topology, cost)
     first = sims[precisions[0]].graph
     space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions,
