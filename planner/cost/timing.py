@@ -118,7 +118,7 @@ class MeasuredCost(CostModel):
     # --- measuring -----------------------------------------------------------------------
     def _measure(self, device: Device, batch: int, split: bool = False) -> tuple[list[float], list[float]]:
         """Per-layer (fwd, bwd) at `batch`, from the cache or timed now; with `split`, each
-        layer's split backward (I and W passes) is also made sure of (`_split_entries`)."""
+        layer's split backward (I and W passes, entries `key + SPLIT`) is also cached or timed."""
         disk = self._load_disk()
         keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
         # The last layer's entry also holds the loss's times: [fwd, bwd, loss fwd, loss bwd].
@@ -153,12 +153,13 @@ class MeasuredCost(CostModel):
             for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
                 # the model's input is data: as in the runtime, no gradient is computed for it
                 x = _leaf_inputs(x, grad=i > 0)
+                # the first layer's I is nothing, the loss has no W: neither is timed split
+                times = self._time_layer(stage, x, sync, in_precision, fused, split and 0 < i < L)
                 if fused:
-                    f_s, b_s = self._time_layer(stage, x, sync, in_precision)
-                    fwd.append(f_s)
-                    bwd.append(b_s)
-                if split and 0 < i < L:   # the first layer's I is nothing, the loss has no W
-                    passes.append(self._time_split(stage, x, sync, in_precision))
+                    fwd.append(times[0])
+                    bwd.append(times[1])
+                if split and 0 < i < L:
+                    passes.append(times[-2:])
                 with torch.no_grad(), in_precision():
                     x = as_tuple(stage(*x))
         finally:
@@ -186,46 +187,13 @@ class MeasuredCost(CostModel):
             rep += 1
         return [statistics.median(s) for s in zip(*samples)]
 
-    def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext) -> tuple[float, float]:
-        """Median (forward, backward) seconds; the forward runs in `in_precision()`."""
-        import torch
-
-        from planner.workload.inputs import as_tuple
-
-        def once():
-            stage.zero_grad(set_to_none=True)
-            with in_precision():
-                f_s, out = _timed(sync, lambda: as_tuple(stage(*x)))
-            out = _needing_grad(out)
-            b_s = 0.0
-            if out:
-                grads = [torch.ones_like(o) for o in out]
-                b_s, _ = _timed(sync, lambda: torch.autograd.backward(out, grads))
-            return f_s, b_s
-        return tuple(self._repeat(once))
-
-    def _time_split(self, stage, x, sync, in_precision=contextlib.nullcontext) -> tuple[float, float]:
-        """Median seconds of the layer's backward split as a zero-bubble stage runs it
-        (planner.workload.split_backward): the I pass (its inputs' gradient) and the W pass
-        (its weights' gradients), after an untimed forward in `in_precision()`."""
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        from planner.workload.split_backward import input_pass
-        need = [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
-        weights = list(stage.parameters())
-
-        def once():
-            stage.zero_grad(set_to_none=True)
-            with in_precision():
-                out = _needing_grad(stage(*x))
-            if not out:
-                return 0.0, 0.0
-            grads = [torch.ones_like(o) for o in out]
-            i_s, (_, wp) = _timed(sync, lambda: input_pass(out, grads, need, weights))
-            w_s, _ = _timed(sync, wp.run)
-            return i_s, w_s
-        return tuple(self._repeat(once))
+    def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext, fused: bool = True,
+                    split: bool = False) -> tuple[float, ...]:
+        """Median seconds of the layer's forward and backward (`fused`), then of its backward split
+        as a zero-bubble stage runs it (`split`: the I pass, its inputs' gradient, and the W pass,
+        its weights' gradients; planner.workload.split_backward), timed in the same runs so that
+        both see the same machine (`_layer_once`); forwards run in `in_precision()`."""
+        return tuple(self._repeat(lambda: _layer_once(stage, x, sync, in_precision, fused, split)))
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         if not _present(device):
@@ -339,6 +307,35 @@ class _Loss:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
+
+
+def _layer_once(stage, x, sync, in_precision, fused: bool, split: bool) -> tuple[float, ...]:
+    """One run of a layer: (forward, backward) seconds when `fused`; then (I pass, W pass) when
+    `split`, by the runtime's own passes (planner.workload.split_backward), on the same forward's
+    graph (kept by the fused backward for it: one forward per run)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from planner.workload.inputs import as_tuple
+    from planner.workload.split_backward import input_pass
+    stage.zero_grad(set_to_none=True)
+    with in_precision():
+        f_s, out = _timed(sync, lambda: as_tuple(stage(*x)))
+    out = _needing_grad(out)
+    if not out:
+        return (f_s, 0.0)[:2 * fused] + (0.0, 0.0)[:2 * split]
+    grads = [torch.ones_like(o) for o in out]
+    times: tuple[float, ...] = ()
+    if fused:
+        b_s, _ = _timed(sync, lambda: torch.autograd.backward(out, grads, retain_graph=split))
+        times = (f_s, b_s)
+        stage.zero_grad(set_to_none=True)
+    if split:
+        need = [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
+        i_s, (_, wp) = _timed(sync, lambda: input_pass(out, grads, need, list(stage.parameters())))
+        w_s, _ = _timed(sync, wp.run)
+        times += (i_s, w_s)
+    return times
 
 
 def _timed(sync, fn) -> tuple[float, object]:
