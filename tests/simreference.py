@@ -130,7 +130,7 @@ def build_one_by_one(builder, r, rep):
     backward (zb-h1): an I task per I action (the gradient leaves and arrives there) and the
     backward's pieces per W action; its I values are numbered after the hops."""
     from planner.sim.build import Chunk
-    from planner.sim.schedule import make_schedule, split_backward
+    from planner.sim.schedule import make_schedule, receives, split_backward
     g, sim, m = builder.g, builder.sim, rep.microbatches
     pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
     g.begin_replica((m, tuple(st.layers for st in rep.stages),
@@ -147,7 +147,7 @@ def build_one_by_one(builder, r, rep):
         for s in range(1, len(rep.stages)):
             src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
             builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
-    fwd, first, last = [], [], []
+    fwd, first, last, ends = [], [], [], []   # ends[s]: the last task of each action of stage s
     for s, st in enumerate(rep.stages):
         rid, dev = sim._rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)
@@ -155,15 +155,18 @@ def build_one_by_one(builder, r, rep):
         other = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []
         i_k = builder.input_value(r, s, rep.stages) if split else None
         f, b0, b1, prev = [None] * m, [None] * m, [None] * m, None
+        ends.append([])
         for act in sched[s]:
             i = act.microbatch
             if act.kind == "F":
                 prev = f[i] = g.add(f_k, (rid,), (prev,))
                 g.count(dev, "fwd_s", f_k)
+                ends[s].append(prev)
                 continue
             if act.kind == "I":
                 prev = b0[i] = b1[i] = g.add(i_k, (rid,), (prev,))
                 g.count(dev, "bwd_s", i_k)
+                ends[s].append(prev)
                 continue
             for j, (k, bucket) in enumerate(pieces if i == m - 1 else other):
                 prev = g.add(k, (rid,), (prev,))
@@ -174,12 +177,18 @@ def build_one_by_one(builder, r, rep):
                     builder.progress.chunk_of[(dev, bucket)] = prev
             if act.kind == "B":
                 b1[i] = prev
+            ends[s].append(prev)
         builder.progress.last_backward[dev] = prev
         fwd.append(f), first.append(b0), last.append(b1)
+    recv = receives(sched)
+
+    def posted(msg):
+        d, _, after = recv[msg]
+        return None if after is None else ends[d][after]
     for s in range(1, len(rep.stages)):
         src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
         ahead, back = builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
-        for i in range(m):
-            g.wire(builder.chain(ahead, src, dst, fwd[s - 1][i], None), fwd[s][i])
-            g.wire(builder.chain(back, dst, src, last[s][i], None), first[s - 1][i])
+        for i in range(m):   # a message moves once its receive is posted (schedule.receives)
+            g.wire(builder.chain(ahead, src, dst, fwd[s - 1][i], None, posted(("act", s, i))), fwd[s][i])
+            g.wire(builder.chain(back, dst, src, last[s][i], None, posted(("grad", s - 1, i))), first[s - 1][i])
     g.end_replica()

@@ -127,6 +127,24 @@ def test_transfers_between_devices_are_priced_for_every_virtual_stage_cut():
     assert r.iteration_s > simulate(pl, g, two_gpus()).iteration_s
 
 
+def test_a_virtual_stages_message_moves_once_its_receive_is_posted():
+    # p = 2, v = 2, m = 2; F = 0.5 s per stage (1e9 FLOPs at graph batch 2, 1 sample each), B = 0,
+    # each message 0.25 s on the link (cut 1 B at batch 2, 2 B/s). Orders: cuda:0 0F0 0F1 2F0
+    # 2F1 2B0 2B1 0B0 0B1, cuda:1 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1. A device keeps one receive per
+    # peer posted, the next posted as an action starts (schedule.receives): act 0->1 mb1, sent at
+    # 1.0, is posted when 1F0 ends, 1.25: moves 1.25-1.5 (not 1.0-1.25); grad 2->1 mb0, sent at
+    # 3.0 (2B0), is posted when 3F1 ends, 3.5: moves 3.5-3.75. Walking both orders with the rule:
+    # 1F0 0.75, 1F1 1.5, 2F0 1.5, 2F1 2.25, 3F0 2.25, 3F1 3.0, 2B0 3.0, 2B1 3.75, 1B0 3.75,
+    # 1B1 4.0, 0B0 4.0, 0B1 4.25 = the iteration (no parameters). Without the rule: 4.0 s.
+    g = graph([layer(i, bwd_flops=0) for i in range(4)], batch=2, cut_bytes=[0, 1, 1, 1, 0])
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=2.0)])
+    virtual = [("cuda:0", 0, 1), ("cuda:1", 1, 2), ("cuda:0", 2, 3), ("cuda:1", 3, 4)]
+    r = simulate(plan([(1.0, 2, virtual)], 2, schedule="interleaved-1f1b"), g, t, trace=True)
+    moves = {t["name"].split(":", 1)[1]: (t["start_s"], t["end_s"]) for t in r.tasks if t["kind"] == "transfer"}
+    assert moves["act 0->1 mb1"] == approx((1.25, 1.5)) and moves["grad 2->1 mb0"] == approx((3.5, 3.75))
+    assert r.iteration_s == approx(4.25)
+
+
 # --- memory ------------------------------------------------------------------------------------------
 def test_peak_memory_counts_what_each_device_holds_at_once():
     # saved 100 B per layer at batch 4 -> 25 B per stage-microbatch of 1 sample; params 1000 B per

@@ -263,15 +263,20 @@ def test_unroutable_plan_is_rejected():
         simulate(plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 1), g, t)
 
 
-def test_transfers_on_one_link_direction_queue():
-    # 2 stages, m=2, microbatch forward 0.5 s, activation transfer 2 s each on one link:
-    # act0 0.5-2.5, act1 2.5-4.5 (queued behind act0 although ready at 1.0)
+def test_a_message_moves_once_its_receive_is_posted_one_per_link():
+    # 2 stages, m=2, microbatch forward 0.5 s, activation transfer 2 s each on one link. The
+    # runtime keeps one receive per peer posted, the next one posted as an action starts, and a
+    # gloo message moves only once its receive is posted (planner.sim.schedule.receives):
+    # act0 0.5-2.5; 1F0 2.5-3.0; act1, sent at 1.0 and the link free at 2.5, is posted as 1F1
+    # starts, when 1F0 ends: 3.0-5.0 (dropping the rule: 2.5-4.5); 1F1 5.0-5.5; the backwards
+    # take no time: grad0 5.5-7.5, grad1 (posted as 0B1 starts) 7.5-9.5
     g = graph([layer(0, bwd_flops=0), layer(1, bwd_flops=0)], batch=2, cut_bytes=[0, 4, 0])
     t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=1.0)])
     r = simulate(plan([(1.0, 2, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2, schedule="gpipe"), g, t,
                  trace=True)
     acts = sorted((x["start_s"], x["end_s"]) for x in r.tasks if x["lane"] == "cuda:0->cuda:1")
-    assert acts == [(0.5, 2.5), (2.5, 4.5)]
+    assert acts == [(0.5, 2.5), (3.0, 5.0)]
+    assert r.iteration_s == approx(9.5)
 
 
 def test_buckets_follow_ddp_reverse_order_groups_and_cap():

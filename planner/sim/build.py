@@ -375,11 +375,13 @@ class Builder:
         return out
 
     def chain(self, route: list[tuple[RouteHop, int]], src: str, dst: str, after: int | None,
-              label: object) -> int | None:
-        """One task per hop (store and forward) from task `after`; returns the last hop's task."""
+              label: object, posted: int | None = None) -> int | None:
+        """One task per hop (store and forward) from task `after`, the first also after task
+        `posted` (where the receiver posts its receive); returns the last hop's task."""
         g, t = self.g, after
-        for h, k in route:
-            t = g.add(k, (h.resource,), (t,), TaskMeta(label, h.lane, "transfer") if self.tracing else None)
+        for j, (h, k) in enumerate(route):
+            deps = (t, posted) if j == 0 else (t,)
+            t = g.add(k, (h.resource,), deps, TaskMeta(label, h.lane, "transfer") if self.tracing else None)
             g.count(src, "comm_s", k)
             g.count(dst, "comm_s", k)
         return t

@@ -125,6 +125,51 @@ def split_backward(name: str) -> bool:
     return name == "zb-h1"
 
 
+def receives(schedule: list[list[Action]]) -> dict[tuple[str, int, int], tuple[int, int, int | None]]:
+    """When each message's receive is posted and taken, as the runtime does it: a device
+    receives each peer's messages in the peer's send order (an early arrival is taken when a
+    later one is needed: runtime.interleaved), and keeps one receive per peer posted, the next
+    one posted as an action starts (runtime.pipeline: `_post_ahead`) or when it is needed.
+
+    Messages: ("act", s, i) from F(s-1, i) to F(s, i); ("grad", s, i) from B or I (s+1, i) to
+    B or I (s, i). Returns message -> (receiving device, the index of the action that takes it,
+    the index of the action after whose end its receive is posted; None: at the iteration's
+    start). Over gloo a message moves only once its receive is posted (planner.sim.template)."""
+    last = max((a.stage for acts in schedule for a in acts), default=0)
+    device = {a.stage: d for d, acts in enumerate(schedule) for a in acts}
+    consumer: dict[tuple[str, int, int], int] = {}
+    for acts in schedule:
+        for k, a in enumerate(acts):
+            if a.kind == "F" and a.stage > 0:
+                consumer[("act", a.stage, a.microbatch)] = k
+            elif a.kind in "BI" and a.stage < last:
+                consumer[("grad", a.stage, a.microbatch)] = k
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}   # (from, to) -> send order
+    for d, acts in enumerate(schedule):
+        for a in acts:
+            if a.kind == "F" and a.stage < last:
+                msg = ("act", a.stage + 1, a.microbatch)
+            elif a.kind in "BI" and a.stage > 0:
+                msg = ("grad", a.stage - 1, a.microbatch)
+            else:
+                continue
+            sent.setdefault((d, device[msg[1]]), []).append(msg)
+    out = {}
+    for (_, to), msgs in sent.items():
+        take, first = [0] * len(msgs), len(schedule[to])
+        for j in range(len(msgs) - 1, -1, -1):    # taken by the first action needing it or a later one
+            first = take[j] = min(first, consumer[msgs[j]])
+        for j, msg in enumerate(msgs):
+            if j == 0:
+                posted = None
+            elif take[j] > take[j - 1]:           # posted as the action after the previous take starts
+                posted = take[j - 1]
+            else:                                 # taken with the previous one: posted when needed
+                posted = take[j] - 1 if take[j] > 0 else None
+            out[msg] = (to, take[j], posted)
+    return out
+
+
 def format_schedule(schedule: list[list[Action]]) -> str:
     return "\n".join(" ".join(str(a) for a in acts) for acts in schedule)
 
@@ -180,5 +225,5 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
 
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
-           "format_schedule",
+           "receives", "format_schedule",
            "parse_schedule", "dry_run", "grid"]

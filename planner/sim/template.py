@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-from planner.sim.schedule import Action, make_schedule, split_backward
+from planner.sim.schedule import Action, make_schedule, receives, split_backward
 
 
 class Slots(NamedTuple):
@@ -103,6 +103,27 @@ def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
                  tuple(ahead_res), tuple(back_res), inp), v, r
 
 
+def _backward_tasks(add, counts, slots: Slots, stream: Stream | None, act: Action, prev: int | None,
+                    m: int, bf: list[int], bl: list[int], ends: list[int]) -> int:
+    """The tasks of a B or W action of stage act.stage after task `prev` (the last microbatch's
+    backward in its pieces, ends of pieces recorded in `ends`; a stream's weight update after
+    every update_every-th); returns its last task."""
+    i, s, first = act.microbatch, act.stage, None
+    for k in (slots.last[s] if i == m - 1 else slots.other[s]):
+        prev = add(k, s, prev, ("compute", s, act))
+        counts.setdefault((s, "bwd_s"), []).append(k)
+        if first is None:
+            first = prev
+        if i == m - 1:
+            ends.append(prev)
+    if act.kind == "B":
+        bf[i], bl[i] = first, prev
+    if stream and (i + 1) % stream.update_every == 0:   # the stage's weight update
+        prev = add(slots.update[s][0], s, prev, ("update", s, act))
+        counts.setdefault((s, "optimizer_s"), []).append(slots.update[s][0])
+    return prev
+
+
 @lru_cache(maxsize=256)
 def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                      hops: tuple[tuple[int, int], ...], devices: int | None = None,
@@ -141,42 +162,35 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     ends_of: list[list[int]] = [[] for _ in range(n)]
     last_of: list[int] = [0] * n
     iteration_end: list[list[int]] = [[] for _ in range(n)]
-    for acts in make_schedule(schedule, n, m, devices):
-        prev = None
+    rows = make_schedule(schedule, n, m, devices)
+    spans: list[list[tuple[int, int]]] = []   # per device: (first task, last task) of each action
+    for acts in rows:
+        prev, row = None, []
+        spans.append(row)
         for act in acts:
-            i, s = act.microbatch, act.stage
+            i, s, start = act.microbatch, act.stage, len(value)
             f, bf, bl, ends = fwd_t[s], bwd_first[s], bwd_last[s], ends_of[s]
             if act.kind == "F":
                 prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
                 counts.setdefault((s, "fwd_s"), []).append(slots.fwd[s])
-                continue
-            if act.kind == "I":   # the gradient is received and sent on by the I pass
+            elif act.kind == "I":   # the gradient is received and sent on by the I pass
                 prev = bf[i] = bl[i] = last_of[s] = add(slots.inp[s], s, prev, ("compute", s, act))
                 counts.setdefault((s, "bwd_s"), []).append(slots.inp[s])
-                continue
-            first = None
-            for k in (slots.last[s] if i == m - 1 else slots.other[s]):
-                prev = add(k, s, prev, ("compute", s, act))
-                counts.setdefault((s, "bwd_s"), []).append(k)
-                if first is None:
-                    first = prev
-                if i == m - 1:
-                    ends.append(prev)
-            if act.kind == "B":
-                bf[i], bl[i] = first, prev
-            if stream and (i + 1) % stream.update_every == 0:   # the stage's weight update
-                prev = add(slots.update[s][0], s, prev, ("update", s, act))
-                counts.setdefault((s, "optimizer_s"), []).append(slots.update[s][0])
-            if stream and (i + 1) % stream.per_iteration == 0:
-                iteration_end[s].append(prev)
-            last_of[s] = prev
+            else:
+                prev = _backward_tasks(add, counts, slots, stream, act, prev, m, bf, bl, ends)
+                last_of[s] = prev
+                if stream and (i + 1) % stream.per_iteration == 0:
+                    iteration_end[s].append(prev)
+            row.append((start, prev))
     chunk_end = [tuple(e) for e in ends_of]
     last_backward = last_of
 
-    def chain(vals, rs, src: int, dst: int, after: int, lab: tuple) -> int:
+    def chain(vals, rs, src: int, dst: int, after: int, lab: tuple, posted: int | None) -> int:
         t = after
-        for k, r in zip(vals, rs):
+        for j, (k, r) in enumerate(zip(vals, rs)):
             t = add(k, r, t, lab)
+            if j == 0 and posted is not None:   # a message moves once its receive is posted
+                wire(posted, t)
             counts.setdefault((src, "comm_s"), []).append(k)
             counts.setdefault((dst, "comm_s"), []).append(k)
         return t
@@ -185,13 +199,22 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
         succ[t].append(v)
         ndeps[v] += 1
 
+    recv = receives(rows)
+
+    def posted(msg: tuple[str, int, int]) -> int | None:
+        """The task after which msg's receive is posted (None: at the iteration's start). In these
+        schedules a device needs each peer's messages in their send order, so the message is
+        taken by the action that needs it, whose task the transfer feeds."""
+        d, _, after = recv[msg]
+        return None if after is None else spans[d][after][1]
+
     for s in range(1, len(pieces)):
         p = s - 1
         for i in range(m):
             wire(chain(slots.ahead[p], slots.ahead_res[p], s - 1, s, fwd_t[s - 1][i],
-                       ("act", s - 1, s, i)), fwd_t[s][i])
+                       ("act", s - 1, s, i), posted(("act", s, i))), fwd_t[s][i])
             wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
-                       ("grad", s, s - 1, i)), bwd_first[s - 1][i])
+                       ("grad", s, s - 1, i), posted(("grad", s - 1, i))), bwd_first[s - 1][i])
     return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
                            tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
                            tuple(last_backward), tuple(label), {}, tuple(map(tuple, iteration_end)))
