@@ -255,7 +255,9 @@ class StageRunner:
     def _post_ahead(self) -> None:
         """Keep the next receive of each link posted (once its header is known), so a message
         arrives during the compute before it is needed; never more than this iteration still
-        receives (a receive left posted would outlive the run)."""
+        receives (a receive left posted would outlive the run). One per link: a message moves
+        only once posted, so back-to-back receives from one peer wait for their transfer (the
+        simulator's rule: planner.sim.schedule.receives)."""
         for link, key in ((self.prev, "act"), (self.next, "grad")):
             if link is not None and key in link.headers and not link.posted and self._left[key] > 0:
                 link.post(key)

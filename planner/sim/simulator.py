@@ -18,7 +18,14 @@ overlapping the remaining backward; "coarse" starts a bucket's all-reduce after 
 work of every device in its group, one flat all-reduce per device set (buckets of one set
 merged, as the runtime does). Recompute adds the stage's forward to its backward. A split
 backward (zb-h1) is two tasks per microbatch: I (cost.bwd_input_s), which receives and sends the
-gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets follow.
+gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets follow; the measured
+cost model times both passes per layer (the split costs more than the fused backward on CPUs).
+
+Receives: a message between stages moves only once its receiver has posted the receive (gloo
+and NCCL match a send with a posted receive), and the runtime keeps one receive per peer posted,
+the next one posted as an action starts (planner.sim.schedule.receives): a message's first hop
+also waits for the receiver's action before that post. Consecutive receives from one peer (GPipe's
+forwards, an interleaved device's virtual stages) therefore expose their transfers.
 
 PipeDream and 2BW (sync.mode): no all-reduce; the pipeline is simulated as a stream of three
 iterations of 1F1B without flush, each stage's updates on its device after its backwards
@@ -33,8 +40,9 @@ transfers go to and from the split's first device, and copies of them to its oth
 (Builder.fan_copies).
 
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
-loss computation (part of the last stage's forward as captured), send/recv launch overhead
-beyond link latency, and all-reduce algorithms other than the ring.
+loss computation (part of the last stage's forward as captured), the notice a late-posted
+receive sends back to the sender (one more latency) and, on a loaded host, the sender's wake-up
+to answer it, and all-reduce algorithms other than the ring.
 
 Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
 from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan.

@@ -8,6 +8,9 @@ numbered as `Slots` describes); `planner.sim.build.Builder.replica` maps the slo
 value and resource ids. Task ids, dependencies and the order of the statistics are those of
 building the tasks one by one, so a stamped graph is identical to a hand-built one.
 
+A message's first hop also waits for the receiver's task after which the runtime posts its
+receive (planner.sim.schedule.receives).
+
 A split backward (zb-h1: actions I and W) has one more value slot per stage, its I pass: the
 gradient goes back from I to the previous stage's I, and the W pass takes the backward's
 pieces and buckets (the weights' gradients are final when the last microbatch's W ends).
