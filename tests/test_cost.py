@@ -130,9 +130,11 @@ def test_the_split_backward_is_timed_per_layer_by_the_runtimes_passes_and_cached
     assert all(x > 0 for x in inp[1:] + wgt[1:])
     keys = json.loads(cache_path().read_text())
     assert sum(k.endswith(SPLIT) for k in keys) == g.num_layers - 1
-    # the loss holds no weights: its backward is in the last layer's I, not its W
-    last = keys[m._key(g.num_layers - 1, dev, 4)]
-    assert inp[-1] == keys[m._key(g.num_layers - 1, dev, 4) + SPLIT][0] + last[3]
+    # entries are shares of the fused backward timed in the same runs; the loss holds no
+    # weights: its backward is in the last layer's I, not its W
+    k = m._key(g.num_layers - 1, dev, 4)
+    assert inp[-1] == keys[k + SPLIT][0] * keys[k][1] + keys[k][3]
+    assert wgt[-1] == keys[k + SPLIT][1] * keys[k][1]
     # a second model reads them back; nothing is timed again
     again = MeasuredCost(g, t, w)
     monkeypatch.setattr(again, "_time_layer", lambda *a, **k: pytest.fail("re-measured a cached layer"))

@@ -37,7 +37,9 @@ from planner.hardware.topology import Device, Topology, parse_device_name
 # Bumped when the way layers are timed changes, so that older figures are not reused
 # (2: timed with the runtime's allocator setting, planner.hardware.host_memory).
 CACHE_VERSION = 2
-# Suffix of a layer's split-backward entry, [I pass s, W pass s] (layers after the first).
+# Suffix of a layer's split-backward entry (layers after the first): [I pass, W pass] as shares
+# of the fused backward timed in the same runs (back to back, so a change of the machine's load
+# between two measurements does not show as a cost of the split); times = share * fused entry.
 SPLIT = "|split"
 
 
@@ -153,13 +155,16 @@ class MeasuredCost(CostModel):
             for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
                 # the model's input is data: as in the runtime, no gradient is computed for it
                 x = _leaf_inputs(x, grad=i > 0)
-                # the first layer's I is nothing, the loss has no W: neither is timed split
-                times = self._time_layer(stage, x, sync, in_precision, fused, split and 0 < i < L)
+                # the first layer's I is nothing, the loss has no W: neither is timed split; the
+                # split is timed with the fused backward in the same runs, which its shares are of
+                pieces = split and 0 < i < L
+                times = (self._time_layer(stage, x, sync, in_precision, True, pieces)
+                         if fused or pieces else ())
                 if fused:
                     fwd.append(times[0])
                     bwd.append(times[1])
-                if split and 0 < i < L:
-                    passes.append(times[-2:])
+                if pieces:
+                    passes.append(tuple(t / times[1] if times[1] > 0 else 0.0 for t in times[2:]))
                 with torch.no_grad(), in_precision():
                     x = as_tuple(stage(*x))
         finally:
@@ -219,14 +224,15 @@ class MeasuredCost(CostModel):
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(w0, w1)])
 
     def _split_at(self, device: Device, batch: int) -> tuple[list[float], list[float]]:
-        """Per-layer (I, W) seconds at `batch` from the split entries: the first layer's input
-        needs no gradient (I = 0, W = its whole backward, as a first stage runs it); the loss,
-        holding no weights, is all I (its backward, added to the last layer's)."""
+        """Per-layer (I, W) seconds at `batch`, each split entry's share times its fused
+        backward: the first layer's input needs no gradient (I = 0, W = its whole backward, as a
+        first stage runs it); the loss, holding no weights, is all I (its backward, added to the
+        last layer's)."""
         _, bwd = self._measure(device, batch, split=True)
         disk, L = self._load_disk(), self.graph.num_layers
         keys = [self._key(i, device, batch) for i in range(L)]
-        inp = [0.0] + [disk[k + SPLIT][0] for k in keys[1:]]
-        wgt = [bwd[0]] + [disk[k + SPLIT][1] for k in keys[1:]]
+        inp = [0.0] + [disk[k + SPLIT][0] * disk[k][1] for k in keys[1:]]
+        wgt = [bwd[0]] + [disk[k + SPLIT][1] * disk[k][1] for k in keys[1:]]
         if L > 1:
             inp[-1] += disk[keys[-1]][3]
         return inp, wgt
