@@ -9,6 +9,11 @@ plan) layers are timed at those microbatch sizes only, all before a search start
 microbatch in between costs the straight line through the two measured sizes around it (beyond the
 largest, the line through the last two). Without `sizes`, each size is timed as asked.
 
+Split backward (zb-h1): with `split` (`prepare(..., split=True)`, or asked by bwd_input_s /
+bwd_weight_s), each layer after the first is also timed through the runtime's I and W passes
+(planner.workload.split_backward), in the same runs as its fused backward; the passes are cached
+as shares of that backward (`SPLIT` entries) and priced as share * the fused entry.
+
 Each layer's forward (and the loss's) runs under planner.workload.precision.autocast in the
 graph's precision, its backward outside it, as in training. When several CPU workers of a host
 compute at once, the times are multiplied by the topology's contention factor
