@@ -174,6 +174,14 @@ def test_hybrid_with_fine_sync_and_recompute_trains_like_one_device(tmp_path):
                                              recompute=True))
 
 
+def test_split_stage_running_ahead_of_an_alternating_last_stage_trains_like_one_device(tmp_path):
+    # a tensor-split first stage (two ranks) runs its forwards ahead, its first rank sending them
+    # on; the plain last stage alternates and sends each gradient back to both split ranks
+    from test_runtime_tensor import _pipeline, run_and_compare
+    run_and_compare(tmp_path, _pipeline([([("cpu:0", 0.5), ("cpu:1", 0.5)], (0, 2)), ("cpu:2", (2, 4))], 3,
+                                        schedule="hippie"))
+
+
 # --- search ---------------------------------------------------------------------------------------
 def _latency_pair(lat_s: float) -> Topology:
     # cuda:0 400 MB, cuda:1 260 MB, 1e12 FLOP/s and B/s each, a 1e10 B/s link of latency lat_s
