@@ -182,6 +182,21 @@ def test_split_stage_running_ahead_of_an_alternating_last_stage_trains_like_one_
                                         schedule="hippie"))
 
 
+# --- accelerator paths (CPU stand-ins everywhere; real GPUs where marked) ----------------------------
+from test_runtime_cuda import check_close, gpus  # noqa: E402,F401  (the fixture: stand-in / real)
+
+
+def test_gpu_stage_ahead_offloads_its_m_microbatches_into_a_cpu_last_stage(tmp_path, gpus):
+    # the GPU stage runs its 4 forwards ahead, their saved activations in host memory, and its
+    # Adam half on the host; the CPU last stage alternates, activations and gradients crossing
+    # through host memory
+    from test_runtime import SKIP, plan as runtime_plan
+    p = runtime_plan([(1.0, 4, [("cuda:0", (0, 2)), ("cpu:0", (2, 4))])], model=SKIP, schedule="hippie",
+                     placement="split", cpu_fraction=0.5)
+    p["replicas"][0]["stages"][0]["offload_activations"] = True
+    check_close(tmp_path, p, gpus)
+
+
 # --- search ---------------------------------------------------------------------------------------
 def _latency_pair(lat_s: float) -> Topology:
     # cuda:0 400 MB, cuda:1 260 MB, 1e12 FLOP/s and B/s each, a 1e10 B/s link of latency lat_s
