@@ -41,7 +41,7 @@ def test_schedule_runs_ahead_and_the_last_stage_alternates():
 def test_every_stage_runs_each_action_once_without_deadlock(p, m):
     sched = make_schedule("hippie", p, m)
     dry_run(sched)   # raises on a deadlock
-    for s, acts in enumerate(sched):
+    for acts in sched:
         assert sorted((a.kind, a.microbatch) for a in acts) == sorted((k, i) for k in "FB" for i in range(m))
     # one stage, or one microbatch: the same order as 1F1B
     if p == 1 or m == 1:
