@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from planner.sim.schedule import Action, make_schedule
+from planner.sim.schedule import POSTED_AHEAD, Action, make_schedule
 from planner.workload.inputs import to_device
 from planner.workload.precision import autocast
 from runtime.pipeline import PeerLink
@@ -108,12 +108,15 @@ class InterleavedRunner:
         return self._inbox.pop(msg)
 
     def _post_ahead(self) -> None:
-        """Post each link's next expected receive once its header is known (it lands while
-        this rank computes)."""
+        """Keep each link's next POSTED_AHEAD expected receives posted, in the peer's send order,
+        as far as their headers are known (they land while this rank computes)."""
         for peer, seq in self.peer_sends.items():
-            link, k = self.links[peer], self._pos[peer]
-            if k < len(seq) and not link.posted and f"{seq[k][0]}{seq[k][1]}" in link.headers:
-                link.post(f"{seq[k][0]}{seq[k][1]}")
+            link = self.links[peer]
+            while len(link.posted) < POSTED_AHEAD and (k := self._pos[peer] + len(link.posted)) < len(seq):
+                key = f"{seq[k][0]}{seq[k][1]}"
+                if key not in link.headers:
+                    break
+                link.post(key)
 
     def _send(self, kind: str, stage: int, tensors: list[torch.Tensor]) -> None:
         self.links[self.rank_of_stage[stage]].send(f"{kind}{stage}", tensors)

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from planner.hardware.device import TorchDevice
 from planner.workload.inputs import to_device
+from planner.sim.schedule import POSTED_AHEAD
 from planner.workload.precision import autocast
 from planner.workload.split_backward import input_pass
 
@@ -253,14 +254,15 @@ class StageRunner:
         return None
 
     def _post_ahead(self) -> None:
-        """Keep the next receive of each link posted (once its header is known), so a message
-        arrives during the compute before it is needed; never more than this iteration still
-        receives (a receive left posted would outlive the run). One per link: a message moves
-        only once posted, so back-to-back receives from one peer wait for their transfer (the
-        simulator's rule: planner.sim.schedule.receives)."""
+        """Keep the next POSTED_AHEAD receives of each link posted (once its header is known), so
+        a message arrives during the compute before it is needed, also the second of two receives
+        in a row (a message moves only once its receive is posted); never more than this
+        iteration still receives (a receive left posted would outlive the run). The simulator's
+        rule: planner.sim.schedule.receives."""
         for link, key in ((self.prev, "act"), (self.next, "grad")):
-            if link is not None and key in link.headers and not link.posted and self._left[key] > 0:
-                link.post(key)
+            if link is not None and key in link.headers:
+                while len(link.posted) < min(POSTED_AHEAD, self._left[key]):
+                    link.post(key)
 
     def _recv(self, link: PeerLink, key: str) -> list[torch.Tensor]:
         self._flush()

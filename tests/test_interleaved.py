@@ -127,22 +127,21 @@ def test_transfers_between_devices_are_priced_for_every_virtual_stage_cut():
     assert r.iteration_s > simulate(pl, g, two_gpus()).iteration_s
 
 
-def test_a_virtual_stages_message_moves_once_its_receive_is_posted():
-    # p = 2, v = 2, m = 2; F = 0.5 s per stage (1e9 FLOPs at graph batch 2, 1 sample each), B = 0,
-    # each message 0.25 s on the link (cut 1 B at batch 2, 2 B/s). Orders: cuda:0 0F0 0F1 2F0
-    # 2F1 2B0 2B1 0B0 0B1, cuda:1 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1. A device keeps one receive per
-    # peer posted, the next posted as an action starts (schedule.receives): act 0->1 mb1, sent at
-    # 1.0, is posted when 1F0 ends, 1.25: moves 1.25-1.5 (not 1.0-1.25); grad 2->1 mb0, sent at
-    # 3.0 (2B0), is posted when 3F1 ends, 3.5: moves 3.5-3.75. Walking both orders with the rule:
-    # 1F0 0.75, 1F1 1.5, 2F0 1.5, 2F1 2.25, 3F0 2.25, 3F1 3.0, 2B0 3.0, 2B1 3.75, 1B0 3.75,
-    # 1B1 4.0, 0B0 4.0, 0B1 4.25 = the iteration (no parameters). Without the rule: 4.0 s.
-    g = graph([layer(i, bwd_flops=0) for i in range(4)], batch=2, cut_bytes=[0, 1, 1, 1, 0])
-    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=2.0)])
-    virtual = [("cuda:0", 0, 1), ("cuda:1", 1, 2), ("cuda:0", 2, 3), ("cuda:1", 3, 4)]
-    r = simulate(plan([(1.0, 2, virtual)], 2, schedule="interleaved-1f1b"), g, t, trace=True)
-    moves = {t["name"].split(":", 1)[1]: (t["start_s"], t["end_s"]) for t in r.tasks if t["kind"] == "transfer"}
-    assert moves["act 0->1 mb1"] == approx((1.25, 1.5)) and moves["grad 2->1 mb0"] == approx((3.5, 3.75))
-    assert r.iteration_s == approx(4.25)
+def test_receives_are_posted_two_ahead_per_peer_in_its_send_order():
+    # p = 2, v = 2, m = 4 (orders above): the second device receives from the first, in that
+    # device's send order, act1.0 act1.1 act3.0 act3.1 act1.2 grad1.0 act1.3 grad1.1 act3.2
+    # act3.3 grad1.2 grad1.3; with two posted, each is posted as the action after the take of
+    # the one two before it starts (None: at the iteration's start)
+    from planner.sim.schedule import receives
+    sched = make_schedule("interleaved-1f1b", 4, 4, 2)
+    got = {m: (str(sched[d][take]), None if after is None else str(sched[d][after]))
+           for m, (d, take, after) in receives(sched).items() if d == 1}
+    assert got[("act", 1, 0)] == ("1F0", None) and got[("act", 1, 1)] == ("1F1", None)
+    assert got[("act", 3, 0)] == ("3F0", "1F0")      # posted as 1F1 starts
+    assert got[("act", 3, 1)] == ("3F1", "1F1")
+    assert got[("grad", 1, 3)] == ("1B3", "3F3")
+    # one posted (the runtime before 2026-11-25): act3.0 waited for 1F1, right before 3F0
+    assert receives(sched, window=1)[("act", 3, 0)] == (1, 2, 1)
 
 
 # --- memory ------------------------------------------------------------------------------------------

@@ -97,3 +97,54 @@ def test_adam_is_the_fused_kernel_and_steps_as_the_default_one():
             m(x).square().mean().backward()
             o.step()
     torch.testing.assert_close(a.weight, b.weight, rtol=1e-5, atol=1e-6)
+
+
+class _Link:
+    """A PeerLink's posting side: headers known, posted receives counted."""
+
+    def __init__(self, keys):
+        self.headers, self.posted = {k: [] for k in keys}, []
+
+    def post(self, key):
+        self.posted.append(key)
+
+
+def test_a_stage_keeps_two_receives_posted_per_link_never_more_than_it_still_receives():
+    # planner.sim.schedule.POSTED_AHEAD: the simulator moves a message once its receive is posted
+    import torch
+
+    from planner.sim.schedule import POSTED_AHEAD
+    from runtime.pipeline import StageRunner
+    prev, nxt = _Link(["act"]), _Link(["grad"])
+    r = StageRunner(torch.nn.Linear(1, 1), torch.device("cpu"), None, prev, nxt, 1.0, None)
+    r._left = {"act": 3, "grad": 1}
+    r._post_ahead()
+    assert POSTED_AHEAD == 2 and prev.posted == ["act", "act"] and nxt.posted == ["grad"]
+    prev.posted.pop(0)
+    r._left["act"] = 2                    # one taken: the next one is posted
+    r._post_ahead()
+    assert len(prev.posted) == 2
+    prev.posted.pop(0)
+    r._left["act"] = 1                    # the last one is already posted
+    r._post_ahead()
+    assert len(prev.posted) == 1
+
+
+def test_an_interleaved_rank_posts_two_ahead_in_the_peers_send_order_up_to_an_unknown_header():
+    import torch
+
+    from runtime.interleaved import InterleavedRunner
+    link = _Link(["act1", "act3"])          # grad1's header not received yet
+    seq = [("act", 1, 0), ("act", 3, 0), ("grad", 1, 0), ("act", 1, 1)]
+    r = InterleavedRunner({0: torch.nn.Linear(1, 1)}, 4, torch.device("cpu"), None, {1: link},
+                          [0, 1, 0, 1], {1: seq}, 1.0, None)
+    r._pos = {1: 0}
+    r._post_ahead()
+    assert link.posted == ["act1", "act3"]
+    link.posted.pop(0)
+    r._pos[1] = 1
+    r._post_ahead()                          # grad1 is next but its header is unknown: wait
+    assert link.posted == ["act3"]
+    link.headers["grad1"] = []
+    r._post_ahead()
+    assert link.posted == ["act3", "grad1"]

@@ -264,20 +264,33 @@ def test_unroutable_plan_is_rejected():
         simulate(plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 1), g, t)
 
 
-def test_a_message_moves_once_its_receive_is_posted_one_per_link():
-    # 2 stages, m=2, microbatch forward 0.5 s, activation transfer 2 s each on one link. The
-    # runtime keeps one receive per peer posted, the next one posted as an action starts, and a
-    # gloo message moves only once its receive is posted (planner.sim.schedule.receives):
-    # act0 0.5-2.5; 1F0 2.5-3.0; act1, sent at 1.0 and the link free at 2.5, is posted as 1F1
-    # starts, when 1F0 ends: 3.0-5.0 (dropping the rule: 2.5-4.5); 1F1 5.0-5.5; the backwards
-    # take no time: grad0 5.5-7.5, grad1 (posted as 0B1 starts) 7.5-9.5
+def test_transfers_on_one_link_direction_queue():
+    # 2 stages, m=2, microbatch forward 0.5 s, activation transfer 2 s each on one link:
+    # act0 0.5-2.5, act1 2.5-4.5 (queued behind act0 although ready at 1.0)
     g = graph([layer(0, bwd_flops=0), layer(1, bwd_flops=0)], batch=2, cut_bytes=[0, 4, 0])
     t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=1.0)])
     r = simulate(plan([(1.0, 2, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2, schedule="gpipe"), g, t,
                  trace=True)
     acts = sorted((x["start_s"], x["end_s"]) for x in r.tasks if x["lane"] == "cuda:0->cuda:1")
-    assert acts == [(0.5, 2.5), (3.0, 5.0)]
-    assert r.iteration_s == approx(9.5)
+    assert acts == [(0.5, 2.5), (2.5, 4.5)]
+
+
+def test_a_message_moves_once_its_receive_is_posted_two_ahead_per_peer():
+    # GPipe, 2 stages, m = 3 of 1 sample: stage 0's F 0.5 s, stage 1's F 2 s, no backward work,
+    # each activation 0.5 s on the link. A gloo message moves only once its receive is posted,
+    # and a worker keeps POSTED_AHEAD = 2 receives per peer posted, the next one posted as an
+    # action starts after one is taken (planner.sim.schedule.receives): act0 0.5-1.0 and act1
+    # 1.0-1.5 were posted at the start; act2, sent at 1.5, is posted when 1F0 (1.0-3.0), which
+    # took act0, ends: 3.0-3.5 (dropping the rule: 1.5-2.0); hidden by 1F1 3.0-5.0, 1F2 5.0-7.0.
+    # The gradients (0.5 s each, backwards of no time at 7.0): 7.0-7.5, 7.5-8.0, 8.0-8.5: 8.5 s.
+    g = graph([layer(0, fwd_flops=1.5e9, bwd_flops=0), layer(1, fwd_flops=6e9, bwd_flops=0)],
+              batch=3, cut_bytes=[0, 3, 0])
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=2.0)])
+    r = simulate(plan([(1.0, 3, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 3, schedule="gpipe"), g, t,
+                 trace=True)
+    acts = sorted((x["start_s"], x["end_s"]) for x in r.tasks if x["lane"] == "cuda:0->cuda:1")
+    assert acts == [(0.5, 1.0), (1.0, 1.5), (3.0, 3.5)]
+    assert r.iteration_s == approx(8.5)
 
 
 def test_buckets_follow_ddp_reverse_order_groups_and_cap():

@@ -137,11 +137,20 @@ def split_backward(name: str) -> bool:
     return name == "zb-h1"
 
 
-def receives(schedule: list[list[Action]]) -> dict[tuple[str, int, int], tuple[int, int, int | None]]:
+# Receives a pipeline worker keeps posted per peer (runtime.pipeline / runtime.interleaved
+# `_post_ahead`): a gloo or NCCL message moves only once its receive is posted, so with one posted
+# a device's second receive in a row from a peer waited for its whole transfer (GPipe's forwards,
+# Hippie's backwards, an interleaved device's virtual stages); two keep the next one moving during
+# the compute that takes the first, for one more message buffer per link.
+POSTED_AHEAD = 2
+
+
+def receives(schedule: list[list[Action]], window: int = POSTED_AHEAD
+             ) -> dict[tuple[str, int, int], tuple[int, int, int | None]]:
     """When each message's receive is posted and taken, as the runtime does it: a device
     receives each peer's messages in the peer's send order (an early arrival is taken when a
-    later one is needed: runtime.interleaved), and keeps one receive per peer posted, the next
-    one posted as an action starts (runtime.pipeline: `_post_ahead`) or when it is needed.
+    later one is needed: runtime.interleaved), and keeps `window` receives per peer posted, the
+    next one posted as an action starts once one is taken (`_post_ahead`) or when it is needed.
 
     Messages: ("act", s, i) from F(s-1, i) to F(s, i); ("grad", s, i) from B or I (s+1, i) to
     B or I (s, i). Returns message -> (receiving device, the index of the action that takes it,
@@ -172,11 +181,11 @@ def receives(schedule: list[list[Action]]) -> dict[tuple[str, int, int], tuple[i
         for j in range(len(msgs) - 1, -1, -1):    # taken by the first action needing it or a later one
             first = take[j] = min(first, consumer[msgs[j]])
         for j, msg in enumerate(msgs):
-            if j == 0:
+            if j < window:                        # posted as the iteration starts
                 posted = None
-            elif take[j] > take[j - 1]:           # posted as the action after the previous take starts
-                posted = take[j - 1]
-            else:                                 # taken with the previous one: posted when needed
+            elif take[j] > take[j - window]:      # posted as the action after that take starts
+                posted = take[j - window]
+            else:                                 # taken with that one: posted when needed
                 posted = take[j] - 1 if take[j] > 0 else None
             out[msg] = (to, take[j], posted)
     return out
@@ -237,5 +246,5 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
 
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "hippie", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
-           "receives", "format_schedule",
+           "POSTED_AHEAD", "receives", "format_schedule",
            "parse_schedule", "dry_run", "grid"]
