@@ -22,10 +22,9 @@ gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets foll
 cost model times both passes per layer (the split costs more than the fused backward on CPUs).
 
 Receives: a message between stages moves only once its receiver has posted the receive (gloo
-and NCCL match a send with a posted receive), and the runtime keeps one receive per peer posted,
-the next one posted as an action starts (planner.sim.schedule.receives): a message's first hop
-also waits for the receiver's action before that post. Consecutive receives from one peer (GPipe's
-forwards, an interleaved device's virtual stages) therefore expose their transfers.
+and NCCL match a send with a posted receive), and the runtime keeps POSTED_AHEAD (2) receives per
+peer posted, the next one posted as an action starts (planner.sim.schedule.receives): a message's
+first hop also waits for the receiver's action before that post.
 
 PipeDream and 2BW (sync.mode): no all-reduce; the pipeline is simulated as a stream of three
 iterations of 1F1B without flush, each stage's updates on its device after its backwards
