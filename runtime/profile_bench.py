@@ -261,6 +261,36 @@ def message_issue(repeats: int) -> tuple[float, float] | None:
     return (stats(sends)[0], stats(posts)[0]) if rank == 0 else None
 
 
+def action_overhead(repeats: int, microbatches: int = 8) -> float:
+    """Seconds the runtime's own code spends per schedule action besides the compute it times:
+    the driver (runtime.pipeline.StageRunner.run: the action loop, the busy timers'
+    contexts, autocast, the microbatch's inputs, the loss bookkeeping), on a one-stage 1F1B
+    iteration of a 4 x 4 linear layer, so the compute is a few µs: (iteration wall time - the
+    busy timers' total) / actions, median of `repeats` iterations. The pipeline's messages are
+    timed apart (message_issue)."""
+    from planner.hardware.device import torch_device
+    from runtime.instruments import BusyTimer, SavedTracker
+    from runtime.pipeline import StageRunner, WholeModel, stage_actions
+    torch.manual_seed(0)
+    timer = BusyTimer(torch_device("cpu:0"))
+    module = WholeModel(torch.nn.Linear(4, 4))
+    runner = StageRunner(module, torch.device("cpu"), torch.nn.functional.mse_loss, None, None,
+                         scale=1.0 / microbatches, busy=timer.timer)
+    runner.saved_tracker = SavedTracker(list(module.parameters()))
+    actions = stage_actions("1f1b", 0, 1, microbatches)
+    inputs = [((torch.randn(2, 4),), {}) for _ in range(microbatches)]
+    targets = [torch.randn(2, 4) for _ in range(microbatches)]
+    per_action = []
+    for i in range(repeats + 3):
+        t0 = time.perf_counter()
+        runner.run(actions, inputs, targets)
+        wall = time.perf_counter() - t0
+        busy = timer.take()
+        if i >= 3:                # warm-up: autograd's and the allocator's first calls
+            per_action.append(max(0.0, wall - busy) / len(actions))
+    return stats(per_action)[0]
+
+
 def cold_compute(repeats: int, idle_s: float = 0.002) -> float:
     """How much longer a small stage's forward and backward (three 256-wide linear layers on 16
     samples: what a pipeline stage of a small model runs per microbatch) takes right after this

@@ -239,5 +239,6 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
         if rank == 0:                # the others wait in the barrier below
             out["send_issue_s"], out["recv_post_s"] = issue
             out["cold_compute_s"] = bench.cold_compute(max(40, 8 * s.repeats))
+            out["action_overhead_s"] = bench.action_overhead(max(40, 8 * s.repeats))
     dist.barrier()
     return out

@@ -339,8 +339,8 @@ class Builder:
                 recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi, sends, receives)
             elif self.plan.recompute and j == 0:
                 recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives)
-            else:
-                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives)
+            else:   # chunks after the first continue the same action
+                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives, action=j == 0)
             out.append((self.g.value(recipe), c.bucket))
         return out
 
@@ -357,8 +357,8 @@ class Builder:
         """(value id, bucket) per W task (split backward) of one microbatch of stage s: the
         weight-gradient part of each chunk's layers (stage 0: their whole backward); no messages."""
         st = stages[s]
-        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi)), c.bucket)
-                for c in chunks]
+        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi, action=j == 0)), c.bucket)
+                for j, c in enumerate(chunks)]
 
     # --- transfers ---------------------------------------------------------------------------
     def route(self, src: str, dst: str, replica: int | None = None, cut: int | None = None,
