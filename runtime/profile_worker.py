@@ -240,5 +240,6 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
             out["send_issue_s"], out["recv_post_s"] = issue
             out["cold_compute_s"] = bench.cold_compute(max(40, 8 * s.repeats))
             out["action_overhead_s"] = bench.action_overhead(max(40, 8 * s.repeats))
+            out["grad_accumulate_s_per_byte"] = bench.grad_accumulate(max(40, 8 * s.repeats))
     dist.barrier()
     return out

@@ -144,8 +144,10 @@ class Builder:
             vals.append(self.forward_value(r, s, stages))
             lasts.append(pieces(r, s, stages, ch))
             vals += [k for k, _ in lasts[-1]]
-            if m > 1:
-                vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)])]
+            if m > 1:   # the other microbatches' backward: m - 1 of them add into .grad
+                # (the runtime's first backward does not, its last does: same count, one place off)
+                acc = stream is None or stream.update_every > 1
+                vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)], accumulates=acc)]
             if stream:
                 vals.append(self.update_value(st))
         res = [self.stage_resources(st) for st in stages]
@@ -327,7 +329,8 @@ class Builder:
             return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end, sends, receives))
         return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end, sends, receives))
 
-    def backward_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
+    def backward_values(self, r: int, s: int, stages, chunks: list[Chunk],
+                        accumulates: bool = False) -> list[tuple[int, int | None]]:
         """(value id, bucket) per backward task of one microbatch of stage s; with recompute, the
         first one also runs the stage's forward again. The first consumes the gradient from
         the next stage, the last sends the input's gradient back (not on the first stage)."""
@@ -338,9 +341,10 @@ class Builder:
             if st.split:   # one chunk: a lone replica exchanges no buckets; no recompute
                 recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi, sends, receives)
             elif self.plan.recompute and j == 0:
-                recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives)
+                recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives, accumulates)
             else:   # chunks after the first continue the same action
-                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives, action=j == 0)
+                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives, action=j == 0,
+                                    accumulates=accumulates)
             out.append((self.g.value(recipe), c.bucket))
         return out
 
@@ -353,11 +357,13 @@ class Builder:
         return self.g.value(LayerRange("inp", r, st.device, st.start, st.end if s > 0 else st.start,
                                        sends=int(s > 0), receives=int(s < len(stages) - 1)))
 
-    def weight_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
+    def weight_values(self, r: int, s: int, stages, chunks: list[Chunk],
+                      accumulates: bool = False) -> list[tuple[int, int | None]]:
         """(value id, bucket) per W task (split backward) of one microbatch of stage s: the
         weight-gradient part of each chunk's layers (stage 0: their whole backward); no messages."""
         st = stages[s]
-        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi, action=j == 0)), c.bucket)
+        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi, action=j == 0,
+                                         accumulates=accumulates)), c.bucket)
                 for j, c in enumerate(chunks)]
 
     # --- transfers ---------------------------------------------------------------------------

@@ -35,7 +35,8 @@ class LayerRange:
     `sends` messages it produces and posting the `receives` it consumes on the same thread
     (cost.message_issue_s), and, where the task starts a schedule action (`action`; a backward
     cut into bucket chunks is one action), the runtime's own work per action
-    (cost.action_overhead_s)."""
+    (cost.action_overhead_s). A backward or W task with `accumulates` adds its weight gradients
+    into those of an earlier microbatch (cost.grad_accumulate_s)."""
     phase: str
     replica: int
     device: str
@@ -44,6 +45,7 @@ class LayerRange:
     sends: int = 0
     receives: int = 0
     action: bool = True
+    accumulates: bool = False
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         if self.phase == "fwd":
@@ -54,6 +56,8 @@ class LayerRange:
             t = cost.bwd_input_s(self.device, self.start, self.end, mbs[self.replica])
         else:
             t = cost.bwd_weight_s(self.device, self.start, self.end, mbs[self.replica])
+        if self.accumulates:
+            t += cost.grad_accumulate_s(self.device, self.start, self.end)
         if self.sends or self.receives:
             send_s, post_s = cost.message_issue_s(self.device)
             t += self.sends * send_s + self.receives * post_s
@@ -73,10 +77,13 @@ class Recompute:
     end: int
     sends: int = 0
     receives: int = 0
+    accumulates: bool = False
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         mb = mbs[self.replica]
         t = cost.bwd_s(self.device, self.lo, self.hi, mb) + cost.fwd_s(self.device, self.start, self.end, mb)
+        if self.accumulates:
+            t += cost.grad_accumulate_s(self.device, self.lo, self.hi)
         if self.sends or self.receives:
             send_s, post_s = cost.message_issue_s(self.device)
             t += self.sends * send_s + self.receives * post_s
