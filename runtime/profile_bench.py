@@ -235,29 +235,40 @@ def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
 
 
 def message_issue(repeats: int) -> tuple[float, float] | None:
-    """(isend, irecv) seconds the calling thread spends issuing one pipeline message (a
-    16 x 256 float tensor; gloo's issue cost does not depend on the size), on rank 0: it sends
-    to rank 1 and posts the receive of the echo, which rank 1 (blocking send and receive)
-    returns. Medians; None on other ranks."""
+    """(isend, irecv) seconds the calling thread spends issuing one pipeline message, in the
+    runtime's own code: `runtime.pipeline.PeerLink` over a process group per direction, as
+    stages use (a 16 x 256 float tensor; gloo's issue cost does not depend on the size). Rank 0
+    sends to rank 1 (`send`) and posts the receive of the reply (`post`), which rank 1 (blocking
+    receive and send) returns. Medians; None on other ranks. Every rank takes part in creating the
+    groups; ranks above 1 do nothing else."""
+    from planner.hardware.device import torch_device
+    from runtime.pipeline import PeerLink
     rank = dist.get_rank()
-    peer = 1 if rank == 0 else 0
-    t, back = torch.randn(16, 256), torch.empty(16, 256)
+    ahead, back = dist.new_group([0, 1], backend="gloo"), dist.new_group([0, 1], backend="gloo")
+    if rank > 1:
+        return None
+    peer = 1 - rank
+    sends_on, receives_on = (ahead, back) if rank == 0 else (back, ahead)
+    link = PeerLink(peer, sends_on, receives_on, torch_device("cpu:0"), host_staged=False)
+    t = torch.randn(16, 256)
     sends, posts = [], []
-    for i in range(repeats + 1):
+    for i in range(repeats + 1):          # the first exchange carries the headers
         if rank == 0:
             t0 = time.perf_counter()
-            work = dist.isend(t, peer)
+            link.send("act", [t])
             t1 = time.perf_counter()
-            echo = dist.irecv(back, peer)
+            if i:
+                link.post("grad")
             t2 = time.perf_counter()
-            work.wait()
-            echo.wait()
+            link.recv("grad")
+            link.drain()
             if i:
                 sends.append(t1 - t0)
                 posts.append(t2 - t1)
-        elif rank == 1:
-            dist.recv(back, peer)
-            dist.send(back, peer)
+        else:
+            got = link.recv("act")
+            link.send("grad", got)
+            link.drain()
     return (stats(sends)[0], stats(posts)[0]) if rank == 0 else None
 
 
