@@ -20,8 +20,9 @@ NICE = 19
 
 def lower_gloo_loop_priority() -> list[int]:
     """Set gloo's event-loop threads of this process to nice 19 (an unprivileged change);
-    return their thread ids. Call it after the process groups exist. Nothing where there is no
-    /proc (not Linux) or no such thread."""
+    return their thread ids. Call it after the process groups exist: a group created later may
+    start a loop thread of its own. Nothing where there is no /proc (not Linux) or no such
+    thread."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from planner.hardware.device import TorchDevice
 from planner.workload.optimizer import make_optimizer
+from runtime.gloo_threads import lower_gloo_loop_priority
 
 MAX_CALLS = 100_000  # cap on calls per sample (op-overhead timing of ~1 us ops)
 
@@ -185,6 +186,7 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
     from its launch to the end of its wait: what the simulator's all-reduce task lasts (it
     starts at the last arrival). The caller keeps rank 0's table."""
     group = dist.new_group(backend="gloo")
+    lower_gloo_loop_priority()    # a new group may start its own loop thread
     rank, a = dist.get_rank(), torch.randn(64, 64)
     rows = []
     for n in sizes:
@@ -245,6 +247,7 @@ def message_issue(repeats: int) -> tuple[float, float] | None:
     from runtime.pipeline import PeerLink
     rank = dist.get_rank()
     ahead, back = dist.new_group([0, 1], backend="gloo"), dist.new_group([0, 1], backend="gloo")
+    lower_gloo_loop_priority()
     if rank > 1:
         return None
     peer = 1 - rank
