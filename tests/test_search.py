@@ -359,6 +359,9 @@ def test_cli_precision_is_chosen_only_among_the_allowed(tmp_path):
     r = _hetplan(*base, "-o", "default.json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert load_plan(tmp_path / "default.json").precision == "fp32"   # never chosen silently
+    report = load_plan(tmp_path / "default.json").predicted.extra["search"]
+    assert {"iterations", "simulations", "bound_rejections", "stopped_by", "acceptance_rate"} <= set(report)
+    assert 0 <= report["bound_rejections"] <= report["iterations"] <= 200
     r = _hetplan(*base, "--precision", "fp32,bf16", "-o", "mixed.json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     plan = load_plan(tmp_path / "mixed.json")
