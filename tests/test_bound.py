@@ -189,3 +189,15 @@ def test_early_rejection_walks_the_same_plans_with_fewer_simulations():
     assert off.bound_rejections == 0 and on.bound_rejections > 10
     assert on.evaluations < off.evaluations
     assert on.stopped_by == off.stopped_by == "iterations" and on.acceptance_rate == off.acceptance_rate
+
+
+def test_link_resources_are_numbered_before_any_route_is_asked():
+    # the event loop serves resources in id order, so ids handed out at first use would make a
+    # plan's result depend on which plans (or bounds) asked for routes before it
+    topo = cluster_64(2)
+    sim = Simulator(synthetic_graph(8, 16), topo)
+    lanes = list(sim._lanes)
+    assert len(lanes) == len(topo.devices) + 2 * len(topo.links)
+    sim.hops("node1/cuda:7", "node0/cuda:3")
+    sim.lower_bound_s(plan([(1.0, 2, [("node1/cuda:7", 0, 4), ("node0/cuda:3", 4, 8)])], 16))
+    assert sim._lanes == lanes
