@@ -12,6 +12,8 @@ durations are those of the recipes (planner.sim.taskgraph), which wake-ups only 
   ends after head + their durations. The device's optimizer step follows its last compute
   (through its all-reduces); under gpipe and 1F1B that last compute is the last microbatch's
   backward, which the backwards of stages s-1..0, their hops and stage 0's step follow (`tail`);
+  under ZB-H1 the stage's last I pass precedes only its trailing W's, and is followed by them
+  and its step, or by the I passes of stages s-1..j, their hops, j's trailing W's and step;
 * the all-reduces holding one resource (a link direction of their rings) run one at a time,
   each after its release (fine sync: when its devices have run all but their last action,
   whose pieces complete the buckets; coarse sync and tied parameters: all their compute) and
@@ -29,6 +31,7 @@ the same sums taken in another order.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -39,10 +42,10 @@ from planner.cost.memory import held_param_bytes
 from planner.cost.model import host_cpu
 from planner.files.plan import Plan, Stage
 from planner.sim import contention
+from planner.sim.schedule import make_schedule
 
 BOUND_MARGIN = 1e-9   # relative; sums of 1e5 task durations in another order differ by ~1e-12
 HEAD_SCHEDULES = ("gpipe", "1f1b", "zb-h1")   # every stage's first action is F0
-TAIL_SCHEDULES = ("gpipe", "1f1b")            # every stage's last action is B of the last microbatch
 
 
 def lower_bound_s(sim: Any, plan: Plan) -> float | None:
@@ -57,6 +60,18 @@ def lower_bound_s(sim: Any, plan: Plan) -> float | None:
     if b.negative or not math.isfinite(lb):
         return None
     return (lb + sim.cost.iteration_overhead_s(len(plan.devices))) * (1.0 - BOUND_MARGIN)
+
+
+@functools.lru_cache(maxsize=256)
+def _trailing_w(stages: int, m: int) -> tuple[int, ...] | None:
+    """ZB-H1: per stage, the W actions after its last I (None unless only W's follow it)."""
+    out = []
+    for acts in make_schedule("zb-h1", stages, m):
+        last = max(k for k, a in enumerate(acts) if a.kind == "I")
+        if any(a.kind != "W" for a in acts[last + 1:]):
+            return None
+        out.append(len(acts) - last - 1)
+    return tuple(out)
 
 
 def _connected(topology) -> bool:
@@ -216,18 +231,27 @@ class _Bound:
         if schedule not in HEAD_SCHEDULES or any(st.split for st in stages):
             return 0.0
         best = head = chain = 0.0   # chain: the backwards of stages < s and their hops
+        below = -math.inf           # zb-h1: the longest continuation through a stage below s
         first = stages[0].device
+        trailing = _trailing_w(len(stages), m) if schedule == "zb-h1" else None
         for s, st in enumerate(stages):
             f, b = comp[s]
             work = m * (f + b)
-            self.done[st.device] = head + work
-            self.last_start[st.device] = head + work - (self.weight_pass(s, stages, mb) if schedule == "zb-h1" else b)
             step = self.after.get(st.device, 0.0)
-            if schedule in TAIL_SCHEDULES:
-                tail = max(step, chain + self.after.get(first, 0.0)) if s else step
+            self.done[st.device] = head + work
+            if schedule == "zb-h1":
+                # the stage's last I ends after all but its trailing W's; then those W's and its
+                # step, or the gradient's I passes down to a stage j < s, j's trailing W's and step
+                w = self.weight_pass(s, stages, mb)
+                self.last_start[st.device] = head + work - w
+                own = (trailing[s] * w + step) if trailing else step
+                best = max(best, head + work - trailing[s] * w + max(own, below) if trailing else head + work + step)
+                if s < len(stages) - 1:
+                    below = sum(t for _, t in back[s]) + (b - w) + max(below, own)
             else:
-                tail = step
-            best = max(best, head + work + tail)
+                self.last_start[st.device] = head + work - b
+                tail = max(step, chain + self.after.get(first, 0.0)) if s else step
+                best = max(best, head + work + tail)
             if s < len(stages) - 1:
                 head += f + sum(t for _, t in ahead[s])
                 chain += b + sum(t for _, t in back[s])
