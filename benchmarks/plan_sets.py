@@ -103,8 +103,9 @@ def _where(device) -> dict:
 
 
 def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
-    """Covers single device, even/uneven DP, coarse/fine sync, GPipe, 1F1B, interleaved 1F1B and
-    ZB-H1, CPU optimizer placement, SGD and Adam; a hybrid when there are three devices."""
+    """Covers single device, even/uneven DP, coarse/fine sync, GPipe, 1F1B, interleaved 1F1B,
+    ZB-H1 and Hippie, CPU optimizer placement, SGD and Adam; a hybrid when there are three
+    devices."""
     a, b = devices[0], devices[1]
     W = CPU_WORKLOADS
     out = {}
@@ -128,6 +129,7 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
             q = [round(k * L / 4) for k in range(5)]
             virtual = [(d, (q[k], q[k + 1])) for k, d in enumerate((a, b, a, b))]
             out[f"{w}/interleaved-4mb"] = make_plan(W[w], [(1.0, 4, virtual)], schedule="interleaved-1f1b")
+            out[f"{w}/hippie-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="hippie")
     out["mlp/single-2mb"] = make_plan(W["mlp"], [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
     out["mlp/tensor-40-60"] = make_plan(W["mlp"], [(1.0, 1, [([(a, 0.4), (b, 0.6)], (0, num_layers["mlp"]))])])
     # asynchronous modes (their iteration time; planner/search/time_to_loss ranks them by loss)
@@ -214,6 +216,7 @@ def _gpu_workload_plans(w: str, spec: dict, L: int, cpu: str, gpu: str, **fields
         f"{w}/cpu-gpu-dp-fine": plan(split, sync="fine", bucket_bytes=4 << 20),
         f"{w}/cpu-gpu-pipe-1f1b": plan([(1.0, 4, pipe)]),
         f"{w}/cpu-gpu-pipe-zb-h1": plan([(1.0, 4, pipe)], schedule="zb-h1"),
+        **({f"{w}/cpu-gpu-pipe-hippie": plan([(1.0, 4, pipe)], schedule="hippie")} if w == "gpt" else {}),
         f"{w}/gpu-cpu-opt": plan([(1.0, 1, gpu_only)], placement="cpu"),
         f"{w}/gpu-split-opt": plan([(1.0, 1, gpu_only)], placement="split", cpu_fraction=0.25),
         f"{w}/gpu-offload-gpipe-4mb": plan([(1.0, 4, [(gpu, (0, L), True)])], schedule="gpipe"),

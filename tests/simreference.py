@@ -95,6 +95,8 @@ def random_case(rng: random.Random):
               placement=rng.choice(["device", "cpu"]), recompute=rng.random() < 0.3)
     if not pl.recompute and rng.random() < 0.3:     # zb-h1 takes no recompute (files.plan)
         pl = replace(pl, schedule="zb-h1")
+    elif rng.random() < 0.25:
+        pl = replace(pl, schedule="hippie")
     return g, topology(devs, links), pl
 
 

@@ -104,6 +104,26 @@ def test_zb_h1_round_trips_and_refuses_recompute_offload_and_few_microbatches():
             plan_from_dict(bad, "p.json")
 
 
+def test_hippie_round_trips_with_recompute_offload_and_one_microbatch():
+    # what 1f1b accepts, hippie accepts; like GPipe it runs any microbatch count (a pipeline of
+    # 2 stages with 1 microbatch is the same order under all three)
+    d = copy.deepcopy(BASE)
+    d["schedule"] = "hippie"
+    plan = plan_from_dict(d, "p.json")
+    assert plan.schedule == "hippie" and plan_from_dict(plan_to_dict(plan), "p.json") == plan
+    for key, value in [("recompute", True), ("replicas.1.stages.0.offload_activations", True),
+                       ("replicas.1.microbatches", 1), ("optimizer.placement", "cpu"),
+                       ("sync.granularity", "coarse")]:
+        ok = copy.deepcopy(d)
+        _set(ok, key, value)
+        assert plan_from_dict(ok, "p.json").schedule == "hippie"
+    split = copy.deepcopy(d)   # a tensor-split stage runs under hippie as under gpipe and 1f1b
+    split["replicas"] = [{"batch_fraction": 1.0, "microbatches": 2, "stages": [
+        {"device": "cpu:0", "layers": [0, 2]},
+        {"devices": [{"device": "cuda:0", "share": 0.5}, {"device": "cuda:1", "share": 0.5}], "layers": [2, 3]}]}]
+    assert plan_from_dict(split, "p.json").replicas[0].stages[1].split
+
+
 def _set(d, path, value):
     keys = path.split(".")
     for k in keys[:-1]:
@@ -122,8 +142,8 @@ R1 = "replicas.1"
 CASES = [
     ("global_batch", 0, "global_batch: expected a positive integer"),
     ("replicas", [], "replicas: expected a non-empty list"),
-    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, got 'zb'"),
-    ("schedule", "hippie", "schedule: \"hippie\" is not supported by this version"),
+    ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, hippie, got 'zb'"),
+    ("schedule", "Hippie", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, hippie, got 'Hippie'"),
     ("sync.granularity", "medium", "sync.granularity: expected one of coarse, fine"),
     ("sync.bucket_bytes", 0, "sync.bucket_bytes: expected a positive integer"),
     ("optimizer.name", "lamb", "optimizer.name: expected one of sgd, adam"),

@@ -58,6 +58,9 @@ def test_layer_ranks_and_bucket_order_of_a_hybrid():
     # ZB-H1: stage s runs the W of microbatch i after the I of i + s
     ("zb-h1", 0, [("F", 0), ("F", 1), ("I", 0), ("W", 0), ("F", 2), ("I", 1), ("W", 1), ("I", 2), ("W", 2)]),
     ("zb-h1", 1, [("F", 0), ("I", 0), ("F", 1), ("I", 1), ("W", 0), ("F", 2), ("I", 2), ("W", 1), ("W", 2)]),
+    # Hippie: GPipe's order on every stage but the last, which alternates
+    ("hippie", 0, [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]),
+    ("hippie", 1, [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]),
 ])
 def test_stage_actions(schedule, stage, expect):
     assert stage_actions(schedule, stage, 2, 3) == expect

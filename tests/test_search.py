@@ -49,7 +49,8 @@ def toy_evaluate(speeds: dict, memory: dict, link_bytes_per_s: float = 1e9):
             for k, st in enumerate(r.stages):
                 w = sum(WORK[st.start:st.end]) * L / len(WORK) if L != len(WORK) else sum(WORK[st.start:st.end])
                 ts.append((b / m) * w / speeds[st.device] * (4 / 3 if plan.recompute else 1) + 1e-3)
-                in_flight = {"1f1b": min(m, S - k), "zb-h1": min(m, S)}.get(plan.schedule, m)
+                in_flight = {"1f1b": min(m, S - k), "zb-h1": min(m, S),
+                             "hippie": 1 if k == S - 1 else m}.get(plan.schedule, m)
                 acts = (b / m) * ACT_BYTES * (st.end - st.start) * in_flight * (0.2 if plan.recompute else 1)
                 copies = 2 if plan.optimizer.placement == "cpu" else 4
                 peak[st.device] = copies * sum(PARAM_BYTES[st.start:st.end]) + acts

@@ -64,7 +64,8 @@ def test_zb_h1_gradient_transfers_leave_after_the_input_pass():
 
 
 def test_one_f_one_b_exchanges_each_stage_inside_the_cool_down():
-    # what Hippie adds to 1F1B is already 1F1B here (why plan.py refuses "hippie"): two replicas
+    # each stage's exchange and step start at its own last backward, not after the whole
+    # pipeline's (so under every schedule; Hippie's case: tests/test_hippie.py): two replicas
     # of a 2-stage pipeline, m = 4, F = 1 s, B = 2 s, coarse sync. Stage 1's last backward ends
     # at 13 s, stage 0's at 15 s ((m + p - 1) * 3); each stage's all-reduce (1e6 B at 1e6 B/s
     # over 2 devices: 1 s) starts at its own last backward, stage 1's inside stage 0's cool-down,

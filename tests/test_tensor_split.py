@@ -57,7 +57,7 @@ def test_split_stage_round_trips_and_lists_every_device():
     ({"devices": []}, {}, "stages[0].devices: expected a non-empty list"),
     (SPLIT, {"recompute": True}, "recompute: expected false with a tensor-split stage"),
     (SPLIT, {"optimizer": {"placement": "cpu"}}, "optimizer.placement: expected \"device\""),
-    (SPLIT, {"schedule": "interleaved-1f1b"}, "schedule: expected gpipe or 1f1b with a tensor-split stage"),
+    (SPLIT, {"schedule": "interleaved-1f1b"}, "schedule: expected gpipe, 1f1b or hippie with a tensor-split stage"),
 ])
 def test_bad_split_is_one_line_naming_the_field(stage, extra, field):
     with pytest.raises(InputError) as e:

@@ -16,7 +16,8 @@ microbatches, stage index s):
   schedule (each F adds the stage's microbatch, each B frees it): (p - r - 1) * 2 + (v - 1) * p
   + 1 stage-microbatches on device r when the warm-up is not capped by m * v. ZB-H1 min(p, m)
   on every stage (a microbatch is held from its F to its W, which stage s runs s microbatches
-  late; 1F1B's stage-0 peak everywhere). Not modelled under ZB-H1: the gradients an I pass keeps
+  late; 1F1B's stage-0 peak everywhere). Hippie: m on every stage but the last (GPipe's order),
+  1 on the last (it alternates F and B). Not modelled under ZB-H1: the gradients an I pass keeps
   for its W (the inputs' gradients of the weight-holding ops).
   With recompute only the stage's input (cut_bytes at a, scaled to mb) is kept per in-flight
   microbatch, plus one microbatch's full saved activations while it is recomputed.
@@ -53,12 +54,14 @@ from planner.sim.schedule import make_schedule
 
 def in_flight(schedule: str, stages: int, stage: int, microbatches: int, devices: int | None = None) -> int:
     """Microbatches whose activations stage `stage` holds at once: m (GPipe), min(p - s, m) (1F1B),
-    min(p, m) (ZB-H1); interleaved 1F1B (`devices` p): the most its device's schedule holds of
-    that stage."""
+    min(p, m) (ZB-H1), m but 1 on the last stage (Hippie); interleaved 1F1B (`devices` p): the
+    most its device's schedule holds of that stage."""
     if schedule == "gpipe":
         return microbatches
     if schedule == "zb-h1":
         return min(stages, microbatches)
+    if schedule == "hippie":
+        return 1 if stage == stages - 1 else microbatches
     if schedule == "interleaved-1f1b":
         p = devices or stages
         held, most = 0, 0

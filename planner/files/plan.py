@@ -13,7 +13,8 @@ from typing import Any
 from planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 SCHEMA = "hetplan.plan/1"
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")   # zb-h1: zero-bubble, backward split into I and W
+# zb-h1: zero-bubble, backward split into I and W; hippie: GPipe order but the last stage alternates
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "hippie")
 GRANULARITIES = ("coarse", "fine")
 # sync.mode: synchronous training, or one of the asynchronous strategies of the contract
 SYNC_MODES = ("sync", "pipedream", "pipedream-2bw", "local-sgd", "easgd", "hogwild", "parameter-server")
@@ -28,7 +29,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 def min_microbatches(stages: int, schedule: str, devices: int | None = None) -> int:
     """The fewest microbatches a pipeline of `stages` stages may run: 1F1B and ZB-H1 need one per
     stage (their warm-up holds one per stage), interleaved 1F1B one per device (`devices`; and a
-    multiple of it), GPipe one."""
+    multiple of it), GPipe and Hippie one."""
     if schedule == "interleaved-1f1b":
         return devices or stages
     return stages if schedule in ("1f1b", "zb-h1") else 1
@@ -172,10 +173,6 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("global_batch", f"expected a positive integer, got {plan.global_batch}")
     if not plan.replicas:
         raise err("replicas", "expected at least one replica")
-    if plan.schedule == "hippie":   # issue 17's name; see docs/guide.md, "When ZB-H1 wins"
-        raise err("schedule", "\"hippie\" is not supported by this version: what it adds to 1F1B, each "
-                              "stage's gradient exchange and optimizer step starting at that stage's last "
-                              "backward, is what \"1f1b\" does here; expected one of " + ", ".join(SCHEDULES))
     if plan.schedule not in SCHEDULES:
         raise err("schedule", f"expected one of {', '.join(SCHEDULES)}, got {plan.schedule!r}")
     if plan.sync.granularity not in GRANULARITIES:
@@ -220,7 +217,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         if not rep.stages:
             raise err(f"{where}.stages", "expected at least one stage")
         if plan.schedule in ("interleaved-1f1b", "zb-h1") and any(st.split for st in rep.stages):
-            raise err("schedule", f"expected gpipe or 1f1b with a tensor-split stage ({plan.schedule} is not "
+            raise err("schedule", f"expected gpipe, 1f1b or hippie with a tensor-split stage ({plan.schedule} is not "
                                   "supported together in this version)")
         if plan.schedule == "interleaved-1f1b":
             _validate_interleaved(rep, where, err)

@@ -41,7 +41,7 @@ class Space:
     optimizer_name: str = "adam"
     lr: float = 1e-3
     bucket_choices_bytes: tuple[int, ...] = BUCKET_CHOICES_BYTES
-    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "hippie")
     granularities: tuple[str, ...] = ("fine", "coarse")
     recompute_choices: tuple[bool, ...] = (False, True)
     precisions: tuple[str, ...] = ("fp32",)  # what the user allows (`plan --precision`); the

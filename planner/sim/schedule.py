@@ -52,6 +52,16 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     return out
 
 
+def hippie(stages: int, microbatches: int) -> list[list[Action]]:
+    """Hippie (Ye et al., ICPP 2021): every stage but the last runs ahead like GPipe (all its
+    forwards as their inputs arrive, then its backwards); the last alternates F0 B0 F1 B1 ...,
+    so the backward wave starts after one microbatch, not m. Stage s < p - 1 holds m
+    microbatches, the last 1; each stage's exchange and step start at its own last backward."""
+    out = gpipe(stages - 1, microbatches)
+    out.append([Action(stages - 1, k, i) for i in range(microbatches) for k in "FB"])
+    return out
+
+
 def interleaved_1f1b(devices: int, stages: int, microbatches: int) -> list[list[Action]]:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): p devices, v = stages / p virtual
     stages each (stage c*p + r on device r), m a multiple of p. Device r's k-th forward runs
@@ -117,7 +127,9 @@ def make_schedule(name: str, stages: int, microbatches: int, devices: int | None
         return one_f_one_b(stages, microbatches)
     if name == "zb-h1":
         return zb_h1(stages, microbatches)
-    raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b, interleaved-1f1b or zb-h1")
+    if name == "hippie":
+        return hippie(stages, microbatches)
+    raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b, interleaved-1f1b, zb-h1 or hippie")
 
 
 def split_backward(name: str) -> bool:
@@ -179,6 +191,6 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
+__all__ = ["Action", "gpipe", "one_f_one_b", "hippie", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
            "format_schedule",
            "parse_schedule", "dry_run", "grid"]
