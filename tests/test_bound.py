@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from search import cluster_64, synthetic_graph  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b")
 
 
 # --- hand-computed cases ----------------------------------------------------------------------------
@@ -201,3 +201,14 @@ def test_link_resources_are_numbered_before_any_route_is_asked():
     sim.hops("node1/cuda:7", "node0/cuda:3")
     sim.lower_bound_s(plan([(1.0, 2, [("node1/cuda:7", 0, 4), ("node0/cuda:3", 4, 8)])], 16))
     assert sim._lanes == lanes
+
+
+def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_backward():
+    from planner.sim.bound import HEAD_SCHEDULES
+    from planner.sim.schedule import Action, make_schedule
+    for name in HEAD_SCHEDULES:
+        for p, m in ((2, 2), (3, 5), (4, 8)):
+            for s, acts in enumerate(make_schedule(name, p, m)):
+                assert acts[0] == Action(s, "F", 0)
+                if name != "zb-h1":
+                    assert acts[-1] == Action(s, "B", m - 1)

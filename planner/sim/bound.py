@@ -6,11 +6,11 @@ of a link) runs one task at a time from time 0, a task starts after its dependen
 durations are those of the recipes (planner.sim.taskgraph), which wake-ups only lengthen. So:
 
 * per resource, the durations of the tasks it runs add up to at most the last end;
-* per stage s of a pipeline under gpipe, 1F1B or ZB-H1 without a tensor split, every compute
+* per stage s of a pipeline under gpipe, 1F1B, Hippie or ZB-H1 without a tensor split, every compute
   task of s starts after microbatch 0 has gone forward through stages 0..s-1 and their hops
   (`head`: each stage's first action is F0 and its actions are chained), so the last of them
   ends after head + their durations. The device's optimizer step follows its last compute
-  (through its all-reduces); under gpipe and 1F1B that last compute is the last microbatch's
+  (through its all-reduces); under gpipe, 1F1B and Hippie that last compute is the last microbatch's
   backward, which the backwards of stages s-1..0, their hops and stage 0's step follow (`tail`);
   under ZB-H1 the stage's last I pass precedes only its trailing W's, and is followed by them
   and its step, or by the I passes of stages s-1..j, their hops, j's trailing W's and step;
@@ -45,7 +45,8 @@ from planner.sim import contention
 from planner.sim.schedule import make_schedule
 
 BOUND_MARGIN = 1e-9   # relative; sums of 1e5 task durations in another order differ by ~1e-12
-HEAD_SCHEDULES = ("gpipe", "1f1b", "zb-h1")   # every stage's first action is F0
+# every stage's first action is F0; under all but zb-h1 its last is B of the last microbatch
+HEAD_SCHEDULES = ("gpipe", "1f1b", "hippie", "zb-h1")
 
 
 def lower_bound_s(sim: Any, plan: Plan) -> float | None:
