@@ -243,7 +243,7 @@ class Simulator:
     # --- entry point -------------------------------------------------------------------------
     def lower_bound_s(self, plan: Plan) -> float | None:
         """A lower bound on simulate(plan).iteration_s without simulating (planner.sim.bound), or
-        None where none is proven."""
+        None where none is proven; raises ValueError where simulate would (no host CPU)."""
         self._check_precision(plan)
         return lower_bound_s(self, plan)
 
