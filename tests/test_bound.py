@@ -212,3 +212,19 @@ def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_b
                 assert acts[0] == Action(s, "F", 0)
                 if name != "zb-h1":
                     assert acts[-1] == Action(s, "B", m - 1)
+
+
+def test_early_rejection_walks_the_same_plans_through_infeasible_ones():
+    # a model that fits two 300 MB GPUs only as a two-stage pipeline: most proposals are over
+    # memory, costed t (2 + over); the bound's exact peak memory prices them alike
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_search import two_gpus, uniform_graph
+    g = uniform_graph(batch=8, param_bytes=4e7)
+    topo = two_gpus(1.0, memory_bytes=3e8, bandwidth=1e10)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("toy"), "sgd", 0.1)
+    on, seen_on = walk(simulator_problem(Simulator(g, topo), space), True, 200)
+    off, seen_off = walk(simulator_problem(Simulator(g, topo), space), False, 200)
+    assert seen_on == seen_off and plan_key(on.best.plan) == plan_key(off.best.plan)
+    assert plan_key(on.least_memory.plan) == plan_key(off.least_memory.plan)
+    assert on.bound_rejections > 0 and on.evaluations < off.evaluations
+    assert any(not c.feasible for c in on.baselines)
