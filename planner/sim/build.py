@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buckets
+from planner.cost.buckets import Bucket, exchanged_buckets
 from planner.cost.memory import held_param_bytes
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
@@ -108,13 +108,10 @@ class Builder:
         self.g.devices = tuple(devices)
 
     def exchanged_buckets(self) -> Exchange:
-        if self.plan.sync.mode != "sync":   # no gradient all-reduce (hogwild: steps into shared
-            return Exchange(False, [], {})   # memory; its cache-line traffic not modelled)
-        fine = self.plan.sync.granularity == "fine"
-        shared = [b for b in grad_buckets(self.plan, self.sim.graph) if len(b.devices) > 1]
-        tied = tied_buckets(self.plan, self.sim.graph)
-        if not fine:
-            shared, tied = coarse_buckets(shared + tied), []
+        # other sync modes: no gradient all-reduce (hogwild: steps into shared memory; its
+        # cache-line traffic not modelled)
+        fine = self.plan.sync.mode == "sync" and self.plan.sync.granularity == "fine"
+        shared, tied = exchanged_buckets(self.plan, self.sim.graph)
         by_device: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
             for d in b.devices:
