@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan, plan_key
-from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, min_batch, propose, to_plan,
-                                  with_split)
+from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, global_neighbours, min_batch,
+                                  propose, to_plan, with_split)
 
 
 @dataclass(frozen=True)
@@ -340,10 +340,36 @@ class Searcher:
                 history.append((time.monotonic() - t0, best.iteration_s))
         else:
             it = cfg.iterations
+        polished = self.descend(best, deadline=t0 + cfg.time_limit_s)
+        if polished is not best:
+            best = polished
+            history.append((time.monotonic() - t0, best.iteration_s))
         return SearchResult(best=best if best.feasible else None, baselines=tuple(bases),
                             least_memory=self.least_memory, iterations=it, evaluations=self.evaluations,
                             stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
                             accepted=accepted, patience=stall, bound_rejections=self.bound_rejections)
+
+    def descend(self, best: Candidate, deadline: float) -> Candidate:
+        """Steepest descent from the walk's best over its whole global neighbourhood
+        (`global_neighbours`: every schedule, sync, placement, ... one choice away, and the
+        interleaved pipeline joined under each schedule), until no neighbour is faster or the
+        deadline passes: a short walk that ends one or two such choices from a better plan gets it."""
+        while best.feasible:
+            s, batches = _split(best.plan)
+            found = best
+            for t in global_neighbours(self.p.space, s):
+                if time.monotonic() > deadline:
+                    return found
+                same = ([p.devices for p in t.pipelines] == [p.devices for p in s.pipelines]
+                        and [min_batch(p, t.schedule) for p in t.pipelines] == [min_batch(p, s.schedule) for p in s.pipelines])
+                c = self.evaluate(to_plan(self.p.space, t, batches if same else self.solve_batches(t)),
+                                  bar=best.cost if self.cfg.early_reject else math.inf)
+                if c is not None and c.feasible and c.cost < found.cost * (1 - 1e-9):
+                    found = c
+            if found is best:
+                return best
+            best = found
+        return best
 
     def tensor_seeds(self) -> list[Strategy]:
         """Where the space allows a tensor split: the whole model split between the two fastest
