@@ -2,9 +2,9 @@
 
 Clusters (issue 16): 64 GPUs (8 nodes x 8) x 96 layers and 16 GPUs (2 nodes x 8) x 48 layers,
 synthetic transformer blocks; per seed a default search under a 60 s cap: proposals, proposals
-per second, simulations, acceptance, why it stopped, time to within 1% of the best found over
-the seeds, and the chosen plan against the best hand-made shape (data parallel, the node-level
-hybrids, one pipeline). `--gpt`: also gpt-12 on the example profiles (issue 4: time to within
+per second, simulations, proposals rejected by their lower bound (early rejection), acceptance,
+why it stopped, time to within 1% of the best found over the seeds, and the chosen plan against
+the best hand-made shape (data parallel, the node-level hybrids, one pipeline). `--gpt`: also gpt-12 on the example profiles (issue 4: time to within
 2% of the best known, <= 10 s).
 
     python benchmarks/search.py [--seeds 3] [--time-limit 60] [--gpt] [--quick]
@@ -104,7 +104,8 @@ def cluster_case(name: str, graph, topology, seeds: list[int], time_limit_s: flo
         top = min(hand, key=lambda c: c.iteration_s)
         shape = sorted({(len(x.stages), x.microbatches) for x in r.best.plan.replicas})
         print(f"  seed {s}: {r.iterations} proposals in {total:.1f} s ({r.iterations / total:.0f}/s), "
-              f"{r.evaluations} simulations, {100 * r.acceptance_rate:.0f}% accepted, stopped by "
+              f"{r.evaluations} simulations, {getattr(r, 'bound_rejections', 0)} rejected by their bound, "
+              f"{100 * r.acceptance_rate:.0f}% accepted, stopped by "
               f"{r.stopped_by}; within 1% of the best at {time_to_within(r, best, 0.01):.1f} s; "
               f"plan {r.best.iteration_s * 1e3:.2f} ms ({len(r.best.plan.replicas)} replicas, "
               f"(stages, microbatches) {shape[:3]}, {r.best.plan.schedule}) vs best hand-made "

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from planner.hardware.device import TorchDevice
 from planner.workload.optimizer import make_optimizer
+from runtime.gloo_threads import lower_gloo_loop_priority
 
 MAX_CALLS = 100_000  # cap on calls per sample (op-overhead timing of ~1 us ops)
 
@@ -185,6 +186,7 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
     from its launch to the end of its wait: what the simulator's all-reduce task lasts (it
     starts at the last arrival). The caller keeps rank 0's table."""
     group = dist.new_group(backend="gloo")
+    lower_gloo_loop_priority()    # a new group may start its own loop thread
     rank, a = dist.get_rank(), torch.randn(64, 64)
     rows = []
     for n in sizes:
@@ -235,30 +237,101 @@ def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
 
 
 def message_issue(repeats: int) -> tuple[float, float] | None:
-    """(isend, irecv) seconds the calling thread spends issuing one pipeline message (a
-    16 x 256 float tensor; gloo's issue cost does not depend on the size), on rank 0: it sends
-    to rank 1 and posts the receive of the echo, which rank 1 (blocking send and receive)
-    returns. Medians; None on other ranks."""
+    """(isend, irecv) seconds the calling thread spends issuing one pipeline message, in the
+    runtime's own code: `runtime.pipeline.PeerLink` over a process group per direction, as
+    stages use (a 16 x 256 float tensor; gloo's issue cost does not depend on the size). Rank 0
+    sends to rank 1 (`send`) and posts the receive of the reply (`post`), which rank 1 (blocking
+    receive and send) returns. Medians; None on other ranks. Every rank takes part in creating the
+    groups; ranks above 1 do nothing else."""
+    from planner.hardware.device import torch_device
+    from runtime.pipeline import PeerLink
     rank = dist.get_rank()
-    peer = 1 if rank == 0 else 0
-    t, back = torch.randn(16, 256), torch.empty(16, 256)
+    ahead, back = dist.new_group([0, 1], backend="gloo"), dist.new_group([0, 1], backend="gloo")
+    lower_gloo_loop_priority()
+    if rank > 1:
+        return None
+    peer = 1 - rank
+    sends_on, receives_on = (ahead, back) if rank == 0 else (back, ahead)
+    link = PeerLink(peer, sends_on, receives_on, torch_device("cpu:0"), host_staged=False)
+    t = torch.randn(16, 256)
     sends, posts = [], []
-    for i in range(repeats + 1):
+    for i in range(repeats + 1):          # the first exchange carries the headers
         if rank == 0:
             t0 = time.perf_counter()
-            work = dist.isend(t, peer)
+            link.send("act", [t])
             t1 = time.perf_counter()
-            echo = dist.irecv(back, peer)
+            if i:
+                link.post("grad")
             t2 = time.perf_counter()
-            work.wait()
-            echo.wait()
+            link.recv("grad")
+            link.drain()
             if i:
                 sends.append(t1 - t0)
                 posts.append(t2 - t1)
-        elif rank == 1:
-            dist.recv(back, peer)
-            dist.send(back, peer)
+        else:
+            got = link.recv("act")
+            link.send("grad", got)
+            link.drain()
     return (stats(sends)[0], stats(posts)[0]) if rank == 0 else None
+
+
+def grad_accumulate(repeats: int) -> float:
+    """Seconds per parameter byte that a backward costs more when the parameters' gradients
+    already exist (a pipeline's microbatches after the first add theirs into `.grad`) than when
+    they are fresh (layer timing sets them to None before each backward): a 1024 -> 256 linear
+    layer (1 MiB of weights, in cache as in a stage) at 8 samples, alternating the two cases,
+    difference of the medians / parameter bytes, >= 0."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1024, 256)
+    x = torch.randn(8, 1024)
+    n_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+
+    def backward(fresh: bool) -> float:
+        if fresh:
+            layer.zero_grad(set_to_none=True)
+        out = layer(x)
+        grad = torch.ones_like(out)
+        t0 = time.perf_counter()
+        torch.autograd.backward([out], [grad])
+        return time.perf_counter() - t0
+
+    for _ in range(5):
+        backward(True), backward(False)
+    fresh, accumulating = [], []
+    for _ in range(repeats):
+        fresh.append(backward(True))
+        accumulating.append(backward(False))
+    return max(0.0, stats(accumulating)[0] - stats(fresh)[0]) / n_bytes
+
+
+def action_overhead(repeats: int, microbatches: int = 8) -> float:
+    """Seconds the runtime's own code spends per schedule action besides the compute it times:
+    the driver (runtime.pipeline.StageRunner.run: the action loop, the busy timers'
+    contexts, autocast, the microbatch's inputs, the loss bookkeeping), on a one-stage 1F1B
+    iteration of a 4 x 4 linear layer, so the compute is a few µs: (iteration wall time - the
+    busy timers' total) / actions, median of `repeats` iterations. The pipeline's messages are
+    timed apart (message_issue)."""
+    from planner.hardware.device import torch_device
+    from runtime.instruments import BusyTimer, SavedTracker
+    from runtime.pipeline import StageRunner, WholeModel, stage_actions
+    torch.manual_seed(0)
+    timer = BusyTimer(torch_device("cpu:0"))
+    module = WholeModel(torch.nn.Linear(4, 4))
+    runner = StageRunner(module, torch.device("cpu"), torch.nn.functional.mse_loss, None, None,
+                         scale=1.0 / microbatches, busy=timer.timer)
+    runner.saved_tracker = SavedTracker(list(module.parameters()))
+    actions = stage_actions("1f1b", 0, 1, microbatches)
+    inputs = [((torch.randn(2, 4),), {}) for _ in range(microbatches)]
+    targets = [torch.randn(2, 4) for _ in range(microbatches)]
+    per_action = []
+    for i in range(repeats + 3):
+        t0 = time.perf_counter()
+        runner.run(actions, inputs, targets)
+        wall = time.perf_counter() - t0
+        busy = timer.take()
+        if i >= 3:                # warm-up: autograd's and the allocator's first calls
+            per_action.append(max(0.0, wall - busy) / len(actions))
+    return stats(per_action)[0]
 
 
 def cold_compute(repeats: int, idle_s: float = 0.002) -> float:

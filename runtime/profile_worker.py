@@ -23,6 +23,7 @@ from planner.files.io import write_json_atomic
 from planner.hardware.fit import host_copy_fit
 from planner.hardware.device import STANDIN_ENV, TorchDevice, torch_device
 from planner.hardware.host_memory import keep_freed_memory
+from runtime.gloo_threads import lower_gloo_loop_priority
 from runtime import profile_bench as bench
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -94,6 +95,7 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
     device.set_current()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
+    lower_gloo_loop_priority()   # as the runtime's workers do
     try:
         if os.environ.get(FAIL_ENV) == str(rank):
             raise RuntimeError(f"injected failure ({FAIL_ENV}={rank})")
@@ -237,5 +239,7 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
         if rank == 0:                # the others wait in the barrier below
             out["send_issue_s"], out["recv_post_s"] = issue
             out["cold_compute_s"] = bench.cold_compute(max(40, 8 * s.repeats))
+            out["action_overhead_s"] = bench.action_overhead(max(40, 8 * s.repeats))
+            out["grad_accumulate_s_per_byte"] = bench.grad_accumulate(max(40, 8 * s.repeats))
     dist.barrier()
     return out

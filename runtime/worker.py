@@ -55,6 +55,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
     from planner.files.io import file_sha256
     from planner.files.plan import load_plan
     from runtime import stage
+    from runtime.gloo_threads import lower_gloo_loop_priority
     from runtime.results import build_measured
 
     from runtime.startup import Marks
@@ -79,6 +80,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
             raise ValueError(f"ranks map to devices {names}; expected each plan device once")
         marks.mark("rendezvous")
         built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=cfg.iters)
+        lower_gloo_loop_priority()    # after every group exists (runtime.gloo_threads)
         marks.mark("stages")
         if rank == 0:      # after the model check: bad input stays one line on stderr
             print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations",

@@ -144,8 +144,8 @@ def build_one_by_one(builder, r, rep):
         for s, st in enumerate(rep.stages):
             builder.forward_value(r, s, rep.stages)
             pieces_of(r, s, rep.stages, builder.backward_chunks(st))
-            if m > 1:
-                pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)])
+            if m > 1:   # the other microbatches add into .grad (Builder.replica)
+                pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)], accumulates=True)
         for s in range(1, len(rep.stages)):
             src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
             builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
@@ -154,7 +154,7 @@ def build_one_by_one(builder, r, rep):
         rid, dev = sim._rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)
         pieces = pieces_of(r, s, rep.stages, builder.backward_chunks(st))
-        other = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []
+        other = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)], accumulates=True) if m > 1 else []
         i_k = builder.input_value(r, s, rep.stages) if split else None
         f, b0, b1, prev = [None] * m, [None] * m, [None] * m, None
         ends.append([])

@@ -334,3 +334,56 @@ def test_a_stage_pays_for_issuing_the_messages_it_sends_and_posting_those_it_rec
     assert spans["0:1B0"] == pytest.approx((2 + s + p, 4 + 2 * s + p))
     assert spans["0:0B0"] == pytest.approx((4 + 2 * s + p, 6 + 2 * s + 2 * p))
     assert calibration_from_dict({**CAL, "send_issue_s": s, "recv_post_s": p}).send_issue_s == s
+
+
+def test_every_schedule_action_pays_the_runtimes_own_work_once():
+    # the runtime's driver spends a = 0.125 s of its thread per action besides the compute
+    # (calibration's action_overhead_s). Two stages, forward 1 s / backward 2 s, free links:
+    # 0F0 [0, 1 + a], 1F0 [1 + a, 2 + 2a], 1B0 [2 + 2a, 4 + 3a], 0B0 [4 + 3a, 6 + 4a]
+    g = graph([layer(0), layer(1)])
+    a = 0.125
+
+    def sim(x, gr=g):
+        t = _topo({**CAL, "cpu_contention_factor": 1.0, "action_overhead_s": x}, bw=1e30, lat=0.0)
+        return Simulator(gr, t, _Contended(gr, t))
+
+    pipe = plan([(1.0, 1, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 1, "gpipe")
+    spans = {x["name"]: (x["start_s"], x["end_s"]) for x in sim(a).simulate(pipe, trace=True).tasks}
+    assert spans["0:0F0"] == pytest.approx((0.0, 1 + a))
+    assert spans["0:1F0"] == pytest.approx((1 + a, 2 + 2 * a))
+    assert spans["0:1B0"] == pytest.approx((2 + 2 * a, 4 + 3 * a))
+    assert spans["0:0B0"] == pytest.approx((4 + 3 * a, 6 + 4 * a))
+    # fine sync cuts a data-parallel replica's backward at its 2 buckets: 2 tasks, one action,
+    # so one F and one B pay a: everything moves by 2a (each replica alike)
+    gp = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6)])
+    dp = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2, bucket_bytes=10**6)
+    run = sim(a, gp).simulate(dp, trace=True)
+    assert sum(x["name"].startswith("0:0B0") for x in run.tasks) == 2
+    assert run.iteration_s - sim(0.0, gp).simulate(dp).iteration_s == pytest.approx(2 * a, rel=1e-9)
+    assert calibration_from_dict({**CAL, "action_overhead_s": a}).action_overhead_s == a
+    assert calibration_to_dict(calibration_from_dict({**CAL, "action_overhead_s": a}))["action_overhead_s"] == a
+
+
+def test_microbatches_after_the_first_add_their_gradients_into_the_iterations():
+    # layer timing times a backward with fresh gradients; in an iteration of m microbatches the
+    # m - 1 later backwards add into .grad: k s per parameter byte x the stage's bytes P each.
+    # One device runs everything in a row, so the iteration grows by exactly (m - 1) k P.
+    P = 3 * 10**6                        # 10**6 + 2 * 10**6 parameter bytes on cpu:0
+    g = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=2 * 10**6)])
+    k = 1e-9
+
+    def it(x, m, schedule="gpipe"):
+        t = _topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": x})
+        return Simulator(g, t, _Contended(g, t)).simulate(plan([(1.0, m, [("cpu:0", 0, 2)])], 4, schedule)).iteration_s
+
+    assert it(k, 1) == it(0.0, 1)                                   # one microbatch: nothing
+    for m in (2, 4):
+        assert it(k, m) - it(0.0, m) == pytest.approx((m - 1) * k * P, rel=1e-9)
+    # two stages: each pays for its own layers' bytes only (cpu:1's 2e6 on its critical path)
+    two = plan([(1.0, 2, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 4, "gpipe")
+    t0, t1 = (_topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": x}) for x in (0.0, k))
+    spans = [{x["name"]: x["end_s"] - x["start_s"] for x in Simulator(g, t, _Contended(g, t)).simulate(two, trace=True).tasks}
+             for t in (t0, t1)]
+    assert spans[1]["0:1B0"] - spans[0]["0:1B0"] == pytest.approx(k * 2 * 10**6, rel=1e-9)
+    assert spans[1]["0:0B0"] - spans[0]["0:0B0"] == pytest.approx(k * 10**6, rel=1e-9)
+    assert calibration_from_dict({**CAL, "grad_accumulate_s_per_byte": k}).grad_accumulate_s_per_byte == k

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from planner.files.io import InputError
+from planner.hardware.calibration import calibration_from_dict
 from planner.hardware.topology import load_topology
 from runtime import profile
 from planner.hardware.fit import fit_latency_bandwidth
@@ -134,6 +135,16 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     assert host["cpu_bf16_native"] == profile._cpu_bf16_native()
     assert host["torch"] == torch.__version__ and host["cores"] >= 1 and host["cpu_model"]
     assert {"python", "profiled_at", "duration_s"} <= set(host)
+    # the runtime's own work per schedule action (runtime.profile_bench.action_overhead): a few
+    # µs of Python per action, timed around the runtime's StageRunner
+    cal = t.measured["calibration"]
+    assert 0 < cal["action_overhead_s"] < 1e-3
+    assert calibration_from_dict(cal).action_overhead_s == cal["action_overhead_s"]
+    # a backward adding into existing gradients (runtime.profile_bench.grad_accumulate): tens of
+    # ps per parameter byte in cache (2.3e-11 on the VM); noise may make it 0, never negative
+    assert 0 <= cal["grad_accumulate_s_per_byte"] < 1e-9
+    # issuing a message through the runtime's PeerLink (a group per direction): µs, not ms
+    assert 0 < cal["send_issue_s"] < 1e-2 and 0 < cal["recv_post_s"] < 1e-2
 
 
 def test_progress_goes_to_stderr(quick_profile):

@@ -99,6 +99,39 @@ def test_adam_is_the_fused_kernel_and_steps_as_the_default_one():
     torch.testing.assert_close(a.weight, b.weight, rtol=1e-5, atol=1e-6)
 
 
+_LOOP_PROBE = """
+import json, os, sys, torch.distributed as dist
+from runtime.gloo_threads import LOOP_THREAD, lower_gloo_loop_priority
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+dist.new_group([0])                                  # the pipelines' own groups share the loop
+def nice():
+    out = {"loop": [], "other": []}
+    for tid in os.listdir("/proc/self/task"):
+        name = open(f"/proc/self/task/{tid}/comm").read().strip()
+        out["loop" if name == LOOP_THREAD else "other"].append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return out
+before = nice()
+tids = lower_gloo_loop_priority()
+print(json.dumps({"lowered": len(tids), "before": before, "after": nice()}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_gloo_loop_thread_is_lowered_and_nothing_else(tmp_path):
+    # gloo's TCP event loop spins while a worker's thread holds a pair (runtime.gloo_threads);
+    # at nice 19 it stops taking that thread's core. The worker's own threads keep their priority.
+    import json
+    import subprocess
+    import sys
+    out = json.loads(subprocess.run([sys.executable, "-c", _LOOP_PROBE, str(tmp_path / "store")], check=True,
+                                    capture_output=True, text=True, timeout=120).stdout)
+    assert out["lowered"] >= 1, "gloo started no thread named gloo_tcp_loop: did its name change?"
+    assert out["lowered"] == len(out["after"]["loop"])
+    assert set(out["before"]["loop"]) == {0} and set(out["after"]["loop"]) == {19}
+    assert set(out["after"]["other"]) == {0}
+
+
 class _Link:
     """A PeerLink's posting side: headers known, posted receives counted."""
 

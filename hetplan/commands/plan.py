@@ -184,7 +184,8 @@ def main(args) -> int:
                        "baselines": baselines,
                        "search": {"seed": args.seed, "precisions": list(precisions),
                                   "iterations": result.iterations,
-                                  "simulations": result.evaluations, "stopped_by": result.stopped_by,
+                                  "simulations": result.evaluations,
+                                  "bound_rejections": result.bound_rejections, "stopped_by": result.stopped_by,
                                   "acceptance_rate": result.acceptance_rate,
                                   "patience": result.patience},
                        **_cost_fit(problem.cost, best.plan.devices)}))
@@ -205,7 +206,8 @@ def main(args) -> int:
         print(_loss_table(ranked))
     else:
         print(_table(best, result.baselines))
-    print(f"searched {result.iterations} proposals, {result.evaluations} simulations in "
+    print(f"searched {result.iterations} proposals ({result.bound_rejections} rejected by their bound), "
+          f"{result.evaluations} simulations in "
           f"{result.elapsed_s:.1f} s, {100 * result.acceptance_rate:.0f}% accepted (stopped by "
           f"{result.stopped_by}{_why(result)}); wrote {args.output}")
     return 0

@@ -88,4 +88,18 @@ def coarse_buckets(buckets: list[Bucket]) -> list[Bucket]:
             for bs in merged.values()]
 
 
-__all__ = ["Bucket", "coarse_buckets", "grad_buckets", "layer_groups", "tied_buckets"]
+def exchanged_buckets(plan: Plan, graph: ModelGraph) -> tuple[list[Bucket], list[Bucket]]:
+    """(buckets, tied) that a synchronous plan all-reduces: the gradient buckets held by more
+    than one device and, under fine sync, the tied parameters' apart (exchanged after their
+    devices' last backward); under coarse sync both merged per device set, tied empty. Other
+    sync modes exchange no gradient: ([], [])."""
+    if plan.sync.mode != "sync":
+        return [], []
+    shared = [b for b in grad_buckets(plan, graph) if len(b.devices) > 1]
+    tied = tied_buckets(plan, graph)
+    if plan.sync.granularity != "fine":
+        return coarse_buckets(shared + tied), []
+    return shared, tied
+
+
+__all__ = ["Bucket", "coarse_buckets", "exchanged_buckets", "grad_buckets", "layer_groups", "tied_buckets"]

@@ -330,6 +330,23 @@ class CostModel:
         c = self._cpu_calibration(device)
         return (c.send_issue_s, c.recv_post_s) if c else (0.0, 0.0)
 
+    def action_overhead_s(self, device: str) -> float:
+        """The runtime's own work per schedule action on a CPU worker's thread, besides the
+        compute and the messages (calibration's action_overhead_s); 0 for other devices and
+        without calibration."""
+        c = self._cpu_calibration(device)
+        return c.action_overhead_s if c else 0.0
+
+    def grad_accumulate_s(self, device: str, start: int, end: int) -> float:
+        """How much longer a CPU worker's backward of layers [start, end) takes when it adds into
+        gradients an earlier microbatch of the iteration left (layer timing times it with fresh
+        ones): their parameter bytes x calibration's grad_accumulate_s_per_byte; 0 for other
+        devices and without calibration."""
+        c = self._cpu_calibration(device)
+        if not c or not c.grad_accumulate_s_per_byte:
+            return 0.0
+        return c.grad_accumulate_s_per_byte * sum(l.param_bytes for l in self.graph.layers[start:end])
+
     def cold_compute_s(self, device: str) -> float:
         """How much longer a CPU worker's first compute after a blocking wait takes than back to
         back (calibration's cold_compute_s); 0 for other devices and without calibration."""

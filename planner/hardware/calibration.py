@@ -42,6 +42,10 @@ class Calibration:
                                                    #   much longer than back to back (cold caches)
     send_issue_s: float = 0.0                      # a worker's thread issuing one isend (gloo)
     recv_post_s: float = 0.0                       # and posting one irecv
+    action_overhead_s: float = 0.0                 # the runtime's own work per schedule action
+                                                   #   (driver, timers, contexts), besides compute
+    grad_accumulate_s_per_byte: float = 0.0        # a backward adding into existing gradients
+                                                   #   (microbatches after the first), per param byte
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -129,7 +133,11 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         send_issue_s=r.get("send_issue_s", float, default=0.0,
                            check=lambda v: v >= 0, expected="a non-negative number"),
         recv_post_s=r.get("recv_post_s", float, default=0.0,
-                          check=lambda v: v >= 0, expected="a non-negative number"))
+                          check=lambda v: v >= 0, expected="a non-negative number"),
+        action_overhead_s=r.get("action_overhead_s", float, default=0.0,
+                                check=lambda v: v >= 0, expected="a non-negative number"),
+        grad_accumulate_s_per_byte=r.get("grad_accumulate_s_per_byte", float, default=0.0,
+                                         check=lambda v: v >= 0, expected="a non-negative number"))
 
 
 def _is_curve(v: Any) -> bool:
@@ -153,7 +161,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
     if c.memory_contention_factor is not None:
         out["memory_contention_factor"] = c.memory_contention_factor
     out["wake_latency_s"] = c.wake_latency_s
-    for name in ("cold_compute_s", "send_issue_s", "recv_post_s"):   # absent in older profiles
+    for name in ("cold_compute_s", "send_issue_s", "recv_post_s", "action_overhead_s",
+                 "grad_accumulate_s_per_byte"):   # absent in older profiles
         if getattr(c, name):
             out[name] = getattr(c, name)
     return out

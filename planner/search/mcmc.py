@@ -13,6 +13,13 @@ the search, the result can depend on the machine's speed, and `SearchResult.stop
 Cost of a plan for the walk: its predicted iteration time when feasible; an infeasible plan
 costs its time times (2 + how far its worst device is over memory), so the walk can cross
 infeasible regions but never returns one.
+
+Early rejection (delayed-acceptance MCMC, Solonen et al. 2012): the walk draws its acceptance
+test's uniform u before proposing, so it knows the highest cost it would accept,
+c* = c (1 - ln u / temperature), and a new best must cost less than the best's. A proposal whose
+lower bound (`Problem.bound`: planner.sim.bound, with the exact peak memory) costs more than
+both is rejected without simulating it: the walk takes exactly the decisions it takes with
+every proposal simulated (`SearchConfig.early_reject`).
 """
 from __future__ import annotations
 
@@ -26,8 +33,8 @@ from typing import Any, Callable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan, plan_key
-from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, min_batch, propose, to_plan,
-                                  with_split)
+from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, global_neighbours, min_batch,
+                                  propose, to_plan, with_split)
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class SearchConfig:
     batch_move_prob: float = 0.2    # share of proposals that shift samples between replicas
     grid_move_prob: float = 0.05    # share of proposals that jump to a pipeline x DP grid
     patience: int | None = None     # proposals without improvement before stopping; None: `patience`
+    early_reject: bool = True       # reject by Problem.bound before simulating (the same walk)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class Problem:
     shares: dict[str, tuple[float, ...]]            # per device, each layer's share of model time
     cut_s: Callable[[str, str, int], float] | None = None  # activations at cut i between two devices
     cost: Any = None                                # the cost model (first precision's)
+    # plan -> (a lower bound on its iteration_s, the peak_memory_bytes `evaluate` reports for it),
+    # or None where no bound is known; bound None: no early rejection
+    bound: Callable[[Plan], tuple[float, dict[str, float]] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,7 @@ class SearchResult:
     history: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # (elapsed_s, best_s)
     accepted: int = 0                       # proposals the walk moved to
     patience: int = 0                       # the no-improvement stop that applied
+    bound_rejections: int = 0               # proposals rejected by their lower bound, not simulated
 
     @property
     def acceptance_rate(self) -> float:
@@ -101,27 +113,61 @@ class Searcher:
         self.p, self.rng, self.cfg, self.progress = problem, rng, config, progress
         self.cache: dict[str, Candidate] = {}
         self.evaluations = 0
+        self.bound_rejections = 0
         self.least_memory: Candidate | None = None
 
     # --- evaluation ---------------------------------------------------------------------
-    def evaluate(self, plan: Plan, name: str = "") -> Candidate:
+    def _ratio(self, peak: dict[str, float]) -> float:
+        """Max over devices of peak / capacity."""
+        return max((v / self.p.memory_bytes[d] for d, v in peak.items() if d in self.p.memory_bytes),
+                   default=0.0)
+
+    def evaluate(self, plan: Plan, name: str = "", bar: float = math.inf) -> Candidate | None:
+        """The plan's candidate (simulated once, then cached); None without simulating when its
+        lower bound costs more than a finite `bar` (`rejects`)."""
         key = plan_key(plan)
         c = self.cache.get(key)
         if c is None:
+            if bar < math.inf and self.rejects(plan, bar):
+                self.bound_rejections += 1
+                return None
             r = self.p.evaluate(plan)
             self.evaluations += 1
             peak = {d: float(v) for d, v in r.peak_memory_bytes.items()}
-            ratio = max((v / self.p.memory_bytes[d] for d, v in peak.items() if d in self.p.memory_bytes),
-                        default=0.0)
+            ratio = self._ratio(peak)
             t = float(r.iteration_s)
             feasible = bool(r.feasible) and ratio <= 1.0 and math.isfinite(t)
-            cost = t if feasible else (t * (2.0 + max(ratio - 1.0, 0.0)) if math.isfinite(t) else math.inf)
-            c = Candidate(plan, t, feasible, peak, ratio, cost)
+            c = Candidate(plan, t, feasible, peak, ratio, walk_cost(t, feasible, ratio))
             self.cache[key] = c
             if plan.global_batch == self.p.space.global_batch and (
                     self.least_memory is None or ratio < self.least_memory.memory_ratio):
                 self.least_memory = c
         return replace(c, name=name) if name else c
+
+    def rejects(self, plan: Plan, bar: float) -> bool:
+        """Whether the plan certainly costs more than `bar`: the walk's cost of its time bound
+        and exact peak memory does. A plan that would become `least_memory` is simulated, as
+        without the bound."""
+        if not self.cfg.early_reject or self.p.bound is None:
+            return False
+        b = self.p.bound(plan)
+        if b is None:
+            return False
+        lb, peak = b
+        ratio = self._ratio({d: float(v) for d, v in peak.items()})
+        if plan.global_batch == self.p.space.global_batch and (
+                self.least_memory is None or ratio < self.least_memory.memory_ratio):
+            return False
+        return walk_cost(lb, ratio <= 1.0, ratio) > bar
+
+    def bar(self, cur: Candidate, best: Candidate, u: float) -> float:
+        """The cost above which a proposal from `cur` is neither accepted (u: its acceptance
+        test's draw) nor a new best; inf where none is known (early rejection off)."""
+        T = self.cfg.temperature
+        if not self.cfg.early_reject or u <= 0.0 or T <= 0.0 or not 0.0 < cur.cost < math.inf:
+            return math.inf
+        # accepted iff u < exp(-T (c' - c) / c), i.e. c' < c (1 - ln u / T); the margin covers rounding
+        return max(cur.cost * (1.0 - math.log(u) / T), best.cost) * (1.0 + 1e-9)
 
     # --- batch split ----------------------------------------------------------------------
     def replica_time_s(self, s: Strategy, pipe: Pipeline, batch: int) -> float:
@@ -277,26 +323,53 @@ class Searcher:
                 break
             if self.progress and now >= next_report:
                 self.progress(f"search: {it} iterations, {self.evaluations} simulations, "
+                              f"{self.bound_rejections} rejected by their bound, "
                               f"best {best.iteration_s * 1e3:.3f} ms{'' if best.feasible else ' (infeasible)'}")
                 next_report = now + 1.0
             if it - max(last_gain, last_restart) >= cfg.restart_every:
                 cur, last_restart = best, it
-            cand = self._propose(cur)
-            if cand is None:
+            u = rng.random()   # the acceptance test's draw, before proposing (see `bar`)
+            cand = self._propose(cur, self.bar(cur, best, u))
+            if cand is None:   # no move applied, or its bound exceeded the bar
                 continue
             delta = cand.cost - cur.cost
-            if delta <= 0 or (math.isfinite(cand.cost) and
-                              rng.random() < math.exp(-cfg.temperature * delta / cur.cost)):
+            if delta <= 0 or (math.isfinite(cand.cost) and u < math.exp(-cfg.temperature * delta / cur.cost)):
                 cur, accepted = cand, accepted + 1
             if cand.cost < best.cost * (1 - 1e-9) and (cand.feasible or not best.feasible):
                 best, last_gain = cand, it
                 history.append((time.monotonic() - t0, best.iteration_s))
         else:
             it = cfg.iterations
+        polished = self.descend(best, deadline=t0 + cfg.time_limit_s)
+        if polished is not best:
+            best = polished
+            history.append((time.monotonic() - t0, best.iteration_s))
         return SearchResult(best=best if best.feasible else None, baselines=tuple(bases),
                             least_memory=self.least_memory, iterations=it, evaluations=self.evaluations,
                             stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
-                            accepted=accepted, patience=stall)
+                            accepted=accepted, patience=stall, bound_rejections=self.bound_rejections)
+
+    def descend(self, best: Candidate, deadline: float) -> Candidate:
+        """Steepest descent from the walk's best over its whole global neighbourhood
+        (`global_neighbours`: every schedule, sync, placement, ... one choice away, and the
+        interleaved pipeline joined under each schedule), until no neighbour is faster or the
+        deadline passes: a short walk that ends one or two such choices from a better plan gets it."""
+        while best.feasible:
+            s, batches = _split(best.plan)
+            found = best
+            for t in global_neighbours(self.p.space, s):
+                if time.monotonic() > deadline:
+                    return found
+                same = ([p.devices for p in t.pipelines] == [p.devices for p in s.pipelines]
+                        and [min_batch(p, t.schedule) for p in t.pipelines] == [min_batch(p, s.schedule) for p in s.pipelines])
+                c = self.evaluate(to_plan(self.p.space, t, batches if same else self.solve_batches(t)),
+                                  bar=best.cost if self.cfg.early_reject else math.inf)
+                if c is not None and c.feasible and c.cost < found.cost * (1 - 1e-9):
+                    found = c
+            if found is best:
+                return best
+            best = found
+        return best
 
     def tensor_seeds(self) -> list[Strategy]:
         """Where the space allows a tensor split: the whole model split between the two fastest
@@ -312,17 +385,18 @@ class Searcher:
         out = [self.solve_shares(even_split(base, g)) for g in groups]
         return [t for t in out if fits(space, t)]
 
-    def _propose(self, cur: Candidate) -> Candidate | None:
+    def _propose(self, cur: Candidate, bar: float = math.inf) -> Candidate | None:
+        """A neighbour of `cur`, evaluated; None when no move applies or its bound exceeds `bar`."""
         s, batches = _split(cur.plan)
         if self._grid and self.rng.random() < self.cfg.grid_move_prob:
-            return self.grid_move(s)
+            return self.grid_move(s, bar)
         if self.rng.random() < self.cfg.batch_move_prob:
             nb = self.shift_batch(s, batches)
             if nb is not None:
-                return self.evaluate(to_plan(self.p.space, s, nb))
+                return self.evaluate(to_plan(self.p.space, s, nb), bar=bar)
             shifted = self.shift_share(s) if s.tensor else None    # a split's shares instead
             if shifted is not None:
-                return self.evaluate(to_plan(self.p.space, shifted, batches))
+                return self.evaluate(to_plan(self.p.space, shifted, batches), bar=bar)
         t = propose(self.p.space, s, self.rng)
         if t is None:
             return None
@@ -334,10 +408,10 @@ class Searcher:
             nb = batches   # same replicas: keep the tuned split half of the time
         else:
             nb = self.solve_batches(t)
-        return self.evaluate(to_plan(self.p.space, t, nb))
+        return self.evaluate(to_plan(self.p.space, t, nb), bar=bar)
 
 
-    def grid_move(self, s: Strategy) -> Candidate | None:
+    def grid_move(self, s: Strategy, bar: float = math.inf) -> Candidate | None:
         """Another pipeline x DP grid (degree, device order) at 1, 2 or 4 times its degree in
         microbatches, with s's global choices: one proposal changes the degree of the whole plan."""
         g = self.rng.choice(self._grid)
@@ -347,9 +421,17 @@ class Searcher:
         if not fits(self.p.space, t):
             return None
         try:
-            return self.evaluate(to_plan(self.p.space, t, g.batches))
+            return self.evaluate(to_plan(self.p.space, t, g.batches), bar=bar)
         except ValueError:   # a batch too small for the schedule's microbatches
             return None
+
+
+def walk_cost(t: float, feasible: bool, ratio: float) -> float:
+    """What the walk minimises (module docstring): t when feasible, else t (2 + over memory),
+    inf for an infinite t; it grows with t, so a bound on t bounds it."""
+    if feasible:
+        return t
+    return t * (2.0 + max(ratio - 1.0, 0.0)) if math.isfinite(t) else math.inf
 
 
 def _split_shape(s: Strategy) -> tuple:

@@ -55,6 +55,15 @@ def simulator_problem(simulator, space: Space) -> Problem:
         except ValueError:        # no path of links between two stages, no host CPU to offload to
             return _Rejected()
 
+    def bound(plan: Plan):
+        """(lower bound on the iteration, peak memory) for early rejection (planner.sim.bound);
+        None where the bound proves nothing or the plan is one the simulator refuses."""
+        try:
+            lb = simulator.lower_bound_s(plan)
+            return None if lb is None else (lb, simulator.peak_memory_bytes(plan))
+        except ValueError:
+            return None
+
     @functools.lru_cache(maxsize=None)   # the pipeline DP asks O(S·L²) times for few distinct cuts
     def cut_s(a: str, b: str, i: int) -> float:
         try:
@@ -62,7 +71,7 @@ def simulator_problem(simulator, space: Space) -> Problem:
         except ValueError:
             return math.inf
     return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s,
-                   cost)
+                   cost, bound)
 
 
 CAPTURE_BATCH = 8   # graphs for planning are captured at min(global batch, this) and scaled

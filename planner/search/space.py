@@ -396,6 +396,26 @@ def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | N
     return replace(s, **{name: v})
 
 
+def global_neighbours(space: Space, s: Strategy) -> list[Strategy]:
+    """Every strategy one global choice away from `s` (each value `toggle_global` can draw, a
+    split placement at each host share), and `s` interleaved or joined back to 1F1B, joined
+    also under each other schedule: the neighbourhood the search's final descent tries in full."""
+    options = [("schedule", space.schedules), ("granularity", space.granularities),
+               ("bucket_bytes", space.bucket_choices_bytes), ("recompute", space.recompute_choices),
+               ("precision", space.precisions), ("offload", space.offload_choices)]
+    if s.placement == "split":
+        options.append(("cpu_fraction", space.cpu_fractions))
+    out = [replace(s, **{name: v}) for name, choices in options for v in choices if v != getattr(s, name)]
+    out += [replace(s, placement=p, cpu_fraction=f) for p, f in space.optimizer_choices()
+            if p != s.placement]
+    t = interleave(space, s, random.Random(0))
+    if t is not None:
+        out.append(t)
+        if s.schedule == "interleaved-1f1b":
+            out += [replace(t, schedule=x) for x in space.schedules if x != t.schedule]
+    return [t for t in out if t != s and fits(space, t)]
+
+
 def tensor_move(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
     """Split the whole model, or one stage of a lone pipeline with unused devices, between two
     or more devices; or change a split's devices (add or drop one), or end it on one of them.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from planner.cost.buckets import Bucket, coarse_buckets, grad_buckets, tied_buckets
+from planner.cost.buckets import Bucket, exchanged_buckets
 from planner.cost.memory import held_param_bytes
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
@@ -108,13 +108,10 @@ class Builder:
         self.g.devices = tuple(devices)
 
     def exchanged_buckets(self) -> Exchange:
-        if self.plan.sync.mode != "sync":   # no gradient all-reduce (hogwild: steps into shared
-            return Exchange(False, [], {})   # memory; its cache-line traffic not modelled)
-        fine = self.plan.sync.granularity == "fine"
-        shared = [b for b in grad_buckets(self.plan, self.sim.graph) if len(b.devices) > 1]
-        tied = tied_buckets(self.plan, self.sim.graph)
-        if not fine:
-            shared, tied = coarse_buckets(shared + tied), []
+        # other sync modes: no gradient all-reduce (hogwild: steps into shared memory; its
+        # cache-line traffic not modelled)
+        fine = self.plan.sync.mode == "sync" and self.plan.sync.granularity == "fine"
+        shared, tied = exchanged_buckets(self.plan, self.sim.graph)
         by_device: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
             for d in b.devices:
@@ -144,8 +141,10 @@ class Builder:
             vals.append(self.forward_value(r, s, stages))
             lasts.append(pieces(r, s, stages, ch))
             vals += [k for k, _ in lasts[-1]]
-            if m > 1:
-                vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)])]
+            if m > 1:   # the other microbatches' backward: m - 1 of them add into .grad
+                # (the runtime's first backward does not, its last does: same count, one place off)
+                acc = stream is None or stream.update_every > 1
+                vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)], accumulates=acc)]
             if stream:
                 vals.append(self.update_value(st))
         res = [self.stage_resources(st) for st in stages]
@@ -327,7 +326,8 @@ class Builder:
             return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end, sends, receives))
         return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end, sends, receives))
 
-    def backward_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
+    def backward_values(self, r: int, s: int, stages, chunks: list[Chunk],
+                        accumulates: bool = False) -> list[tuple[int, int | None]]:
         """(value id, bucket) per backward task of one microbatch of stage s; with recompute, the
         first one also runs the stage's forward again. The first consumes the gradient from
         the next stage, the last sends the input's gradient back (not on the first stage)."""
@@ -338,9 +338,10 @@ class Builder:
             if st.split:   # one chunk: a lone replica exchanges no buckets; no recompute
                 recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi, sends, receives)
             elif self.plan.recompute and j == 0:
-                recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives)
-            else:
-                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives)
+                recipe = Recompute(r, st.device, c.lo, c.hi, st.start, st.end, sends, receives, accumulates)
+            else:   # chunks after the first continue the same action
+                recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives, action=j == 0,
+                                    accumulates=accumulates)
             out.append((self.g.value(recipe), c.bucket))
         return out
 
@@ -353,12 +354,14 @@ class Builder:
         return self.g.value(LayerRange("inp", r, st.device, st.start, st.end if s > 0 else st.start,
                                        sends=int(s > 0), receives=int(s < len(stages) - 1)))
 
-    def weight_values(self, r: int, s: int, stages, chunks: list[Chunk]) -> list[tuple[int, int | None]]:
+    def weight_values(self, r: int, s: int, stages, chunks: list[Chunk],
+                      accumulates: bool = False) -> list[tuple[int, int | None]]:
         """(value id, bucket) per W task (split backward) of one microbatch of stage s: the
         weight-gradient part of each chunk's layers (stage 0: their whole backward); no messages."""
         st = stages[s]
-        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi)), c.bucket)
-                for c in chunks]
+        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi, action=j == 0,
+                                         accumulates=accumulates)), c.bucket)
+                for j, c in enumerate(chunks)]
 
     # --- transfers ---------------------------------------------------------------------------
     def route(self, src: str, dst: str, replica: int | None = None, cut: int | None = None,

@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 
 from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention
+from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks
 from planner.workload.graph import ModelGraph
@@ -119,6 +120,11 @@ class Simulator:
         self._lanes: list[str] = []
         for d in topology.devices:
             self._resource(d.name)
+        # every link direction numbered now, not at first use: the event loop serves resources in
+        # id order, so a plan's result must not depend on what was simulated (or bounded) before
+        for link in topology.links:
+            self._resource((link.a, link.b))
+            self._resource((link.b, link.a))
         self._hops: dict[tuple[str, str], list[RouteHop]] = {}
         self._ar: dict[tuple[tuple[str, ...], float], tuple[tuple[int, ...], float]] = {}
         self._cache: dict[Any, SimResult] = {}
@@ -242,10 +248,24 @@ class Simulator:
         return [rc.seconds(cost, graph, mbs) for rc in g.recipes]
 
     # --- entry point -------------------------------------------------------------------------
-    def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
+    def lower_bound_s(self, plan: Plan) -> float | None:
+        """A lower bound on simulate(plan).iteration_s without simulating (planner.sim.bound), or
+        None where none is proven; raises ValueError where simulate would (no host CPU)."""
+        self._check_precision(plan)
+        return lower_bound_s(self, plan)
+
+    def peak_memory_bytes(self, plan: Plan) -> dict[str, float]:
+        """The peak memory simulate(plan) reports, without simulating."""
+        self._check_precision(plan)
+        return peak_memory(plan, self.graph, self.topology)
+
+    def _check_precision(self, plan: Plan) -> None:
         if plan.precision != self.graph.precision:
             raise PrecisionMismatch(f"the plan's precision is {plan.precision} but the graph was "
                                     f"captured in {self.graph.precision} (see ByPrecision)")
+
+    def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
+        self._check_precision(plan)
         key = ResultKey(plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
                         plan.recompute)
         if not trace and key in self._cache:
@@ -334,6 +354,12 @@ class ByPrecision:
 
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
         return self.simulators[plan.precision].simulate(plan, trace=trace)
+
+    def lower_bound_s(self, plan: Plan) -> float | None:
+        return self.simulators[plan.precision].lower_bound_s(plan)
+
+    def peak_memory_bytes(self, plan: Plan) -> dict[str, float]:
+        return self.simulators[plan.precision].peak_memory_bytes(plan)
 
 
 def simulate(plan: Plan, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,

@@ -33,7 +33,10 @@ class LayerRange:
     replica's microbatch: cost.fwd_s / cost.bwd_s, or a split backward's input-gradient ("inp":
     cost.bwd_input_s) or weight-gradient part ("wgt": cost.bwd_weight_s); plus issuing the
     `sends` messages it produces and posting the `receives` it consumes on the same thread
-    (cost.message_issue_s)."""
+    (cost.message_issue_s), and, where the task starts a schedule action (`action`; a backward
+    cut into bucket chunks is one action), the runtime's own work per action
+    (cost.action_overhead_s). A backward or W task with `accumulates` adds its weight gradients
+    into those of an earlier microbatch (cost.grad_accumulate_s)."""
     phase: str
     replica: int
     device: str
@@ -41,6 +44,8 @@ class LayerRange:
     end: int
     sends: int = 0
     receives: int = 0
+    action: bool = True
+    accumulates: bool = False
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         if self.phase == "fwd":
@@ -51,16 +56,19 @@ class LayerRange:
             t = cost.bwd_input_s(self.device, self.start, self.end, mbs[self.replica])
         else:
             t = cost.bwd_weight_s(self.device, self.start, self.end, mbs[self.replica])
+        if self.accumulates:
+            t += cost.grad_accumulate_s(self.device, self.start, self.end)
         if self.sends or self.receives:
             send_s, post_s = cost.message_issue_s(self.device)
             t += self.sends * send_s + self.receives * post_s
-        return t
+        return t + cost.action_overhead_s(self.device) if self.action else t
 
 
 @dataclass(frozen=True, slots=True)
 class Recompute:
     """Backward of layers [lo, hi) plus the forward of the stage's layers [start, end) again
-    (activation recomputation), at the replica's microbatch; messages as LayerRange's."""
+    (activation recomputation), at the replica's microbatch; messages and the action's own
+    work as LayerRange's (it is always a backward's first task)."""
     replica: int
     device: str
     lo: int
@@ -69,14 +77,17 @@ class Recompute:
     end: int
     sends: int = 0
     receives: int = 0
+    accumulates: bool = False
 
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         mb = mbs[self.replica]
         t = cost.bwd_s(self.device, self.lo, self.hi, mb) + cost.fwd_s(self.device, self.start, self.end, mb)
+        if self.accumulates:
+            t += cost.grad_accumulate_s(self.device, self.lo, self.hi)
         if self.sends or self.receives:
             send_s, post_s = cost.message_issue_s(self.device)
             t += self.sends * send_s + self.receives * post_s
-        return t
+        return t + cost.action_overhead_s(self.device)   # a backward's first task: one action
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +121,8 @@ class SavedCopy:
 class SplitRange:
     """Forward or backward of a tensor-split stage of layers [start, end) over `split`'s
     (device, share) pairs, at the replica's microbatch: cost.tensor_stage_s (the slowest
-    device per layer, plus the pairs' all-reduces); messages as LayerRange's, issued by the
-    first device of the split."""
+    device per layer, plus the pairs' all-reduces); messages and the action's own work as
+    LayerRange's, on the first device of the split."""
     phase: str
     replica: int
     split: tuple[tuple[str, float], ...]
@@ -125,7 +136,7 @@ class SplitRange:
         if self.sends or self.receives:
             send_s, post_s = cost.message_issue_s(self.split[0][0])
             t += self.sends * send_s + self.receives * post_s
-        return t
+        return t + cost.action_overhead_s(self.split[0][0])   # one chunk: one action
 
     def part(self, device: str) -> "SplitPart":
         return SplitPart(self.phase, self.replica, self.split, device, self.start, self.end)

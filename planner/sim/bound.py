@@ -1,0 +1,262 @@
+"""A lower bound on a plan's simulated iteration time, without building or running its task graph
+(the search's early rejection: planner.search.mcmc).
+
+Why it holds (planner.sim.eventloop): every resource (a device's compute queue, one direction
+of a link) runs one task at a time from time 0, a task starts after its dependencies end, and
+durations are those of the recipes (planner.sim.taskgraph), which wake-ups only lengthen. So:
+
+* per resource, the durations of the tasks it runs add up to at most the last end;
+* per stage s of a pipeline under gpipe, 1F1B, Hippie or ZB-H1 without a tensor split, every compute
+  task of s starts after microbatch 0 has gone forward through stages 0..s-1 and their hops
+  (`head`: each stage's first action is F0 and its actions are chained), so the last of them
+  ends after head + their durations. The device's optimizer step follows its last compute
+  (through its all-reduces); under gpipe, 1F1B and Hippie that last compute is the last microbatch's
+  backward, which the backwards of stages s-1..0, their hops and stage 0's step follow (`tail`);
+  under ZB-H1 the stage's last I pass precedes only its trailing W's, and is followed by them
+  and its step, or by the I passes of stages s-1..j, their hops, j's trailing W's and step;
+* the all-reduces holding one resource (a link direction of their rings) run one at a time,
+  each after its release (fine sync: when its devices have run all but their last action,
+  whose pieces complete the buckets; coarse sync and tied parameters: all their compute) and
+  before its devices' steps; for the all-reduces released at or after any h, the last ends
+  after h + their durations, and a step follows it (Jackson's head-body-tail bound of one
+  machine);
+* the iteration adds cost.iteration_overhead_s.
+
+Each task counts with its recipe's value; what only adds time is left out (wake-ups, cold
+starts, host and offload copies, the pieces of a last backward before its bucket). No bound (None) where no proof is written:
+asynchronous modes (PipeDream's stream iteration is a difference of two ends), CPU contention
+(durations rescaled by overlap), a topology whose devices are not all linked (the simulator may
+refuse a plan the bound would price), a negative duration. BOUND_MARGIN absorbs the rounding of
+the same sums taken in another order.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import networkx as nx
+
+from planner.cost.buckets import exchanged_buckets
+from planner.cost.memory import held_param_bytes
+from planner.cost.model import host_cpu
+from planner.files.plan import Plan, Stage
+from planner.sim import contention
+from planner.sim.schedule import make_schedule
+
+BOUND_MARGIN = 1e-9   # relative; sums of 1e5 task durations in another order differ by ~1e-12
+# every stage's first action is F0; under all but zb-h1 its last is B of the last microbatch
+HEAD_SCHEDULES = ("gpipe", "1f1b", "hippie", "zb-h1")
+
+
+def lower_bound_s(sim: Any, plan: Plan) -> float | None:
+    """A lower bound on `sim.simulate(plan).iteration_s` (sim: a planner.sim.simulator.Simulator),
+    or None where none is proven (see the module docstring)."""
+    if plan.sync.mode != "sync" or not _connected(sim.topology):
+        return None
+    if contention.contended(sim.topology, sim.cost, plan):
+        return None
+    b = _Bound(sim, plan)
+    lb = b.value()
+    if b.negative or not math.isfinite(lb):
+        return None
+    return (lb + sim.cost.iteration_overhead_s(len(plan.devices))) * (1.0 - BOUND_MARGIN)
+
+
+@functools.lru_cache(maxsize=256)
+def _trailing_w(stages: int, m: int) -> tuple[int, ...] | None:
+    """ZB-H1: per stage, the W actions after its last I (None unless only W's follow it)."""
+    out = []
+    for acts in make_schedule("zb-h1", stages, m):
+        last = max(k for k, a in enumerate(acts) if a.kind == "I")
+        if any(a.kind != "W" for a in acts[last + 1:]):
+            return None
+        out.append(len(acts) - last - 1)
+    return tuple(out)
+
+
+def _connected(topology) -> bool:
+    """Every device reaches every other through links (then no route the simulator asks fails)."""
+    cache = topology.__dict__.setdefault("_bound_cache", {})
+    if "connected" not in cache:
+        cache["connected"] = nx.is_connected(topology.graph)
+    return cache["connected"]
+
+
+class _Bound:
+    """One plan's terms: per resource the work it runs, per pipeline stage head + work + tail."""
+
+    def __init__(self, sim: Any, plan: Plan):
+        self.sim, self.plan, self.cost, self.graph = sim, plan, sim.cost, sim.graph
+        self.rid = sim._rid
+        self.work: dict[int, float] = {}    # resource id -> seconds of the tasks it runs
+        self.negative = False
+        self.after: dict[str, float] = {}   # device -> its optimizer step (the chain after its last compute)
+        self.last_start: dict[str, float] = {}   # device -> before its last action can start
+        self.done: dict[str, float] = {}         # device -> before its compute is done
+        self.steps()
+
+    def add(self, resource: int, seconds: float) -> None:
+        if seconds < 0.0:
+            self.negative = True
+        self.work[resource] = self.work.get(resource, 0.0) + seconds
+
+    def value(self) -> float:
+        best = 0.0
+        for rep, b in zip(self.plan.replicas, self.plan.replica_batches()):
+            best = max(best, self.replica(rep.stages, rep.microbatches, b / rep.microbatches))
+        best = max(best, self.allreduces())
+        return max(best, max(self.work.values(), default=0.0))
+
+    # --- gradient all-reduces (Builder.allreduces) --------------------------------------------------
+    def allreduces(self) -> float:
+        """Adds each all-reduce to the work of its resources; returns the best head-body-tail
+        bound over the resources they hold."""
+        shared, tied = exchanged_buckets(self.plan, self.graph)
+        fine = self.plan.sync.granularity == "fine"
+        on: dict[int, list[tuple[float, float, float]]] = {}   # resource -> (release, seconds, tail)
+        for k, b in enumerate(shared + tied):
+            res, dur = self.sim._allreduce(b.devices, b.bytes)
+            ready = self.last_start if fine and k < len(shared) else self.done
+            item = (max(ready.get(d, 0.0) for d in b.devices), dur, max(self.after.get(d, 0.0) for d in b.devices))
+            for x in res:
+                self.add(x, dur)
+                on.setdefault(x, []).append(item)
+        best = 0.0
+        for items in on.values():
+            items.sort(reverse=True)
+            body, tail = 0.0, math.inf
+            for release, dur, after in items:   # those released at or after `release`
+                body += dur
+                tail = min(tail, after)
+                best = max(best, release + body + tail)
+        return best
+
+    # --- optimizer steps (Builder.optimizer_steps) ------------------------------------------------
+    def steps(self) -> None:
+        """Each device's step where it runs (its queue, or its host's), and per device the
+        length of the step's chain after its last backward."""
+        graph, cost, plan = self.graph, self.cost, self.plan
+        opt, placement = plan.optimizer.name, plan.optimizer.placement
+        f = plan.optimizer.cpu_fraction if placement == "split" else None
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        split: dict[str, tuple[float, int]] = {}
+        for rep in plan.replicas:
+            for st in rep.stages:
+                if st.split:
+                    n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
+                    for dev, n in held_param_bytes(st, graph):
+                        split[dev] = (n, n_t)
+                        ranges.setdefault(dev, [])
+                else:
+                    ranges.setdefault(st.device, []).append(st.layers)
+        for dev, rs in ranges.items():
+            n, n_t = split.get(dev) or (graph.device_param_bytes(rs),
+                                        sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b)))
+            if n <= 0:
+                continue
+            host = host_cpu(self.sim.topology, dev) if placement != "device" else dev
+            on_host = 0.0
+            if host != dev:
+                fh = 1.0 if f is None else f
+                on_host = cost.optimizer_s(host, fh * n, opt, n_t if f is None else round(f * n_t))
+                self.add(self.rid[host], on_host)
+                if f is None:
+                    self.after[dev] = on_host
+                    continue
+                n, n_t = (1 - f) * n, n_t - round(f * n_t)
+            own = cost.optimizer_s(dev, n, opt, n_t)
+            self.add(self.rid[dev], own)
+            self.after[dev] = max(own, on_host)
+
+    # --- one replica -------------------------------------------------------------------------------
+    def messages(self, device: str, sends: int, receives: int) -> float:
+        if not (sends or receives):
+            return 0.0
+        send_s, post_s = self.cost.message_issue_s(device)
+        return sends * send_s + receives * post_s
+
+    def compute(self, s: int, stages: tuple[Stage, ...], mb: float) -> tuple[float, float]:
+        """(forward, backward) of one microbatch of stage s as the builder's recipes price them:
+        a backward's pieces summed (they telescope), I + W under zb-h1, the forward again under
+        recompute; each with the messages it issues."""
+        st, cost, last = stages[s], self.cost, len(stages) - 1
+        fwd_msg = self.messages(st.device, int(s < last), int(s > 0))
+        bwd_msg = self.messages(st.device, int(s > 0), int(s < last))
+        if st.split:
+            shares = tuple((x.device, x.share) for x in st.split)
+            return (cost.tensor_stage_s("fwd", shares, st.start, st.end, mb) + fwd_msg,
+                    cost.tensor_stage_s("bwd", shares, st.start, st.end, mb) + bwd_msg)
+        d, a, b = st.device, st.start, st.end
+        f = cost.fwd_s(d, a, b, mb)
+        if self.plan.schedule == "zb-h1":
+            bwd = cost.bwd_input_s(d, a, b, mb) + cost.bwd_weight_s(d, a, b, mb) if s > 0 else cost.bwd_s(d, a, b, mb)
+        else:
+            bwd = cost.bwd_s(d, a, b, mb) + (f if self.plan.recompute else 0.0)
+        return f + fwd_msg, bwd + bwd_msg
+
+    def weight_pass(self, s: int, stages: tuple[Stage, ...], mb: float) -> float:
+        """ZB-H1: one microbatch's W pass of stage s (stage 0: its whole backward)."""
+        st = stages[s]
+        if s == 0:
+            return self.cost.bwd_s(st.device, st.start, st.end, mb)
+        return self.cost.bwd_weight_s(st.device, st.start, st.end, mb)
+
+    def hops_s(self, a: str, b: str, cut: int, mb: float) -> list[tuple[int, float]]:
+        """(resource, seconds) of each hop of the activation (or its gradient) at `cut` a -> b."""
+        n = self.graph.cut_bytes_at(cut, mb)
+        return [(h.resource, h.latency_s + n / h.bandwidth_bytes_per_s) for h in self.sim.hops(a, b)]
+
+    def stage_resources(self, st: Stage) -> tuple[int, ...]:
+        """As Builder.stage_resources: a tensor split holds its devices and their ring's links."""
+        if not st.split:
+            return (self.rid[st.device],)
+        ring = self.sim._allreduce(st.devices, 0.0)[0]
+        return tuple(dict.fromkeys([self.rid[d] for d in st.devices] + list(ring)))
+
+    def replica(self, stages: tuple[Stage, ...], m: int, mb: float) -> float:
+        """Adds the replica's compute and hops to the resources' work; returns its best
+        head + work + tail over stages (0 where the schedule or a split allows none)."""
+        comp = [self.compute(s, stages, mb) for s in range(len(stages))]
+        for st, (f, b) in zip(stages, comp):
+            for x in self.stage_resources(st):
+                self.add(x, m * (f + b))
+        ahead, back = [], []
+        for s in range(len(stages) - 1):
+            a, b, cut = stages[s].device, stages[s + 1].device, stages[s + 1].start
+            ahead.append(self.hops_s(a, b, cut, mb))
+            back.append(self.hops_s(b, a, cut, mb))
+            for x, t in ahead[-1] + back[-1]:
+                self.add(x, m * t)
+        schedule = self.plan.schedule
+        if schedule not in HEAD_SCHEDULES or any(st.split for st in stages):
+            return 0.0
+        best = head = chain = 0.0   # chain: the backwards of stages < s and their hops
+        below = -math.inf           # zb-h1: the longest continuation through a stage below s
+        first = stages[0].device
+        trailing = _trailing_w(len(stages), m) if schedule == "zb-h1" else None
+        for s, st in enumerate(stages):
+            f, b = comp[s]
+            work = m * (f + b)
+            step = self.after.get(st.device, 0.0)
+            self.done[st.device] = head + work
+            if schedule == "zb-h1":
+                # the stage's last I ends after all but its trailing W's; then those W's and its
+                # step, or the gradient's I passes down to a stage j < s, j's trailing W's and step
+                w = self.weight_pass(s, stages, mb)
+                self.last_start[st.device] = head + work - w
+                own = (trailing[s] * w + step) if trailing else step
+                best = max(best, head + work - trailing[s] * w + max(own, below) if trailing else head + work + step)
+                if s < len(stages) - 1:
+                    below = sum(t for _, t in back[s]) + (b - w) + max(below, own)
+            else:
+                self.last_start[st.device] = head + work - b
+                tail = max(step, chain + self.after.get(first, 0.0)) if s else step
+                best = max(best, head + work + tail)
+            if s < len(stages) - 1:
+                head += f + sum(t for _, t in ahead[s])
+                chain += b + sum(t for _, t in back[s])
+        return best
+
+
+__all__ = ["lower_bound_s", "BOUND_MARGIN"]
