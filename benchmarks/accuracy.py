@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -47,6 +48,11 @@ from planner.hardware.lookup import default_profile_path  # noqa: E402
 from runtime.host_load import ForeignCPU, busy_fraction  # noqa: E402
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
+# A plan's warm-up and measured iterations last at least this long (at its predicted iteration
+# time): a 2 ms two-worker plan still runs 3-7 ms iterations at its 3rd-8th iteration, so the
+# median of iterations 3-11 read its steady state 0-75 % too slow (docs/tuning.md, "Small data
+# parallel"); plans of 34 ms and more keep --warmup and --iters.
+WARMUP_S, MEASURED_S = 0.1, 0.2
 
 
 def load_avg() -> float:
@@ -96,6 +102,15 @@ def _run_once(plan_path: Path, topology_path: Path, iters: int, warmup: int, out
     if proc.returncode != 0:
         raise RuntimeError(f"hetplan run {plan_path.name} failed: {proc.stderr.strip()[-400:]}")
     return json.loads(out.read_text()), foreign
+
+
+def run_window(predicted_s: float, iters: int, warmup: int) -> tuple[int, int]:
+    """(iters, warmup) for a plan predicted at `predicted_s` per iteration: at least `warmup`
+    warm-up iterations and WARMUP_S of them, at least `iters - warmup` measured ones and
+    MEASURED_S of them."""
+    per = max(predicted_s, 1e-6)
+    w = max(warmup, math.ceil(WARMUP_S / per))
+    return w + max(iters - warmup, math.ceil(MEASURED_S / per)), w
 
 
 def run_plan(plan_path: Path, topology_path: Path, iters: int, warmup: int, out_dir: Path,
@@ -174,8 +189,10 @@ def _parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
     p.add_argument("--csv", default="out/accuracy.csv")
-    p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=12,
+                   help="iterations per run, at least (short plans run more: run_window)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="warm-up iterations left out, at least (short plans: WARMUP_S of them)")
     p.add_argument("--repeats", type=int, default=3,
                    help="separate runs of each plan; its time is their median, their spread shown")
     p.add_argument("--only", default=None, help="comma-separated workloads or plan names")
@@ -261,16 +278,17 @@ def _row(name: str, plan: dict, a, topology, topo_path: Path, tmp: Path, reused:
     elif not a.predict_only:
         row["busy_before"] = busy
         t0 = time.perf_counter()
-        runs = [run_plan(path, topo_path, a.iters, a.warmup, tmp, attempts=1 if a.quick else 4)
+        iters, warmup = (a.iters, a.warmup) if a.quick else run_window(pred, a.iters, a.warmup)
+        runs = [run_plan(path, topo_path, iters, warmup, tmp, attempts=1 if a.quick else 4)
                 for _ in range(1 if a.quick else a.repeats)]
         times = [m["iteration_s"] for m in runs]
         m_s = statistics.median(times)
         row.update(measured_s=m_s, foreign_cpu=max(m["foreign_cpu"] for m in runs),
                    attempts=sum(m["attempts"] for m in runs), runs=len(runs),
                    error_pct=100.0 * (pred - m_s) / m_s,
-                   spread_pct=100.0 * statistics.median(_spread(m["iterations_s"][a.warmup:]) for m in runs),
+                   spread_pct=100.0 * statistics.median(_spread(m["iterations_s"][warmup:]) for m in runs),
                    run_spread_pct=100.0 * (max(times) - min(times)) / m_s,
-                   run_s=time.perf_counter() - t0)
+                   run_s=time.perf_counter() - t0, iters=iters, warmup=warmup)
         row.update({f"class_{k}": v for k, v in size_classes(plan, m_s).items()})
         print(f"accuracy: {name:<24} predicted {pred * 1e3:8.2f} ms  measured "
               f"{m_s * 1e3:8.2f} ms  error {row['error_pct']:+6.1f} %",

@@ -270,6 +270,23 @@ def test_accuracy_check_fails_when_an_error_exceeds_its_bound():
     assert "tau" in acc.missed_targets(acc.summarise(swapped))
 
 
+def test_accuracy_runs_short_plans_past_their_warm_up():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy.py"
+    spec = importlib.util.spec_from_file_location("accuracy_bench", path)
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    assert (acc.WARMUP_S, acc.MEASURED_S) == (0.1, 0.2)
+    # 2 ms: ceil(0.1 / 0.002) = 50 warm-up, ceil(0.2 / 0.002) = 100 measured
+    assert acc.run_window(0.002, 12, 3) == (150, 50)
+    # 40 ms: 3 warm-up (120 ms >= 0.1 s), 9 measured (360 ms >= 0.2 s): unchanged
+    assert acc.run_window(0.040, 12, 3) == (12, 3)
+    # 25 ms: ceil(0.1 / 0.025) = 4 warm-up, 9 measured (225 ms)
+    assert acc.run_window(0.025, 12, 3) == (13, 4)
+    assert acc.run_window(0.5, 40, 10) == (40, 10)       # the flags are lower bounds
+
+
 def test_a_blocked_receiver_resumes_wake_latency_after_its_message_and_a_busy_one_does_not():
     # 2 layers (forward 1 s, backward 2 s per sample), one per device, link latency 0.5 s
     g = graph([layer(0), layer(1)])
