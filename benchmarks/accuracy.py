@@ -2,7 +2,8 @@
 
 For a fixed set of hand-written plans (benchmarks/plan_sets.py), predict one iteration with the
 simulator and the measured cost model (what `hetplan simulate` does on a topology profiled here),
-run the plan for real `--repeats` times (`hetplan run`, median after warm-up; the plan's time is
+run the plan for real `--repeats` times (`hetplan run`, median after warm-up, both at least
+`--warmup`/`--iters` and WARMUP_S/MEASURED_S long: `run_window`; the plan's time is
 the median of the runs, their spread shown beside it), and report MAPE, the worst error and
 Kendall's tau, overall, per workload and per size class (microbatch, iteration time, pipeline
 depth, sync). The plan set follows the topology: on CPU workers only, 42 plans over mlp, gpt,
