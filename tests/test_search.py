@@ -264,17 +264,21 @@ def test_zb_h1_chosen_where_a_pipeline_must_hide_its_bubble():
         assert best.iteration_s < 0.95 * min(others.values())
 
 
+def _slow_gpu_workstation():
+    """(space, simulator): 6 layers of 100 MB, Adam, little compute, a GPU beside a CPU."""
+    graph = uniform_graph(param_bytes=1e8, flops_per_sample=1e6, act_per_sample=1e3)
+    topo = Topology("slow-gpu-workstation", (
+        Device("cpu:0", "cpu", 1e12, 1e9, 7e10), Device("cuda:0", "cuda", 1e12, 1e13, 7e10)),
+        (Link("cpu:0", "cuda:0", 2e10, 0.0),))
+    return make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "adam", 1e-3), Simulator(graph, topo)
+
+
 def test_split_optimizer_chosen_on_a_slow_gpu_workstation():
     # 6 layers of 100 MB, Adam, little compute: the update dominates. On cuda:0 Adam moves
     # 7 x 600 MB at 7e10 B/s = 60 ms; on cpu:0 the copies (2 x 600 MB at 2e10 B/s) and the update
     # (4.2 GB at 7e10 B/s) take 120 ms; split, f of the bytes go to the host at 120 ms · f beside
     # 60 ms · (1 - f) on the GPU: f = 0.25 gives max(45, 30) = 45 ms, the best of the grid.
-    graph = uniform_graph(param_bytes=1e8, flops_per_sample=1e6, act_per_sample=1e3)
-    topo = Topology("slow-gpu-workstation", (
-        Device("cpu:0", "cpu", 1e12, 1e9, 7e10), Device("cuda:0", "cuda", 1e12, 1e13, 7e10)),
-        (Link("cpu:0", "cuda:0", 2e10, 0.0),))
-    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "adam", 1e-3)
-    sim = Simulator(graph, topo)
+    space, sim = _slow_gpu_workstation()
     # every seed (the walk alone reached it on 3 of seeds 0-7: toggles are few; the final descent
     # tries every placement and host share of the best)
     for seed in range(8):
@@ -292,12 +296,7 @@ def test_a_search_ends_at_the_best_of_its_global_neighbourhood():
     # no proposals at all: the final descent alone takes the fastest single device (Adam on the
     # GPU, 85.8 ms) to the split optimizer at 0.25 (70.8 ms), and nothing one global choice away
     # from what it returns is faster
-    graph = uniform_graph(param_bytes=1e8, flops_per_sample=1e6, act_per_sample=1e3)
-    topo = Topology("slow-gpu-workstation", (
-        Device("cpu:0", "cpu", 1e12, 1e9, 7e10), Device("cuda:0", "cuda", 1e12, 1e13, 7e10)),
-        (Link("cpu:0", "cuda:0", 2e10, 0.0),))
-    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "adam", 1e-3)
-    sim = Simulator(graph, topo)
+    space, sim = _slow_gpu_workstation()
     result = search(simulator_problem(sim, space), random.Random(0), SearchConfig(iterations=0, time_limit_s=60))
     assert result.iterations == 0
     assert result.baselines[0].plan.optimizer.placement == "device"

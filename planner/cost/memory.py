@@ -149,6 +149,26 @@ def held_param_bytes(st: Stage, graph: ModelGraph) -> list[tuple[str, float]]:
     return [(s.device, n - (1.0 - s.share) * split) for s in st.split]
 
 
+def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]]:
+    """(parameter bytes, parameter tensors) each device's optimizer step updates: its stages'
+    (several under interleaving), or under a tensor split its share of the split stage's bytes
+    over all of that stage's tensors."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    split: dict[str, tuple[float, int]] = {}
+    for rep in plan.replicas:
+        for st in rep.stages:
+            if st.split:
+                n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
+                for dev, n in held_param_bytes(st, graph):
+                    split[dev] = (n, n_t)
+                    ranges.setdefault(dev, [])
+            else:
+                ranges.setdefault(st.device, []).append(st.layers)
+    return {dev: split.get(dev) or (graph.device_param_bytes(rs),
+                                    sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b)))
+            for dev, rs in ranges.items()}
+
+
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
     """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
@@ -192,5 +212,5 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["held_param_bytes", "in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
+__all__ = ["held_param_bytes", "stepped_params", "in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
            "offloaded_bytes", "peak_memory", "feasible"]

@@ -38,7 +38,7 @@ from typing import Any
 import networkx as nx
 
 from planner.cost.buckets import exchanged_buckets
-from planner.cost.memory import held_param_bytes
+from planner.cost.memory import stepped_params
 from planner.cost.model import host_cpu
 from planner.files.plan import Plan, Stage
 from planner.sim import contention
@@ -139,20 +139,7 @@ class _Bound:
         graph, cost, plan = self.graph, self.cost, self.plan
         opt, placement = plan.optimizer.name, plan.optimizer.placement
         f = plan.optimizer.cpu_fraction if placement == "split" else None
-        ranges: dict[str, list[tuple[int, int]]] = {}
-        split: dict[str, tuple[float, int]] = {}
-        for rep in plan.replicas:
-            for st in rep.stages:
-                if st.split:
-                    n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
-                    for dev, n in held_param_bytes(st, graph):
-                        split[dev] = (n, n_t)
-                        ranges.setdefault(dev, [])
-                else:
-                    ranges.setdefault(st.device, []).append(st.layers)
-        for dev, rs in ranges.items():
-            n, n_t = split.get(dev) or (graph.device_param_bytes(rs),
-                                        sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b)))
+        for dev, (n, n_t) in stepped_params(plan, graph).items():
             if n <= 0:
                 continue
             host = host_cpu(self.sim.topology, dev) if placement != "device" else dev

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from planner.cost.buckets import Bucket, exchanged_buckets
-from planner.cost.memory import held_param_bytes
+from planner.cost.memory import stepped_params
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
@@ -441,20 +441,7 @@ class Builder:
         opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
         f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         steps: list[int] = []
-        ranges: dict[str, list[tuple[int, int]]] = {}   # device -> its stages (several: interleaved)
-        split: dict[str, tuple[float, int]] = {}         # a tensor split's device -> (bytes, tensors) held
-        for rep in self.plan.replicas:
-            for st in rep.stages:
-                if st.split:
-                    n_t = sum(len(graph.layers[i].param_names) for i in range(st.start, st.end))
-                    for dev, n in held_param_bytes(st, graph):
-                        split[dev] = (n, n_t)
-                        ranges.setdefault(dev, [])
-                else:
-                    ranges.setdefault(st.device, []).append(st.layers)
-        for dev, rs in ranges.items():
-            n, n_t = split.get(dev) or (graph.device_param_bytes(rs),
-                                        sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b)))
+        for dev, (n, n_t) in stepped_params(self.plan, graph).items():
             if n <= 0:
                 continue
             deps = synced.get(dev) or [self.progress.last_backward[dev]]
