@@ -162,16 +162,8 @@ def test_peak_memory_counts_what_each_device_holds_at_once():
 
 # --- runtime: trains exactly like one device --------------------------------------------------------
 def _check_equivalent(tmp_path, p: dict, iters: int = 4):
-    import torch
-    from test_runtime import reference, run_plan
-    result, params = run_plan(tmp_path, p, iters=iters)
-    ref_losses, ref_params = reference(p["model"], p["global_batch"], iters, p["optimizer"]["name"],
-                                       p["optimizer"]["lr"])
-    assert result["losses"] == pytest.approx(ref_losses, rel=1e-4)
-    assert set(params) == set(ref_params)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=name)
-    return result
+    from test_runtime import check_equivalent
+    return check_equivalent(tmp_path, p, iters)
 
 
 @pytest.mark.parametrize("model,sync,m,recompute", [

@@ -63,15 +63,16 @@ def run_plan(tmp_path, p: dict, iters: int = ITERS):
     return result, torch.load(params)
 
 
-def check_equivalent(tmp_path, p: dict):
-    result, params = run_plan(tmp_path, p)
-    ref_losses, ref_params = reference(p["model"], p["global_batch"], ITERS,
+def check_equivalent(tmp_path, p: dict, iters: int = ITERS):
+    """Run `p` for `iters` iterations; its losses and parameters equal one process's training."""
+    result, params = run_plan(tmp_path, p, iters=iters)
+    ref_losses, ref_params = reference(p["model"], p["global_batch"], iters,
                                        p["optimizer"]["name"], p["optimizer"]["lr"])
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-4)
     assert set(params) == set(ref_params)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=name)
-    assert len(result["iterations_s"]) == ITERS
+    assert len(result["iterations_s"]) == iters
     return result
 
 
