@@ -92,25 +92,6 @@ def test_three_stages_hand_run():
     assert [starts[a] for a in ("2B0", "1B0", "1B1", "0B0", "0B2")] == approx([3, 5, 8, 7, 13])
 
 
-def test_each_stage_exchanges_and_steps_at_its_own_last_backward():
-    # the 1F1B case of test_simulator.test_one_f_one_b_exchanges_each_stage_inside_the_cool_down
-    # under Hippie: two replicas of a 2-stage pipeline, m = 4, F = 1 s, B = 2 s, coarse sync.
-    # Stage 0 F 0-4; stage 1 F0 1-2 B0 2-4 F1 4-5 B1 5-7 F2 7-8 B2 8-10 F3 10-11 B3 11-13; stage 0
-    # B0 4-6 B1 7-9 B2 10-12 B3 13-15. Stage 1's all-reduce (1 s) starts at 13, inside stage 0's
-    # cool-down, stage 0's at 15, then its SGD step (0.03 s): 16.03 s.
-    g = graph([layer(i, param_bytes=10**6) for i in range(2)], batch=1)
-    t = topology([device(f"cuda:{i}", mem_bw=1e8) for i in range(4)],
-                 [link("cuda:0", "cuda:1"), link("cuda:2", "cuda:3"),
-                  link("cuda:0", "cuda:2", bw=1e6), link("cuda:1", "cuda:3", bw=1e6)])
-    pl = plan([(0.5, 4, [("cuda:0", 0, 1), ("cuda:1", 1, 2)]), (0.5, 4, [("cuda:2", 0, 1), ("cuda:3", 1, 2)])],
-              8, granularity="coarse", schedule="hippie")
-    r = simulate(pl, g, t, trace=True)
-    assert r.iteration_s == approx(16.03)
-    starts = sorted((x["start_s"], x["lane"]) for x in r.tasks if x["kind"] == "allreduce")
-    assert [s for s, _ in starts] == [approx(13.0), approx(15.0)]
-    assert set(starts[0][1].split("+")) == {"cuda:1", "cuda:3"}
-
-
 # --- memory ------------------------------------------------------------------------------------------
 def test_early_stages_hold_every_microbatch_the_last_one():
     # saved 100 B per layer at batch 4 -> 25 B per layer-microbatch of 1 sample; params 1000 B

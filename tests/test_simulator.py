@@ -82,19 +82,21 @@ def test_zb_h1_gradient_transfers_leave_after_the_input_pass():
     assert simulate(plan([(1.0, 2, stages)], 2, schedule="1f1b"), g, t).iteration_s == approx(11.0)
 
 
-def test_one_f_one_b_exchanges_each_stage_inside_the_cool_down():
+@pytest.mark.parametrize("schedule", ["1f1b", "hippie"])
+def test_each_stage_exchanges_inside_the_cool_down(schedule):
     # each stage's exchange and step start at its own last backward, not after the whole
-    # pipeline's (so under every schedule; Hippie's case: tests/test_hippie.py): two replicas
-    # of a 2-stage pipeline, m = 4, F = 1 s, B = 2 s, coarse sync. Stage 1's last backward ends
-    # at 13 s, stage 0's at 15 s ((m + p - 1) * 3); each stage's all-reduce (1e6 B at 1e6 B/s
-    # over 2 devices: 1 s) starts at its own last backward, stage 1's inside stage 0's cool-down,
-    # then its SGD step (3e6 B at 1e8 B/s: 0.03 s): 15 + 1 + 0.03.
+    # pipeline's: two replicas of a 2-stage pipeline, m = 4, F = 1 s, B = 2 s, coarse sync.
+    # Stage 1's last backward ends at 13 s, stage 0's at 15 s ((m + p - 1) * 3); under Hippie
+    # stage 0 F 0-4; stage 1 F0 1-2 B0 2-4 F1 4-5 B1 5-7 F2 7-8 B2 8-10 F3 10-11 B3 11-13; stage 0
+    # B0 4-6 B1 7-9 B2 10-12 B3 13-15. Each stage's all-reduce (1e6 B at 1e6 B/s over 2 devices:
+    # 1 s) starts at its own last backward, stage 1's inside stage 0's cool-down, then its SGD
+    # step (3e6 B at 1e8 B/s: 0.03 s): 15 + 1 + 0.03.
     g = graph([layer(i, param_bytes=10**6) for i in range(2)], batch=1)
     t = topology([device(f"cuda:{i}", mem_bw=1e8) for i in range(4)],
                  [link("cuda:0", "cuda:1"), link("cuda:2", "cuda:3"),
                   link("cuda:0", "cuda:2", bw=1e6), link("cuda:1", "cuda:3", bw=1e6)])
     pl = plan([(0.5, 4, [("cuda:0", 0, 1), ("cuda:1", 1, 2)]), (0.5, 4, [("cuda:2", 0, 1), ("cuda:3", 1, 2)])],
-              8, granularity="coarse")
+              8, granularity="coarse", schedule=schedule)
     r = simulate(pl, g, t, trace=True)
     assert r.iteration_s == approx(16.03)
     starts = sorted((x["start_s"], x["lane"]) for x in r.tasks if x["kind"] == "allreduce")
