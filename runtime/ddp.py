@@ -26,43 +26,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from planner.files.plan import Plan
-from planner.hardware.topology import parse_device_name
+# which plans run on DDP: decided where the simulator prices it too
+from planner.cost.grad_sync import is_plain_dp, runs_on_ddp as uses_ddp, sync_microbatch  # noqa: F401
 
 MiB = 1024 * 1024
-
-
-def is_plain_dp(plan: Plan) -> bool:
-    """True when every replica is one whole-model stage on one device kind that one
-    collective backend serves, and the optimizer stays on the device (module docstring)."""
-    if len(plan.replicas) < 2 or plan.optimizer.placement != "device" or plan.sync.mode != "sync":
-        return False
-    if any(len(rep.stages) != 1 for rep in plan.replicas):
-        return False
-    # all CUDA: NCCL, or gloo over stand-in GPUs, which are host memory (sync.Groups)
-    return len({parse_device_name(rep.stages[0].device)[1] for rep in plan.replicas}) == 1
-
-
-def uses_ddp(plan: Plan) -> bool:
-    """Plain data parallel whose every replica's schedule allows a no_sync() microbatch: decided
-    from the plan alone, so every rank decides the same (a DDP rank beside a GradSync rank would
-    hang in mismatched collectives)."""
-    from runtime.pipeline import stage_actions
-    return is_plain_dp(plan) and all(
-        sync_microbatch(stage_actions(plan.schedule, 0, 1, rep.microbatches)) is not None
-        for rep in plan.replicas)
-
-
-def sync_microbatch(actions: list[tuple[str, int]]) -> int | None:
-    """The microbatch whose forward may prepare DDP's reduction: its backward is the last action
-    and every other backward comes before its forward. None when the order allows no such one."""
-    if not actions or actions[-1][0] != "B":
-        return None
-    last = actions[-1][1]
-    f_at = actions.index(("F", last))
-    if any(kind == "B" for kind, _ in actions[f_at + 1:-1]):
-        return None
-    return last
 
 
 def _sum_hook(group, bucket):

@@ -87,6 +87,8 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
                     recv_post_s=results[0].get("calibration", {}).get("recv_post_s") or 0.0,
                     action_overhead_s=results[0].get("calibration", {}).get("action_overhead_s") or 0.0,
                     grad_accumulate_s_per_byte=results[0].get("calibration", {}).get("grad_accumulate_s_per_byte") or 0.0,
+                    ddp_forward_s=results[0].get("calibration", {}).get("ddp_forward_s") or 0.0,
+                    grad_copy_s_per_byte=results[0].get("calibration", {}).get("grad_copy_s_per_byte") or 0.0,
                     memory_contention_factor=mem,
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
     tables = ("optimizer", "optimizer_together")

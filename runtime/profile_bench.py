@@ -422,3 +422,73 @@ def optimizer_table(repeats: int, min_time_s: float,
             rows.append({"tensors": n, "bytes": n * numel * 4, "s": med, "spread": spread})
         out[name] = rows
     return out
+
+
+def _noop_hook(state, bucket):
+    """A DDP comm hook that reduces nothing: DDP's own work without the communication."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def ddp_costs(group, repeats: int) -> dict[str, float]:
+    """DDP's own work, in the runtime's pattern (runtime.ddp.wrap: gradients as bucket views,
+    no buffer sync, one bucket; gradients set to None before each iteration, Adam after), on a
+    one-rank `group` with a comm hook that reduces nothing. A 4-layer 512-wide MLP at 16 samples
+    runs wrapped and plain, alternating iterations; returns the medians' differences:
+    `ddp_forward_s` (a forward under DDP, >= 0), `ddp_backward_s` (a backward: mainly the copy of
+    each gradient into its bucket), and `grad_copy_s_per_byte`: copying freshly computed
+    gradients into a flat buffer tensor by tensor (what the reducer and runtime.sync.GradSync
+    do), per byte."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                   torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                   torch.nn.Linear(512, 10))
+    plain, inner = mlp(), mlp()
+    n_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    wrapped = DistributedDataParallel(inner, process_group=group, bucket_cap_mb=n_bytes / 2 ** 20 + 1,
+                                      gradient_as_bucket_view=True, forward_sync_buffers=False)
+    wrapped.register_comm_hook(None, _noop_hook)
+    x, y = torch.randn(16, 512), torch.randint(0, 10, (16,))
+    flat = torch.empty(n_bytes // 4)
+    runs = {}
+    for name, (model, params) in {"plain": (plain, list(plain.parameters())),
+                                  "ddp": (wrapped, list(inner.parameters()))}.items():
+        runs[name] = (model, params, make_optimizer(params, "adam", 1e-6), {"fwd": [], "bwd": []})
+    copies = []
+
+    def iteration(name: str, keep: bool) -> None:
+        model, params, opt, times = runs[name]
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        out = model(x)
+        t1 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(out, y)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        if name == "plain":       # the gradients are fresh and in cache, as in a bucket's hook
+            off, t4 = 0, time.perf_counter()
+            for p in params:
+                n = p.numel()
+                flat[off:off + n].copy_(p.grad.reshape(-1))
+                off += n
+            if keep:
+                copies.append(time.perf_counter() - t4)
+        opt.step()
+        if keep:
+            times["fwd"].append(t1 - t0)
+            times["bwd"].append(t3 - t2)
+
+    for i in range(repeats + 10):    # the first ones: DDP's bucket rebuild, allocator warm-up
+        for name in ("plain", "ddp"):
+            iteration(name, i >= 10)
+    med = {k: {p: stats(v)[0] for p, v in r[3].items()} for k, r in runs.items()}
+    copy_s = stats(copies)[0]
+    return {"ddp_forward_s": max(0.0, med["ddp"]["fwd"] - med["plain"]["fwd"]),
+            "ddp_backward_s": max(0.0, med["ddp"]["bwd"] - med["plain"]["bwd"]),
+            "grad_copy_s_per_byte": copy_s / n_bytes}

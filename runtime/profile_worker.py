@@ -242,4 +242,11 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
             out["action_overhead_s"] = bench.action_overhead(max(40, 8 * s.repeats))
             out["grad_accumulate_s_per_byte"] = bench.grad_accumulate(max(40, 8 * s.repeats))
     dist.barrier()
+    if world > 1 and workers[0].kind == "cpu":
+        solo = dist.new_group([0])   # collective: every rank creates it; rank 0 measures alone
+        if rank == 0:
+            out["ddp"] = bench.ddp_costs(solo, max(40, 8 * s.repeats))
+            out["ddp_forward_s"] = out["ddp"]["ddp_forward_s"]
+            out["grad_copy_s_per_byte"] = out["ddp"]["grad_copy_s_per_byte"]
+    dist.barrier()
     return out

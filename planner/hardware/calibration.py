@@ -46,6 +46,10 @@ class Calibration:
                                                    #   (driver, timers, contexts), besides compute
     grad_accumulate_s_per_byte: float = 0.0        # a backward adding into existing gradients
                                                    #   (microbatches after the first), per param byte
+    ddp_forward_s: float = 0.0                     # torch DDP's own work per forward (its Python
+                                                   #   wrapper, the reducer's preparation)
+    grad_copy_s_per_byte: float = 0.0              # copying fresh gradients into a flat bucket
+                                                   #   buffer (or back), per byte
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -137,7 +141,11 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         action_overhead_s=r.get("action_overhead_s", float, default=0.0,
                                 check=lambda v: v >= 0, expected="a non-negative number"),
         grad_accumulate_s_per_byte=r.get("grad_accumulate_s_per_byte", float, default=0.0,
-                                         check=lambda v: v >= 0, expected="a non-negative number"))
+                                         check=lambda v: v >= 0, expected="a non-negative number"),
+        ddp_forward_s=r.get("ddp_forward_s", float, default=0.0,
+                            check=lambda v: v >= 0, expected="a non-negative number"),
+        grad_copy_s_per_byte=r.get("grad_copy_s_per_byte", float, default=0.0,
+                                   check=lambda v: v >= 0, expected="a non-negative number"))
 
 
 def _is_curve(v: Any) -> bool:
@@ -162,7 +170,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
         out["memory_contention_factor"] = c.memory_contention_factor
     out["wake_latency_s"] = c.wake_latency_s
     for name in ("cold_compute_s", "send_issue_s", "recv_post_s", "action_overhead_s",
-                 "grad_accumulate_s_per_byte"):   # absent in older profiles
+                 "grad_accumulate_s_per_byte", "ddp_forward_s",
+                 "grad_copy_s_per_byte"):   # absent in older profiles
         if getattr(c, name):
             out[name] = getattr(c, name)
     return out
