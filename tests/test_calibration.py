@@ -404,3 +404,48 @@ def test_microbatches_after_the_first_add_their_gradients_into_the_iterations():
     assert spans[1]["0:1B0"] - spans[0]["0:1B0"] == pytest.approx(k * 2 * 10**6, rel=1e-9)
     assert spans[1]["0:0B0"] - spans[0]["0:0B0"] == pytest.approx(k * 10**6, rel=1e-9)
     assert calibration_from_dict({**CAL, "grad_accumulate_s_per_byte": k}).grad_accumulate_s_per_byte == k
+
+
+def _sync_sim(**extra):
+    # 2 layers of 10**6 parameter bytes each: forward 1 s, backward 2 s per layer on each of two
+    # CPU workers, no contention
+    g = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6)])
+    t = _topo({**CAL, "cpu_contention_factor": 1.0, **extra})
+    return Simulator(g, t, _Contended(g, t))
+
+
+def _dp(granularity="coarse", placement="device", bucket_bytes=1 << 40):
+    return plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2, granularity=granularity,
+                placement=placement, bucket_bytes=bucket_bytes)
+
+
+def test_ddp_pays_its_forward_work_and_one_gradient_copy_and_gradsync_copies_in_and_back():
+    # f: DDP's own work per forward; k per gradient byte copied into (or out of) a bucket.
+    # Plain data parallel runs on DDP: its forward takes 2 + f, its backward 4 + k P (the reducer
+    # copies the P = 2e6 bytes into the bucket), the sum is the bucket: nothing copied back.
+    # The same replicas with the optimizer placed "cpu" (on CPU workers: the same step) run on
+    # GradSync: no DDP forward, the copy in after the backward and the sums back before the step.
+    f, k, P = 0.125, 1e-7, 2 * 10**6
+    on, off = _sync_sim(ddp_forward_s=f, grad_copy_s_per_byte=k), _sync_sim()
+    ddp = {x["name"]: (x["start_s"], x["end_s"]) for x in on.simulate(_dp(), trace=True).tasks}
+    assert ddp["0:0F0"] == pytest.approx((0.0, 2 + f))
+    assert ddp["0:0B0"] == pytest.approx((2 + f, 6 + f + k * P))
+    assert on.simulate(_dp()).iteration_s - off.simulate(_dp()).iteration_s == pytest.approx(f + k * P, rel=1e-9)
+    gs = _dp(placement="cpu")
+    spans = on.simulate(gs, trace=True).tasks
+    assert {x["name"]: (x["start_s"], x["end_s"]) for x in spans}["0:0F0"] == pytest.approx((0.0, 2.0))
+    assert sum(x["name"] == "gradient copy back" for x in spans) == 2      # one per worker
+    assert on.simulate(gs).iteration_s - off.simulate(gs).iteration_s == pytest.approx(2 * k * P, rel=1e-9)
+    c = calibration_from_dict({**CAL, "ddp_forward_s": f, "grad_copy_s_per_byte": k})
+    assert (c.ddp_forward_s, c.grad_copy_s_per_byte) == (f, k)
+    assert calibration_to_dict(c)["grad_copy_s_per_byte"] == k
+    assert "ddp_forward_s" not in calibration_to_dict(calibration_from_dict(CAL))    # older profiles
+
+
+def test_fine_sync_copies_each_bucket_in_the_backward_piece_that_makes_it_final():
+    # one bucket per layer (10**6 bytes each): the backward is cut in two pieces, layer 1's
+    # (2 s) then layer 0's (2 s); each piece copies its own bucket's 10**6 bytes
+    k = 1e-7
+    tasks = _sync_sim(grad_copy_s_per_byte=k).simulate(_dp("fine", bucket_bytes=10**6), trace=True).tasks
+    pieces = sorted((x["start_s"], x["end_s"]) for x in tasks if x["name"].startswith("0:0B0"))
+    assert pieces == [pytest.approx((2.0, 4 + k * 10**6)), pytest.approx((4 + k * 10**6, 6 + 2 * k * 10**6))]

@@ -143,6 +143,10 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     # a backward adding into existing gradients (runtime.profile_bench.grad_accumulate): tens of
     # ps per parameter byte in cache (2.3e-11 on the VM); noise may make it 0, never negative
     assert 0 <= cal["grad_accumulate_s_per_byte"] < 1e-9
+    # DDP's own work per forward and the per-byte gradient copy (runtime.profile_bench.ddp_costs):
+    # tens of µs; tens of ps per byte (6e-11 on the VM, loaded), never 0: a copy moves bytes
+    assert 0 <= cal.get("ddp_forward_s", 0.0) < 1e-2 and 0 < cal["grad_copy_s_per_byte"] < 1e-8
+    assert calibration_from_dict(cal).grad_copy_s_per_byte == cal["grad_copy_s_per_byte"]
     # issuing a message through the runtime's PeerLink (a group per direction): µs, not ms
     assert 0 < cal["send_issue_s"] < 1e-2 and 0 < cal["recv_post_s"] < 1e-2
 

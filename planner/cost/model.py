@@ -347,6 +347,19 @@ class CostModel:
             return 0.0
         return c.grad_accumulate_s_per_byte * sum(l.param_bytes for l in self.graph.layers[start:end])
 
+    def ddp_forward_s(self, device: str) -> float:
+        """torch DDP's own work per forward on a CPU worker (calibration's ddp_forward_s); 0 for
+        other devices and without calibration."""
+        c = self._cpu_calibration(device)
+        return c.ddp_forward_s if c else 0.0
+
+    def grad_copy_s(self, device: str, n_bytes: float) -> float:
+        """Copying n bytes of gradients into a flat bucket buffer, or back, on a CPU worker's
+        thread: n x calibration's grad_copy_s_per_byte; 0 for other devices and without
+        calibration."""
+        c = self._cpu_calibration(device)
+        return c.grad_copy_s_per_byte * n_bytes if c else 0.0
+
     def cold_compute_s(self, device: str) -> float:
         """How much longer a CPU worker's first compute after a blocking wait takes than back to
         back (calibration's cold_compute_s); 0 for other devices and without calibration."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from planner.cost.buckets import Bucket, exchanged_buckets
+from planner.cost.grad_sync import runs_on_ddp
 from planner.cost.memory import stepped_params
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
@@ -22,7 +23,8 @@ from planner.hardware.topology import Topology
 from planner.sim.schedule import split_backward
 from planner.sim.template import ReplicaTemplate, Stream, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
-                                   RouteHop, SavedCopy, SplitRange, TaskGraph, TaskMeta, TransferLabel)
+                                   RouteHop, SavedCopy, SplitRange, SyncWork, TaskGraph, TaskMeta,
+                                   TransferLabel)
 from planner.workload.graph import ModelGraph
 
 
@@ -77,6 +79,7 @@ class Builder:
         self.tracing = g.meta is not None   # labels are made only for a trace
         self.progress = Progress()
         self.exchange = Exchange(False, [], {})
+        self.ddp = runs_on_ddp(plan)        # else GradSync, which also copies the sums back
 
     def build(self) -> None:
         self.plan_devices()
@@ -139,7 +142,7 @@ class Builder:
         lasts = []
         for s, (st, ch) in enumerate(zip(stages, chunks)):   # values in the order the slots number them
             vals.append(self.forward_value(r, s, stages))
-            lasts.append(pieces(r, s, stages, ch))
+            lasts.append(self.with_copies(st, pieces(r, s, stages, ch)))
             vals += [k for k, _ in lasts[-1]]
             if m > 1:   # the other microbatches' backward: m - 1 of them add into .grad
                 # (the runtime's first backward does not, its last does: same count, one place off)
@@ -307,8 +310,7 @@ class Builder:
         if not (ex.fine and st.device in ex.by_device):
             return [Chunk(st.end, st.start, None)]
         chunks, hi = [], st.end
-        # this stage's buckets (a device holding several interleaved stages holds others too)
-        ks = [k for k in ex.by_device[st.device] if st.start <= min(ex.buckets[k].layers) < st.end]
+        ks = self.stage_buckets(st)
         if not ks:
             return [Chunk(st.end, st.start, None)]
         for j, k in enumerate(ks):
@@ -317,6 +319,30 @@ class Builder:
             hi = lo
         return chunks
 
+    def stage_buckets(self, st: Stage) -> list[int]:
+        """The exchanged buckets of stage st's layers on its device, in ready order (a device
+        holding several interleaved stages holds others too)."""
+        ex = self.exchange
+        return [k for k in ex.by_device.get(st.device, ()) if st.start <= min(ex.buckets[k].layers) < st.end]
+
+    def with_copies(self, st: Stage, pieces: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+        """The last microbatch's backward pieces of stage st, each with the copy of the gradients
+        it makes final into their buckets' flat buffers (planner.cost.grad_sync): under fine sync
+        the piece after which its bucket is final, under coarse the last piece, all of the
+        stage's buckets. Tied parameters' buckets are not priced."""
+        ex, cost, g = self.exchange, self.sim.cost, self.g
+        ks = self.stage_buckets(st)
+        if st.split or not ks or cost.grad_copy_s(st.device, 1.0) == 0.0:
+            return pieces
+        out = []
+        for j, (v, bucket) in enumerate(pieces):
+            if ex.fine:
+                n = ex.buckets[bucket].bytes if bucket is not None else 0.0
+            else:
+                n = sum(ex.buckets[k].bytes for k in ks) if j == len(pieces) - 1 else 0.0
+            out.append((g.value(SyncWork(g.recipes[v], st.device, copied_bytes=n)) if n else v, bucket))
+        return out
+
     def forward_value(self, r: int, s: int, stages) -> int:
         """The value id of stage s's forward of one microbatch: it consumes an activation
         (s > 0) and sends one on (not the last stage)."""
@@ -324,7 +350,10 @@ class Builder:
         sends, receives = int(s < len(stages) - 1), int(s > 0)
         if st.split:
             return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end, sends, receives))
-        return self.g.value(LayerRange("fwd", r, st.device, st.start, st.end, sends, receives))
+        recipe = LayerRange("fwd", r, st.device, st.start, st.end, sends, receives)
+        if self.ddp and self.sim.cost.ddp_forward_s(st.device) > 0.0:
+            recipe = SyncWork(recipe, st.device, ddp_forward=True)
+        return self.g.value(recipe)
 
     def backward_values(self, r: int, s: int, stages, chunks: list[Chunk],
                         accumulates: bool = False) -> list[tuple[int, int | None]]:
@@ -445,6 +474,8 @@ class Builder:
             if n <= 0:
                 continue
             deps = synced.get(dev) or [self.progress.last_backward[dev]]
+            if synced.get(dev) and not self.ddp:
+                deps = self.copy_back(dev, deps)
             host = host_cpu(sim.topology, dev) if placement != "device" else dev
             if host != dev and f is None:
                 steps.append(self.offloaded_step(dev, host, n, n_t, deps))
@@ -459,6 +490,20 @@ class Builder:
             g.count(dev, "optimizer_s", d_k)
             steps.append(t)
         return steps
+
+    def copy_back(self, dev: str, deps: list[int]) -> list[int]:
+        """GradSync writes the all-reduced buckets back into the gradients once it has waited
+        for them all (planner.cost.grad_sync): a task on dev's queue after its all-reduces, the
+        step's new dependency; none where the copy costs nothing (no calibration)."""
+        ex, sim = self.exchange, self.sim
+        n = sum(ex.buckets[k].bytes for k in ex.by_device.get(dev, ()))
+        d = sim.cost.grad_copy_s(dev, n)
+        if d == 0.0:
+            return deps
+        t = self.g.add(self.g.value(Const(d)), (sim._rid[dev],), deps,
+                       TaskMeta("gradient copy back", dev, "optimizer") if self.tracing else None)
+        self.g.memory_bound.add(t)
+        return [t]
 
     def parameter_exchange(self, steps: list[int]) -> None:
         """Local SGD and EASGD (the modes with a sync.period): every `period` iterations, one all-reduce of the

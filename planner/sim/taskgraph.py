@@ -65,6 +65,21 @@ class LayerRange:
 
 
 @dataclass(frozen=True, slots=True)
+class SyncWork:
+    """A compute task plus the gradient exchange's own work on the same thread
+    (planner.cost.grad_sync): torch DDP's per forward (`ddp_forward`: cost.ddp_forward_s) and
+    copying `copied_bytes` of fresh gradients into bucket buffers (cost.grad_copy_s)."""
+    inner: Any
+    device: str
+    ddp_forward: bool = False
+    copied_bytes: float = 0.0
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        t = self.inner.seconds(cost, graph, mbs) + cost.grad_copy_s(self.device, self.copied_bytes)
+        return t + cost.ddp_forward_s(self.device) if self.ddp_forward else t
+
+
+@dataclass(frozen=True, slots=True)
 class Recompute:
     """Backward of layers [lo, hi) plus the forward of the stage's layers [start, end) again
     (activation recomputation), at the replica's microbatch; messages and the action's own
@@ -172,7 +187,7 @@ class SplitSync:
         return cost.tensor_sync_s(self.phase, self.devices, self.start, self.end, mbs[self.replica])
 
 
-Recipe = Const | LayerRange | Recompute | HopRecipe | SavedCopy | SplitRange | SplitPart | SplitSync
+Recipe = Const | LayerRange | SyncWork | Recompute | HopRecipe | SavedCopy | SplitRange | SplitPart | SplitSync
 
 
 # --- names of routes and tasks ------------------------------------------------------------------
