@@ -81,6 +81,7 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
                     allreduce_bytes_per_s=bw, allreduce_curve=curve,
+                    allreduce_queued_s=results[0].get("calibration", {}).get("allreduce_queued_s") if curve else None,
                     wake_latency_s=results[0].get("calibration", {}).get("wake_latency_s") or 0.0,
                     cold_compute_s=results[0].get("calibration", {}).get("cold_compute_s") or 0.0,
                     send_issue_s=results[0].get("calibration", {}).get("send_issue_s") or 0.0,

@@ -210,6 +210,32 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
     return rows
 
 
+def allreduce_queued(n_bytes: int, repeats: int, queued: int = 4, lead_s: float = 0.002) -> float:
+    """Seconds an all-reduce of n bytes adds when it is issued right behind others of its group
+    (DDP's buckets, launched during a backward, run back to back once the worker waits): in
+    allreduce_table's pattern (rank 0 arriving `lead_s` late), `queued` + 1 async all-reduces
+    launched together and waited for, against one alone, alternating; (median of the burst -
+    median of one) / queued, >= 0, timed on rank 0 (every rank returns its own)."""
+    group = dist.new_group(backend="gloo")
+    lower_gloo_loop_priority()
+    rank, a = dist.get_rank(), torch.randn(64, 64)
+    bufs = [torch.zeros(n_bytes // 4) for _ in range(queued + 1)]
+    one, burst = [], []
+    for rep in range(repeats + 1):
+        for k, out in ((1, one), (queued + 1, burst)):
+            dist.barrier()
+            if rank == 0:
+                _compute_for(lead_s, a)
+            t0 = time.perf_counter()
+            works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs[:k]]
+            for w in works:
+                w.wait()
+            if rep:
+                out.append(time.perf_counter() - t0)
+    dist.destroy_process_group(group)
+    return max(0.0, (stats(burst)[0] - stats(one)[0]) / queued)
+
+
 def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
     """How much later a worker blocked in a receive (irecv + wait, as runtime.pipeline waits)
     answers than one that just started waiting: ranks 0 and 1 ping-pong 4 bytes, back to back

@@ -114,6 +114,9 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
             log(f"all-reduce over {world} workers")
         result["allreduce"] = bench.allreduce_table(list(settings.comm_sizes), settings.repeats) \
             if world > 1 else []
+        if world > 1 and all(w.kind == "cpu" for w in workers):   # the curve's smallest size, queued
+            result["calibration"]["allreduce_queued_s"] = bench.allreduce_queued(
+                settings.comm_sizes[0], max(20, 4 * settings.repeats))
         write_json_atomic(Path(out_dir) / f"rank{rank}.json", result)
         # Tear down together: a rank that destroys its gloo group while a peer is still inside
         # the last collective can abort the peer ("terminate called without an active exception").

@@ -449,3 +449,30 @@ def test_fine_sync_copies_each_bucket_in_the_backward_piece_that_makes_it_final(
     tasks = _sync_sim(grad_copy_s_per_byte=k).simulate(_dp("fine", bucket_bytes=10**6), trace=True).tasks
     pieces = sorted((x["start_s"], x["end_s"]) for x in tasks if x["name"].startswith("0:0B0"))
     assert pieces == [pytest.approx((2.0, 4 + k * 10**6)), pytest.approx((4 + k * 10**6, 6 + 2 * k * 10**6))]
+
+
+def test_fine_all_reduces_on_a_saturated_host_run_back_to_back_after_the_backward():
+    # two CPU workers of one thread on a 2-core host (contention.saturated_cpus); 2 layers of
+    # 10**6 parameter bytes, one bucket each; forward 2 s, backward pieces 2 s + 2 s. An
+    # all-reduce costs 0.5 s of latency + 10**6 B / 10**6 B/s; one issued right behind another
+    # of its group 0.125 s + 1 s. With no core to spare the buckets' all-reduces wait for the
+    # backward (gloo's threads get no core while the workers compute), then run back to back:
+    # [6, 7.5] then the queued one [7.5, 8.625]. On a host with cores to spare each starts
+    # when its bucket is final and costs 1.5 s: [4, 5.5] and [6, 7.5].
+    cal = {**CAL, "cpu_contention_factor": 1.0, "allreduce_latency_s": 0.5, "allreduce_bytes_per_s": 1e6}
+    g = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6)])
+
+    def spans(extra, cores):
+        t = topology([replace(device(f"cpu:{i}", flops=1e9, mem_bw=1e9), threads=1) for i in (0, 1)],
+                     [link("cpu:0", "cpu:1", bw=1e30, lat=0.0)])
+        t = replace(t, measured={"calibration": {**cal, **extra}, "host": {"cores": cores}})
+        tasks = Simulator(g, t, _Contended(g, t)).simulate(_dp("fine", bucket_bytes=10**6), trace=True).tasks
+        return sorted((x["start_s"], x["end_s"]) for x in tasks if x["kind"] == "allreduce")
+
+    assert spans({"allreduce_queued_s": 0.125}, 2) == [pytest.approx((6.0, 7.5)), pytest.approx((7.5, 8.625))]
+    assert spans({}, 2) == [pytest.approx((6.0, 7.5)), pytest.approx((7.5, 9.0))]      # not measured: as a lone one
+    assert spans({"allreduce_queued_s": 0.125}, 4) == [pytest.approx((4.0, 5.5)), pytest.approx((6.0, 7.5))]
+    c = calibration_from_dict({**cal, "allreduce_queued_s": 0.125})
+    assert c.allreduce_s(2, 10**6, queued=True) == pytest.approx(1.125)
+    assert calibration_to_dict(c)["allreduce_queued_s"] == 0.125
+    assert c.allreduce_s(2, 10**6, queued=False) == pytest.approx(1.5)

@@ -147,6 +147,8 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     # tens of µs; tens of ps per byte (6e-11 on the VM, loaded), never 0: a copy moves bytes
     assert 0 <= cal.get("ddp_forward_s", 0.0) < 1e-2 and 0 < cal["grad_copy_s_per_byte"] < 1e-8
     assert calibration_from_dict(cal).grad_copy_s_per_byte == cal["grad_copy_s_per_byte"]
+    # an all-reduce right behind another (profile_bench.allreduce_queued): no more than ms
+    assert 0 <= cal["allreduce_queued_s"] < 1e-2
     # issuing a message through the runtime's PeerLink (a group per direction): µs, not ms
     assert 0 < cal["send_issue_s"] < 1e-2 and 0 < cal["recv_post_s"] < 1e-2
 

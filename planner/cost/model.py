@@ -300,15 +300,16 @@ class CostModel:
         fit = self.topology.device(device).measured.get("host_copy", {}).get("pinned", {}).get(direction)
         return (fit["latency_s"], fit["bytes_per_s"]) if fit else None
 
-    def allreduce_s(self, devices: tuple[str, ...], n_bytes: float) -> float:
+    def allreduce_s(self, devices: tuple[str, ...], n_bytes: float, queued: bool = False) -> float:
         """All-reduce of n bytes over `devices`: the calibrated gloo fit when every device is a
-        CPU worker of one host and the topology has a fit (Calibration.allreduce_s); else the
-        contract's ring formula (Topology.allreduce_s)."""
+        CPU worker of one host and the topology has a fit (Calibration.allreduce_s; `queued`:
+        issued right behind another of its group); else the contract's ring formula
+        (Topology.allreduce_s)."""
         c = self.calibration
         if c is not None and len(devices) > 1:
             parsed = [parse_device_name(d) for d in devices]
             if all(kind == "cpu" for _, kind, _ in parsed) and len({n for n, _, _ in parsed}) == 1:
-                t = c.allreduce_s(len(devices), n_bytes)
+                t = c.allreduce_s(len(devices), n_bytes, queued)
                 if t is not None:
                     return t
         return self.topology.allreduce_s(devices, n_bytes)

@@ -30,6 +30,8 @@ class Calibration:
     allreduce_bytes_per_s: float | None = None     #   latency_s + bytes / bytes_per_s (fitted)
     allreduce_curve: tuple[tuple[float, float], ...] = ()   # ((bytes, s), ...) measured over the
                                                    #   CPU workers, lower envelope (fit.lower_envelope)
+    allreduce_queued_s: float | None = None        # the latency of an all-reduce issued right behind
+                                                   #   another of its group (None: as a lone one's)
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)   # per torch.optim name
     iteration_overhead_s: float = 0.0              # fixed cost per iteration (not measured yet: 0)
     multi_worker_overhead_s: float = 0.0           # older profiles only, not used (a per-iteration
@@ -72,13 +74,15 @@ class Calibration:
             return 1.0
         return 1.0 + (factor - 1.0) * min(k - 1, n - 1) / (n - 1)
 
-    def allreduce_s(self, k: int, n_bytes: float) -> float | None:
+    def allreduce_s(self, k: int, n_bytes: float, queued: bool = False) -> float | None:
         """gloo all-reduce of n bytes over k CPU workers, scaled from N measured workers by the
         ring's step counts: l * s + (t_N(n) - l) * v with s = (k-1)/(N-1),
         v = [(k-1)/k] / [(N-1)/N]. t_N is the measured curve (straight lines between its sizes,
         the smallest size's time below it, the last segment's slope beyond) and l the fit's
         latency_s capped at the curve's first time; without a curve t_N = latency_s + n /
-        bytes_per_s, l = latency_s. None without a fit (the caller uses the ring formula)."""
+        bytes_per_s, l = latency_s. `queued` (issued right behind another all-reduce of its
+        group): allreduce_queued_s, where measured and lower, replaces the first l (the lone
+        call's wake-ups). None without a fit (the caller uses the ring formula)."""
         if k <= 1:
             return 0.0
         if self.allreduce_latency_s is None or self.allreduce_bytes_per_s is None:
@@ -89,8 +93,10 @@ class Calibration:
         lat = self.allreduce_latency_s
         if self.allreduce_curve:
             lat = min(lat, self.allreduce_curve[0][1])      # no more than the smallest measured
-            return lat * steps + (_on_curve(self.allreduce_curve, n_bytes) - lat) * volume
-        return lat * steps + n_bytes / self.allreduce_bytes_per_s * volume
+        first = min(lat, self.allreduce_queued_s) if queued and self.allreduce_queued_s is not None else lat
+        if self.allreduce_curve:
+            return first * steps + (_on_curve(self.allreduce_curve, n_bytes) - lat) * volume
+        return first * steps + n_bytes / self.allreduce_bytes_per_s * volume
 
 
 def _on_curve(curve: tuple[tuple[float, float], ...], x: float) -> float:
@@ -123,6 +129,8 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         allreduce_curve=tuple((float(n), float(t)) for n, t in r.get(
             "allreduce_curve", list, default=[], check=_is_curve,
             expected="[[bytes, seconds], ...] with positive numbers, sizes increasing")),
+        allreduce_queued_s=r.get("allreduce_queued_s", float, default=None,
+                                 check=lambda v: v >= 0, expected="a non-negative number"),
         optimizer=opt,
         iteration_overhead_s=r.get("iteration_overhead_s", float, default=0.0,
                                    check=lambda v: v >= 0, expected="a non-negative number"),
@@ -160,6 +168,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
         out.update(allreduce_latency_s=c.allreduce_latency_s, allreduce_bytes_per_s=c.allreduce_bytes_per_s)
     if c.allreduce_curve:
         out["allreduce_curve"] = [list(p) for p in c.allreduce_curve]
+    if c.allreduce_queued_s is not None:
+        out["allreduce_queued_s"] = c.allreduce_queued_s
     if c.optimizer:
         out["optimizer"] = {k: {"s_per_tensor": v.s_per_tensor, "s_per_byte": v.s_per_byte}
                             for k, v in sorted(c.optimizer.items())}

@@ -34,10 +34,12 @@ class SimulatorView(Protocol):
     topology: Topology
     cost: CostModel
     _rid: dict[Any, int]   # resource id of each device and link direction
+    _saturated: frozenset[str]   # CPU devices with no core to spare (planner.sim.contention)
 
     def hops(self, a: str, b: str) -> list[RouteHop]: ...
 
-    def _allreduce(self, devices: tuple[str, ...], n_bytes: float) -> tuple[tuple[int, ...], float]: ...
+    def _allreduce(self, devices: tuple[str, ...], n_bytes: float,
+                   queued: bool = False) -> tuple[tuple[int, ...], float]: ...
 
 
 class Exchange(NamedTuple):
@@ -442,17 +444,21 @@ class Builder:
         device's all-reduce tasks."""
         ex, progress = self.exchange, self.progress
         synced: dict[str, list[int]] = {}
+        started: set[tuple[str, ...]] = set()    # device sets whose burst has begun
         for k, b in enumerate(ex.buckets):
-            deps = [progress.chunk_of[(dev, k)] if ex.fine else progress.last_backward[dev]
+            burst = ex.fine and all(d in self.sim._saturated for d in b.devices)
+            deps = [progress.chunk_of[(dev, k)] if ex.fine and not burst else progress.last_backward[dev]
                     for dev in b.devices]
-            self.allreduce(f"b{k}", b, deps, synced)
+            self.allreduce(f"b{k}", b, deps, synced, queued=burst and b.devices in started)
+            started.add(b.devices)
         for k, b in enumerate(ex.tied):
             self.allreduce(f"tied{k}", b, [progress.last_backward[dev] for dev in b.devices], synced)
         return synced
 
-    def allreduce(self, name: str, b: Bucket, deps: list[int], synced: dict[str, list[int]]) -> None:
+    def allreduce(self, name: str, b: Bucket, deps: list[int], synced: dict[str, list[int]],
+                  queued: bool = False) -> None:
         g = self.g
-        res, d = self.sim._allreduce(b.devices, b.bytes)
+        res, d = self.sim._allreduce(b.devices, b.bytes, queued)
         d_k = g.value(Const(d))
         t = g.add(d_k, res, deps, TaskMeta(f"allreduce {name} {b.bytes}B", "+".join(b.devices), "allreduce"))
         g.sync_res.update(res)

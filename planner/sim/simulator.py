@@ -16,7 +16,12 @@ Sync: "fine" splits the last microbatch's backward of a stage at bucket boundari
 bucket's all-reduce starts when its layers' gradients are final on every device of its group,
 overlapping the remaining backward; "coarse" starts a bucket's all-reduce after all backward
 work of every device in its group, one flat all-reduce per device set (buckets of one set
-merged, as the runtime does). Recompute adds the stage's forward to its backward. A split
+merged, as the runtime does). On a saturated host (contention.saturated_cpus) fine buckets'
+all-reduces also wait for their devices' last backward, gloo's threads getting no core while
+the workers compute, and then run back to back: each after the first of its device set is
+priced `queued` (cost.allreduce_s). The runtime's own sync work on the worker's thread
+(planner.cost.grad_sync): DDP's per forward, the copy of each bucket's gradients in the backward
+piece that makes it final, GradSync's copy back before the step. Recompute adds the stage's forward to its backward. A split
 backward (zb-h1) is two tasks per microbatch: I (cost.bwd_input_s), which receives and sends the
 gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets follow; the measured
 cost model times both passes per layer (the split costs more than the fused backward on CPUs).
@@ -126,7 +131,7 @@ class Simulator:
             self._resource((link.a, link.b))
             self._resource((link.b, link.a))
         self._hops: dict[tuple[str, str], list[RouteHop]] = {}
-        self._ar: dict[tuple[tuple[str, ...], float], tuple[tuple[int, ...], float]] = {}
+        self._ar: dict[tuple[tuple[str, ...], float, bool], tuple[tuple[int, ...], float]] = {}
         self._cache: dict[Any, SimResult] = {}
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
@@ -158,8 +163,11 @@ class Simulator:
             self._hops[key] = out
         return self._hops[key]
 
-    def _allreduce(self, devices: tuple[str, ...], n_bytes: float) -> tuple[tuple[int, ...], float]:
-        key = (devices, n_bytes)
+    def _allreduce(self, devices: tuple[str, ...], n_bytes: float,
+                   queued: bool = False) -> tuple[tuple[int, ...], float]:
+        """The resources an all-reduce holds and its duration (`queued`: issued right behind
+        another of its group, cost.allreduce_s)."""
+        key = (devices, n_bytes, queued)
         if key not in self._ar:
             res: list[int] = []
             k = len(devices)
@@ -170,7 +178,7 @@ class Simulator:
             # gloo runs the collective on the workers' own CPU cores: with no core to spare it
             # cannot overlap their compute, so it also holds their compute queues
             res += [self._rid[d] for d in devices if d in self._saturated]
-            self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes))
+            self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes, queued))
         return self._ar[key]
 
     # --- building the task graph of a plan shape ---------------------------------------------
