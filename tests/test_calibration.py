@@ -401,6 +401,28 @@ def test_microbatches_after_the_first_add_their_gradients_into_the_iterations():
     t0, t1 = (_topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": x}) for x in (0.0, k))
     spans = [{x["name"]: x["end_s"] - x["start_s"] for x in Simulator(g, t, _Contended(g, t)).simulate(two, trace=True).tasks}
              for t in (t0, t1)]
-    assert spans[1]["0:1B0"] - spans[0]["0:1B0"] == pytest.approx(k * 2 * 10**6, rel=1e-9)
-    assert spans[1]["0:0B0"] - spans[0]["0:0B0"] == pytest.approx(k * 10**6, rel=1e-9)
+    # the first backward writes fresh gradients, the last adds into them
+    for name, n_bytes in (("0:1B", 2 * 10**6), ("0:0B", 10**6)):
+        assert spans[1][name + "0"] == spans[0][name + "0"]
+        assert spans[1][name + "1"] - spans[0][name + "1"] == pytest.approx(k * n_bytes, rel=1e-9)
     assert calibration_from_dict({**CAL, "grad_accumulate_s_per_byte": k}).grad_accumulate_s_per_byte == k
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "hippie"])
+def test_the_last_backward_adds_into_the_gradients_on_the_critical_path(schedule):
+    # Stage 0 (cpu:0): layer 0, forward 1 s, backward 1 s, P = 1e8 parameter bytes; stage 1
+    # (cpu:1): layer 1, forward 1 s, backward 2 s, no parameters; free links; m = 3 of one sample.
+    # Stage 1's backwards end at 6, 8, 10 in all three schedules; stage 0's follow each, at
+    # [6, 7] (gpipe; 1F1B and Hippie [4, 5]), [7, 8], [10, 11], with slack before each but the
+    # last. Its first writes fresh gradients, B1 and B2 add a = k P = 0.1 s each: the last
+    # backward ends at 11 + a, then the SGD step (1e-6 s + 1e-10 s/byte x P). Charging the
+    # first two instead (the critical path unchanged) would give 11 + step.
+    P, k = 10**8, 1e-9
+    g = graph([layer(0, bwd_flops=1e9, param_bytes=P), layer(1)])
+    t = _topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": k}, bw=1e30, lat=0.0)
+    r = Simulator(g, t, _Contended(g, t)).simulate(plan([(1.0, 3, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 3, schedule),
+                                                   trace=True)
+    end = {x["name"]: x["end_s"] for x in r.tasks}
+    assert end["0:1B2"] == pytest.approx(10.0, rel=1e-12)
+    assert end["0:0B2"] == pytest.approx(11.0 + k * P, rel=1e-12)
+    assert r.iteration_s == pytest.approx(11.0 + k * P + 1e-6 + 1e-10 * P, rel=1e-12)
