@@ -426,3 +426,30 @@ def test_the_last_backward_adds_into_the_gradients_on_the_critical_path(schedule
     assert end["0:1B2"] == pytest.approx(10.0, rel=1e-12)
     assert end["0:0B2"] == pytest.approx(11.0 + k * P, rel=1e-12)
     assert r.iteration_s == pytest.approx(11.0 + k * P + 1e-6 + 1e-10 * P, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,mode,m,adding", [
+    ("gpipe", "sync", 3, "0B1 0B2 1B1 1B2"),
+    ("zb-h1", "sync", 3, "0W1 0W2 1W1 1W2"),                          # the W passes, not the I's
+    ("interleaved-1f1b", "sync", 2, "0B1 1B1 2B1 3B1"),               # per virtual stage
+    ("1f1b", "pipedream-2bw", 2, "0B1 0B3 0B5 1B1 1B3 1B5"),          # after each update: fresh
+    ("1f1b", "pipedream", 2, ""),                                     # an update after each
+])
+def test_which_backwards_add_into_the_gradients(schedule, mode, m, adding):
+    # per stage, the first backward of an iteration (of a stream: after each update) writes
+    # fresh gradients; the others take k x their stage's parameter bytes longer
+    k = 1e-9
+    n = 4 if schedule == "interleaved-1f1b" else 2
+    g = graph([layer(i, param_bytes=10**6) for i in range(n)])
+    stages = [(f"cpu:{s % 2}", s, s + 1) for s in range(n)]
+    p = plan([(1.0, m, stages)], m, schedule)
+    p = replace(p, sync=replace(p.sync, mode=mode))
+
+    def spans(x):
+        t = _topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": x})
+        return {e["name"].split(":")[1]: e["end_s"] - e["start_s"]
+                for e in Simulator(g, t, _Contended(g, t)).simulate(p, trace=True).tasks if e["kind"] == "backward"}
+    fresh, added = spans(0.0), spans(k)
+    assert fresh.keys() == added.keys()
+    assert {a for a in added if added[a] - fresh[a] > 1e-6} == set(adding.split())   # spans: end - start
+    assert all(added[a] - fresh[a] == pytest.approx(k * 10**6, rel=1e-9) for a in adding.split())
