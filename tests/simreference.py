@@ -143,8 +143,10 @@ def build_one_by_one(builder, r, rep):
     if split:   # number the values as the template's slots do: stages, hops, then the I passes
         for s, st in enumerate(rep.stages):
             builder.forward_value(r, s, rep.stages)
-            pieces_of(r, s, rep.stages, builder.backward_chunks(st))
-            if m > 1:   # the other microbatches add into .grad (Builder.replica)
+            pieces_of(r, s, rep.stages, builder.backward_chunks(st), accumulates=m > 1)
+            if m > 1:   # microbatch 0 writes fresh gradients, the later ones add (Builder.replica)
+                pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)])
+            if m > 2:
                 pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)], accumulates=True)
         for s in range(1, len(rep.stages)):
             src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
@@ -153,8 +155,9 @@ def build_one_by_one(builder, r, rep):
     for s, st in enumerate(rep.stages):
         rid, dev = sim._rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)
-        pieces = pieces_of(r, s, rep.stages, builder.backward_chunks(st))
-        other = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)], accumulates=True) if m > 1 else []
+        pieces = pieces_of(r, s, rep.stages, builder.backward_chunks(st), accumulates=m > 1)
+        fresh = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []
+        other = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)], accumulates=True) if m > 2 else []
         i_k = builder.input_value(r, s, rep.stages) if split else None
         f, b0, b1, prev = [None] * m, [None] * m, [None] * m, None
         ends.append([])
@@ -170,7 +173,7 @@ def build_one_by_one(builder, r, rep):
                 g.count(dev, "bwd_s", i_k)
                 ends[s].append(prev)
                 continue
-            for j, (k, bucket) in enumerate(pieces if i == m - 1 else other):
+            for j, (k, bucket) in enumerate(pieces if i == m - 1 else other if i else fresh):
                 prev = g.add(k, (rid,), (prev,))
                 g.count(dev, "bwd_s", k)
                 if act.kind == "B":

@@ -401,8 +401,10 @@ def test_microbatches_after_the_first_add_their_gradients_into_the_iterations():
     t0, t1 = (_topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": x}) for x in (0.0, k))
     spans = [{x["name"]: x["end_s"] - x["start_s"] for x in Simulator(g, t, _Contended(g, t)).simulate(two, trace=True).tasks}
              for t in (t0, t1)]
-    assert spans[1]["0:1B0"] - spans[0]["0:1B0"] == pytest.approx(k * 2 * 10**6, rel=1e-9)
-    assert spans[1]["0:0B0"] - spans[0]["0:0B0"] == pytest.approx(k * 10**6, rel=1e-9)
+    # the first backward writes fresh gradients, the last adds into them
+    for name, n_bytes in (("0:1B", 2 * 10**6), ("0:0B", 10**6)):
+        assert spans[1][name + "0"] == spans[0][name + "0"]
+        assert spans[1][name + "1"] - spans[0][name + "1"] == pytest.approx(k * n_bytes, rel=1e-9)
     assert calibration_from_dict({**CAL, "grad_accumulate_s_per_byte": k}).grad_accumulate_s_per_byte == k
 
 
@@ -476,3 +478,49 @@ def test_fine_all_reduces_on_a_saturated_host_run_back_to_back_after_the_backwar
     assert c.allreduce_s(2, 10**6, queued=True) == pytest.approx(1.125)
     assert calibration_to_dict(c)["allreduce_queued_s"] == 0.125
     assert c.allreduce_s(2, 10**6, queued=False) == pytest.approx(1.5)
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "hippie"])
+def test_the_last_backward_adds_into_the_gradients_on_the_critical_path(schedule):
+    # Stage 0 (cpu:0): layer 0, forward 1 s, backward 1 s, P = 1e8 parameter bytes; stage 1
+    # (cpu:1): layer 1, forward 1 s, backward 2 s, no parameters; free links; m = 3 of one sample.
+    # Stage 1's backwards end at 6, 8, 10 in all three schedules; stage 0's follow each, at
+    # [6, 7] (gpipe; 1F1B and Hippie [4, 5]), [7, 8], [10, 11], with slack before each but the
+    # last. Its first writes fresh gradients, B1 and B2 add a = k P = 0.1 s each: the last
+    # backward ends at 11 + a, then the SGD step (1e-6 s + 1e-10 s/byte x P). Charging the
+    # first two instead (the critical path unchanged) would give 11 + step.
+    P, k = 10**8, 1e-9
+    g = graph([layer(0, bwd_flops=1e9, param_bytes=P), layer(1)])
+    t = _topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": k}, bw=1e30, lat=0.0)
+    r = Simulator(g, t, _Contended(g, t)).simulate(plan([(1.0, 3, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 3, schedule),
+                                                   trace=True)
+    end = {x["name"]: x["end_s"] for x in r.tasks}
+    assert end["0:1B2"] == pytest.approx(10.0, rel=1e-12)
+    assert end["0:0B2"] == pytest.approx(11.0 + k * P, rel=1e-12)
+    assert r.iteration_s == pytest.approx(11.0 + k * P + 1e-6 + 1e-10 * P, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,mode,m,adding", [
+    ("gpipe", "sync", 3, "0B1 0B2 1B1 1B2"),
+    ("zb-h1", "sync", 3, "0W1 0W2 1W1 1W2"),                          # the W passes, not the I's
+    ("interleaved-1f1b", "sync", 2, "0B1 1B1 2B1 3B1"),               # per virtual stage
+    ("1f1b", "pipedream-2bw", 2, "0B1 0B3 0B5 1B1 1B3 1B5"),          # after each update: fresh
+    ("1f1b", "pipedream", 2, ""),                                     # an update after each
+])
+def test_which_backwards_add_into_the_gradients(schedule, mode, m, adding):
+    # per stage, the first backward of an iteration (of a stream: after each update) writes
+    # fresh gradients; the others take k x their stage's parameter bytes longer
+    k = 1e-9
+    n = 4 if schedule == "interleaved-1f1b" else 2
+    g = graph([layer(i, param_bytes=10**6) for i in range(n)])
+    stages = [(f"cpu:{s % 2}", s, s + 1) for s in range(n)]
+    p = plan([(1.0, m, stages)], m, schedule)
+    p = replace(p, sync=replace(p.sync, mode=mode))
+
+    def spans(x):
+        t = _topo({**CAL, "cpu_contention_factor": 1.0, "grad_accumulate_s_per_byte": x})
+        return {e["name"].split(":")[1]: e["end_s"] - e["start_s"]
+                for e in Simulator(g, t, _Contended(g, t)).simulate(p, trace=True).tasks if e["kind"] == "backward"}
+    fresh, added = spans(0.0), spans(k)
+    assert fresh.keys() == added.keys()
+    assert {a for a in added if added[a] - fresh[a] > 1e-6} == set(adding.split())   # spans: end - start
+    assert all(added[a] - fresh[a] == pytest.approx(k * 10**6, rel=1e-9) for a in adding.split())

@@ -34,9 +34,23 @@ def test_square_linear_layers_exact():
     assert g.info["warnings"] == []
     # at batch 2B every activation-like quantity doubles, parameters do not
     g2 = capture_graph(load_workload("tests.factories:square", {"n": n, "depth": 3}), 2 * B)
-    from dataclasses import replace
-    assert replace(g2.layers[1], signature="") == replace(g.layers[1].scaled(2.0), signature="")
+    assert g2.layers[1] == g.layers[1].scaled(2.0)                   # signature included
     assert g2.cut_bytes_at(2, B) == g.cut_bytes[2]
+
+
+def test_a_layer_has_one_signature_at_every_capture_batch():
+    # the layer-cost cache keys a layer by its signature and times it at each microbatch size:
+    # captures of one model at different batches (a data-parallel plan's, a pipeline's) must
+    # share one cost curve, while a layer of other non-batch shapes must not
+    sigs = [[l.signature for l in capture_graph(load_workload("tests.factories:square", {"n": n, "depth": 2}), b).layers]
+            for n, b in ((16, 4), (16, 8), (16, 1), (32, 4))]
+    assert sigs[0] == sigs[1] == sigs[2]
+    assert not set(sigs[0]) & set(sigs[3])
+    gpt = {"layers": 1, "heads": 2, "d_model": 32, "vocab": 64, "context": 8}
+    a, b = (capture_graph(load_workload("gpt", gpt), n) for n in (2, 3))   # (B, T, C) and (B*T, C) views
+    assert [l.signature for l in a.layers] == [l.signature for l in b.layers]
+    c = capture_graph(load_workload("gpt", {**gpt, "context": 16}), 2)
+    assert not {l.signature for l in a.layers} & {l.signature for l in c.layers}
 
 
 def test_gpt_against_analytic_count():

@@ -39,9 +39,11 @@ from planner.hardware.lookup import measured_here
 from planner.hardware.topology import Device, Topology, parse_device_name
 
 
-# Bumped when the way layers are timed changes, so that older figures are not reused
-# (2: timed with the runtime's allocator setting, planner.hardware.host_memory).
-CACHE_VERSION = 2
+# Bumped when the way layers are timed or keyed changes, so that older figures are not reused
+# (2: timed with the runtime's allocator setting, planner.hardware.host_memory; 3: signatures
+# without the capture batch, planner.workload.capture._signature: a v2 file's entries could
+# never match again).
+CACHE_VERSION = 3
 # Suffix of a layer's split-backward entry (layers after the first): [I pass, W pass] as shares
 # of the fused backward timed in the same runs (back to back, so a change of the machine's load
 # between two measurements does not show as a cost of the split); times = share * fused entry.

@@ -21,7 +21,7 @@ from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.schedule import split_backward
-from planner.sim.template import ReplicaTemplate, Stream, replica_template
+from planner.sim.template import ReplicaTemplate, Stream, accumulates, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
                                    RouteHop, SavedCopy, SplitRange, SyncWork, TaskGraph, TaskMeta,
                                    TransferLabel)
@@ -144,12 +144,13 @@ class Builder:
         lasts = []
         for s, (st, ch) in enumerate(zip(stages, chunks)):   # values in the order the slots number them
             vals.append(self.forward_value(r, s, stages))
-            lasts.append(self.with_copies(st, pieces(r, s, stages, ch)))
+            lasts.append(self.with_copies(st, pieces(r, s, stages, ch, accumulates=accumulates(m - 1, stream))))
             vals += [k for k, _ in lasts[-1]]
-            if m > 1:   # the other microbatches' backward: m - 1 of them add into .grad
-                # (the runtime's first backward does not, its last does: same count, one place off)
-                acc = stream is None or stream.update_every > 1
-                vals += [k for k, _ in pieces(r, s, stages, [Chunk(st.end, st.start, None)], accumulates=acc)]
+            whole = [Chunk(st.end, st.start, None)]   # the other microbatches' backward, uncut
+            if t.slots.fresh[s]:    # the first of the iteration (a stream: after each update)
+                vals += [k for k, _ in pieces(r, s, stages, whole)]
+            if t.slots.other[s]:    # those adding into .grad
+                vals += [k for k, _ in pieces(r, s, stages, whole, accumulates=True)]
             if stream:
                 vals.append(self.update_value(st))
         res = [self.stage_resources(st) for st in stages]

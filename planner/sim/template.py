@@ -25,12 +25,14 @@ from planner.sim.schedule import Action, make_schedule, receives, split_backward
 
 class Slots(NamedTuple):
     """Slot layout. Values: per stage its forward, its last microbatch's backward pieces, then
-    (m > 1) the backward of other microbatches, then (a stream) its weight update; then per
-    stage pair the ahead hops, the back hops; then (split backward) per stage its I pass.
+    the backward of other microbatches writing fresh gradients (m > 1), then that of those adding
+    into .grad (`accumulates`; if any), then (a stream) its weight update; then per stage pair
+    the ahead hops, the back hops; then (split backward) per stage its I pass.
     Resources: per stage its device; then per pair the ahead hops, the back hops."""
     fwd: tuple[int, ...]                    # value slot of stage s's forward
     last: tuple[tuple[int, ...], ...]       # value slots of stage s's last-microbatch pieces
-    other: tuple[tuple[int, ...], ...]      # value slots of stage s's other backwards
+    fresh: tuple[tuple[int, ...], ...]      # value slot of stage s's other fresh backwards, or ()
+    other: tuple[tuple[int, ...], ...]      # value slot of stage s's other accumulating ones, or ()
     update: tuple[tuple[int, ...], ...]     # value slot of stage s's update (a stream), or ()
     ahead: tuple[tuple[int, ...], ...]      # value slots of pair p's ahead hops
     back: tuple[tuple[int, ...], ...]       # value slots of its back hops
@@ -79,16 +81,28 @@ class Stream(NamedTuple):
     update_every: int
 
 
+def accumulates(i: int, stream: Stream | None) -> bool:
+    """Whether microbatch i's backward adds its weight gradients into .grad (cost.grad_accumulate_s)
+    rather than writing them: every one but the first of the iteration, whose optimizer's
+    zero_grad set them to None (runtime.optim.StageOptimizer); in a stream, every one but the
+    first after each update (planner.workload.weight_versions). Every schedule runs a stage's
+    backwards (a split backward's W passes) in microbatch order."""
+    return i % stream.update_every != 0 if stream else i > 0
+
+
 def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
            stream: Stream | None = None, split: bool = False) -> tuple[Slots, int, int]:
     v = r = 0
-    fwd, last, other, update = [], [], [], []
+    fwd, last, fresh, other, update = [], [], [], [], []
+    adds = any(accumulates(i, stream) for i in range(1, m - 1))
     for n in pieces:
         fwd.append(v)
         last.append(tuple(range(v + 1, v + 1 + n)))
         v += 1 + n
-        other.append((v,) if m > 1 else ())
+        fresh.append((v,) if m > 1 else ())   # microbatch 0's
         v += 1 if m > 1 else 0
+        other.append((v,) if adds else ())
+        v += 1 if adds else 0
         update.append((v,) if stream else ())
         v += 1 if stream else 0
     r = len(pieces)
@@ -102,7 +116,7 @@ def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
         v, r = v + nb, r + nb
     inp = tuple(range(v, v + len(pieces))) if split else ()
     v += len(inp)
-    return Slots(tuple(fwd), tuple(last), tuple(other), tuple(update), tuple(ahead), tuple(back),
+    return Slots(tuple(fwd), tuple(last), tuple(fresh), tuple(other), tuple(update), tuple(ahead), tuple(back),
                  tuple(ahead_res), tuple(back_res), inp), v, r
 
 
@@ -112,7 +126,8 @@ def _backward_tasks(add, counts, slots: Slots, stream: Stream | None, act: Actio
     backward in its pieces, ends of pieces recorded in `ends`; a stream's weight update after
     every update_every-th); returns its last task."""
     i, s, first = act.microbatch, act.stage, None
-    for k in (slots.last[s] if i == m - 1 else slots.other[s]):
+    ks = slots.last[s] if i == m - 1 else slots.other[s] if accumulates(i, stream) else slots.fresh[s]
+    for k in ks:
         prev = add(k, s, prev, ("compute", s, act))
         counts.setdefault((s, "bwd_s"), []).append(k)
         if first is None:
@@ -223,4 +238,4 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                            tuple(last_backward), tuple(label), {}, tuple(map(tuple, iteration_end)))
 
 
-__all__ = ["Slots", "Stream", "ReplicaTemplate", "replica_template", "Action"]
+__all__ = ["Slots", "Stream", "accumulates", "ReplicaTemplate", "replica_template", "Action"]

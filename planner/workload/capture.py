@@ -291,16 +291,48 @@ def _layers(ex, stages, rec) -> list[Layer]:
             bwd_bytes_moved=tot("bwd_bytes_moved") + rec.stage_extra[k]["bwd_bytes_moved"],
             n_ops=int(tot("fwd_n_ops")), bwd_n_ops=int(tot("bwd_n_ops") + rec.stage_extra[k]["bwd_n_ops"]),
             param_names=tuple(nm for nm, _ in params),
-            signature=_signature(names, rec), cast_param_bytes=int(tot("cast_param_bytes"))))
+            signature=_signature(names, rec, ex.dynamic_batch), cast_param_bytes=int(tot("cast_param_bytes"))))
     return out
 
 
-def _signature(nodes, rec) -> str:
-    """sha1 of the layer's (target, output shapes, dtypes) in order: equal layers share costs."""
+def _signature(nodes, rec, dynamic: bool) -> str:
+    """sha1 of the layer's (target, output shapes) in order: equal layers share costs (the
+    layer-cost cache's key, planner.cost.timing). From a dynamic-batch export, a dimension that
+    scales with the batch is written as its expression in B (`_batch_shapes`), so a layer
+    captured at any batch has one key; from a static one (the model fixes its batch), the
+    shapes at the capture batch."""
     h = hashlib.sha1()
     for n in nodes:
-        h.update(f"{n.target}|{rec.ops.get(n.name, {}).get('shapes')}\n".encode())
+        shapes = _batch_shapes(n) if dynamic else None
+        if shapes is None:
+            shapes = rec.ops.get(n.name, {}).get("shapes")
+        h.update(f"{n.target}|{shapes}\n".encode())
     return h.hexdigest()[:16]
+
+
+def _batch_shapes(node: fx.Node) -> tuple | None:
+    """The shapes of the node's output tensors as the export traced them: an int per fixed
+    dimension, the dimension's expression in B (the batch, every input's dynamic dim 0) where
+    it scales with the batch, e.g. (B, 1024) or (128*B, 256); None without traced values."""
+    val = node.meta.get("val")
+    if val is None:
+        return None
+    out = []
+    for t in pytree.tree_leaves(val):
+        if isinstance(t, torch.Tensor):
+            out.append(tuple(_batch_dim(d) for d in t.shape))
+    return tuple(out)
+
+
+def _batch_dim(d) -> int | str:
+    if not isinstance(d, torch.SymInt):
+        return int(d)
+    import sympy
+    expr = d.node.expr
+    if not expr.free_symbols:
+        return int(expr)
+    b = sympy.Symbol("B", positive=True, integer=True)
+    return str(expr.xreplace({x: b for x in expr.free_symbols}))
 
 
 def _op_graph(ex, rec) -> nx.DiGraph:
