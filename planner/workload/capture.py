@@ -266,9 +266,9 @@ def carries_grad(stage: fx.GraphModule, inputs: list[bool], model: torch.nn.Modu
         elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
             grad_on = bool(n.args[0])
         elif n.op in ("call_function", "call_method", "call_module"):
-            val = n.meta.get("val")
-            floating = not isinstance(val, torch.Tensor) or val.is_floating_point()
-            flag[n] = grad_on and floating and any(flag.get(a, False) for a in n.all_input_nodes)
+            val = n.meta.get("val")      # a tuple for a multi-output op; a SymInt carries none
+            can = val.is_floating_point() if isinstance(val, torch.Tensor) else isinstance(val, (tuple, list, type(None)))
+            flag[n] = grad_on and can and any(flag.get(a, False) for a in n.all_input_nodes)
         elif n.op == "output":
             outs = pytree.tree_leaves(n.args[0])
     return [isinstance(v, fx.Node) and flag.get(v, False) for v in outs]
