@@ -353,6 +353,25 @@ def test_a_stage_pays_for_issuing_the_messages_it_sends_and_posting_those_it_rec
     assert calibration_from_dict({**CAL, "send_issue_s": s, "recv_post_s": p}).send_issue_s == s
 
 
+def test_a_message_of_several_tensors_pays_an_isend_and_an_irecv_post_per_tensor():
+    # as above, but the cut carries 3 tensors ahead, 2 of which carry a gradient back (as a
+    # Llama stage sends its hidden state, the rotary cos and sin and the causal mask, and gets
+    # the hidden state's gradient): the runtime issues one isend and posts one irecv per tensor
+    g = replace(graph([layer(0), layer(1)]), cut_tensors=(1, 3, 1), cut_grad_tensors=(0, 2, 1))
+    s, p = 0.125, 0.0625
+    t = _topo({**CAL, "cpu_contention_factor": 1.0, "send_issue_s": s, "recv_post_s": p}, bw=1e30, lat=0.0)
+    pipe = plan([(1.0, 1, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 1, "gpipe")
+    spans = {x["name"]: (x["start_s"], x["end_s"]) for x in Simulator(g, t, _Contended(g, t)).simulate(pipe, trace=True).tasks}
+    assert spans["0:0F0"] == pytest.approx((0.0, 1 + 3 * s))
+    assert spans["0:1F0"] == pytest.approx((1 + 3 * s, 2 + 3 * s + 3 * p))
+    assert spans["0:1B0"] == pytest.approx((2 + 3 * s + 3 * p, 4 + 5 * s + 3 * p))
+    assert spans["0:0B0"] == pytest.approx((4 + 5 * s + 3 * p, 6 + 5 * s + 5 * p))
+    # the early-rejection bound prices the same messages (it stays below the simulation)
+    from planner.sim.bound import lower_bound_s
+    sim = Simulator(g, t, _Contended(g, t))
+    assert lower_bound_s(sim, pipe) == pytest.approx(6 + 5 * s + 5 * p)
+
+
 def test_every_schedule_action_pays_the_runtimes_own_work_once():
     # the runtime's driver spends a = 0.125 s of its thread per action besides the compute
     # (calibration's action_overhead_s). Two stages, forward 1 s / backward 2 s, free links:

@@ -95,6 +95,45 @@ def test_residual_cnn_conv_flops_and_skip_cut():
     assert all(p.grad is None for p in w.model.parameters())
 
 
+class _PositionNet(torch.nn.Module):
+    """Layers pos, a, b: the cut before b carries a's output (a gradient) and a position table
+    made from a buffer (none), which b's product uses; the cut before a: the data and the table."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.pos = _Positions()
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        p = self.pos(x)
+        return self.b(self.a(x)) * p
+
+
+class _Positions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.arange(4.0))
+
+    def forward(self, x):
+        return (x * 0 + self.table) * 0.5
+
+
+def test_cut_tensors_and_those_carrying_gradients_match_what_a_stage_sends():
+    from planner.workload import Workload
+    from planner.workload.partition import build_stages, stage_inputs
+    w = Workload(model=_PositionNet(), make_batch=lambda b, seed: (torch.randn(b, 4), torch.randn(b, 4)),
+                 loss_fn=torch.nn.functional.mse_loss)
+    g = capture_graph(w, 2)
+    assert g.cut_tensors == (1, 2, 2, 1)
+    assert g.cut_grad_tensors == (0, 0, 1, 1)
+    assert (g.message_tensors(2), g.message_tensors(2, back=True)) == (2, 1)
+    # the runtime's stage 0 of [0, 2) | [2, 3) outputs what PeerLink sends: 2 tensors, 1 with grad
+    x, _ = w.make_batch(2, 0)
+    out = build_stages(w, [(0, 2), (2, 3)], 2)[0](*stage_inputs(build_stages(w, [(0, 2), (2, 3)], 2)[0], x))
+    assert (len(out), sum(o.requires_grad for o in out)) == (g.cut_tensors[2], g.cut_grad_tensors[2])
+
+
 def test_shape_dependent_model_not_traceable_by_fx():
     w = load_workload("tests.factories:shape_dependent", {"n": 8})
     with pytest.raises(Exception):

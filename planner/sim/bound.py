@@ -42,6 +42,7 @@ from planner.cost.memory import stepped_params
 from planner.cost.model import host_cpu
 from planner.files.plan import Plan, Stage
 from planner.sim import contention
+from planner.sim.build import stage_messages
 from planner.sim.schedule import make_schedule
 
 BOUND_MARGIN = 1e-9   # relative; sums of 1e5 task durations in another order differ by ~1e-12
@@ -168,9 +169,10 @@ class _Bound:
         """(forward, backward) of one microbatch of stage s as the builder's recipes price them:
         a backward's pieces summed (they telescope), I + W under zb-h1, the forward again under
         recompute; each with the messages it issues."""
-        st, cost, last = stages[s], self.cost, len(stages) - 1
-        fwd_msg = self.messages(st.device, int(s < last), int(s > 0))
-        bwd_msg = self.messages(st.device, int(s > 0), int(s < last))
+        st, cost = stages[s], self.cost
+        sends, receives, grad_sends, grad_receives = stage_messages(self.graph, stages, s)
+        fwd_msg = self.messages(st.device, sends, receives)
+        bwd_msg = self.messages(st.device, grad_sends, grad_receives)
         if st.split:
             shares = tuple((x.device, x.share) for x in st.split)
             return (cost.tensor_stage_s("fwd", shares, st.start, st.end, mb) + fwd_msg,

@@ -348,9 +348,9 @@ class Builder:
 
     def forward_value(self, r: int, s: int, stages) -> int:
         """The value id of stage s's forward of one microbatch: it consumes an activation
-        (s > 0) and sends one on (not the last stage)."""
+        (s > 0) and sends one on (not the last stage), a tensor per isend or irecv."""
         st = stages[s]
-        sends, receives = int(s < len(stages) - 1), int(s > 0)
+        sends, receives, _, _ = stage_messages(self.sim.graph, stages, s)
         if st.split:
             return self.g.value(SplitRange("fwd", r, _shares(st), st.start, st.end, sends, receives))
         recipe = LayerRange("fwd", r, st.device, st.start, st.end, sends, receives)
@@ -364,9 +364,10 @@ class Builder:
         first one also runs the stage's forward again. The first consumes the gradient from
         the next stage, the last sends the input's gradient back (not on the first stage)."""
         st, out = stages[s], []
+        _, _, grad_sends, grad_receives = stage_messages(self.sim.graph, stages, s)
         for j, c in enumerate(chunks):
-            receives = int(j == 0 and s < len(stages) - 1)
-            sends = int(j == len(chunks) - 1 and s > 0)
+            receives = grad_receives if j == 0 else 0
+            sends = grad_sends if j == len(chunks) - 1 else 0
             if st.split:   # one chunk: a lone replica exchanges no buckets; no recompute
                 recipe = SplitRange("bwd", r, _shares(st), c.lo, c.hi, sends, receives)
             elif self.plan.recompute and j == 0:
@@ -383,8 +384,9 @@ class Builder:
         input's gradient back. Stage 0's inputs need no gradient: its I computes nothing (its W
         runs the whole backward, as torch.distributed.pipelining does)."""
         st = stages[s]
+        _, _, sends, receives = stage_messages(self.sim.graph, stages, s)
         return self.g.value(LayerRange("inp", r, st.device, st.start, st.end if s > 0 else st.start,
-                                       sends=int(s > 0), receives=int(s < len(stages) - 1)))
+                                       sends=sends, receives=receives))
 
     def weight_values(self, r: int, s: int, stages, chunks: list[Chunk],
                       accumulates: bool = False) -> list[tuple[int, int | None]]:
@@ -563,8 +565,19 @@ class Builder:
         return self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
 
 
+def stage_messages(graph: ModelGraph, stages, s: int) -> tuple[int, int, int, int]:
+    """(sends, receives) of stage s's forward, then of its backward, counted in tensors: the
+    runtime issues one isend or posts one irecv per tensor of a message (runtime.pipeline.PeerLink),
+    an activation message holds every tensor crossing the cut, a gradient message those of them
+    that carry a gradient (ModelGraph.message_tensors)."""
+    st, first, last = stages[s], s == 0, s == len(stages) - 1
+    return (0 if last else graph.message_tensors(st.end), 0 if first else graph.message_tensors(st.start),
+            0 if first else graph.message_tensors(st.start, back=True),
+            0 if last else graph.message_tensors(st.end, back=True))
+
+
 def _shares(st: Stage) -> tuple[tuple[str, float], ...]:
     return tuple((s.device, s.share) for s in st.split)
 
 
-__all__ = ["Builder", "Exchange", "Chunk", "Progress", "STREAM_ITERATIONS"]
+__all__ = ["Builder", "Exchange", "Chunk", "Progress", "STREAM_ITERATIONS", "stage_messages"]

@@ -31,9 +31,10 @@ class Const:
 class LayerRange:
     """Forward (phase "fwd") or backward ("bwd") of layers [start, end) on device, at the
     replica's microbatch: cost.fwd_s / cost.bwd_s, or a split backward's input-gradient ("inp":
-    cost.bwd_input_s) or weight-gradient part ("wgt": cost.bwd_weight_s); plus issuing the
-    `sends` messages it produces and posting the `receives` it consumes on the same thread
-    (cost.message_issue_s), and, where the task starts a schedule action (`action`; a backward
+    cost.bwd_input_s) or weight-gradient part ("wgt": cost.bwd_weight_s); plus issuing an isend
+    per tensor of the messages it produces (`sends` tensors) and posting an irecv per tensor of
+    those it consumes (`receives`) on the same thread (cost.message_issue_s; build.stage_messages
+    counts them), and, where the task starts a schedule action (`action`; a backward
     cut into bucket chunks is one action), the runtime's own work per action
     (cost.action_overhead_s). A backward or W task with `accumulates` adds its weight gradients
     into those of an earlier microbatch (cost.grad_accumulate_s)."""

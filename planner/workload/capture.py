@@ -222,9 +222,14 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
         torch.manual_seed(0)
         cut_bytes = [rec.bytes_of(inputs)]
         h = ex.flat_inputs(inputs)
+        grad = [False] * len(h)          # the model's data carries no gradient
+        cut_tensors, cut_grad = [_tensor_count(h)], [0]
         for k, stage in enumerate(stages):
             h = rec.run_stage(stage, h, first=(k == 0))
             cut_bytes.append(rec.bytes_of(h))
+            grad = carries_grad(stage, grad, model)
+            cut_tensors.append(_tensor_count(h))
+            cut_grad.append(sum(grad))
     layers = _layers(ex, stages, rec)
     tied = _tied(stages)
     g = _op_graph(ex, rec)
@@ -236,7 +241,37 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     info = {"method": ex.method, "dynamic_batch": ex.dynamic_batch, "warnings": warnings,
             "unattributed_bwd_flops": rec.unattributed_bwd_flops}
     return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info,
-                      precision=precision, tied=tied, pairs=_pairs(ex, model, rec))
+                      precision=precision, tied=tied, pairs=_pairs(ex, model, rec),
+                      cut_tensors=tuple(cut_tensors), cut_grad_tensors=tuple(cut_grad))
+
+
+def _tensor_count(tree) -> int:
+    return sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(tree))
+
+
+def carries_grad(stage: fx.GraphModule, inputs: list[bool], model: torch.nn.Module) -> list[bool]:
+    """Which of a stage's outputs carry a gradient in training (what the runtime sends back for
+    them): floating-point values that depend on a parameter requiring grad or on an input that
+    carries one, outside no-grad regions; `inputs` says it of the stage's inputs. The counting
+    run cannot tell: it makes every floating-point input of a layer a leaf requiring grad."""
+    from planner.workload.partition import _resolve_attr
+    flag: dict[fx.Node, bool] = {}
+    placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    flag.update(zip(placeholders, inputs))
+    grad_on, outs = True, []
+    for n in stage.graph.nodes:
+        if n.op == "get_attr":
+            t = _resolve_attr(model, stage, n.target)
+            flag[n] = isinstance(t, torch.Tensor) and t.requires_grad
+        elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            grad_on = bool(n.args[0])
+        elif n.op in ("call_function", "call_method", "call_module"):
+            val = n.meta.get("val")      # a tuple for a multi-output op; a SymInt carries none
+            can = val.is_floating_point() if isinstance(val, torch.Tensor) else isinstance(val, (tuple, list, type(None)))
+            flag[n] = grad_on and can and any(flag.get(a, False) for a in n.all_input_nodes)
+        elif n.op == "output":
+            outs = pytree.tree_leaves(n.args[0])
+    return [isinstance(v, fx.Node) and flag.get(v, False) for v in outs]
 
 
 def _pairs(ex, model, rec) -> tuple[SplitPair, ...]:

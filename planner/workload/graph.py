@@ -82,6 +82,9 @@ class ModelGraph:
     tied: tuple[TiedParam, ...] = ()       # parameters used by several layers
     pairs: tuple[SplitPair, ...] = ()      # candidate linear pairs of the whole model, in
                                            # execution order (split_pairs picks a stage's)
+    cut_tensors: tuple[int, ...] = ()      # len L+1 (or empty: one each): tensors crossing the
+                                           # cut before layer i (the runtime sends each on its own)
+    cut_grad_tensors: tuple[int, ...] = () # those of them that carry a gradient back
 
     @property
     def num_layers(self) -> int:
@@ -89,6 +92,12 @@ class ModelGraph:
 
     def cut_bytes_at(self, i: int, batch: float) -> float:
         return self.cut_bytes[i] * batch / self.batch
+
+    def message_tensors(self, i: int, back: bool = False) -> int:
+        """Tensors in the message across the cut before layer i: the activations going ahead,
+        or (`back`) the gradients of those that carry one. A graph without counts: one."""
+        counts = self.cut_grad_tensors if back else self.cut_tensors
+        return counts[i] if counts else 1
 
     @property
     def param_bytes(self) -> int:
