@@ -53,19 +53,6 @@ def local_threads(devices: tuple[str, ...], name: str, threads: dict[str, int]) 
             for d in devices if node_of(d) == node_of(name)]
 
 
-def bind_worker(devices: tuple[str, ...], name: str, threads: dict[str, int]) -> tuple[tuple[int, ...] | None, str]:
-    """Bind this worker to its cores (planner.hardware.cores) before it starts any thread;
-    return its cores (None when unbound) and the node's log line."""
-    from planner.hardware import cores as c
-    local = local_threads(devices, name, threads)
-    usable = c.usable_cores()
-    enabled = c.binding_enabled()
-    assigned = c.assign_cores(local, usable) if enabled else {}
-    if assigned:
-        c.bind_current_thread(assigned[name])
-    return assigned.get(name), c.describe(assigned, local, usable, enabled)
-
-
 def threads_affinity() -> list[int] | None:
     """The cores any thread of this process may run on (the union over its threads); None
     where there is no /proc (not Linux)."""

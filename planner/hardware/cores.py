@@ -13,8 +13,9 @@ Limits: cores are taken in number order, no SMT sibling or NUMA node is consider
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from planner.files.io import InputError
 
@@ -72,5 +73,33 @@ def bind_current_thread(cores: Sequence[int]) -> None:
     os.sched_setaffinity(0, cores)
 
 
+def bind_worker(threads: Sequence[tuple[str, int]], name: str) -> tuple[tuple[int, ...] | None, str]:
+    """Bind this worker (`name`, one of the node's workers in `threads`) to its cores; call it
+    before the worker starts any thread. Returns its cores (None when unbound) and the log line."""
+    usable, enabled = usable_cores(), binding_enabled()
+    assigned = assign_cores(threads, usable) if enabled else {}
+    if assigned:
+        bind_current_thread(assigned[name])
+    return assigned.get(name), describe(assigned, threads, usable, enabled)
+
+
+@contextlib.contextmanager
+def bound_to_first(threads: int) -> Iterator[tuple[int, ...] | None]:
+    """Layer timing: the calling thread bound to the first `threads` usable cores meanwhile (the
+    cores a node's first worker gets), its affinity restored after; yields them, or None when
+    binding is off or the cores are too few. An intra-op thread pool that exists already keeps
+    its affinity (the limit of binding after start)."""
+    usable = usable_cores()
+    if not binding_enabled() or threads > len(usable) or not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    old = os.sched_getaffinity(0)
+    bind_current_thread(usable[:threads])
+    try:
+        yield tuple(usable[:threads])
+    finally:
+        os.sched_setaffinity(0, old)
+
+
 __all__ = ["BIND_ENV", "binding_enabled", "usable_cores", "assign_cores", "describe",
-           "bind_current_thread"]
+           "bind_current_thread", "bind_worker", "bound_to_first"]
