@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from planner.hardware.cores import bind_worker
 from runtime.placement import default_threads, local_threads, my_device, threads_affinity
 
 FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise|hang" makes that rank fail
@@ -69,8 +70,8 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         raise ValueError(f"WORLD_SIZE is {world} but the plan has {len(plan.devices)} devices")
     name = my_device(plan.devices, env)
     device = torch_device(name)
-    from planner.hardware.cores import bind_worker
-    cores, cores_line = bind_worker(local_threads(plan.devices, name, cfg.threads), name)  # before any thread starts
+    # before the worker starts any thread: they all inherit its cores
+    cores, cores_line = bind_worker(local_threads(plan.devices, name, cfg.threads), name)
     torch.set_num_threads(cfg.threads.get(name) or default_threads(plan.devices, name))
     device.set_current()
     timeout = timedelta(seconds=cfg.timeout_s)
