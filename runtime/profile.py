@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from planner.hardware.cores import binding_enabled
+from planner.hardware.cores import binding_enabled, usable_cores as usable_core_ids
 from planner.hardware.device import gpu_count
 from planner.files.io import InputError
 from planner.hardware.fit import fit_latency_bandwidth
@@ -44,10 +44,7 @@ from runtime.rendezvous import env_vars, free_port
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return len(usable_core_ids())
 
 
 def plan_workers(cpu_workers: int, cores: int, gpus: int) -> list[WorkerSpec]:
