@@ -8,8 +8,9 @@ starts any thread, so all of its threads inherit it (intra-op threads, gloo's ev
 work threads). Without enough cores nothing is bound. `HETPLAN_BIND_CORES=0` turns it off.
 
 Why (docs/tuning.md, "Threads are part of a CPU device"): unbound, two one-thread workers on two
-cores sometimes share one core for a whole run while the other core holds other work.
-Limits: cores are taken in number order, no SMT sibling or NUMA node is considered.
+cores often shared one core for most of a run, which then took about twice as long.
+Limits: cores are taken in number order, no SMT sibling or NUMA node is considered; nothing is
+bound where the OS has no thread affinity (not Linux).
 """
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def bind_worker(threads: Sequence[tuple[str, int]], name: str) -> tuple[tuple[in
     """Bind this worker (`name`, one of the node's workers in `threads`) to its cores; call it
     before the worker starts any thread. Returns its cores (None when unbound) and the log line."""
     usable, enabled = usable_cores(), binding_enabled()
+    if not hasattr(os, "sched_setaffinity"):
+        return None, "cores not bound: no thread affinity on this OS"
     assigned = assign_cores(threads, usable) if enabled else {}
     if assigned:
         bind_current_thread(assigned[name])
