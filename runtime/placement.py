@@ -44,3 +44,26 @@ def default_threads(devices: tuple[str, ...], name: str, cores: int | None = Non
     if parse_device_name(name)[1] == "cpu":
         return max(1, cores // len(cpus))
     return 1 if cpus else max(1, cores // len(local))
+
+
+def local_threads(devices: tuple[str, ...], name: str, threads: dict[str, int]) -> list[tuple[str, int]]:
+    """(device, intra-op threads) of every worker on `name`'s node, in plan order: `threads`
+    where it says, else default_threads."""
+    return [(d, threads.get(d) or default_threads(devices, d))
+            for d in devices if node_of(d) == node_of(name)]
+
+
+def threads_affinity() -> list[int] | None:
+    """The cores any thread of this process may run on (the union over its threads); None
+    where there is no /proc (not Linux)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out: set[int] = set()
+    for tid in tids:
+        try:
+            out |= os.sched_getaffinity(int(tid))
+        except OSError:          # the thread ended meanwhile
+            continue
+    return sorted(out)

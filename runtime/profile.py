@@ -11,9 +11,9 @@ This module is the launcher and the assembly: `profile_machine` spawns the worke
 (runtime.profile_worker, an env:// function that also runs under `torchrun`) with
 torch.multiprocessing and turns their raw tables into a Topology (`assemble`).
 
-Not modelled: NUMA placement and core pinning (workers are not pinned, like `run`'s workers),
-NCCL between GPUs (GPU workers exchange data through pinned host buffers over gloo, the path of a
-CPU+GPU runtime). A GPU's host copies are measured both pageable and pinned (`host_copy`).
+Each worker is bound to its own cores, as `run`'s workers are (planner.hardware.cores). Not
+modelled: NUMA placement, NCCL between GPUs (GPU workers exchange data through pinned host
+buffers over gloo, the path of a CPU+GPU runtime). A GPU's host copies are measured both pageable and pinned (`host_copy`).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from planner.hardware.cores import binding_enabled, usable_cores as usable_core_ids
 from planner.hardware.device import gpu_count
 from planner.files.io import InputError
 from planner.hardware.fit import fit_latency_bandwidth
@@ -43,10 +44,7 @@ from runtime.rendezvous import env_vars, free_port
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return len(usable_core_ids())
 
 
 def plan_workers(cpu_workers: int, cores: int, gpus: int) -> list[WorkerSpec]:
@@ -148,6 +146,7 @@ def profile_machine(cpu_workers: int, quick: bool = False) -> Topology:
     """Spawn the workers, collect their results, return the measured topology."""
     t0 = time.perf_counter()
     settings = Settings.quick() if quick else Settings.full()
+    binding_enabled()        # HETPLAN_BIND_CORES is 0 or 1: the workers bind (profile_worker)
     cores, gpus = usable_cores(), gpu_count()
     workers = plan_workers(cpu_workers, cores, gpus)
     ram_bytes = available_ram_bytes()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from planner.files.io import write_json_atomic
+from planner.hardware.cores import bind_worker
 from planner.hardware.fit import host_copy_fit
 from planner.hardware.device import STANDIN_ENV, TorchDevice, torch_device
 from planner.hardware.host_memory import keep_freed_memory
@@ -90,6 +91,9 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     me = workers[rank]
     keep_freed_memory()          # as the runtime's workers do
+    _, line = bind_worker([(w.name, w.threads) for w in workers], me.name)  # as `run`'s workers
+    if rank == 0:
+        log(line)
     torch.set_num_threads(me.threads)
     device = torch_device(me.name)
     device.set_current()

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from runtime.placement import default_threads, my_device
+from planner.hardware.cores import bind_worker
+from runtime.placement import default_threads, local_threads, my_device, threads_affinity
 
 FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise|hang" makes that rank fail
 
@@ -69,6 +70,8 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         raise ValueError(f"WORLD_SIZE is {world} but the plan has {len(plan.devices)} devices")
     name = my_device(plan.devices, env)
     device = torch_device(name)
+    # before the worker starts any thread: they all inherit its cores
+    cores, cores_line = bind_worker(local_threads(plan.devices, name, cfg.threads), name)
     torch.set_num_threads(cfg.threads.get(name) or default_threads(plan.devices, name))
     device.set_current()
     timeout = timedelta(seconds=cfg.timeout_s)
@@ -83,9 +86,10 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         lower_gloo_loop_priority()    # after every group exists (runtime.gloo_threads)
         marks.mark("stages")
         if rank == 0:      # after the model check: bad input stays one line on stderr
-            print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations",
-                  file=sys.stderr, flush=True)
-        record = _train(cfg, plan, built, rank, device, name, marks)
+            print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations; "
+                  f"{cores_line}", file=sys.stderr, flush=True)
+        record = {**_train(cfg, plan, built, rank, device, name, marks), "cores": cores,
+                  "affinity": threads_affinity()}
         records: list = [None] * world if rank == 0 else None
         dist.gather_object(record, records, dst=0)
         params = _gather_params(cfg, built, rank, world)

@@ -72,6 +72,8 @@ def _run(args) -> int:
         raise InputError(f"--warmup: expected an integer in [0, --iters), got {args.warmup}")
     if not args.timeout > 0 or args.timeout == float("inf"):
         raise InputError(f"--timeout: expected a positive number, got {args.timeout}")
+    from planner.hardware.cores import binding_enabled
+    binding_enabled()   # HETPLAN_BIND_CORES is 0 or 1 (the workers bind, runtime.placement)
     plan = load_plan(args.plan)
     check_devices(plan, args.plan)
     prestart()          # the workers' imports overlap the rest; the model is checked by them

@@ -143,6 +143,7 @@ class MeasuredCost(CostModel):
         what = "layers" if fused else "split backward of layers"
         print(f"measuring {what} ({L}) on {device.name} at batch {batch}", file=sys.stderr)
         from planner.hardware.device import torch_device
+        from planner.hardware.cores import bound_to_first
         from planner.hardware.host_memory import keep_freed_memory
         keep_freed_memory()      # as in the runtime's workers
         dev = torch_device(device.name)
@@ -156,26 +157,29 @@ class MeasuredCost(CostModel):
         sync, dev = dev.synchronize, dev.device
         in_precision = lambda: autocast(dev.type, self.precision)  # noqa: E731
         fwd, bwd, passes = [], [], []
-        try:
-            inputs, target = self.workload.make_batch(batch, 0)
-            x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
-            for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
-                # the model's input is data: as in the runtime, no gradient is computed for it
-                x = _leaf_inputs(x, grad=i > 0)
-                # the first layer's I is nothing, the loss has no W: neither is timed split; the
-                # split is timed with the fused backward in the same runs, which its shares are of
-                pieces = split and 0 < i < L
-                times = (self._time_layer(stage, x, sync, in_precision, True, pieces)
-                         if fused or pieces else ())
-                if fused:
-                    fwd.append(times[0])
-                    bwd.append(times[1])
-                if pieces:
-                    passes.append(tuple(t / times[1] if times[1] > 0 else 0.0 for t in times[2:]))
-                with torch.no_grad(), in_precision():
-                    x = as_tuple(stage(*x))
-        finally:
-            torch.set_num_threads(old_threads)
+        # on its own cores, as a bound runtime worker (planner.hardware.cores)
+        binding = bound_to_first(device.threads or 1) if device.kind == "cpu" else contextlib.nullcontext()
+        with binding:
+            try:
+                inputs, target = self.workload.make_batch(batch, 0)
+                x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
+                for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
+                    # the model's input is data: as in the runtime, no gradient is computed for it
+                    x = _leaf_inputs(x, grad=i > 0)
+                    # the first layer's I is nothing, the loss has no W: neither is timed split; the
+                    # split is timed with the fused backward in the same runs, which its shares are of
+                    pieces = split and 0 < i < L
+                    times = (self._time_layer(stage, x, sync, in_precision, True, pieces)
+                             if fused or pieces else ())
+                    if fused:
+                        fwd.append(times[0])
+                        bwd.append(times[1])
+                    if pieces:
+                        passes.append(tuple(t / times[1] if times[1] > 0 else 0.0 for t in times[2:]))
+                    with torch.no_grad(), in_precision():
+                        x = as_tuple(stage(*x))
+            finally:
+                torch.set_num_threads(old_threads)
         entries = {}
         if fused:
             entries = _shared(keys, list(zip(fwd, bwd)))
