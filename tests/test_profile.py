@@ -228,7 +228,8 @@ def test_low_precision_sweep_stops_where_one_call_would_take_too_long(tmp_path, 
     settings = replace(profile_worker.Settings.quick(), cpu_low_precision_sizes=(32, 256),
                        repeats=1, min_time_s=0.001)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
+    try:   # the cap set both ways: a loaded machine's first tiny call must not decide the case
+        monkeypatch.setattr(profile_worker, "MAX_LOW_PRECISION_CALL_S", 1e9)
         full = profile_worker._low_precision_matmuls(torch_device("cpu"), settings, 1e9)
         monkeypatch.setattr(profile_worker, "MAX_LOW_PRECISION_CALL_S", 1e-12)
         capped = profile_worker._low_precision_matmuls(torch_device("cpu"), settings, 1e9)
