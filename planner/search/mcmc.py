@@ -113,8 +113,8 @@ def patience(space: Space, iterations: int) -> int:
 def stall(cap: int, found_at: int) -> int:
     """The default walk's no-improvement stop when its best was found at proposal `found_at`:
     twice the proposals that took, at least MIN_PATIENCE, at most `cap` (`patience`). A space
-    of a few devices has cap <= MIN_PATIENCE and stops at cap; a 64-GPU walk that found its best
-    after ~600 proposals stops after ~1,200 more, not 2,416 (docs/tuning.md, issue 16)."""
+    whose cap is <= MIN_PATIENCE (a few devices) stops at cap; a large one stops sooner after an
+    early best (measured: docs/tuning.md, "Search throughput at 64 GPUs")."""
     return min(cap, max(min(MIN_PATIENCE, cap), 2 * found_at))
 
 
@@ -322,7 +322,10 @@ class Searcher:
         history = [(time.monotonic() - t0, best.iteration_s)]
         last_gain = last_restart = accepted = 0
         cap = cfg.patience if cfg.patience is not None else patience(space, cfg.iterations)
-        stop_after = cap if cfg.patience is not None else stall(cap, 0)
+
+        def until(found_at: int) -> int:   # proposals without improvement before stopping
+            return cap if cfg.patience is not None else stall(cap, found_at)
+        stop_after = until(0)
         stopped_by, it = "iterations", 0
         next_report = t0 + 1.0
         for it in range(1, cfg.iterations + 1):
@@ -349,7 +352,7 @@ class Searcher:
                 cur, accepted = cand, accepted + 1
             if cand.cost < best.cost * (1 - 1e-9) and (cand.feasible or not best.feasible):
                 best, last_gain = cand, it
-                stop_after = cap if cfg.patience is not None else stall(cap, it)
+                stop_after = until(it)
                 history.append((time.monotonic() - t0, best.iteration_s))
         else:
             it = cfg.iterations
