@@ -83,6 +83,9 @@ class SimResult:
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 
+BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
+
+
 class ShapeKey(NamedTuple):
     """A plan's shape (everything but batch sizes) and how its replicas are collapsed; `like`
     stays last."""
@@ -182,8 +185,8 @@ class Simulator:
         key = (plan.sync, tuple(rep.stages for rep in plan.replicas))
         out = self._buckets.get(key)
         if out is None:
-            if len(self._buckets) >= self._cache_size:
-                self._buckets.pop(next(iter(self._buckets)))
+            if len(self._buckets) >= BUCKET_CACHE_SIZE:   # not cache_size: 0 there turns off
+                self._buckets.pop(next(iter(self._buckets)))   # results, not buckets
             out = self._buckets[key] = exchanged_buckets(plan, self.graph)
         return out
 
