@@ -228,3 +228,30 @@ def test_early_rejection_walks_the_same_plans_through_infeasible_ones():
     assert plan_key(on.least_memory.plan) == plan_key(off.least_memory.plan)
     assert on.bound_rejections > 0 and on.evaluations < off.evaluations
     assert any(not c.feasible for c in on.baselines)
+
+
+def test_cached_buckets_are_those_of_each_plan_sync_and_layout():
+    # Simulator.exchanged keys its cache by sync and layer layout: plans sharing a layout but not
+    # a bucket cap or a granularity get their own buckets, and every simulation and bound of a
+    # walk's plans equals a fresh simulator's (which has seen no other plan)
+    from planner.cost.buckets import exchanged_buckets
+    g = synthetic_graph(24, 64)
+    topo = cluster_64(2)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    warm = Simulator(g, topo)
+    plans = random_plans(space, random.Random(7), 40)
+    for pl in plans:
+        for sync in (pl.sync, replace(pl.sync, granularity="coarse"), replace(pl.sync, bucket_bytes=2**30)):
+            p = replace(pl, sync=sync)
+            assert warm.exchanged(p) == exchanged_buckets(p, g)
+            fresh = Simulator(g, topo)
+            assert outcome(warm.lower_bound_s, p) == outcome(fresh.lower_bound_s, p)
+            assert outcome(warm.simulate, p) == outcome(fresh.simulate, p)
+
+
+def outcome(f, *args):
+    """f(*args), or "refused" where it raises ValueError (no host CPU for an offloaded optimizer)."""
+    try:
+        return f(*args)
+    except ValueError:
+        return "refused"

@@ -475,6 +475,24 @@ def test_search_is_never_slower_than_any_grid_and_reports_its_stop():
     assert patience(problem.space, 20000) == 500 and patience(problem.space, 300) == 150
 
 
+
+def test_the_default_stop_is_twice_the_proposals_the_best_took_within_the_neighbourhood_cap():
+    from planner.search.mcmc import patience, stall
+    assert [stall(2416, k) for k in (0, 100, 600, 1300)] == [500, 500, 1200, 2416]
+    assert {stall(500, k) for k in (0, 300, 10**5)} == {500} and stall(150, 10**5) == stall(150, 0) == 150
+    # 32 GPUs (cap 656 > 500): seed 1's best comes at proposal 308, so the walk stops after 616
+    # proposals without improvement (the cap alone: 656)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from search import cluster_64, synthetic_graph
+    g, topo = synthetic_graph(8, 32, d_model=256, seq=64), cluster_64(4)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    r = search(simulator_problem(Simulator(g, topo), space), random.Random(1),
+               SearchConfig(iterations=20000, time_limit_s=600))
+    cap = patience(space, 20000)
+    found_at = r.iterations - r.patience - 1
+    assert cap == 656 and r.stopped_by == "no improvement"
+    assert r.patience == stall(cap, found_at) == 2 * found_at < cap
+
 def test_grid_move_changes_the_degree_of_every_pipeline_in_one_proposal():
     problem = _two_nodes()
     s = Searcher(problem, random.Random(1))

@@ -5,9 +5,9 @@ The search calls one narrow function, `evaluate(plan) -> result` with attributes
 `iteration_s`, `feasible` and `peak_memory_bytes` (planner.sim.simulator's SimResult), and takes a
 seeded `random.Random`: no global state. Results are cached by `plan_key`.
 
-Determinism: the search stops after `iterations` proposals, or after `patience` proposals
-without improvement (`patience`: about the number of one-choice neighbours of a plan, so a
-stalled walk has had the chance to try each once); both depend only on the seed. `time_limit_s` is a safety cap only: when it stops
+Determinism: the search stops after `iterations` proposals, or after `stall` proposals
+without improvement (twice the proposals its best took, at least 500, at most `patience`: about
+the number of one-choice neighbours of a plan); both depend only on the seed. `time_limit_s` is a safety cap only: when it stops
 the search, the result can depend on the machine's speed, and `SearchResult.stopped_by` says so.
 
 Cost of a plan for the walk: its predicted iteration time when feasible; an infeasible plan
@@ -46,7 +46,7 @@ class SearchConfig:
     restart_every: int = 150        # proposals without improvement before returning to the best
     batch_move_prob: float = 0.2    # share of proposals that shift samples between replicas
     grid_move_prob: float = 0.05    # share of proposals that jump to a pipeline x DP grid
-    patience: int | None = None     # proposals without improvement before stopping; None: `patience`
+    patience: int | None = None     # proposals without improvement before stopping; None: `stall`
     early_reject: bool = True       # reject by Problem.bound before simulating (the same walk)
 
 
@@ -98,13 +98,24 @@ class SearchResult:
         return self.accepted / self.iterations if self.iterations else 0.0
 
 
+MIN_PATIENCE = 500   # proposals without improvement before a default walk may stop
+
+
 def patience(space: Space, iterations: int) -> int:
-    """Proposals without improvement before the walk stops: about the number of one-choice
-    neighbours of a plan (device swaps n(n-1)/2, two shifts per cut and per device, the global
-    choices), at least 500, at most half the budget."""
+    """Proposals without improvement before the walk stops, at most: about the number of
+    one-choice neighbours of a plan (device swaps n(n-1)/2, two shifts per cut and per device,
+    the global choices), at least MIN_PATIENCE, at most half the budget (see `stall`)."""
     n = len(space.devices)
     neighbours = n * (n - 1) // 2 + 4 * n + 2 * min(n, space.num_layers) + 16
-    return max(1, min(max(500, neighbours), iterations // 2))
+    return max(1, min(max(MIN_PATIENCE, neighbours), iterations // 2))
+
+
+def stall(cap: int, found_at: int) -> int:
+    """The default walk's no-improvement stop when its best was found at proposal `found_at`:
+    twice the proposals that took, at least MIN_PATIENCE, at most `cap` (`patience`). A space
+    whose cap is <= MIN_PATIENCE (a few devices) stops at cap; a large one stops sooner after an
+    early best (measured: docs/tuning.md, "Search throughput at 64 GPUs")."""
+    return min(cap, max(min(MIN_PATIENCE, cap), 2 * found_at))
 
 
 class Searcher:
@@ -310,7 +321,11 @@ class Searcher:
         cur = best = start
         history = [(time.monotonic() - t0, best.iteration_s)]
         last_gain = last_restart = accepted = 0
-        stall = cfg.patience if cfg.patience is not None else patience(space, cfg.iterations)
+        cap = cfg.patience if cfg.patience is not None else patience(space, cfg.iterations)
+
+        def until(found_at: int) -> int:   # proposals without improvement before stopping
+            return cap if cfg.patience is not None else stall(cap, found_at)
+        stop_after = until(0)
         stopped_by, it = "iterations", 0
         next_report = t0 + 1.0
         for it in range(1, cfg.iterations + 1):
@@ -318,7 +333,7 @@ class Searcher:
             if now - t0 > cfg.time_limit_s:
                 stopped_by = "time limit"
                 break
-            if it - last_gain > stall:
+            if it - last_gain > stop_after:
                 stopped_by = "no improvement"
                 break
             if self.progress and now >= next_report:
@@ -337,6 +352,7 @@ class Searcher:
                 cur, accepted = cand, accepted + 1
             if cand.cost < best.cost * (1 - 1e-9) and (cand.feasible or not best.feasible):
                 best, last_gain = cand, it
+                stop_after = until(it)
                 history.append((time.monotonic() - t0, best.iteration_s))
         else:
             it = cfg.iterations
@@ -347,7 +363,7 @@ class Searcher:
         return SearchResult(best=best if best.feasible else None, baselines=tuple(bases),
                             least_memory=self.least_memory, iterations=it, evaluations=self.evaluations,
                             stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
-                            accepted=accepted, patience=stall, bound_rejections=self.bound_rejections)
+                            accepted=accepted, patience=stop_after, bound_rejections=self.bound_rejections)
 
     def descend(self, best: Candidate, deadline: float) -> Candidate:
         """Steepest descent from the walk's best over its whole global neighbourhood

@@ -37,7 +37,6 @@ from typing import Any
 
 import networkx as nx
 
-from planner.cost.buckets import exchanged_buckets
 from planner.cost.memory import stepped_params
 from planner.cost.model import host_cpu
 from planner.files.plan import Plan, Stage
@@ -113,7 +112,7 @@ class _Bound:
     def allreduces(self) -> float:
         """Adds each all-reduce to the work of its resources; returns the best head-body-tail
         bound over the resources they hold."""
-        shared, tied = exchanged_buckets(self.plan, self.graph)
+        shared, tied = self.sim.exchanged(self.plan)
         fine = self.plan.sync.granularity == "fine"
         on: dict[int, list[tuple[float, float, float]]] = {}   # resource -> (release, seconds, tail)
         for k, b in enumerate(shared + tied):

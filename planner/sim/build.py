@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from planner.cost.buckets import Bucket, exchanged_buckets
+from planner.cost.buckets import Bucket
 from planner.cost.grad_sync import runs_on_ddp
 from planner.cost.memory import stepped_params
 from planner.cost.model import CostModel, host_cpu
@@ -40,6 +40,8 @@ class SimulatorView(Protocol):
 
     def _allreduce(self, devices: tuple[str, ...], n_bytes: float,
                    queued: bool = False) -> tuple[tuple[int, ...], float]: ...
+
+    def exchanged(self, plan: Plan) -> tuple[list[Bucket], list[Bucket]]: ...
 
 
 class Exchange(NamedTuple):
@@ -116,7 +118,7 @@ class Builder:
         # other sync modes: no gradient all-reduce (hogwild: steps into shared memory; its
         # cache-line traffic not modelled)
         fine = self.plan.sync.mode == "sync" and self.plan.sync.granularity == "fine"
-        shared, tied = exchanged_buckets(self.plan, self.sim.graph)
+        shared, tied = self.sim.exchanged(self.plan)
         by_device: dict[str, list[int]] = {}
         for k, b in enumerate(shared):
             for d in b.devices:

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any, NamedTuple
 
+from planner.cost.buckets import Bucket, exchanged_buckets
 from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention
 from planner.sim.bound import lower_bound_s
@@ -85,6 +86,9 @@ class SimResult:
 
 # per-device statistics of a result, in the order SimResult.per_device lists them
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
+
+
+BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
 
 
 class ShapeKey(NamedTuple):
@@ -132,6 +136,7 @@ class Simulator:
             self._resource((link.b, link.a))
         self._hops: dict[tuple[str, str], list[RouteHop]] = {}
         self._ar: dict[tuple[tuple[str, ...], float, bool], tuple[tuple[int, ...], float]] = {}
+        self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
         self._cache: dict[Any, SimResult] = {}
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
@@ -180,6 +185,18 @@ class Simulator:
             res += [self._rid[d] for d in devices if d in self._saturated]
             self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes, queued))
         return self._ar[key]
+
+    def exchanged(self, plan: Plan) -> tuple[list[Bucket], list[Bucket]]:
+        """planner.cost.buckets.exchanged_buckets(plan, graph), cached per layer layout and sync:
+        the bound and the builder both ask, plan after plan, for layouts the search has seen.
+        Callers must not change the lists."""
+        key = (plan.sync, tuple(rep.stages for rep in plan.replicas))
+        out = self._buckets.get(key)
+        if out is None:
+            if len(self._buckets) >= BUCKET_CACHE_SIZE:   # not cache_size: 0 there turns off
+                self._buckets.pop(next(iter(self._buckets)))   # results, not buckets
+            out = self._buckets[key] = exchanged_buckets(plan, self.graph)
+        return out
 
     # --- building the task graph of a plan shape ---------------------------------------------
     def _build(self, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None = None) -> None:
