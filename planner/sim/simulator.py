@@ -58,6 +58,7 @@ from planner.sim import contention
 from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks
+from planner.sim.listsched import Static
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
@@ -113,7 +114,8 @@ class Simulator:
     costs, routes and task graphs are cached."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
-                 cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True):
+                 cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
+                 static: bool = True):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -132,6 +134,7 @@ class Simulator:
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
+        self._static = static   # the fixed-order pass where it applies (False: the event loop only)
         self._saturated = contention.saturated_cpus(topology)
         self._wake_at: dict[tuple[int], float] | None = None
 
@@ -228,6 +231,16 @@ class Simulator:
                         g.wake[v] = w
         return g.wake
 
+    def _run(self, g: TaskGraph, dur: list[float], wake: dict[int, float]) -> tuple[list[float], list[float]]:
+        """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
+        applies, else by the event loop; the same times either way."""
+        if g.static is None:
+            g.static = Static.of(g) if self._static else False
+        out = g.static.run(dur, wake) if g.static else None
+        if out is None:
+            out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
+        return out
+
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
         """For each replica, the first replica it is identical to: the same structure (microbatches,
@@ -280,11 +293,11 @@ class Simulator:
                 values = self._evaluate(plan, g)
         base = list(map(values.__getitem__, g.dkey))
         wake = self._wakes(g)
-        start, end = run_tasks(base, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
+        start, end = self._run(g, base, wake)
         dur = base
         for _ in range(contention.CONTENTION_PASSES if contended else 0):
             dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-            start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
+            start, end = self._run(g, dur, wake)
         iteration_s = _iteration_s(g, end) + self.cost.iteration_overhead_s(len(plan.devices))
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0

@@ -247,6 +247,7 @@ class TaskGraph:
         self.collapsible = False
         self._ghost: list[int] | None = None
         self.wake: dict[int, float] | None = None   # receivers' wake-ups (Simulator._wakes)
+        self.static = None   # planner.sim.listsched.Static, False where it does not apply, None: not built
         # a PipeDream / 2BW stream (planner.sim.build.Builder.stream): per stage, its last task
         # of each iteration
         self.iteration_ends: list[list[int]] | None = None
