@@ -50,7 +50,9 @@ None of it changes a result. Contention between CPU workers: planner.sim.content
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import compress
+from operator import add
 from typing import Any, NamedTuple
 
 from planner.cost.model import CostModel, RooflineCost
@@ -249,7 +251,7 @@ class Simulator:
         its twin's, so it is simulated by reference and only its statistics are counted."""
         first: dict[tuple, int] = {}
         return tuple(first.setdefault((g.replica_shape[r], g.replica_pattern[r],
-                                       tuple(values[k] for k in g.replica_recipes[r])), r)
+                                       tuple(map(values.__getitem__, g.replica_recipes[r]))), r)
                      for r in range(len(g.replica_shape)))
 
     def _evaluate(self, plan: Plan, g: TaskGraph) -> list[float]:
@@ -258,7 +260,25 @@ class Simulator:
         is applied per task by `contention.contend`."""
         cost, graph = self.cost, self.graph
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
-        return [rc.seconds(cost, graph, mbs) for rc in g.recipes]
+        if g.by_replica is None:   # a recipe depends on its replica's microbatch only, or on none
+            g.by_replica = [([], {}) for _ in mbs]
+            g.fixed = [None] * len(g.recipes)
+            for k, rc in enumerate(g.recipes):
+                r = getattr(rc, "replica", None)
+                if r is None:
+                    g.fixed[k] = rc.seconds(cost, graph, mbs)
+                else:
+                    g.by_replica[r][0].append(k)
+        values = g.fixed.copy()
+        for (ks, seen), mb in zip(g.by_replica, mbs):
+            vs = seen.get(mb)
+            if vs is None:   # values per microbatch size: a search moves batches back and forth
+                if len(seen) >= 32:
+                    seen.clear()
+                vs = seen[mb] = [g.recipes[k].seconds(cost, graph, mbs) for k in ks]
+            for k, v in zip(ks, vs):
+                values[k] = v
+        return values
 
     # --- entry point -------------------------------------------------------------------------
     def lower_bound_s(self, plan: Plan) -> float | None:
@@ -285,7 +305,10 @@ class Simulator:
             return self._cache[key]
         g = self._shape(plan, trace)
         values = self._evaluate(plan, g)
-        contended = contention.contended(self.topology, self.cost, plan)
+        if g.contended is None:   # they depend on the plan's devices only
+            g.contended = contention.contended(self.topology, self.cost, plan)
+            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
+        contended = g.contended
         if self._collapse and g.collapsible and not trace and not contended:
             like = self._like(g, values)
             if like != tuple(range(len(like))):
@@ -298,21 +321,17 @@ class Simulator:
         for _ in range(contention.CONTENTION_PASSES if contended else 0):
             dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
             start, end = self._run(g, dur, wake)
-        iteration_s = _iteration_s(g, end) + self.cost.iteration_overhead_s(len(plan.devices))
+        iteration_s = _iteration_s(g, end) + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = peak_memory(plan, self.graph, self.topology)
         stats: dict[str, dict[str, float]] = {}
-        for d in g.devices:
-            v = stats[d] = {}
-            for s in _STATS:
-                if s != "compute_s":
-                    acc = 0.0
-                    for k in g.stat_seq[(d, s)]:   # in build order, so sums are reproducible
-                        acc += values[k]
-                    v[s] = acc * per_iteration
-                else:
-                    v[s] = 0.0
+        get = values.__getitem__
+        if g.stat_rows is None:
+            g.stat_rows = [(d, [(s, g.stat_seq.get((d, s), ())) for s in _STATS]) for d in g.devices]   # compute_s: ()
+        for d, row in g.stat_rows:
+            # in build order, one addition at a time from 0.0, so sums are reproducible
+            v = stats[d] = {s: reduce(add, map(get, ks), 0.0) * per_iteration for s, ks in row}
             if d in slowed:
                 for s in TIMED:
                     v[s] *= slowed[d]
