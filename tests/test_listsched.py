@@ -43,8 +43,8 @@ def passes(monkeypatch):
 def same_results(g, topo, plans, passes) -> None:
     """Every plan simulates to the same result (repr: every float bit for bit, or the same
     refusal) with the fixed-order pass and with the event loop alone."""
-    fast = Simulator(g, topo, cache_size=0)
-    loop = Simulator(g, topo, cache_size=0, static=False)
+    fast = Simulator(g, topo, cache_size=0, static_after=0)
+    loop = Simulator(g, topo, cache_size=0, static_after=None)
     for pl in plans:
         passes.set(pl.schedule)
         out = []
@@ -121,3 +121,18 @@ def test_a_resource_shared_by_all_reduces_and_other_work_takes_the_event_loop():
     sim = Simulator(g, t)
     sim.simulate(pl)
     assert listsched.Static.of(sim._shape(pl, False)) is None
+
+
+def test_a_shape_takes_the_pass_from_its_second_simulation(passes):
+    # the first simulation of a shape runs the event loop (most shapes of a search are simulated
+    # once); the next ones, of any batch split, take the pass
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=8, cut_bytes=[10**6] * 5)
+    names = [f"cuda:{i}" for i in range(4)]
+    t = topology([device(d) for d in names], [link(a, b, 1e8, 1e-5) for i, a in enumerate(names) for b in names[i + 1:]])
+    sim = Simulator(g, t, cache_size=0)
+    passes.set("1f1b")
+    for f in (0.25, 0.75, 0.375):   # replicas never alike (alike ones are collapsed: another graph)
+        pl = plan([(f, 2, [("cuda:0", 0, 2), ("cuda:1", 2, 4)]), (1 - f, 2, [("cuda:2", 0, 2), ("cuda:3", 2, 4)])], 8,
+                  bucket_bytes=10**6)
+        assert repr(sim.simulate(pl)) == repr(Simulator(g, t, static_after=None).simulate(pl))
+    assert passes == {"1f1b": 2}

@@ -117,7 +117,7 @@ class Simulator:
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
-                 static: bool = True):
+                 static_after: int | None = 1):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -136,7 +136,10 @@ class Simulator:
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
-        self._static = static   # the fixed-order pass where it applies (False: the event loop only)
+        # the fixed-order pass (planner.sim.listsched) for a task graph run this many times before,
+        # where it applies; None: the event loop only. A search simulates most new shapes once,
+        # and preparing the pass costs about a fifth of an event-loop run.
+        self._static_after = static_after
         self._saturated = contention.saturated_cpus(topology)
         self._wake_at: dict[tuple[int], float] | None = None
 
@@ -237,7 +240,9 @@ class Simulator:
         """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
         applies, else by the event loop; the same times either way."""
         if g.static is None:
-            g.static = Static.of(g) if self._static else False
+            after = self._static_after
+            g.static = False if after is None else Static.of(g) if g.runs >= after else None
+        g.runs += 1
         out = g.static.run(dur, wake) if g.static else None
         if out is None:
             out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)

@@ -255,7 +255,8 @@ class TaskGraph:
         self.contended: dict[str, list[str]] | None = None
         self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices
         self.stat_rows: list[tuple[str, list[tuple[str, list[int]]]]] | None = None   # stat_seq per device
-        self.static = None   # planner.sim.listsched.Static, False where it does not apply, None: not built
+        self.static = None
+        self.runs = 0   # event-loop or fixed-order runs of this graph   # planner.sim.listsched.Static, False where it does not apply, None: not built
         # a PipeDream / 2BW stream (planner.sim.build.Builder.stream): per stage, its last task
         # of each iteration
         self.iteration_ends: list[list[int]] | None = None
