@@ -136,3 +136,28 @@ def test_a_shape_takes_the_pass_from_its_second_simulation(passes):
                   bucket_bytes=10**6)
         assert repr(sim.simulate(pl)) == repr(Simulator(g, t, static_after=None).simulate(pl))
     assert passes == {"1f1b": 2}
+
+
+def _zero_length_case(t1_after_zero_first: bool):
+    """A (1 s on resource 0), then Z (0 s on resource 1) after A; T1 and T2 (1 s each) share
+    resource 2, one after Z and one after A: both ready at 1 s, the one after Z a round later."""
+    from planner.sim.taskgraph import TaskGraph
+    g = TaskGraph(trace=False)
+    a = g.add(0, (0,))
+    z = g.add(0, (1,), (a,))
+    g.add(0, (2,), (z if t1_after_zero_first else a,))
+    g.add(0, (2,), (a if t1_after_zero_first else z,))
+    return g, [1.0, 0.0, 1.0, 1.0]
+
+
+def test_a_zero_length_task_delays_what_it_releases_by_one_round():
+    # the event loop starts the task released at 1 s by A before the one released by Z (a round
+    # later at 1 s), whatever their ids: with the lower id after Z the pass must give up
+    g, dur = _zero_length_case(t1_after_zero_first=True)
+    loop = run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 3)
+    assert loop == ([0.0, 1.0, 2.0, 1.0], [1.0, 1.0, 3.0, 2.0])
+    assert listsched.Static.of(g).run(dur, {}) is None
+    g, dur = _zero_length_case(t1_after_zero_first=False)   # ids in that order: the pass applies
+    loop = run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 3)
+    assert loop == ([0.0, 1.0, 1.0, 2.0], [1.0, 1.0, 2.0, 3.0])
+    assert listsched.Static.of(g).run(dur, {}) == loop
