@@ -119,7 +119,7 @@ class Simulator:
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
-                 static_after: int | None = 1):
+                 static_after: int | None = 2):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -139,8 +139,9 @@ class Simulator:
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
         # the fixed-order pass (planner.sim.listsched) for a task graph run this many times before,
-        # where it applies; None: the event loop only. A search simulates most new shapes once,
-        # and preparing the pass costs about a fifth of an event-loop run.
+        # where it applies; None: the event loop only. A 64-GPU search simulates most of its
+        # shapes once or twice and its links make most of them unfit: preparing the pass for
+        # them cost more than it saved (docs/tuning.md, "Fixed-order pass").
         self._static_after = static_after
         self._saturated = contention.saturated_cpus(topology)
         self._wake_at: dict[tuple[int], float] | None = None
