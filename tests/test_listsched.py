@@ -161,3 +161,28 @@ def test_a_zero_length_task_delays_what_it_releases_by_one_round():
     loop = run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 3)
     assert loop == ([0.0, 1.0, 1.0, 2.0], [1.0, 1.0, 2.0, 3.0])
     assert listsched.Static.of(g).run(dur, {}) == loop
+
+
+def test_kept_duration_values_follow_each_plans_batches_and_unknown_kinds_are_always_evaluated():
+    # values are kept per replica and microbatch size for recipes that name their replica; a
+    # recipe of another kind (one wrapping another, say) is evaluated for every plan
+    from dataclasses import dataclass
+    from typing import Any
+    from planner.sim.taskgraph import Const
+
+    @dataclass(frozen=True)
+    class Wrapped:
+        inner: Any
+
+        def seconds(self, cost, graph_, mbs):
+            return self.inner.seconds(cost, graph_, mbs)
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=8, cut_bytes=[10**6] * 5)
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", 1e8)])
+    plans = [plan([(1.0, m, [("cuda:0", 0, 2), ("cuda:1", 2, 4)])], b) for b, m in ((8, 2), (16, 2), (8, 2))]
+    sim = Simulator(g, t, cache_size=0)
+    shape = sim._shape(plans[0], False)
+    shape.recipes = [rc if isinstance(rc, Const) or i % 2 else Wrapped(rc) for i, rc in enumerate(shape.recipes)]
+    assert any(isinstance(rc, Wrapped) for rc in shape.recipes)
+    for p in plans:
+        mbs = [b / r.microbatches for b, r in zip(p.replica_batches(), p.replicas)]
+        assert sim._evaluate(p, shape) == [rc.seconds(sim.cost, g, mbs) for rc in shape.recipes]

@@ -66,7 +66,7 @@ from planner.sim.listsched import Static
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
-from planner.sim.taskgraph import TIMED, RouteHop, TaskGraph
+from planner.sim.taskgraph import TIMED, Const, RouteHop, TaskGraph
 from planner.hardware.topology import Topology
 
 
@@ -268,16 +268,23 @@ class Simulator:
         is applied per task by `contention.contend`."""
         cost, graph = self.cost, self.graph
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
-        if g.by_replica is None:   # a recipe depends on its replica's microbatch only, or on none
+        if g.by_replica is None:
+            # a Const depends on no batch; a recipe with a `replica` on that replica's microbatch
+            # only; any other kind is evaluated for every plan
             g.by_replica = [([], {}) for _ in mbs]
             g.fixed = [None] * len(g.recipes)
+            g.unkept = []
             for k, rc in enumerate(g.recipes):
                 r = getattr(rc, "replica", None)
-                if r is None:
+                if isinstance(rc, Const):
                     g.fixed[k] = rc.seconds(cost, graph, mbs)
-                else:
+                elif isinstance(r, int):
                     g.by_replica[r][0].append(k)
+                else:
+                    g.unkept.append(k)
         values = g.fixed.copy()
+        for k in g.unkept:
+            values[k] = g.recipes[k].seconds(cost, graph, mbs)
         for (ks, seen), mb in zip(g.by_replica, mbs):
             vs = seen.get(mb)
             if vs is None:   # values per microbatch size: a search moves batches back and forth

@@ -252,6 +252,7 @@ class TaskGraph:
         # workers slowed by contention (planner.sim.contention.contended)
         self.fixed: list[float | None] | None = None
         self.by_replica: list[tuple[list[int], dict[float, list[float]]]] | None = None
+        self.unkept: list[int] = []   # recipes of other kinds: evaluated for every plan
         self.contended: dict[str, list[str]] | None = None
         self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices
         self.stat_rows: list[tuple[str, list[tuple[str, list[int]]]]] | None = None   # stat_seq per device
