@@ -13,8 +13,8 @@ resources; the pass needs every resource in one group) is free at the end of its
 the tasks waiting then are those ready by then; when ready times never decrease along the id
 order, the first of them in id order is also the first by (ready time, id), so the event loop
 starts the same task at the same time. The loop applies all events at one time before starting
-anything, except that a zero-length task started at time e ends in a later round at e: then
-tasks ready "at e" are not all ready at once, and the pass gives up (any end equal to its start).
+anything, except that a zero-length task started at time e ends in a later round at e: where
+some task takes no time, `Static.run_rounds` compares moments (time, round) instead of times.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class Static:
     """A task graph's pass order: per task (in a topological order of the dependencies plus
     each group's id order) its dependencies and, where it is not among them, the group's
     previous task. Build with `Static.of(g)`: None where some resource is shared by tasks
-    holding different resource sets (all-reduces beside other work)."""
+    holding different resource sets (all-reduces beside other work) or where a group's id
+    order contradicts the dependencies (two streams over one link)."""
 
     __slots__ = ("steps", "prev", "joins", "n")
 
