@@ -96,23 +96,27 @@ def device_activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int) -> di
     return out
 
 
-def saved_per_microbatch(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
+def saved_per_microbatch(plan: Plan, graph: ModelGraph, rep_index: int, stage: int,
+                         batches: list[int] | None = None) -> float:
     """Bytes one microbatch of a stage saves for backward: its layers' saved_bytes scaled to the
-    microbatch, plus (bf16) autocast's weight copies."""
+    microbatch, plus (bf16) autocast's weight copies. `batches`: plan.replica_batches(), if known."""
     rep = plan.replicas[rep_index]
     st = rep.stages[stage]
-    return graph.saved_bytes_at(st.start, st.end, plan.replica_batches()[rep_index] / rep.microbatches)
+    batch = (batches or plan.replica_batches())[rep_index]
+    return graph.saved_bytes_at(st.start, st.end, batch / rep.microbatches)
 
 
-def activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int) -> float:
+def activation_bytes(plan: Plan, graph: ModelGraph, rep_index: int, stage: int,
+                     batches: list[int] | None = None) -> float:
     """Peak saved-activation bytes of one stage of one replica on its device (see the module
     docstring); an offloaded stage's device holds two of its largest layer's."""
     rep = plan.replicas[rep_index]
     st = rep.stages[stage]
-    mb = plan.replica_batches()[rep_index] / rep.microbatches
+    batches = batches or plan.replica_batches()
+    mb = batches[rep_index] / rep.microbatches
     if st.offload_activations:
         return 2 * max(graph.saved_bytes_at(i, i + 1, mb) for i in range(st.start, st.end))
-    one_mb = saved_per_microbatch(plan, graph, rep_index, stage)
+    one_mb = saved_per_microbatch(plan, graph, rep_index, stage, batches)
     n = in_flight(plan.schedule, len(rep.stages), stage, rep.microbatches)
     if plan.recompute:
         return n * graph.cut_bytes_at(st.start, mb) + one_mb
@@ -179,12 +183,13 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
         out[plan.sync.server] = (2 + state_ratio) * float(graph.stage_param_bytes(0, graph.num_layers))
         state_ratio = 0.0            # the workers keep no optimizer state
     interleaved = plan.schedule == "interleaved-1f1b"
+    batches = plan.replica_batches()
     for r, rep in enumerate(plan.replicas):
         if interleaved:      # activations per device (its virtual stages together)
             for d, acts in device_activation_bytes(plan, graph, r).items():
                 out[d] = out.get(d, 0.0) + acts
         for s, st in enumerate(rep.stages):
-            acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s)
+            acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s, batches)
             if st.split:       # validated: optimizer on the devices, synchronous, no offload, not interleaved
                 for dev, params in held_param_bytes(st, graph):
                     out[dev] = out.get(dev, 0.0) + (2 + state_ratio) * params + acts

@@ -49,13 +49,17 @@ receive sends back to the sender (one more latency) and, on a loaded host, the s
 to answer it, and all-reduce algorithms other than the ring.
 
 Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
-from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan.
+from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan;
+a shape simulated again takes the fixed-order pass (planner.sim.listsched) where every resource's
+order is fixed, and its duration values are kept per replica and microbatch size.
 None of it changes a result. Contention between CPU workers: planner.sim.contention.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import compress
+from operator import add
 from typing import Any, NamedTuple
 
 from planner.cost.buckets import Bucket, exchanged_buckets
@@ -64,10 +68,11 @@ from planner.sim import contention
 from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks
+from planner.sim.listsched import Static
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
-from planner.sim.taskgraph import TIMED, RouteHop, TaskGraph
+from planner.sim.taskgraph import TIMED, Const, RouteHop, TaskGraph
 from planner.hardware.topology import Topology
 
 
@@ -122,7 +127,8 @@ class Simulator:
     costs, routes and task graphs are cached."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
-                 cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True):
+                 cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
+                 static_after: int | None = 2):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -142,6 +148,11 @@ class Simulator:
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
         self._collapse = collapse
+        # the fixed-order pass (planner.sim.listsched) for a task graph run this many times before,
+        # where it applies; None: the event loop only. A 64-GPU search simulates most of its
+        # shapes once or twice and its links make most of them unfit: preparing the pass for
+        # them cost more than it saved (docs/tuning.md, "Fixed-order pass").
+        self._static_after = static_after
         self._saturated = contention.saturated_cpus(topology)
         self._wake_at: dict[tuple[int], float] | None = None
 
@@ -253,6 +264,18 @@ class Simulator:
                         g.wake[v] = w
         return g.wake
 
+    def _run(self, g: TaskGraph, dur: list[float], wake: dict[int, float]) -> tuple[list[float], list[float]]:
+        """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
+        applies, else by the event loop; the same times either way."""
+        if g.static is None:
+            after = self._static_after
+            g.static = False if after is None else Static.of(g) if g.runs >= after else None
+        g.runs += 1
+        out = g.static.run(dur, wake) if g.static else None
+        if out is None:
+            out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
+        return out
+
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
         """For each replica, the first replica it is identical to: the same structure (microbatches,
@@ -261,7 +284,7 @@ class Simulator:
         its twin's, so it is simulated by reference and only its statistics are counted."""
         first: dict[tuple, int] = {}
         return tuple(first.setdefault((g.replica_shape[r], g.replica_pattern[r],
-                                       tuple(values[k] for k in g.replica_recipes[r])), r)
+                                       tuple(map(values.__getitem__, g.replica_recipes[r]))), r)
                      for r in range(len(g.replica_shape)))
 
     def _evaluate(self, plan: Plan, g: TaskGraph) -> list[float]:
@@ -270,7 +293,32 @@ class Simulator:
         is applied per task by `contention.contend`."""
         cost, graph = self.cost, self.graph
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
-        return [rc.seconds(cost, graph, mbs) for rc in g.recipes]
+        if g.by_replica is None:
+            # a Const depends on no batch; a recipe with a `replica` on that replica's microbatch
+            # only; any other kind is evaluated for every plan
+            g.by_replica = [([], {}) for _ in mbs]
+            g.fixed = [None] * len(g.recipes)
+            g.unkept = []
+            for k, rc in enumerate(g.recipes):
+                r = getattr(rc, "replica", None)
+                if isinstance(rc, Const):
+                    g.fixed[k] = rc.seconds(cost, graph, mbs)
+                elif isinstance(r, int):
+                    g.by_replica[r][0].append(k)
+                else:
+                    g.unkept.append(k)
+        values = g.fixed.copy()
+        for k in g.unkept:
+            values[k] = g.recipes[k].seconds(cost, graph, mbs)
+        for (ks, seen), mb in zip(g.by_replica, mbs):
+            vs = seen.get(mb)
+            if vs is None:   # values per microbatch size: a search moves batches back and forth
+                if len(seen) >= 32:
+                    seen.clear()
+                vs = seen[mb] = [g.recipes[k].seconds(cost, graph, mbs) for k in ks]
+            for k, v in zip(ks, vs):
+                values[k] = v
+        return values
 
     # --- entry point -------------------------------------------------------------------------
     def lower_bound_s(self, plan: Plan) -> float | None:
@@ -293,11 +341,14 @@ class Simulator:
         self._check_precision(plan)
         key = ResultKey(plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
                         plan.recompute)
-        if not trace and key in self._cache:
+        if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
             return self._cache[key]
         g = self._shape(plan, trace)
         values = self._evaluate(plan, g)
-        contended = contention.contended(self.topology, self.cost, plan)
+        if g.contended is None:   # they depend on the plan's devices only
+            g.contended = contention.contended(self.topology, self.cost, plan)
+            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
+        contended = g.contended
         if self._collapse and g.collapsible and not trace and not contended:
             like = self._like(g, values)
             if like != tuple(range(len(like))):
@@ -305,26 +356,22 @@ class Simulator:
                 values = self._evaluate(plan, g)
         base = list(map(values.__getitem__, g.dkey))
         wake = self._wakes(g)
-        start, end = run_tasks(base, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
+        start, end = self._run(g, base, wake)
         dur = base
         for _ in range(contention.CONTENTION_PASSES if contended else 0):
             dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-            start, end = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
-        iteration_s = _iteration_s(g, end) + self.cost.iteration_overhead_s(len(plan.devices))
+            start, end = self._run(g, dur, wake)
+        iteration_s = _iteration_s(g, end) + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = peak_memory(plan, self.graph, self.topology)
         stats: dict[str, dict[str, float]] = {}
-        for d in g.devices:
-            v = stats[d] = {}
-            for s in _STATS:
-                if s != "compute_s":
-                    acc = 0.0
-                    for k in g.stat_seq[(d, s)]:   # in build order, so sums are reproducible
-                        acc += values[k]
-                    v[s] = acc * per_iteration
-                else:
-                    v[s] = 0.0
+        get = values.__getitem__
+        if g.stat_rows is None:
+            g.stat_rows = [(d, [(s, g.stat_seq.get((d, s), ())) for s in _STATS]) for d in g.devices]   # compute_s: ()
+        for d, row in g.stat_rows:
+            # in build order, one addition at a time from 0.0, so sums are reproducible
+            v = stats[d] = {s: reduce(add, map(get, ks), 0.0) * per_iteration for s, ks in row}
             if d in slowed:
                 for s in TIMED:
                     v[s] *= slowed[d]

@@ -263,6 +263,17 @@ class TaskGraph:
         self.collapsible = False
         self._ghost: list[int] | None = None
         self.wake: dict[int, float] | None = None   # receivers' wake-ups (Simulator._wakes)
+        # per plan shape, filled by the simulator: recipe values that depend on no replica (None
+        # elsewhere), per replica its recipes and their values per microbatch size; the CPU
+        # workers slowed by contention (planner.sim.contention.contended)
+        self.fixed: list[float | None] | None = None
+        self.by_replica: list[tuple[list[int], dict[float, list[float]]]] | None = None
+        self.unkept: list[int] = []   # recipes of other kinds: evaluated for every plan
+        self.contended: dict[str, list[str]] | None = None
+        self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices
+        self.stat_rows: list[tuple[str, list[tuple[str, list[int]]]]] | None = None   # stat_seq per device
+        self.static = None
+        self.runs = 0   # event-loop or fixed-order runs of this graph   # planner.sim.listsched.Static, False where it does not apply, None: not built
         # a PipeDream / 2BW stream (planner.sim.build.Builder.stream): per stage, its last task
         # of each iteration
         self.iteration_ends: list[list[int]] | None = None

@@ -103,12 +103,26 @@ class ModelGraph:
     def param_bytes(self) -> int:
         return sum(l.param_bytes for l in self.layers)
 
+    def _sums(self, start: int, end: int) -> tuple[int, int, int]:
+        """(stage_param_bytes, saved bytes, autocast's weight copies) of layers [start, end):
+        integers, kept per range (the simulator asks for the same stages plan after plan)."""
+        memo = self.__dict__.get("_range_sums")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_range_sums", memo)   # a cache, not a field
+        out = memo.get((start, end))
+        if out is None:
+            layers = self.layers[start:end]
+            copies = sum(t.bytes for t in self.tied
+                         if not start <= t.layers[0] < end and any(start <= l < end for l in t.layers))
+            out = memo[(start, end)] = (sum(l.param_bytes for l in layers) + copies,
+                                        sum(l.saved_bytes for l in layers), sum(l.cast_param_bytes for l in layers))
+        return out
+
     def stage_param_bytes(self, start: int, end: int) -> int:
         """Parameter bytes a stage of layers [start, end) holds: its layers' own, plus a copy of
         each tied parameter that one of them uses but whose first layer is elsewhere."""
-        copies = sum(t.bytes for t in self.tied
-                     if not start <= t.layers[0] < end and any(start <= l < end for l in t.layers))
-        return sum(l.param_bytes for l in self.layers[start:end]) + copies
+        return self._sums(start, end)[0]
 
     def device_param_bytes(self, ranges) -> int:
         """Parameter bytes a device holding the stages `ranges` ([(start, end), ...]; several
@@ -122,8 +136,8 @@ class ModelGraph:
     def saved_bytes_at(self, start: int, end: int, batch: float) -> float:
         """Bytes layers [start, end) save for backward at a microbatch of `batch` samples:
         saved_bytes scaled to it, plus autocast's weight copies (not scaled)."""
-        layers = self.layers[start:end]
-        return sum(l.saved_bytes for l in layers) * batch / self.batch + sum(l.cast_param_bytes for l in layers)
+        _, saved, cast = self._sums(start, end)
+        return saved * batch / self.batch + cast
 
     def exchanged_param_bytes(self, i: int) -> int:
         """Layer i's parameter bytes exchanged in its gradient bucket: tied ones are exchanged
