@@ -114,46 +114,35 @@ def _on_curve(curve: tuple[tuple[float, float], ...], x: float) -> float:
 def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
     r = Reader(data, file, "calibration")
     pos = dict(check=lambda v: v > 0, expected="a positive number")
+    nonneg = dict(check=lambda v: v >= 0, expected="a non-negative number")
+    non_negative = lambda name, default=0.0: r.get(name, float, default=default, **nonneg)  # noqa: E731
     opt = {}
     for name, v in r.get("optimizer", dict, default={}).items():
         o = Reader(v, file, f"calibration.optimizer.{name}")
-        nonneg = dict(check=lambda x: x >= 0, expected="a non-negative number")
         opt[name] = OptimizerFit(o.get("s_per_tensor", float, **nonneg), o.get("s_per_byte", float, **nonneg))
     return Calibration(
         cpu_workers=r.get("cpu_workers", int, default=1, check=lambda v: v >= 1, expected="a positive integer"),
         cpu_contention_factor=r.get("cpu_contention_factor", float, default=1.0,
                                     check=lambda v: v >= 1, expected="a number >= 1"),
-        allreduce_latency_s=r.get("allreduce_latency_s", float, default=None,
-                                  check=lambda v: v >= 0, expected="a non-negative number"),
+        allreduce_latency_s=non_negative("allreduce_latency_s", None),
         allreduce_bytes_per_s=r.get("allreduce_bytes_per_s", float, default=None, **pos),
         allreduce_curve=tuple((float(n), float(t)) for n, t in r.get(
             "allreduce_curve", list, default=[], check=_is_curve,
             expected="[[bytes, seconds], ...] with positive numbers, sizes increasing")),
-        allreduce_queued_s=r.get("allreduce_queued_s", float, default=None,
-                                 check=lambda v: v >= 0, expected="a non-negative number"),
+        allreduce_queued_s=non_negative("allreduce_queued_s", None),
         optimizer=opt,
-        iteration_overhead_s=r.get("iteration_overhead_s", float, default=0.0,
-                                   check=lambda v: v >= 0, expected="a non-negative number"),
-        multi_worker_overhead_s=r.get("multi_worker_overhead_s", float, default=0.0,
-                             check=lambda v: v >= 0, expected="a non-negative number"),
+        iteration_overhead_s=non_negative("iteration_overhead_s"),
+        multi_worker_overhead_s=non_negative("multi_worker_overhead_s"),
         memory_contention_factor=r.get("memory_contention_factor", float, default=None,
                                        check=lambda v: v >= 1, expected="a number >= 1"),
-        wake_latency_s=r.get("wake_latency_s", float, default=0.0,
-                             check=lambda v: v >= 0, expected="a non-negative number"),
-        cold_compute_s=r.get("cold_compute_s", float, default=0.0,
-                             check=lambda v: v >= 0, expected="a non-negative number"),
-        send_issue_s=r.get("send_issue_s", float, default=0.0,
-                           check=lambda v: v >= 0, expected="a non-negative number"),
-        recv_post_s=r.get("recv_post_s", float, default=0.0,
-                          check=lambda v: v >= 0, expected="a non-negative number"),
-        action_overhead_s=r.get("action_overhead_s", float, default=0.0,
-                                check=lambda v: v >= 0, expected="a non-negative number"),
-        grad_accumulate_s_per_byte=r.get("grad_accumulate_s_per_byte", float, default=0.0,
-                                         check=lambda v: v >= 0, expected="a non-negative number"),
-        ddp_forward_s=r.get("ddp_forward_s", float, default=0.0,
-                            check=lambda v: v >= 0, expected="a non-negative number"),
-        grad_copy_s_per_byte=r.get("grad_copy_s_per_byte", float, default=0.0,
-                                   check=lambda v: v >= 0, expected="a non-negative number"))
+        wake_latency_s=non_negative("wake_latency_s"),
+        cold_compute_s=non_negative("cold_compute_s"),
+        send_issue_s=non_negative("send_issue_s"),
+        recv_post_s=non_negative("recv_post_s"),
+        action_overhead_s=non_negative("action_overhead_s"),
+        grad_accumulate_s_per_byte=non_negative("grad_accumulate_s_per_byte"),
+        ddp_forward_s=non_negative("ddp_forward_s"),
+        grad_copy_s_per_byte=non_negative("grad_copy_s_per_byte"))
 
 
 def _is_curve(v: Any) -> bool:
