@@ -74,20 +74,16 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     if allreduce and all(w.kind == "cpu" for w in workers):
         lat, bw = fit_latency_bandwidth(allreduce)
         curve = lower_envelope(allreduce)
-    opt_rows = results[0].get("calibration", {}).get("optimizer", {})
-    together_rows = results[0].get("calibration", {}).get("optimizer_together", {})
+    rank0 = results[0].get("calibration", {})   # what rank 0 alone measures
+    opt_rows = rank0.get("optimizer", {})
+    together_rows = rank0.get("optimizer_together", {})
     mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
+    single = ("wake_latency_s", "cold_compute_s", "send_issue_s", "recv_post_s", "action_overhead_s",
+              "grad_accumulate_s_per_byte", "ddp_forward_s", "grad_copy_s_per_byte")
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
                     allreduce_bytes_per_s=bw, allreduce_curve=curve,
-                    allreduce_queued_s=results[0].get("calibration", {}).get("allreduce_queued_s") if curve else None,
-                    wake_latency_s=results[0].get("calibration", {}).get("wake_latency_s") or 0.0,
-                    cold_compute_s=results[0].get("calibration", {}).get("cold_compute_s") or 0.0,
-                    send_issue_s=results[0].get("calibration", {}).get("send_issue_s") or 0.0,
-                    recv_post_s=results[0].get("calibration", {}).get("recv_post_s") or 0.0,
-                    action_overhead_s=results[0].get("calibration", {}).get("action_overhead_s") or 0.0,
-                    grad_accumulate_s_per_byte=results[0].get("calibration", {}).get("grad_accumulate_s_per_byte") or 0.0,
-                    ddp_forward_s=results[0].get("calibration", {}).get("ddp_forward_s") or 0.0,
-                    grad_copy_s_per_byte=results[0].get("calibration", {}).get("grad_copy_s_per_byte") or 0.0,
+                    allreduce_queued_s=rank0.get("allreduce_queued_s") if curve else None,
+                    **{k: rank0.get(k) or 0.0 for k in single},
                     memory_contention_factor=mem,
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
     tables = ("optimizer", "optimizer_together")

@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from planner.hardware.cores import bind_worker
-from runtime.placement import default_threads, local_threads, my_device, threads_affinity
+from runtime.placement import local_threads, my_device, threads_affinity
 
 FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise|hang" makes that rank fail
 
@@ -71,8 +71,9 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
     name = my_device(plan.devices, env)
     device = torch_device(name)
     # before the worker starts any thread: they all inherit its cores
-    cores, cores_line = bind_worker(local_threads(plan.devices, name, cfg.threads), name)
-    torch.set_num_threads(cfg.threads.get(name) or default_threads(plan.devices, name))
+    local = local_threads(plan.devices, name, cfg.threads)
+    cores, cores_line = bind_worker(local, name)
+    torch.set_num_threads(dict(local)[name])
     device.set_current()
     timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
