@@ -1,6 +1,7 @@
 """Benchmark of `hetplan plan`'s search (planner.search.mcmc) on this machine.
 
-Clusters (issue 16): 64 GPUs (8 nodes x 8) x 96 layers and 16 GPUs (2 nodes x 8) x 48 layers,
+Clusters (issue 16): 64 GPUs (8 nodes x 8, rail-optimised; and with one NIC per node) x 96 layers
+and 16 GPUs (2 nodes x 8, rails) x 48 layers,
 synthetic transformer blocks; per seed a default search under a 60 s cap: proposals, proposals
 per second, simulations, proposals rejected by their lower bound (early rejection), acceptance,
 why it stopped, time to within 1% of the best found over the seeds, and the chosen plan against
@@ -43,18 +44,22 @@ def synthetic_graph(num_layers: int, batch: int, d_model: int = 2048, seq: int =
     return ModelGraph(layers=layers, batch=batch, cut_bytes=(act,) * (num_layers + 1))
 
 
-def cluster_64(nodes: int = 8) -> Topology:
-    """`nodes` nodes x 8 A100-class GPUs: NVLink inside a node (300 GB/s), 25 GB/s InfiniBand
-    between the nodes' first GPUs (a simplification: one NIC per node)."""
+def cluster_64(nodes: int = 8, rails: bool = True) -> Topology:
+    """`nodes` nodes x 8 A100-class GPUs, NVLink inside a node (300 GB/s). Between nodes, `rails`:
+    rail-optimised InfiniBand as in a DGX cluster, one 25 GB/s NIC per GPU, GPU g of every node
+    on rail g (a non-blocking rail switch: a link between every two nodes' GPU g); else one NIC
+    per node, a 25 GB/s chain between consecutive nodes' first GPUs."""
     devices, links = [], []
     for n in range(nodes):
         for g in range(8):
             devices.append(Device(f"node{n}/cuda:{g}", "cuda", 80e9, 1.5e14, 1.5e12, 5e-6))
             if g:
                 links += [Link(f"node{n}/cuda:{h}", f"node{n}/cuda:{g}", 3e11, 2e-6) for h in range(g)]
-        if n:
+            if rails:
+                links += [Link(f"node{k}/cuda:{g}", f"node{n}/cuda:{g}", 2.5e10, 5e-6) for k in range(n)]
+        if n and not rails:
             links.append(Link(f"node{n - 1}/cuda:0", f"node{n}/cuda:0", 2.5e10, 5e-6))
-    return Topology(f"cluster-{8 * nodes}", tuple(devices), tuple(links))
+    return Topology(f"cluster-{8 * nodes}{'-rails' if rails else '-one-nic'}", tuple(devices), tuple(links))
 
 
 def gpt_graph(batch: int, layers: int):
@@ -122,10 +127,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="gpt cases: fewer seeds, smaller reference budget")
     args = ap.parse_args()
     seeds = list(range(args.seeds))
-    cluster_case("16 GPUs (2 nodes x 8) x 48 layers (synthetic), batch 128", synthetic_graph(48, 128),
+    cluster_case("16 GPUs (2 nodes x 8, rails) x 48 layers (synthetic), batch 128", synthetic_graph(48, 128),
                  cluster_64(2), seeds, args.time_limit)
-    cluster_case("64 GPUs (8 nodes x 8) x 96 layers (synthetic), batch 256", synthetic_graph(96, 256),
+    cluster_case("64 GPUs (8 nodes x 8, rails) x 96 layers (synthetic), batch 256", synthetic_graph(96, 256),
                  cluster_64(8), seeds, args.time_limit)
+    cluster_case("64 GPUs (8 nodes x 8, one NIC per node) x 96 layers (synthetic), batch 256",
+                 synthetic_graph(96, 256), cluster_64(8, rails=False), seeds, args.time_limit)
     if not args.gpt:
         return 0
     gseeds = [0, 1] if args.quick else [0, 1, 2, 3, 4]

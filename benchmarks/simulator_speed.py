@@ -75,7 +75,7 @@ def search_plans_rate(runs: int) -> tuple[float, int]:
     from planner.search.mcmc import SearchConfig, search
     from planner.search.problem import make_space, simulator_problem
     from planner.sim.template import replica_template
-    graph, topo = synthetic_graph(96, 256), cluster_64(8)
+    graph, topo = synthetic_graph(96, 256), cluster_64(8, rails=False)
     sim = Simulator(graph, topo)
     seen = []
 
