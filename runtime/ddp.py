@@ -11,8 +11,8 @@ pipelines, CPU+GPU sets and the offloaded optimizer keep GradSync.
   (pipeline.StageRunner), so the comm hook all-reduces with SUM and does not divide by the world
   size (DDP's default hook would).
 - Buckets: the simulator's (planner.cost.buckets, as GradSync runs them), given to DDP as
-  per-bucket caps (`bucket_caps`); DDP's own rule (reverse parameter order, 1 MiB first bucket,
-  rebuilt by ready order) is not used. Coarse sync is one bucket holding every gradient: its
+  per-bucket caps in the order DDP's rebuild after the first iteration applies them
+  (`bucket_caps`); DDP's own rule (1 MiB first bucket, 25 MiB caps) is not used. Coarse sync is one bucket holding every gradient: its
   all-reduce starts when the last gradient is final, after backward.
 - Microbatches: every forward but the one of the microbatch whose backward comes last runs under
   `no_sync()`; that needs every other backward before that forward (true of a one-stage replica's
@@ -55,20 +55,19 @@ def wrap(module: torch.nn.Module, group, device: torch.device,
 
 
 def bucket_caps(params: list[torch.nn.Parameter], bucket_of: dict) -> list[int]:
-    """Byte sizes of the runs of consecutive parameters (DDP's order, the module's) in one bucket.
+    """DDP's per-bucket caps for the plan's buckets: each bucket's bytes, bucket 0 first.
 
-    DDP closes a bucket once its bytes reach that bucket's cap, walking the parameters in module
-    order, then reverses the list; these caps make its buckets exactly the simulator's wherever a
-    simulator bucket's parameters are consecutive in module order (a bucket that is not is split)."""
-    caps: list[int] = []
-    last = object()
+    DDP closes a bucket once its bytes reach that bucket's cap. After the first iteration it
+    rebuilds its buckets walking the parameters in the order their gradients became ready, which
+    is the order of the plan's buckets (planner.cost.buckets: layers in reverse), so from the
+    second iteration on it all-reduces exactly these buckets. The first iteration walks the same
+    caps in module order (DDP's initial assignment) and may group differently. Parameters of no
+    bucket come last, one cap for them all."""
+    sizes: dict[int, int] = {}
     for p in params:
         b = bucket_of.get(p, -1)
-        if b != last:
-            caps.append(0)
-            last = b
-        caps[-1] += p.numel() * p.element_size()
-    return caps
+        sizes[b] = sizes.get(b, 0) + p.numel() * p.element_size()
+    return [sizes[b] for b in sorted(sizes, key=lambda b: (b < 0, b))]
 
 
 def forward_context(ddp, sync_mb: int):

@@ -45,13 +45,13 @@ def test_sync_microbatch(schedule, expect):
     assert ddp.sync_microbatch(stage_actions(schedule, 0, 1, 3)) == expect
 
 
-def test_bucket_caps_runs_of_consecutive_parameters():
-    a, b, c, d = (torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 7, 11))
-    assert ddp.bucket_caps([a, b, c, d], {a: 1, b: 1, c: 0, d: 1}) == [32, 28, 44]
+def test_bucket_caps_are_each_buckets_bytes_in_bucket_order():
+    a, b, c, d, e = (torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 7, 11, 2))
+    assert ddp.bucket_caps([a, b, c, d, e], {a: 1, b: 1, c: 0, d: 1}) == [28, 76, 8]
 
 
 @pytest.mark.parametrize("bucket_bytes", [1024, 2200, 10**6])
-def test_ddp_buckets_are_the_simulators(tmp_path, bucket_bytes):
+def test_ddp_buckets_are_the_simulators(tmp_path, monkeypatch, bucket_bytes):
     # the mlp's layers: 784*16+16, 16*16+16 (x2), 16*10+10 float32 parameters
     model = torch.nn.Sequential(torch.nn.Linear(784, 16), torch.nn.Linear(16, 16),
                                 torch.nn.Linear(16, 16), torch.nn.Linear(16, 10))
@@ -59,13 +59,21 @@ def test_ddp_buckets_are_the_simulators(tmp_path, bucket_bytes):
     layers = _buckets(_plan([1, 1], bucket_bytes=bucket_bytes), names, dict(model.named_parameters()))
     by_layer = {i: [getattr(model[i], "weight"), getattr(model[i], "bias")] for i in range(4)}
     expect = [sum(p.numel() * 4 for l in ls for p in by_layer[l]) for ls in layers]
+    reduced: list[int] = []
+    sum_hook = ddp._sum_hook
+
+    def recording_hook(group, bucket):
+        reduced.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        return sum_hook(group, bucket)
+    monkeypatch.setattr(ddp, "_sum_hook", recording_hook)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         wrapped = ddp.wrap(model, dist.group.WORLD, torch.device("cpu"),
                            {p: i for i, ls in enumerate(layers) for l in ls for p in by_layer[l]})
-        for _ in range(2):          # DDP may rebuild its buckets after the first iteration
+        for it in range(4):   # DDP rebuilds its buckets after the first iteration, in ready order
+            reduced.clear()
             wrapped(torch.randn(2, 784)).sum().backward()
-            sizes = wrapped._get_ddp_logging_data()["bucket_sizes"]
-            assert [int(s) for s in str(sizes).split(",")] == expect
+            if it:            # what each later iteration all-reduces, bucket by bucket
+                assert reduced == expect
     finally:
         dist.destroy_process_group()
