@@ -491,6 +491,8 @@ def test_fine_all_reduces_on_a_saturated_host_run_back_to_back_after_the_backwar
         return sorted((x["start_s"], x["end_s"]) for x in tasks if x["kind"] == "allreduce")
 
     assert spans({"allreduce_queued_s": 0.125}, 2) == [pytest.approx((6.0, 7.5)), pytest.approx((7.5, 8.625))]
+    # bound workers: the queued calls' threads share the workers' cores, dearer than a lone call
+    assert spans({"allreduce_queued_s": 2.0}, 2) == [pytest.approx((6.0, 7.5)), pytest.approx((7.5, 10.5))]
     assert spans({}, 2) == [pytest.approx((6.0, 7.5)), pytest.approx((7.5, 9.0))]      # not measured: as a lone one
     assert spans({"allreduce_queued_s": 0.125}, 4) == [pytest.approx((4.0, 5.5)), pytest.approx((6.0, 7.5))]
     c = calibration_from_dict({**cal, "allreduce_queued_s": 0.125})

@@ -81,8 +81,9 @@ class Calibration:
         the smallest size's time below it, the last segment's slope beyond) and l the fit's
         latency_s capped at the curve's first time; without a curve t_N = latency_s + n /
         bytes_per_s, l = latency_s. `queued` (issued right behind another all-reduce of its
-        group): allreduce_queued_s, where measured and lower, replaces the first l (the lone
-        call's wake-ups). None without a fit (the caller uses the ring formula)."""
+        group): allreduce_queued_s, where measured, replaces the first l (lower where a lone call's
+        wake-ups are saved, higher where the queued calls' threads share the workers' cores).
+        None without a fit (the caller uses the ring formula)."""
         if k <= 1:
             return 0.0
         if self.allreduce_latency_s is None or self.allreduce_bytes_per_s is None:
@@ -93,7 +94,7 @@ class Calibration:
         lat = self.allreduce_latency_s
         if self.allreduce_curve:
             lat = min(lat, self.allreduce_curve[0][1])      # no more than the smallest measured
-        first = min(lat, self.allreduce_queued_s) if queued and self.allreduce_queued_s is not None else lat
+        first = self.allreduce_queued_s if queued and self.allreduce_queued_s is not None else lat
         if self.allreduce_curve:
             return first * steps + (_on_curve(self.allreduce_curve, n_bytes) - lat) * volume
         return first * steps + n_bytes / self.allreduce_bytes_per_s * volume

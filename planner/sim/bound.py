@@ -117,7 +117,9 @@ class _Bound:
         on: dict[int, list[tuple[float, float, float]]] = {}   # resource -> (release, seconds, tail)
         for k, b in enumerate(shared + tied):
             # fine buckets of saturated CPUs may run queued (Builder.allreduces): the cheaper price
-            res, dur = self.sim._allreduce(b.devices, b.bytes, fine and k < len(shared))
+            res, dur = self.sim._allreduce(b.devices, b.bytes)
+            if fine and k < len(shared):
+                dur = min(dur, self.sim._allreduce(b.devices, b.bytes, True)[1])
             ready = self.last_start if fine and k < len(shared) else self.done
             item = (max(ready.get(d, 0.0) for d in b.devices), dur, max(self.after.get(d, 0.0) for d in b.devices))
             for x in res:
