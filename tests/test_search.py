@@ -504,7 +504,7 @@ def _rails(nodes: int, layers: int):
 
 
 def test_twin_replicas_have_one_key_and_the_same_simulated_time():
-    # planner.search.problem.twin_key on the rail cluster: random one-replica plans grouped by
+    # planner.search.problem.twin_keys on the rail cluster: random one-replica plans grouped by
     # key all simulate alike; renamings that keep the routes' shape share a key, others do not
     g, topo, space = _rails(2, 8)
     sim = Simulator(g, topo)

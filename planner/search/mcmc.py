@@ -62,7 +62,7 @@ class Problem:
     # or None where no bound is known; bound None: no early rejection
     bound: Callable[[Plan], tuple[float, dict[str, float]] | None] | None = None
     # one-replica plan -> a key equal for plans `evaluate` gives the same iteration_s, or None where
-    # none is known (planner.search.problem.twin_key): solve_batches times such twins once
+    # none is known (planner.search.problem.twin_keys): solve_batches times such twins once
     twin_key: Callable[[Plan], Hashable | None] | None = None
 
 
