@@ -158,6 +158,7 @@ _F, _I, _FRESH, _OTHER, _LAST = range(5)   # the value slot of an action's tasks
 
 @lru_cache(maxsize=256)
 def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream | None) -> _Skeleton:
+    """The schedule's actions and messages as arrays (`_Skeleton`), shared by its templates."""
     rows = make_schedule(schedule, n, m, devices)
     acts = [a for row in rows for a in row]
     offset = np.cumsum([0] + [len(row) for row in rows])
@@ -166,10 +167,10 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
     letter = np.array(list(map(attrgetter("kind"), acts)))
     f, i_pass = letter == "F", letter == "I"
     bw = ~(f | i_pass)
-    every = stream.update_every if stream else 0
-    adds = mb % every != 0 if stream else mb > 0   # accumulates(microbatch, stream)
+    adds = np.fromiter((accumulates(i, stream) for i in mb.tolist()), bool, len(acts))
     kind = np.select([f, i_pass, mb == m - 1, adds], [_F, _I, _LAST, _OTHER], _FRESH)
-    update = bw & ((mb + 1) % every == 0) if stream else np.zeros(len(acts), bool)
+    # a stream's stage updates its weights after every update_every-th backward (Stream)
+    update = bw & ((mb + 1) % stream.update_every == 0) if stream else np.zeros(len(acts), bool)
     idx = np.arange(len(acts))
     fwd, bwd = np.zeros((n, m), np.int64), np.zeros((n, m), np.int64)
     fwd[stage[f], mb[f]] = idx[f]
