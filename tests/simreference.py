@@ -1,13 +1,21 @@
-"""The simulator's event loop as first written, and random plans, for equivalence tests.
+"""The simulator's event loop and replica templates as first written, and random plans, for
+equivalence tests.
 
 `reference_run` is the plain version of `Simulator._run` (tuple heaps, no fast paths): the
-order of task starts that the fast loop must reproduce exactly. Not a test file.
+order of task starts that the fast loop must reproduce exactly; `replica_template_one_by_one`
+the template builder before arrays (planner.sim.template). Not a test file.
 """
 from __future__ import annotations
 
 import heapq
 import random
 from dataclasses import replace
+from typing import NamedTuple
+
+from planner.sim.schedule import Action
+from planner.sim.schedule import make_schedule as _make_schedule, receives as _receives
+from planner.sim.schedule import split_backward as _split_backward
+from planner.sim.template import Slots, Stream, _slots, accumulates
 
 from simhelpers import device, graph, layer, link, plan, topology
 
@@ -198,12 +206,8 @@ def build_one_by_one(builder, r, rep):
             g.wire(builder.chain(back, dst, src, last[s][i], None, posted(("grad", s - 1, i))), first[s - 1][i])
     g.end_replica()
 
-# --- planner.sim.template.replica_template as first written: one task at a time ------------------
-from planner.sim.schedule import make_schedule as _make_schedule, receives as _receives, split_backward as _split_backward  # noqa: E402
-from typing import NamedTuple  # noqa: E402
 
-from planner.sim.schedule import Action  # noqa: E402
-from planner.sim.template import Slots, Stream, _slots, accumulates  # noqa: E402
+# --- planner.sim.template.replica_template as first written: one task at a time ------------------
 
 
 class OneByOne(NamedTuple):
