@@ -1,13 +1,21 @@
-"""The simulator's event loop as first written, and random plans, for equivalence tests.
+"""The simulator's event loop and replica templates as first written, and random plans, for
+equivalence tests.
 
 `reference_run` is the plain version of `Simulator._run` (tuple heaps, no fast paths): the
-order of task starts that the fast loop must reproduce exactly. Not a test file.
+order of task starts that the fast loop must reproduce exactly; `replica_template_one_by_one`
+the template builder before arrays (planner.sim.template). Not a test file.
 """
 from __future__ import annotations
 
 import heapq
 import random
 from dataclasses import replace
+from typing import NamedTuple
+
+from planner.sim.schedule import Action
+from planner.sim.schedule import make_schedule as _make_schedule, receives as _receives
+from planner.sim.schedule import split_backward as _split_backward
+from planner.sim.template import Slots, Stream, _slots, accumulates
 
 from simhelpers import device, graph, layer, link, plan, topology
 
@@ -197,3 +205,139 @@ def build_one_by_one(builder, r, rep):
             g.wire(builder.chain(ahead, src, dst, fwd[s - 1][i], None, posted(("act", s, i))), fwd[s][i])
             g.wire(builder.chain(back, dst, src, last[s][i], None, posted(("grad", s - 1, i))), first[s - 1][i])
     g.end_replica()
+
+
+# --- planner.sim.template.replica_template as first written: one task at a time ------------------
+
+
+class OneByOne(NamedTuple):
+    """planner.sim.template.ReplicaTemplate's fields (ReplicaTemplate.FIELDS)."""
+    slots: Slots
+    value: tuple[int, ...]
+    res: tuple[int, ...]
+    succ: tuple[tuple[int, ...], ...]
+    ndeps: tuple[int, ...]
+    counts: tuple[tuple[int, str, tuple[int, ...]], ...]
+    chunk_end: tuple[tuple[int, ...], ...]
+    last_backward: tuple[int, ...]
+    label: tuple[tuple, ...]
+    iteration_end: tuple[tuple[int, ...], ...]
+
+
+def _backward_tasks(add, counts, slots: Slots, stream: Stream | None, act: Action, prev: int | None,
+                    m: int, bf: list[int], bl: list[int], ends: list[int]) -> int:
+    """The tasks of a B or W action of stage act.stage after task `prev` (the last microbatch's
+    backward in its pieces, ends of pieces recorded in `ends`; a stream's weight update after
+    every update_every-th); returns its last task."""
+    i, s, first = act.microbatch, act.stage, None
+    ks = slots.last[s] if i == m - 1 else slots.other[s] if accumulates(i, stream) else slots.fresh[s]
+    for k in ks:
+        prev = add(k, s, prev, ("compute", s, act))
+        counts.setdefault((s, "bwd_s"), []).append(k)
+        if first is None:
+            first = prev
+        if i == m - 1:
+            ends.append(prev)
+    if act.kind == "B":
+        bf[i], bl[i] = first, prev
+    if stream and (i + 1) % stream.update_every == 0:   # the stage's weight update
+        prev = add(slots.update[s][0], s, prev, ("update", s, act))
+        counts.setdefault((s, "optimizer_s"), []).append(slots.update[s][0])
+    return prev
+
+
+def replica_template_one_by_one(schedule: str, m: int, pieces: tuple[int, ...],
+                                hops: tuple[tuple[int, int], ...], devices: int | None = None,
+                                stream: Stream | None = None) -> OneByOne:
+    """planner.sim.template.replica_template built task by task (the reference of its tests).
+
+    The template of a replica with len(pieces) stages (stage s's last microbatch's backward
+    in pieces[s] pieces) and m microbatches; hops[p] = (hops ahead, hops back) between stages
+    p and p+1; `devices`: the pipeline's distinct devices (interleaved-1f1b; default one per
+    stage). A device's actions are chained in its schedule order, whichever of its (virtual)
+    stages they belong to; a compute task's resource slot is its stage's (the builder maps
+    the virtual stages of one device to that device's resource). A `stream` adds each stage's
+    updates and marks its iterations' ends."""
+    slots, _, _ = _slots(pieces, m, hops, stream, _split_backward(schedule))
+    value: list[int] = []
+    res: list[int] = []
+    succ: list[list[int]] = []
+    ndeps: list[int] = []
+    counts: dict[tuple[int, str], list[int]] = {}   # (stage, statistic) -> value slots
+    label: list[tuple] = []
+
+    def add(v: int, r: int, dep: int | None, lab: tuple) -> int:
+        t = len(value)
+        value.append(v)
+        res.append(r)
+        succ.append([])
+        ndeps.append(0)
+        label.append(lab)
+        if dep is not None:
+            succ[dep].append(t)
+            ndeps[t] += 1
+        return t
+
+    n = len(pieces)
+    fwd_t: list[list[int]] = [[0] * m for _ in range(n)]
+    bwd_first: list[list[int]] = [[0] * m for _ in range(n)]
+    bwd_last: list[list[int]] = [[0] * m for _ in range(n)]
+    ends_of: list[list[int]] = [[] for _ in range(n)]
+    last_of: list[int] = [0] * n
+    iteration_end: list[list[int]] = [[] for _ in range(n)]
+    rows = _make_schedule(schedule, n, m, devices)
+    spans: list[list[tuple[int, int]]] = []   # per device: (first task, last task) of each action
+    for acts in rows:
+        prev, row = None, []
+        spans.append(row)
+        for act in acts:
+            i, s, start = act.microbatch, act.stage, len(value)
+            f, bf, bl, ends = fwd_t[s], bwd_first[s], bwd_last[s], ends_of[s]
+            if act.kind == "F":
+                prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
+                counts.setdefault((s, "fwd_s"), []).append(slots.fwd[s])
+            elif act.kind == "I":   # the gradient is received and sent on by the I pass
+                prev = bf[i] = bl[i] = last_of[s] = add(slots.inp[s], s, prev, ("compute", s, act))
+                counts.setdefault((s, "bwd_s"), []).append(slots.inp[s])
+            else:
+                prev = _backward_tasks(add, counts, slots, stream, act, prev, m, bf, bl, ends)
+                last_of[s] = prev
+                if stream and (i + 1) % stream.per_iteration == 0:
+                    iteration_end[s].append(prev)
+            row.append((start, prev))
+    chunk_end = [tuple(e) for e in ends_of]
+    last_backward = last_of
+
+    def chain(vals, rs, src: int, dst: int, after: int, lab: tuple, posted: int | None) -> int:
+        t = after
+        for j, (k, r) in enumerate(zip(vals, rs)):
+            t = add(k, r, t, lab)
+            if j == 0 and posted is not None:   # a message moves once its receive is posted
+                wire(posted, t)
+            counts.setdefault((src, "comm_s"), []).append(k)
+            counts.setdefault((dst, "comm_s"), []).append(k)
+        return t
+
+    def wire(t: int, v: int) -> None:
+        succ[t].append(v)
+        ndeps[v] += 1
+
+    recv = _receives(rows)
+
+    def posted(msg: tuple[str, int, int]) -> int | None:
+        """The task after which msg's receive is posted (None: at the iteration's start). In these
+        schedules a device needs each peer's messages in their send order, so the message is
+        taken by the action that needs it, whose task the transfer feeds."""
+        d, _, after = recv[msg]
+        return None if after is None else spans[d][after][1]
+
+    for s in range(1, len(pieces)):
+        p = s - 1
+        for i in range(m):
+            wire(chain(slots.ahead[p], slots.ahead_res[p], s - 1, s, fwd_t[s - 1][i],
+                       ("act", s - 1, s, i), posted(("act", s, i))), fwd_t[s][i])
+            wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
+                       ("grad", s, s - 1, i), posted(("grad", s - 1, i))), bwd_first[s - 1][i])
+    return OneByOne(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
+                    tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
+                    tuple(last_backward), tuple(label), tuple(map(tuple, iteration_end)))

@@ -572,6 +572,33 @@ def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
         assert graphs[0] == graphs[1]
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b"])
+def test_templates_laid_out_with_arrays_equal_those_built_task_by_task(schedule):
+    # planner.sim.template.replica_template against the builder it replaced, field by field:
+    # task values, resources, successors in wiring order, dependencies, statistics, labels
+    from planner.sim.template import ReplicaTemplate, Stream, replica_template
+    from simreference import replica_template_one_by_one
+    rng = random.Random(schedule)
+    shapes = 0
+    for n in (1, 2, 3, 4, 6):
+        for m in (1, 2, 3, 4, 8):
+            devices = ([d for d in range(1, n + 1) if n % d == 0 and m % d == 0]
+                       if schedule == "interleaved-1f1b" else [None])
+            streams = [None, Stream(m, 1), Stream(m, m)] if schedule in ("gpipe", "1f1b") else [None]
+            for d in devices:
+                for stream in streams:
+                    for _ in range(2):
+                        pieces = tuple(rng.randint(1, 4) for _ in range(n))
+                        hops = tuple((rng.choice([0, 1, 2, 3]), rng.choice([0, 1, 2])) for _ in range(n - 1))
+                        args = (schedule, 3 * m if stream else m, pieces, hops, d, stream)
+                        new, old = replica_template.__wrapped__(*args), replica_template_one_by_one(*args)
+                        for field in ReplicaTemplate.FIELDS:
+                            assert getattr(new, field) == getattr(old, field), (args, field)
+                        assert new.succ_at(7) == [tuple(v + 7 for v in s) for s in old.succ]
+                        shapes += 1
+    assert shapes >= 50
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(seed):
     # TaskGraph.end_replica, which Simulator._like compares replicas by, against its definition

@@ -29,7 +29,7 @@ import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan, plan_key
@@ -61,6 +61,9 @@ class Problem:
     # plan -> (a lower bound on its iteration_s, the peak_memory_bytes `evaluate` reports for it),
     # or None where no bound is known; bound None: no early rejection
     bound: Callable[[Plan], tuple[float, dict[str, float]] | None] | None = None
+    # one-replica plan -> a key equal for plans `evaluate` gives the same iteration_s, or None where
+    # none is known (planner.search.problem.twin_keys): solve_batches times such twins once
+    twin_key: Callable[[Plan], Hashable | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class Searcher:
                  progress: Callable[[str], None] | None = None):
         self.p, self.rng, self.cfg, self.progress = problem, rng, config, progress
         self.cache: dict[str, Candidate] = {}
+        self.twins: dict[Hashable, float] = {}   # replica_time_s per twin_key
         self.evaluations = 0
         self.bound_rejections = 0
         self.least_memory: Candidate | None = None
@@ -182,10 +186,18 @@ class Searcher:
 
     # --- batch split ----------------------------------------------------------------------
     def replica_time_s(self, s: Strategy, pipe: Pipeline, batch: int) -> float:
-        """Predicted time of `pipe` alone (one replica, whole plan at `batch`)."""
+        """Predicted time of `pipe` alone (one replica, whole plan at `batch`); a twin's
+        (`Problem.twin_key`) where one was timed. Skipping such a simulation changes no decision
+        of the walk: a plan is judged by its own cost, simulated or cached."""
         space = replace(self.p.space, global_batch=batch)
-        solo = replace(s, pipelines=(pipe,))
-        return self.evaluate(to_plan(space, solo, (batch,))).iteration_s
+        plan = to_plan(space, replace(s, pipelines=(pipe,)), (batch,))
+        key = self.p.twin_key(plan) if self.p.twin_key else None
+        t = self.twins.get(key) if key is not None else None
+        if t is None:
+            t = self.evaluate(plan).iteration_s
+            if key is not None:
+                self.twins[key] = t
+        return t
 
     def solve_batches(self, s: Strategy) -> tuple[int, ...]:
         """Integer replica batches so that replicas finish together.

@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
+from planner.cost.model import RooflineCost
 from planner.cost.timing import cost_model
 from planner.files.plan import Plan
 from planner.search.baselines import device_order
@@ -71,7 +73,51 @@ def simulator_problem(simulator, space: Space) -> Problem:
         except ValueError:
             return math.inf
     return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s,
-                   cost, bound)
+                   cost, bound, twin_keys(simulator))
+
+
+def twin_keys(simulator) -> Callable[[Plan], tuple | None]:
+    """`Problem.twin_key` over `simulator`: a key shared by one-replica plans whose simulations
+    give the same iteration time. The key: the plan's strategy with its devices numbered in stage
+    order (model and topology are the search's), the devices' records but their names, and per
+    stage pair the routes both ways as (link direction, numbered by first use; latency;
+    bandwidth). Given only where the simulation provably depends on nothing else: GPUs priced
+    by the what-if roofline without calibration (a pure function of the device record), the
+    optimizer on the devices, no offload, tensor split, tied weights or asynchronous sync, so
+    that every task holds one resource and the event loop's times do not depend on resource
+    ids, only on which tasks share one. None elsewhere (solve_batches then simulates)."""
+    records: dict[str, str | None] = {}   # device -> its record without the name; None: a CPU
+
+    def record(sim, name: str) -> str | None:
+        if name not in records:
+            d = sim.topology.device(name)
+            records[name] = None if d.kind == "cpu" else repr(replace(d, name=""))
+        return records[name]
+
+    def key(plan: Plan) -> tuple | None:
+        sim = getattr(simulator, "simulators", {}).get(plan.precision, simulator)
+        if (len(plan.replicas) != 1 or plan.sync.mode != "sync" or plan.optimizer.placement != "device"
+                or type(sim.cost) is not RooflineCost or sim.cost.calibration is not None or sim.graph.tied):
+            return None
+        rep = plan.replicas[0]
+        if any(st.split or st.offload_activations for st in rep.stages):
+            return None
+        number: dict[str, int] = {}
+        devices = tuple(number.setdefault(st.device, len(number)) for st in rep.stages)
+        kinds = tuple(record(sim, d) for d in number)
+        if None in kinds:
+            return None
+        links: dict[int, int] = {}
+        try:
+            routes = tuple(tuple((links.setdefault(h.resource, len(links)), h.latency_s, h.bandwidth_bytes_per_s)
+                                 for h in sim.hops(x, y))
+                           for a, b in zip(rep.stages, rep.stages[1:])
+                           for x, y in ((a.device, b.device), (b.device, a.device)))
+        except ValueError:   # no route: the simulator refuses the plan
+            return None
+        return (plan.global_batch, plan.schedule, plan.sync, plan.optimizer, plan.recompute, plan.precision,
+                rep.batch_fraction, rep.microbatches, tuple(st.layers for st in rep.stages), devices, kinds, routes)
+    return key
 
 
 CAPTURE_BATCH = 8   # graphs for planning are captured at min(global batch, this) and scaled
@@ -120,4 +166,4 @@ def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate
     return Searcher(problem, random.Random(0)).baselines()
 
 
-__all__ = ["CAPTURE_BATCH", "make_space", "simulator_problem", "plan_problem", "plan_baselines"]
+__all__ = ["CAPTURE_BATCH", "make_space", "simulator_problem", "twin_keys", "plan_problem", "plan_baselines"]

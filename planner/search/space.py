@@ -58,14 +58,20 @@ class Space:
         return any(k == "cuda" for k in self.kinds.values())
 
     @property
+    def has_host(self) -> bool:
+        # A GPU's optimizer or activations go to a CPU device of its node (cost.model.host_cpu):
+        # without any CPU device the simulator refuses every such plan.
+        return self.has_gpu and any(k == "cpu" for k in self.kinds.values())
+
+    @property
     def placements(self) -> tuple[str, ...]:
         # Offloading the optimizer to the CPU only means something for GPU-resident parameters.
-        return ("device", "cpu", "split") if self.has_gpu else ("device",)
+        return ("device", "cpu", "split") if self.has_host else ("device",)
 
     @property
     def offload_choices(self) -> tuple[bool, ...]:
         # Activation offload moves an accelerator's saved activations to its host.
-        return (False, True) if self.has_gpu else (False,)
+        return (False, True) if self.has_host else (False,)
 
     def optimizer_choices(self) -> list[tuple[str, float | None]]:
         """(placement, cpu_fraction) pairs: every fraction under "split", None otherwise."""
@@ -377,7 +383,7 @@ def _other(choices: tuple, current, rng: random.Random):
 def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | None:
     """Change one global choice: schedule, sync granularity, bucket size, placement, recompute,
     precision when the space allows more than one, the host's share of a split optimizer
-    (a new "split" placement draws one), and activation offload where there is a GPU."""
+    (a new "split" placement draws one), and activation offload where a GPU can have a host CPU."""
     options = (("schedule", space.schedules), ("granularity", space.granularities),
                ("bucket_bytes", space.bucket_choices_bytes),
                ("placement", space.placements), ("recompute", space.recompute_choices))

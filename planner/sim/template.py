@@ -17,8 +17,12 @@ pieces and buckets (the weights' gradients are final when the last microbatch's 
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import NamedTuple
+from functools import cached_property, lru_cache
+from operator import attrgetter
+from itertools import chain, repeat
+from typing import Callable, NamedTuple
+
+import numpy as np
 
 from planner.sim.schedule import Action, make_schedule, receives, split_backward
 
@@ -41,25 +45,35 @@ class Slots(NamedTuple):
     inp: tuple[int, ...] = ()               # value slot of stage s's I pass (split backward)
 
 
-class ReplicaTemplate(NamedTuple):
+class ReplicaTemplate:
     """Tasks over slots: task i has value slot `value[i]`, resource slot `res[i]` and
     successors `succ[i]` (local ids); `counts` are (stage, statistic, value slots in the order
     they are counted); `chunk_end[s][j]` is the local task ending piece j of stage s's last
     microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
-    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace; `shifted` caches
-    `succ_at`. A stream (`Stream`): `iteration_end[s][i]` is stage s's last task of iteration i
-    (its update after the iteration's last backward)."""
-    slots: Slots
-    value: tuple[int, ...]
-    res: tuple[int, ...]
-    succ: tuple[tuple[int, ...], ...]
-    ndeps: tuple[int, ...]
-    counts: tuple[tuple[int, str, tuple[int, ...]], ...]
-    chunk_end: tuple[tuple[int, ...], ...]
-    last_backward: tuple[int, ...]
-    label: tuple[tuple, ...]
-    shifted: dict[int, list[tuple[int, ...]]]
-    iteration_end: tuple[tuple[int, ...], ...] = ()
+    `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace. A stream
+    (`Stream`): `iteration_end[s][i]` is stage s's last task of iteration i (its update after
+    the iteration's last backward). The successors are kept flat (`succ_at` makes the tuples
+    per stamping base) and the labels made when first asked for (a trace, offloads, splits)."""
+    FIELDS = ("slots", "value", "res", "succ", "ndeps", "counts", "chunk_end", "last_backward", "label",
+              "iteration_end")
+
+    def __init__(self, slots: Slots, value: tuple[int, ...], res: tuple[int, ...],
+                 succ: tuple[np.ndarray, np.ndarray], ndeps: tuple[int, ...],
+                 counts: tuple[tuple[int, str, tuple[int, ...]], ...], chunk_end: tuple[tuple[int, ...], ...],
+                 last_backward: tuple[int, ...], label: Callable[[], tuple[tuple, ...]],
+                 iteration_end: tuple[tuple[int, ...], ...]):
+        self.slots, self.value, self.res, self.ndeps, self.counts = slots, value, res, ndeps, counts
+        self.chunk_end, self.last_backward, self.iteration_end = chunk_end, last_backward, iteration_end
+        self._succ, self._label = succ, label   # (successor ids in task order, per task how many)
+        self.shifted: dict[int, list[tuple[int, ...]]] = {}
+
+    @cached_property
+    def label(self) -> tuple[tuple, ...]:
+        return self._label()
+
+    @property
+    def succ(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.succ_at(0))
 
     def succ_at(self, base: int) -> list[tuple[int, ...]]:
         """`succ` with the block starting at task `base`. The last few bases are kept: a
@@ -68,8 +82,8 @@ class ReplicaTemplate(NamedTuple):
         if out is None:
             if len(self.shifted) >= 8:
                 self.shifted.pop(next(iter(self.shifted)))
-            add = base.__add__
-            out = self.shifted[base] = [tuple(map(add, s)) for s in self.succ]
+            flat, sizes = self._succ
+            out = self.shifted[base] = _tuples(flat + base, sizes)
         return out
 
 
@@ -120,26 +134,83 @@ def _slots(pieces: tuple[int, ...], m: int, hops: tuple[tuple[int, int], ...],
                  tuple(ahead_res), tuple(back_res), inp), v, r
 
 
-def _backward_tasks(add, counts, slots: Slots, stream: Stream | None, act: Action, prev: int | None,
-                    m: int, bf: list[int], bl: list[int], ends: list[int]) -> int:
-    """The tasks of a B or W action of stage act.stage after task `prev` (the last microbatch's
-    backward in its pieces, ends of pieces recorded in `ends`; a stream's weight update after
-    every update_every-th); returns its last task."""
-    i, s, first = act.microbatch, act.stage, None
-    ks = slots.last[s] if i == m - 1 else slots.other[s] if accumulates(i, stream) else slots.fresh[s]
-    for k in ks:
-        prev = add(k, s, prev, ("compute", s, act))
-        counts.setdefault((s, "bwd_s"), []).append(k)
-        if first is None:
-            first = prev
-        if i == m - 1:
-            ends.append(prev)
-    if act.kind == "B":
-        bf[i], bl[i] = first, prev
-    if stream and (i + 1) % stream.update_every == 0:   # the stage's weight update
-        prev = add(slots.update[s][0], s, prev, ("update", s, act))
-        counts.setdefault((s, "optimizer_s"), []).append(slots.update[s][0])
-    return prev
+class _Skeleton(NamedTuple):
+    """What a replica's template takes from its schedule alone (`_skeleton`): the actions in
+    task order (device rows one after another) as arrays, and which action each dependency
+    of the pipeline's messages comes from."""
+    stage: np.ndarray        # per action its stage
+    kind: np.ndarray         # per action _F, _I, _FRESH, _OTHER or _LAST (its value slot)
+    update: np.ndarray       # per action: a stream's weight update follows it
+    row_last: np.ndarray     # the last action of each device row
+    fwd: np.ndarray          # [stage, microbatch]: the action F
+    bwd: np.ndarray          # [stage, microbatch]: the action B, or I (split backward)
+    posted_act: np.ndarray   # [pair p, microbatch]: the action after which ("act", p + 1, i)'s
+    posted_grad: np.ndarray  # receive (("grad", p, i)'s) is posted; -1 at the iteration's start
+    last: np.ndarray         # [stage]: its last microbatch's B or W (the pieces)
+    final: np.ndarray        # [stage]: its last backward action
+    iteration_end: tuple[tuple[int, ...], ...]   # per stage: a stream's actions ending an iteration
+    keys: tuple[tuple[int, str], ...]            # compute statistics in first-count order
+    n_fwd: tuple[int, ...]                       # per stage its forwards
+
+
+_F, _I, _FRESH, _OTHER, _LAST = range(5)   # the value slot of an action's tasks (Slots)
+
+
+@lru_cache(maxsize=256)
+def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream | None) -> _Skeleton:
+    """The schedule's actions and messages as arrays (`_Skeleton`), shared by its templates."""
+    rows = make_schedule(schedule, n, m, devices)
+    acts = [a for row in rows for a in row]
+    offset = np.cumsum([0] + [len(row) for row in rows])
+    stage = np.fromiter(map(attrgetter("stage"), acts), np.int64, len(acts))
+    mb = np.fromiter(map(attrgetter("microbatch"), acts), np.int64, len(acts))
+    letter = np.array(list(map(attrgetter("kind"), acts)))
+    f, i_pass = letter == "F", letter == "I"
+    bw = ~(f | i_pass)
+    adds = np.fromiter((accumulates(i, stream) for i in mb.tolist()), bool, len(acts))
+    kind = np.select([f, i_pass, mb == m - 1, adds], [_F, _I, _LAST, _OTHER], _FRESH)
+    # a stream's stage updates its weights after every update_every-th backward (Stream)
+    update = bw & ((mb + 1) % stream.update_every == 0) if stream else np.zeros(len(acts), bool)
+    idx = np.arange(len(acts))
+    fwd, bwd = np.zeros((n, m), np.int64), np.zeros((n, m), np.int64)
+    fwd[stage[f], mb[f]] = idx[f]
+    took = ~f & (letter != "W")            # B, or I: what the gradient leaves and arrives at
+    bwd[stage[took], mb[took]] = idx[took]
+    last, final = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    last[stage[kind == _LAST]] = idx[kind == _LAST]
+    np.maximum.at(final, stage[~f], idx[~f])   # a stage's actions are in one row, in order
+    ends = bw & ((mb + 1) % stream.per_iteration == 0) if stream else np.zeros(len(acts), bool)
+    posted = np.full((2, max(n - 1, 0), m), -1, np.int64)
+    for (what, s, i), (d, _, after) in receives(rows).items():
+        if after is not None:   # ("act", s, i) crosses pair s - 1, ("grad", s, i) pair s
+            posted[0 if what == "act" else 1, s - 1 if what == "act" else s, i] = offset[d] + after
+    first = {}   # (stage, statistic) -> (first action counting it, then bwd_s before optimizer_s)
+    for stat, mask, late in (("fwd_s", f, 0), ("bwd_s", ~f, 0), ("optimizer_s", update, 1)):
+        for s in range(n):
+            at = np.flatnonzero(mask & (stage == s))
+            if len(at):
+                first[(s, stat)] = (int(at[0]), late)
+    return _Skeleton(stage, kind, update, offset[1:][offset[1:] > offset[:-1]] - 1, fwd, bwd, posted[0], posted[1],
+                     last, final, tuple(tuple(idx[ends & (stage == s)].tolist()) for s in range(n)),
+                     tuple(sorted(first, key=first.__getitem__)), tuple(np.bincount(stage[f], minlength=n).tolist()))
+
+
+def _tuples(flat: np.ndarray, sizes: np.ndarray) -> list[tuple[int, ...]]:
+    """flat cut into consecutive tuples of the given sizes (the tuples of one size made at
+    once: zip over their columns)."""
+    out = np.empty(len(sizes), object)
+    first = np.cumsum(sizes) - sizes
+    for k in np.unique(sizes).tolist():
+        at = np.flatnonzero(sizes == k)
+        cols = [flat[first[at] + j].tolist() for j in range(k)]
+        out[at] = np.fromiter(zip(*cols), object, len(at)) if k else _empty(len(at))
+    return out.tolist()
+
+
+def _empty(n: int) -> np.ndarray:
+    out = np.empty(n, object)
+    out.fill(())
+    return out
 
 
 @lru_cache(maxsize=256)
@@ -147,95 +218,145 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                      hops: tuple[tuple[int, int], ...], devices: int | None = None,
                      stream: Stream | None = None) -> ReplicaTemplate:
     """The template of a replica with len(pieces) stages (stage s's last microbatch's backward
-    in pieces[s] pieces) and m microbatches; hops[p] = (hops ahead, hops back) between stages
-    p and p+1; `devices`: the pipeline's distinct devices (interleaved-1f1b; default one per
-    stage). A device's actions are chained in its schedule order, whichever of its (virtual)
-    stages they belong to; a compute task's resource slot is its stage's (the builder maps
-    the virtual stages of one device to that device's resource). A `stream` adds each stage's
-    updates and marks its iterations' ends."""
-    slots, _, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
-    value: list[int] = []
-    res: list[int] = []
-    succ: list[list[int]] = []
-    ndeps: list[int] = []
-    counts: dict[tuple[int, str], list[int]] = {}   # (stage, statistic) -> value slots
-    label: list[tuple] = []
+    in pieces[s] >= 1 pieces) and m microbatches; hops[p] = (hops ahead, hops back) between
+    stages p and p+1; `devices`: the pipeline's distinct devices (interleaved-1f1b; default one
+    per stage). A device's actions are chained in its schedule order, whichever of its
+    (virtual) stages they belong to; a compute task's resource slot is its stage's (the builder
+    maps the virtual stages of one device to that device's resource). A `stream` adds each
+    stage's updates and marks its iterations' ends.
 
-    def add(v: int, r: int, dep: int | None, lab: tuple) -> int:
-        t = len(value)
+    Tasks: each action's (one; a last microbatch's B or W one per piece; then a stream's
+    update), device row after row, then per stage pair and microbatch the hops ahead and back.
+    Laid out with arrays over the schedule's `_skeleton`; the edges are listed in the order
+    the one-at-a-time builder added them (tests/simreference.py), so each task's successors
+    come in the same order."""
+    n = len(pieces)
+    if min(pieces, default=1) < 1:
+        raise ValueError(f"every stage's last backward has at least one piece; got {pieces}")
+    sk = _skeleton(schedule, n, m, devices, stream)
+    slots, _, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
+    c = _compute_tasks(sk, slots, pieces)
+    starts, ends = c.start.tolist(), c.end.tolist()
+    value, res, srcs, dsts = [c.value], [c.res], [c.src], [c.dst]
+    base = len(c.value)
+    for p, (na, nb) in enumerate(hops):   # per pair, per microbatch: its ahead hops, its back hops
+        v, r, src, dst = _hop_tasks(sk, c, slots, p, na, nb, base)
         value.append(v)
         res.append(r)
-        succ.append([])
-        ndeps.append(0)
-        label.append(lab)
-        if dep is not None:
-            succ[dep].append(t)
-            ndeps[t] += 1
-        return t
+        srcs.append(src)
+        dsts.append(dst)
+        base += len(v)
+    src, dst = np.concatenate(srcs), np.concatenate(dsts)
+    order = np.argsort(src, kind="stable")   # a task's successors in the order they were wired
+    return ReplicaTemplate(
+        slots, tuple(np.concatenate(value).tolist()), tuple(np.concatenate(res).tolist()),
+        (dst[order], np.bincount(src, minlength=base)), tuple(np.bincount(dst, minlength=base).tolist()),
+        _statistics(sk, c, slots, hops, m),
+        tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
+        tuple(ends[a] for a in sk.final.tolist()), lambda: _labels(make_schedule(schedule, n, m, devices), sk, c, hops, m),
+        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end))
 
-    n = len(pieces)
-    fwd_t: list[list[int]] = [[0] * m for _ in range(n)]
-    bwd_first: list[list[int]] = [[0] * m for _ in range(n)]
-    bwd_last: list[list[int]] = [[0] * m for _ in range(n)]
-    ends_of: list[list[int]] = [[] for _ in range(n)]
-    last_of: list[int] = [0] * n
-    iteration_end: list[list[int]] = [[] for _ in range(n)]
-    rows = make_schedule(schedule, n, m, devices)
-    spans: list[list[tuple[int, int]]] = []   # per device: (first task, last task) of each action
-    for acts in rows:
-        prev, row = None, []
-        spans.append(row)
-        for act in acts:
-            i, s, start = act.microbatch, act.stage, len(value)
-            f, bf, bl, ends = fwd_t[s], bwd_first[s], bwd_last[s], ends_of[s]
-            if act.kind == "F":
-                prev = f[i] = add(slots.fwd[s], s, prev, ("compute", s, act))
-                counts.setdefault((s, "fwd_s"), []).append(slots.fwd[s])
-            elif act.kind == "I":   # the gradient is received and sent on by the I pass
-                prev = bf[i] = bl[i] = last_of[s] = add(slots.inp[s], s, prev, ("compute", s, act))
-                counts.setdefault((s, "bwd_s"), []).append(slots.inp[s])
-            else:
-                prev = _backward_tasks(add, counts, slots, stream, act, prev, m, bf, bl, ends)
-                last_of[s] = prev
-                if stream and (i + 1) % stream.per_iteration == 0:
-                    iteration_end[s].append(prev)
-            row.append((start, prev))
-    chunk_end = [tuple(e) for e in ends_of]
-    last_backward = last_of
 
-    def chain(vals, rs, src: int, dst: int, after: int, lab: tuple, posted: int | None) -> int:
-        t = after
-        for j, (k, r) in enumerate(zip(vals, rs)):
-            t = add(k, r, t, lab)
-            if j == 0 and posted is not None:   # a message moves once its receive is posted
-                wire(posted, t)
-            counts.setdefault((src, "comm_s"), []).append(k)
-            counts.setdefault((dst, "comm_s"), []).append(k)
-        return t
+class _Compute(NamedTuple):
+    """A template's compute tasks: action a's are start[a] .. end[a] (its pieces, then a
+    stream's update); per task its value slot, its stage, its action; the device chains."""
+    start: np.ndarray
+    end: np.ndarray
+    value: np.ndarray
+    res: np.ndarray
+    of: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
 
-    def wire(t: int, v: int) -> None:
-        succ[t].append(v)
-        ndeps[v] += 1
 
-    recv = receives(rows)
+def _compute_tasks(sk: _Skeleton, slots: Slots, pieces: tuple[int, ...]) -> _Compute:
+    size = 1 + sk.update + (sk.kind == _LAST) * (np.array(pieces, np.int64)[sk.stage] - 1)
+    end = np.cumsum(size) - 1
+    start = end - size + 1
+    of = np.repeat(np.arange(len(size)), size)
+    first_slot = np.array([slots.fwd, slots.inp or slots.fwd, [f[0] if f else -1 for f in slots.fresh],
+                           [o[0] if o else -1 for o in slots.other], [k[0] for k in slots.last]], np.int64)
+    value = first_slot[sk.kind, sk.stage][of] + np.arange(len(of)) - start[of]
+    ups = np.flatnonzero(sk.update)
+    if len(ups):
+        value[end[ups]] = np.array([u[0] for u in slots.update])[sk.stage[ups]]
+    chained = np.ones(len(of), bool)   # each task waits for its device's previous one
+    chained[end[sk.row_last]] = False
+    src = np.flatnonzero(chained[:-1])
+    return _Compute(start, end, value, sk.stage[of], of, src, src + 1)
 
-    def posted(msg: tuple[str, int, int]) -> int | None:
-        """The task after which msg's receive is posted (None: at the iteration's start). In these
-        schedules a device needs each peer's messages in their send order, so the message is
-        taken by the action that needs it, whose task the transfer feeds."""
-        d, _, after = recv[msg]
-        return None if after is None else spans[d][after][1]
 
-    for s in range(1, len(pieces)):
-        p = s - 1
+def _hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, p: int, na: int, nb: int, base: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pair p's hop tasks from task `base` on, microbatch after microbatch (na hops ahead,
+    nb back): value slots, resource slots, and their edges in the order they are wired."""
+    m = sk.fwd.shape[1]
+    block = base + (na + nb) * np.arange(m)
+    fwd, first, last = c.start[sk.fwd], c.start[sk.bwd], c.end[sk.bwd] - sk.update[sk.bwd]
+    posted = [np.where(x >= 0, c.end[x], -1) for x in (sk.posted_act[p], sk.posted_grad[p])]
+    ahead = _chain_edges(block, na, fwd[p], posted[0], fwd[p + 1])
+    back = _chain_edges(block + na, nb, last[p + 1], posted[1], first[p])
+    src, dst, keep = (np.stack(x + y, 1).ravel() for x, y in zip(ahead, back))
+    lo = (slots.ahead[p] + slots.back[p] + (0,))[0]
+    rlo = (slots.ahead_res[p] + slots.back_res[p] + (0,))[0]
+    return (np.tile(np.arange(lo, lo + na + nb), m), np.tile(np.arange(rlo, rlo + na + nb), m),
+            src[keep], dst[keep])
+
+
+def _chain_edges(block: np.ndarray, n_hops: int, after: np.ndarray, posted: np.ndarray,
+                 before: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per microbatch (rows), the edges of one message's chain of `n_hops` tasks starting at
+    `block`, in the order the builder wires them: the sender's task to the first hop, the task
+    after which the receive is posted (posted >= 0) to the first hop, hop to hop, the last hop
+    to the receiver's task; no hops: the sender's task to the receiver's. Columns of
+    (sources, destinations, kept)."""
+    yes = np.ones(len(block), bool)
+    if n_hops == 0:
+        return [after], [before], [yes]
+    src, dst, keep = [after, np.maximum(posted, 0)], [block, block], [yes, posted >= 0]
+    for j in range(n_hops - 1):
+        src.append(block + j)
+        dst.append(block + j + 1)
+        keep.append(yes)
+    return src + [block + n_hops - 1], dst + [before], keep + [yes]
+
+
+def _statistics(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, int], ...], m: int
+                ) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
+    """(stage, statistic, value slots) in the order the one-at-a-time builder counted them:
+    the compute statistics as first counted, then the hops' (each counted for both stages)."""
+    n = len(sk.n_fwd)
+    ups = np.flatnonzero(sk.update)
+    backward = sk.kind[c.of] != _F
+    backward[c.end[ups]] = False
+    on = c.res[backward]
+    by_stage = _tuples(c.value[backward][np.argsort(on, kind="stable")], np.bincount(on, minlength=n))
+    counts: dict[tuple[int, str], tuple[int, ...]] = {}
+    for s, stat in sk.keys:
+        counts[(s, stat)] = ((slots.fwd[s],) * sk.n_fwd[s] if stat == "fwd_s" else by_stage[s] if stat == "bwd_s"
+                             else slots.update[s] * int(np.count_nonzero(sk.stage[ups] == s)))
+    comm: dict[int, list[int]] = {}
+    for p, (na, nb) in enumerate(hops):
+        ks = list(slots.ahead[p] + slots.back[p]) * m
+        for s in ((p, p + 1) if na else (p + 1, p) if nb else ()):
+            comm.setdefault(s, []).extend(ks)
+    counts.update(((s, "comm_s"), tuple(ks)) for s, ks in comm.items())
+    return tuple((s, stat, v) for (s, stat), v in counts.items())
+
+
+def _labels(rows: list[list[Action]], sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...],
+            m: int) -> tuple[tuple, ...]:
+    """Per task ("compute" or "update", stage, Action), ("act", p, p + 1, microbatch) or
+    ("grad", p + 1, p, microbatch)."""
+    acts = [a for row in rows for a in row]
+    sizes = (c.end - c.start + 1).tolist()
+    label = list(chain.from_iterable(map(repeat, (("compute", a.stage, a) for a in acts), sizes)))
+    for a in np.flatnonzero(sk.update).tolist():
+        label[int(c.end[a])] = ("update", acts[a].stage, acts[a])
+    for p, (na, nb) in enumerate(hops):
         for i in range(m):
-            wire(chain(slots.ahead[p], slots.ahead_res[p], s - 1, s, fwd_t[s - 1][i],
-                       ("act", s - 1, s, i), posted(("act", s, i))), fwd_t[s][i])
-            wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
-                       ("grad", s, s - 1, i), posted(("grad", s - 1, i))), bwd_first[s - 1][i])
-    return ReplicaTemplate(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
-                           tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
-                           tuple(last_backward), tuple(label), {}, tuple(map(tuple, iteration_end)))
+            label += [("act", p, p + 1, i)] * na + [("grad", p + 1, p, i)] * nb
+    return tuple(label)
 
 
 __all__ = ["Slots", "Stream", "accumulates", "ReplicaTemplate", "replica_template", "Action"]
