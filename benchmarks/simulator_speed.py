@@ -74,7 +74,7 @@ def search_plans_rate(runs: int) -> tuple[float, int]:
     from search import cluster_64, synthetic_graph   # benchmarks/search.py
     from planner.search.mcmc import SearchConfig, search
     from planner.search.problem import make_space, simulator_problem
-    from planner.sim.template import replica_template
+    from planner.sim.template import _skeleton, replica_template
     graph, topo = synthetic_graph(96, 256), cluster_64(8, rails=False)
     sim = Simulator(graph, topo)
     seen = []
@@ -88,6 +88,7 @@ def search_plans_rate(runs: int) -> tuple[float, int]:
     cpu = []
     for _ in range(runs):
         replica_template.cache_clear()
+        _skeleton.cache_clear()     # cold: the schedules' skeletons too
         fresh = Simulator(graph, topo)
         c0 = time.process_time()
         for p in seen:
