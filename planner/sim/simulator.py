@@ -69,6 +69,7 @@ from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks
 from planner.sim.listsched import Static
+from planner.sim.split import Split
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
@@ -93,6 +94,7 @@ class SimResult:
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 
+STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
 BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
 
 
@@ -128,7 +130,7 @@ class Simulator:
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
-                 static_after: int | None = 2):
+                 static_after: int | None = 2, split: bool = True):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -154,6 +156,11 @@ class Simulator:
         # them cost more than it saved (docs/tuning.md, "Fixed-order pass").
         self._static_after = static_after
         self._saturated = contention.saturated_cpus(topology)
+        # delta simulation (planner.sim.split): independent replicas run one by one, each
+        # distinct one once, its times kept across plans; False: the whole graph every time
+        self._split = split
+        self._structures: dict = {}   # replica structures (planner.sim.split.Structure)
+        self._replica_runs: dict = {}
         self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
@@ -276,6 +283,17 @@ class Simulator:
             out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
         return out
 
+    def _delta(self, g: TaskGraph, values: list[float]) -> float | None:
+        """The last end of g's tasks by delta simulation (planner.sim.split), or None where it
+        does not apply to g or to these values."""
+        if g.split is None:
+            if len(self._structures) >= STRUCTURE_CACHE_SIZE:
+                self._structures.clear()
+            g.split = Split.of(g, self._wakes(g), len(self._lanes), self._structures) or False
+        if not g.split:
+            return None
+        return g.split.run(values, self._replica_runs)
+
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
         """For each replica, the first replica it is identical to: the same structure (microbatches,
@@ -349,19 +367,24 @@ class Simulator:
             g.contended = contention.contended(self.topology, self.cost, plan)
             g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
         contended = g.contended
-        if self._collapse and g.collapsible and not trace and not contended:
-            like = self._like(g, values)
-            if like != tuple(range(len(like))):
-                g = self._shape(plan, trace, like)
-                values = self._evaluate(plan, g)
-        base = list(map(values.__getitem__, g.dkey))
-        wake = self._wakes(g)
-        start, end = self._run(g, base, wake)
-        dur = base
-        for _ in range(contention.CONTENTION_PASSES if contended else 0):
-            dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-            start, end = self._run(g, dur, wake)
-        iteration_s = _iteration_s(g, end) + g.overhead_s
+        last = self._delta(g, values) if self._split and not trace and not contended else None
+        if last is None:
+            if self._collapse and g.collapsible and not trace and not contended:
+                like = self._like(g, values)
+                if like != tuple(range(len(like))):
+                    g = self._shape(plan, trace, like)
+                    values = self._evaluate(plan, g)
+            base = list(map(values.__getitem__, g.dkey))
+            wake = self._wakes(g)
+            start, end = self._run(g, base, wake)
+            dur = base
+            for _ in range(contention.CONTENTION_PASSES if contended else 0):
+                dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
+                start, end = self._run(g, dur, wake)
+            last = _iteration_s(g, end)
+        else:
+            dur = base = []
+        iteration_s = last + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = peak_memory(plan, self.graph, self.topology)
