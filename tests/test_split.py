@@ -171,7 +171,8 @@ def test_each_distinct_replica_runs_once_and_a_changed_one_alone(paths):
 
 def test_replicas_sharing_a_link_direction_take_the_whole_graph(paths):
     # a chain cuda:0 - cuda:1 - cuda:2 - cuda:3: both replicas' activations cross cuda:1 -> cuda:2
-    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=4, cut_bytes=[10**6] * 5)
+    # and queue there (no parameters: no all-reduce that would also keep the plan whole)
+    g = graph([layer(i) for i in range(4)], batch=4, cut_bytes=[10**6] * 5)
     names = [f"cuda:{i}" for i in range(4)]
     t = topology([device(d) for d in names], [link(a, b, 1e7) for a, b in zip(names, names[1:])])
     pl = plan([(0.5, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]), (0.5, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)])], 8)
@@ -192,6 +193,55 @@ def test_all_reduces_holding_a_saturated_hosts_compute_queues_take_the_whole_gra
     pl = plan([(0.5, 1, [("cpu:0", 0, 4)]), (0.5, 1, [("cpu:1", 0, 4)])], 2, bucket_bytes=10**6)
     same_results(g, t, [pl])
     assert paths["whole"] == 1 and not paths["split"], paths
+
+
+def test_a_host_step_that_wakes_up_takes_the_whole_graph(paths):
+    # calibrated CPU workers: the GPU's step on cpu:0 follows the gradients' copy over the link,
+    # so it wakes cpu:0's worker up (a wake-up that depends on when cpu:0 was last busy)
+    g, t, pl = _host_optimizer_case(1e8)
+    t = replace(t, measured={"calibration": calibration_to_dict(CALIBRATION)})
+    same_results(g, t, [pl])
+    assert paths["whole"] == 1 and not paths["split"], paths
+
+
+def _two_replicas_and_coupling(z_s: float):
+    """Replica 0: P (1 s, resource 0) then Z (z_s, resource 0); replica 1: Q (1 s, resource 1).
+    Coupling: A after Z and B after Q (1 s each, both on resource 2; A the lower id), C after A
+    (5 s, resource 3). Values: [1, z_s, 5]."""
+    from planner.sim.taskgraph import TaskGraph
+    g = TaskGraph(trace=False)
+    g.begin_replica((0,), None)
+    z = g.add(1, (0,), (g.add(0, (0,)),))
+    g.end_replica()
+    g.begin_replica((1,), None)
+    q = g.add(0, (1,))
+    g.end_replica()
+    g.add(2, (3,), (g.add(0, (2,), (z,)),))
+    g.add(0, (2,), (q,))
+    return g, [1.0, z_s, 5.0]
+
+
+def test_a_zero_length_task_before_the_coupling_takes_the_whole_graph():
+    # the event loop ends Z (0 s at 1 s) a round after Q, so B starts at 1 s and A at 2 s, C
+    # ends at 8 s; a release task would end in Q's round and A would go first (C at 7 s)
+    from planner.sim.eventloop import run as run_tasks
+    g, values = _two_replicas_and_coupling(0.0)
+    dur = [values[k] for k in g.dkey]
+    assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
+    assert split.Split.of(g, {}, 4, {}).run(values, {}) is None
+    # Z taking 0.5 s: A is ready at 1.5 s while B runs (1 to 2 s), A runs 2 to 3 s, C ends
+    # at 8 s, delta simulation agrees
+    g, values = _two_replicas_and_coupling(0.5)
+    dur = [values[k] for k in g.dkey]
+    assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
+    assert split.Split.of(g, {}, 4, {}).run(values, {}) == 8.0
+
+
+def test_a_dependency_into_a_replica_keeps_the_graph_whole():
+    # replica 1's task waits for a coupling task: replica 1 cannot run alone
+    g, _ = _two_replicas_and_coupling(0.5)
+    g.wire(len(g.dkey) - 1, 2)
+    assert split.Split.of(g, {}, 4, {}) is None
 
 
 def _host_optimizer_case(gpu_flops: float):
