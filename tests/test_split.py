@@ -237,6 +237,29 @@ def test_a_zero_length_task_before_the_coupling_takes_the_whole_graph():
     assert split.Split.of(g, {}, 4, {}).run(values, {}) == 8.0
 
 
+def test_a_step_ready_as_a_zero_length_task_ends_on_its_device_takes_the_whole_graph():
+    # replica 0: P (1 s, resource 0), Z0 (0 s, resource 5), Z (0 s, resource 0), W (5 s,
+    # resource 4) in a chain; replica 1: Q (1 s, resource 1); a step S after Q on resource 0.
+    # At 1 s S takes resource 0 first (Z is ready a round later), so Z waits for it: W ends at
+    # 7 s. Alone, replica 0's Z ends at 1 s, when S is ready: the release would not show the
+    # round, delta simulation must give up (else it says 6 s).
+    from planner.sim.eventloop import run as run_tasks
+    from planner.sim.taskgraph import TaskGraph
+    g = TaskGraph(trace=False)
+    g.begin_replica((0,), None)
+    z0 = g.add(1, (5,), (g.add(0, (0,)),))
+    g.add(2, (4,), (g.add(1, (0,), (z0,)),))
+    g.end_replica()
+    g.begin_replica((1,), None)
+    q = g.add(0, (1,))
+    g.end_replica()
+    g.add(0, (0,), (q,))
+    values = [1.0, 0.0, 5.0]
+    dur = [values[k] for k in g.dkey]
+    assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 6)[1]) == 7.0
+    assert split.Split.of(g, {}, 6, {}).run(values, {}) is None
+
+
 def test_a_dependency_into_a_replica_keeps_the_graph_whole():
     # replica 1's task waits for a coupling task: replica 1 cannot run alone
     g, _ = _two_replicas_and_coupling(0.5)

@@ -18,8 +18,9 @@ The conditions (`Split.of`, per task graph; `Split.run`, per plan), each needed 
   step on its device) becomes ready no earlier than that replica's last task there ends
   (checked on each plan's times);
 - no coupling task wakes up (it follows no transfer: the wake-up depends on when its
-  resource was last busy); no replica task takes no time (the loop ends such a task in a
-  later round of the same instant, which a release task would not reproduce);
+  resource was last busy); no replica task that the coupling waits for takes no time, and
+  none ends on a coupling task's resource when that task becomes ready (the loop ends such a
+  task in a later round of the same instant, which a release task would not reproduce);
 - not a trace, not a PipeDream stream, no contention (its durations depend on the timeline).
 The per-device statistics do not depend on times, so `Split.run` gives only the last end;
 the caller adds the iteration's fixed overhead as for a whole run.
@@ -62,17 +63,22 @@ class Structure:
             for x in r:
                 if e > last[x]:
                     last[x] = e
-        zero = any(map(float.__eq__, start, end))
-        return ReplicaRun(max(end) if end else 0.0, array("d", end), tuple(last), zero)
+        zeros = frozenset(t for t, (s, e) in enumerate(zip(start, end)) if s == e)
+        last_zero = [False] * self.n_res
+        for t in zeros:
+            for x in self.res[t]:
+                last_zero[x] |= end[t] == last[x]
+        return ReplicaRun(max(end) if end else 0.0, array("d", end), tuple(last), tuple(last_zero), zeros)
 
 
 class ReplicaRun(NamedTuple):
     """A replica's times alone: its last end, each task's end, each (local) resource's last
-    end, and whether some task took no time."""
+    end and whether a task taking no time ends then, the tasks that took no time."""
     end_s: float
     ends: array
     last: tuple[float, ...]
-    zero: bool
+    last_zero: tuple[bool, ...]
+    zeros: frozenset[int]
 
 
 class Part(NamedTuple):
@@ -187,16 +193,19 @@ class Split:
                 if len(runs) >= RUN_CACHE_SIZE:
                     runs.pop(next(iter(runs)))
                 runs[key] = out
-            if out.zero:
-                return None
             done.append(out)
-        dur = [done[p].ends[t] for p, t in self.release]
+        dur = []
+        for p, t in self.release:
+            if t in done[p].zeros:   # it ends a round later than its release task would
+                return None
+            dur.append(done[p].ends[t])
         first = len(self.release)
         dur += map(values.__getitem__, self.coupling)
         start, end = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res)
         for c, p, x in self.checks:
             ready = max((end[q] for q in self.preds[c - first]), default=0.0)
-            if ready < done[p].last[x]:
+            last = done[p].last[x]
+            if ready < last or (ready == last and done[p].last_zero[x]):
                 return None
         last = max(end, default=0.0)
         return max(last, max(r.end_s for r in done))
