@@ -30,22 +30,35 @@ from search import cluster_64, synthetic_graph  # noqa: E402
 EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
 
 
+class Paths(Counter):
+    """Plans simulated with delta simulation on that took it ("split"), fell back on their
+    times ("fallback") or did not split ("whole"); replicas run alone ("replica runs")."""
+
+    def __getitem__(self, k):
+        if k == "whole":
+            return super().__getitem__("sims") - super().__getitem__("split") - super().__getitem__("fallback")
+        return super().__getitem__(k)
+
+
 @pytest.fixture
 def paths(monkeypatch):
-    """Counts the plans that took delta simulation ("split"), fell back on their times
-    ("fallback") or whose graph does not split ("whole"), and the replicas run alone."""
-    counts: Counter = Counter()
-    delta, run = Simulator._delta, split.Structure.run
+    counts = Paths()
+    simulate, delta, run = Simulator.simulate, split.Split.run, split.Structure.run
 
-    def counted(self, g, values):
-        out = delta(self, g, values)
-        counts["whole" if g.split is False else "fallback" if out is None else "split"] += 1
+    def counted_sim(self, pl, trace=False):
+        counts["sims"] += self._split
+        return simulate(self, pl, trace)
+
+    def counted(self, values, runs):
+        out = delta(self, values, runs)
+        counts["fallback" if out is None else "split"] += 1
         return out
 
     def replica(self, values):
         counts["replica runs"] += 1
         return run(self, values)
-    monkeypatch.setattr(Simulator, "_delta", counted)
+    monkeypatch.setattr(Simulator, "simulate", counted_sim)
+    monkeypatch.setattr(split.Split, "run", counted)
     monkeypatch.setattr(split.Structure, "run", replica)
     return counts
 

@@ -107,6 +107,7 @@ class ShapeKey(NamedTuple):
     optimizer: str
     placement: tuple       # (placement, cpu_fraction)
     recompute: bool
+    delta: bool            # a delta build (planner.sim.split)
     like: tuple[int, ...] | None
 
 
@@ -142,6 +143,7 @@ class Simulator:
         for link in topology.links:
             self._resource((link.a, link.b))
             self._resource((link.b, link.a))
+        self._links = {(x,) for key, x in self._rid.items() if isinstance(key, tuple)}   # as tasks' resources
         self._hops: dict[tuple[str, str], list[RouteHop]] = {}
         self._ar: dict[tuple[tuple[str, ...], float, bool], tuple[tuple[int, ...], float]] = {}
         self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
@@ -217,18 +219,28 @@ class Simulator:
         return out
 
     # --- building the task graph of a plan shape ---------------------------------------------
-    def _build(self, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None = None) -> None:
+    def _build(self, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None = None, delta: bool = False) -> None:
         """Everything of `plan` but its batch sizes becomes tasks of `g`; replica r is simulated
-        by replica like[r] where that differs from r (see `_like`)."""
-        Builder(self, plan, g, like).build()
+        by replica like[r] where that differs from r (see `_like`); `delta`: replicas become
+        parts (planner.sim.build.Builder.releases)."""
+        Builder(self, plan, g, like, delta).build()
 
-    def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> TaskGraph:
+    def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None, delta: bool = False) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
-        collapsed as `like` says; built afresh when tracing."""
+        collapsed as `like` says, or its delta build with its split (planner.sim.split; False
+        where it does not apply); built afresh when tracing."""
         key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
                        plan.sync, plan.optimizer.name,
-                       (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, like)
+                       (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, delta, like)
         g = None if trace else self._shapes.get(key)
+        if g is None and delta:
+            g = TaskGraph(False)
+            self._build(plan, g, delta=True)
+            if len(self._structures) >= STRUCTURE_CACHE_SIZE:
+                self._structures.clear()
+            self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
+            g.split = Split.of_parts(g, g.wake, len(self._lanes), self._structures, self._wake_at,
+                                     self._links) or False
         if g is None:
             g = TaskGraph(trace)
             self._build(plan, g, like)
@@ -261,7 +273,7 @@ class Simulator:
                 cost = self.cost
                 self._wake_at = {(self._rid[d.name],): w for d in self.topology.devices
                                  if (w := cost.wake_latency_s(d.name) + cost.cold_compute_s(d.name)) > 0.0}
-            links = {(x,) for key, x in self._rid.items() if isinstance(key, tuple)}
+            links = self._links
             wake_at, res, succ = self._wake_at, g.res, g.succ
             g.wake = {}
             for t in compress(range(len(res)), map(links.__contains__, res)):
@@ -283,16 +295,30 @@ class Simulator:
             out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
         return out
 
-    def _delta(self, g: TaskGraph, values: list[float]) -> float | None:
-        """The last end of g's tasks by delta simulation (planner.sim.split), or None where it
-        does not apply to g or to these values."""
-        if g.split is None:
-            if len(self._structures) >= STRUCTURE_CACHE_SIZE:
-                self._structures.clear()
-            g.split = Split.of(g, self._wakes(g), len(self._lanes), self._structures) or False
+    def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float] | None:
+        """(delta build, its values, the last end of the plan's tasks) by delta simulation
+        (planner.sim.split), or None where it does not apply to the plan's shape or times.
+        Plans with offloaded activations, tensor splits or a PipeDream stream are not tried
+        (their replicas' tasks are not all from the template)."""
+        if (len(plan.replicas) < 2 or plan.sync.mode in PIPEDREAM_MODES
+                or any(st.offload_activations or st.split for rep in plan.replicas for st in rep.stages)):
+            return None
+        g = self._shape(plan, False, delta=True)
         if not g.split:
             return None
-        return g.split.run(values, self._replica_runs)
+        values = self._evaluate(plan, g)
+        if self._plan_facts(plan, g):   # contended: durations depend on the timeline
+            return None
+        last = g.split.run(values, self._replica_runs)
+        return None if last is None else (g, values, last)
+
+    def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
+        """g's contended CPU workers (contention.contended) and iteration overhead, kept on g:
+        they depend on the plan's devices only. Returns the former."""
+        if g.contended is None:
+            g.contended = contention.contended(self.topology, self.cost, plan)
+            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
+        return g.contended
 
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
@@ -361,14 +387,14 @@ class Simulator:
                         plan.recompute)
         if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
             return self._cache[key]
-        g = self._shape(plan, trace)
-        values = self._evaluate(plan, g)
-        if g.contended is None:   # they depend on the plan's devices only
-            g.contended = contention.contended(self.topology, self.cost, plan)
-            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
-        contended = g.contended
-        last = self._delta(g, values) if self._split and not trace and not contended else None
-        if last is None:
+        delta = self._delta(plan) if self._split and not trace else None
+        if delta is not None:
+            g, values, last = delta
+            contended, dur, base = {}, [], []
+        else:
+            g = self._shape(plan, trace)
+            values = self._evaluate(plan, g)
+            contended = self._plan_facts(plan, g)
             if self._collapse and g.collapsible and not trace and not contended:
                 like = self._like(g, values)
                 if like != tuple(range(len(like))):
@@ -382,8 +408,6 @@ class Simulator:
                 dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
                 start, end = self._run(g, dur, wake)
             last = _iteration_s(g, end)
-        else:
-            dur = base = []
         iteration_s = last + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0

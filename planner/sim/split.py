@@ -41,14 +41,29 @@ class Structure:
     """A replica's tasks alone, ids from 0 and resources renumbered in their order (the loop's
     result depends only on that order): what its times depend on besides its durations."""
 
-    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "key")
+    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template")
 
-    def __init__(self, res, succ, ndeps, pattern, wake, n_res):
+    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None):
         self.res, self.succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
         self.n_res = n_res
         self.shared = tuple(sorted({x for r in res if len(r) > 1 for x in r}))
         self.static: Static | None | bool = None   # the fixed-order pass, False where it does not apply
-        self.key = (res, succ, pattern, tuple(sorted(wake.items())))
+        self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
+
+    @staticmethod
+    def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set) -> "Structure":
+        """The tasks of template t with its resource slots `res` (resources of the plan),
+        renumbered as `canon`; a task after a hop (a link) wakes up by wake_at of its resource
+        (planner.sim.simulator.Simulator._wakes)."""
+        wake = {}
+        for j, x in enumerate(t.res):
+            if res[x] in links:
+                for v in t.succ[j]:
+                    w = wake_at.get(res[t.res[v]])
+                    if w is not None:
+                        wake[v] = w
+        return Structure(tuple(canon[x] for x in t.res), t.succ, t.ndeps, t.value, wake,
+                         1 + max((y for r in canon for y in r), default=-1), t)
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
         dur = list(map(values.__getitem__, self.pattern))
@@ -79,6 +94,14 @@ class ReplicaRun(NamedTuple):
     last: tuple[float, ...]
     last_zero: tuple[bool, ...]
     zeros: frozenset[int]
+
+
+def _independent(g: TaskGraph, coupling, owner: dict[int, int], wake: dict[int, float]) -> bool:
+    """No coupling task of g wakes up or holds a replica's resource beside others."""
+    for t in coupling:
+        if t in wake or (len(g.res[t]) > 1 and any(x in owner for x in g.res[t])):
+            return False
+    return True
 
 
 class Part(NamedTuple):
@@ -125,11 +148,46 @@ class Split:
             if any(which[v] >= 0 and which[v] != which[t] for v in vs):
                 return None   # a dependency enters a replica from outside
         coupling = [t for t in range(len(g.res)) if which[t] < 0]
-        for t in coupling:
-            if t in wake or (len(g.res[t]) > 1 and any(x in owner for x in g.res[t])):
-                return None
+        if not _independent(g, coupling, owner, wake):
+            return None
         parts = [Split._part(g, a, b, wake, structures) for a, b in bounds]
         return Split._coupled(g, parts, which, owner, coupling, n_res)
+
+    @staticmethod
+    def of_parts(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict,
+                 wake_at: dict, links: set) -> "Split | None":
+        """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
+        first, then the coupling tasks), or None where a condition fails on the graph.
+        Structures are kept under (template, resources renumbered, their wake-ups and links)."""
+        if len(g.parts) < 2:
+            return None
+        owner: dict[int, int] = {}
+        parts, release = [], []
+        for p, (t, vals, res, ids) in enumerate(g.parts):
+            for x in {x for r in res for x in r}:
+                if owner.setdefault(x, p) != p:
+                    return None   # two replicas share a device or link direction
+            used = sorted({x for r in res for x in r})
+            local = dict(zip(used, range(len(used))))
+            canon = tuple(tuple(map(local.__getitem__, r)) for r in res)
+            key = (id(t), canon, tuple(wake_at.get(r) for r in res), tuple(r in links for r in res))
+            s = structures.get(key)
+            if s is None or s.template is not t:
+                s = structures[key] = Structure.of_template(t, canon, res, wake_at, links)
+            parts.append(Part(-1, s, vals, local))
+            release += [(p, x) for x in ids]
+        first = len(release)
+        if [i for *_, ids in g.parts for i in ids.values()] != list(range(first)):
+            return None   # not a delta build's layout
+        coupling = range(first, len(g.res))
+        if not _independent(g, coupling, owner, wake):
+            return None
+        checks = [(t, owner[x], parts[owner[x]].local[x]) for t in coupling for x in g.res[t] if x in owner]
+        preds: list[list[int]] = [[] for _ in coupling]
+        for t, vs in enumerate(g.succ):
+            for v in vs:
+                preds[v - first].append(t)
+        return Split(parts, release, g.dkey[first:], g.res, g.succ, g.ndeps, n_res + first, checks, preds)
 
     @staticmethod
     def _coupled(g: TaskGraph, parts: list["Part"], which: list[int], owner: dict[int, int],
@@ -175,8 +233,10 @@ class Split:
         at = dict(zip(recipes, range(len(recipes))))
         pattern = tuple(map(at.__getitem__, dkey))
         w = {t - a: s for t, s in wake.items() if a <= t < b}
-        s = Structure(res, succ, ndeps, pattern, w, len(used))
-        s = structures.setdefault(s.key, s)
+        key = (res, succ, pattern, tuple(sorted(w.items())))
+        s = structures.get(key)
+        if s is None:
+            s = structures[key] = Structure(res, succ, ndeps, pattern, w, len(used))
         return Part(a, s, recipes, local)
 
     def run(self, values: list[float], runs: dict) -> float | None:
