@@ -300,8 +300,9 @@ class Simulator:
         (planner.sim.split), or None where it does not apply to the plan's shape or times.
         Plans with offloaded activations, tensor splits or a PipeDream stream are not tried
         (their replicas' tasks are not all from the template)."""
-        if (len(plan.replicas) < 2 or plan.sync.mode in PIPEDREAM_MODES
-                or any(st.offload_activations or st.split for rep in plan.replicas for st in rep.stages)):
+        if (plan.sync.mode in PIPEDREAM_MODES
+                or any(st.offload_activations or st.split for rep in plan.replicas for st in rep.stages)
+                or self._coupled(plan)):
             return None
         g = self._shape(plan, False, delta=True)
         if not g.split:
@@ -311,6 +312,22 @@ class Simulator:
             return None
         last = g.split.run(values, self._replica_runs)
         return None if last is None else (g, values, last)
+
+    def _coupled(self, plan: Plan) -> bool:
+        """Whether two replicas' stages or routes share a resource, or a gradient all-reduce's
+        ring holds one of them: a plan that Split.of_parts would refuse, seen before building
+        (conditions it checks on the graph; this only saves the build)."""
+        owner: dict[int, int] = {}
+        for r, rep in enumerate(plan.replicas):
+            used = {self._rid[st.device] for st in rep.stages}
+            for a, b in zip(rep.stages, rep.stages[1:]):
+                used.update(h.resource for h in self.hops(a.device, b.device) + self.hops(b.device, a.device))
+            for x in used:
+                if owner.setdefault(x, r) != r:
+                    return True
+        buckets, tied = self.exchanged(plan)
+        rings = {b.devices for b in buckets + tied}
+        return any(x in owner for devices in rings for x in self._allreduce(devices, 0.0)[0])
 
     def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
         """g's contended CPU workers (contention.contended) and iteration overhead, kept on g:

@@ -35,13 +35,16 @@ from planner.sim.listsched import Static
 from planner.sim.taskgraph import TaskGraph
 
 RUN_CACHE_SIZE = 4096   # replica runs kept (structure, duration values) -> times
+# the fixed-order pass (planner.sim.listsched) for a structure run this many times before: most
+# structures of a search run once, and preparing the pass costs about two event-loop runs
+STATIC_AFTER = 2
 
 
 class Structure:
     """A replica's tasks alone, ids from 0 and resources renumbered in their order (the loop's
     result depends only on that order): what its times depend on besides its durations."""
 
-    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template")
+    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template", "runs")
 
     def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None):
         self.res, self.succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
@@ -49,6 +52,7 @@ class Structure:
         self.shared = tuple(sorted({x for r in res if len(r) > 1 for x in r}))
         self.static: Static | None | bool = None   # the fixed-order pass, False where it does not apply
         self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
+        self.runs = 0
 
     @staticmethod
     def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set) -> "Structure":
@@ -67,8 +71,9 @@ class Structure:
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
         dur = list(map(values.__getitem__, self.pattern))
-        if self.static is None:
+        if self.static is None and self.runs >= STATIC_AFTER:
             self.static = Static.of(self) or False
+        self.runs += 1
         out = self.static.run(dur, self.wake) if self.static else None
         if out is None:
             out = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res, self.wake)
@@ -159,8 +164,6 @@ class Split:
         """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
         first, then the coupling tasks), or None where a condition fails on the graph.
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
-        if len(g.parts) < 2:
-            return None
         owner: dict[int, int] = {}
         parts, release = [], []
         for p, (t, vals, res, ids) in enumerate(g.parts):
