@@ -233,34 +233,41 @@ class Simulator:
                        plan.sync, plan.optimizer.name,
                        (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, delta, like)
         g = None if trace else self._shapes.get(key)
-        if g is None and delta:
-            g = TaskGraph(False)
-            self._build(plan, g, delta=True)
-            if len(self._structures) >= STRUCTURE_CACHE_SIZE:
-                self._structures.clear()
-            self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
-            g.split = Split.of_parts(g, g.wake, len(self._lanes), self._structures, self._wake_at,
-                                     self._links) or False
         if g is None:
-            g = TaskGraph(trace)
-            self._build(plan, g, like)
-            g.shared_res = tuple(sorted({x for r in g.res if len(r) > 1 for x in r}))
-            # Replicas are independent when nothing else queues on their devices and links:
-            # every device holds one stage, optimizers run on their devices (after the
-            # device's last backward, which they wait for through the all-reduces), and no two
-            # replicas or all-reduces share a link direction.
-            seen: set[int] = set()
-            g.collapsible = (like is None and plan.optimizer.placement == "device"
-                             and len(plan.devices) == sum(len(r.stages) for r in plan.replicas))
-            for used in g.replica_res if g.collapsible else ():
-                if used & seen or used & g.sync_res:
-                    g.collapsible = False
-                    break
-                seen |= used
+            g = self._delta_build(plan) if delta else self._whole_build(plan, trace, like)
             if not trace and self._shape_cache_size > 0:
                 if len(self._shapes) >= self._shape_cache_size:
                     self._shapes.pop(next(iter(self._shapes)))
                 self._shapes[key] = g
+        return g
+
+    def _whole_build(self, plan: Plan, trace: bool, like: tuple[int, ...] | None) -> TaskGraph:
+        g = TaskGraph(trace)
+        self._build(plan, g, like)
+        g.shared_res = tuple(sorted({x for r in g.res if len(r) > 1 for x in r}))
+        # Replicas are independent when nothing else queues on their devices and links:
+        # every device holds one stage, optimizers run on their devices (after the
+        # device's last backward, which they wait for through the all-reduces), and no two
+        # replicas or all-reduces share a link direction.
+        seen: set[int] = set()
+        g.collapsible = (like is None and plan.optimizer.placement == "device"
+                         and len(plan.devices) == sum(len(r.stages) for r in plan.replicas))
+        for used in g.replica_res if g.collapsible else ():
+            if used & seen or used & g.sync_res:
+                g.collapsible = False
+                break
+            seen |= used
+        return g
+
+    def _delta_build(self, plan: Plan) -> TaskGraph:
+        """The plan shape's delta build with its split (planner.sim.split), False where it
+        does not apply."""
+        g = TaskGraph(False)
+        self._build(plan, g, None, True)
+        if len(self._structures) >= STRUCTURE_CACHE_SIZE:
+            self._structures.clear()
+        self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
+        g.split = Split.of_parts(g, g.wake, len(self._lanes), self._structures, self._wake_at, self._links) or False
         return g
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:

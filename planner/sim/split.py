@@ -164,6 +164,8 @@ class Split:
         """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
         first, then the coupling tasks), or None where a condition fails on the graph.
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
+        if not g.parts:
+            return None   # not a delta build
         owner: dict[int, int] = {}
         parts, release = [], []
         for p, (t, vals, res, ids) in enumerate(g.parts):
@@ -271,7 +273,7 @@ class Split:
             if ready < last or (ready == last and done[p].last_zero[x]):
                 return None
         last = max(end, default=0.0)
-        return max(last, max(r.end_s for r in done))
+        return max(last, max((r.end_s for r in done), default=0.0))
 
 
 __all__ = ["Split", "Structure", "ReplicaRun", "RUN_CACHE_SIZE"]
