@@ -51,7 +51,9 @@ to answer it, and all-reduce algorithms other than the ring.
 Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
 from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan;
 a shape simulated again takes the fixed-order pass (planner.sim.listsched) where every resource's
-order is fixed, and its duration values are kept per replica and microbatch size.
+order is fixed, and its duration values are kept per replica and microbatch size. A plan whose
+replicas are independent is simulated replica by replica, each distinct one once and kept across
+plans, then the coupling (planner.sim.split, delta simulation).
 None of it changes a result. Contention between CPU workers: planner.sim.contention.
 """
 from __future__ import annotations

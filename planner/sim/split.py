@@ -9,7 +9,14 @@ determines them (`Structure`: its tasks' dependencies, resources renumbered in t
 recipe pattern and wake-ups; and its duration values); then only the coupling tasks run, each
 replica task they wait for replaced by a *release* task that ends at that task's end.
 
-The conditions (`Split.of`, per task graph; `Split.run`, per plan), each needed for identity:
+The simulator uses `Split.of_parts` on a *delta build* (planner.sim.build.Builder.releases): its
+replicas are parts (template, values, resources), never stamped as tasks, so a plan that
+changes one replica builds and runs that replica's structure only; a one-replica plan (the
+search's solve_batches) takes the same path. `Split.of` splits a whole task graph whose replicas
+are blocks of ids (hand-made graphs).
+
+The conditions (`Split.of` / `Split.of_parts`, per graph; `Split.run`, per plan), each needed
+for identity:
 - every replica's tasks form one block of ids; no dependency enters a replica from outside
   it (another replica or the coupling);
 - replicas' resources are pairwise disjoint; a coupling task holding several resources holds
