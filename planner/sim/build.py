@@ -34,6 +34,7 @@ class SimulatorView(Protocol):
     topology: Topology
     cost: CostModel
     _rid: dict[Any, int]   # resource id of each device and link direction
+    _lanes: list[str]      # per resource id, its name
     _saturated: frozenset[str]   # CPU devices with no core to spare (planner.sim.contention)
 
     def hops(self, a: str, b: str) -> list[RouteHop]: ...
@@ -78,8 +79,10 @@ class Builder:
     """Builds one plan shape's task graph for `sim` (a Simulator: its resource ids, routes and
     all-reduce cache); replica r is simulated by replica like[r] where that differs from r."""
 
-    def __init__(self, sim: SimulatorView, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None):
+    def __init__(self, sim: SimulatorView, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None,
+                 delta: bool = False):
         self.sim, self.plan, self.g, self.like = sim, plan, g, like
+        self.delta = delta   # replicas as parts, not tasks (`releases`; planner.sim.split)
         self.tracing = g.meta is not None   # labels are made only for a trace
         self.progress = Progress()
         self.exchange = Exchange(False, [], {})
@@ -135,8 +138,9 @@ class Builder:
         pairs = [(a.device, b.device) for a, b in zip(stages, stages[1:])]
         routes = [(hops(a, b), hops(b, a)) for a, b in pairs]
         counts = tuple((len(x), len(y)) for x, y in routes)
-        g.begin_replica((m, tuple(st.layers for st in stages), counts),
-                        g.replica_tasks[like[r]] if like and like[r] != r else None)
+        if not self.delta:
+            g.begin_replica((m, tuple(st.layers for st in stages), counts),
+                            g.replica_tasks[like[r]] if like and like[r] != r else None)
         chunks = [self.backward_chunks(st) for st in stages]
         devices = len(rep.pipeline_devices) if self.plan.schedule == "interleaved-1f1b" else None
         t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream)
@@ -165,8 +169,11 @@ class Builder:
                     lanes.append(h.lane)
         if split:
             vals += [self.input_value(r, s, stages) for s in range(len(stages))]
-        ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
-                      t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
+        if self.delta:
+            ids = self.releases(t, vals, res)
+        else:
+            ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
+                          t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
         devs = [st.device for st in stages]
         seq = g.stat_seq
         for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
@@ -191,7 +198,22 @@ class Builder:
         if stream:
             g.iteration_ends = [[ids[x] for x in ends] for ends in t.iteration_end]
             g.memory_bound.update(ids[x] for x, lab in enumerate(t.label) if lab[0] == "update")
-        g.end_replica()
+        if not self.delta:
+            g.end_replica()
+
+    def releases(self, t: ReplicaTemplate, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
+        """A delta build (planner.sim.split; plans without offloaded activations, tensor splits
+        or streams): the replica becomes a part of g, (template, value ids per value slot,
+        resources per resource slot), and only the tasks the coupling may wait for (the pieces
+        that make buckets final, each stage's last backward) become tasks: release tasks, each
+        on a resource of its own. Returns their ids by the template's task."""
+        g = self.g
+        k = g.value(Const(0.0))   # a release task's duration is set per plan (Split.run)
+        ids = {}
+        for x in sorted({x for ends in t.chunk_end for x in ends} | set(t.last_backward)):
+            ids[x] = g.add(k, (len(self.sim._lanes) + len(g.dkey),))
+        g.parts.append((t, tuple(vals), tuple(res), ids))
+        return ids
 
     def stream(self, m: int) -> Stream | None:
         """PipeDream and 2BW: the pipeline keeps running across iterations (1F1B without flush), so

@@ -51,7 +51,9 @@ to answer it, and all-reduce algorithms other than the ring.
 Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
 from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan;
 a shape simulated again takes the fixed-order pass (planner.sim.listsched) where every resource's
-order is fixed, and its duration values are kept per replica and microbatch size.
+order is fixed, and its duration values are kept per replica and microbatch size. A plan whose
+replicas are independent is simulated replica by replica, each distinct one once and kept across
+plans, then the coupling (planner.sim.split, delta simulation).
 None of it changes a result. Contention between CPU workers: planner.sim.contention.
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks
 from planner.sim.listsched import Static
+from planner.sim.split import Split
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
@@ -93,6 +96,7 @@ class SimResult:
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 
+STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
 BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
 
 
@@ -105,6 +109,7 @@ class ShapeKey(NamedTuple):
     optimizer: str
     placement: tuple       # (placement, cpu_fraction)
     recompute: bool
+    delta: bool            # a delta build (planner.sim.split)
     like: tuple[int, ...] | None
 
 
@@ -128,7 +133,7 @@ class Simulator:
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
-                 static_after: int | None = 2):
+                 static_after: int | None = 2, split: bool = True):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -140,6 +145,7 @@ class Simulator:
         for link in topology.links:
             self._resource((link.a, link.b))
             self._resource((link.b, link.a))
+        self._links = {(x,) for key, x in self._rid.items() if isinstance(key, tuple)}   # as tasks' resources
         self._hops: dict[tuple[str, str], list[RouteHop]] = {}
         self._ar: dict[tuple[tuple[str, ...], float, bool], tuple[tuple[int, ...], float]] = {}
         self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
@@ -154,6 +160,11 @@ class Simulator:
         # them cost more than it saved (docs/tuning.md, "Fixed-order pass").
         self._static_after = static_after
         self._saturated = contention.saturated_cpus(topology)
+        # delta simulation (planner.sim.split): independent replicas run one by one, each
+        # distinct one once, its times kept across plans; False: the whole graph every time
+        self._split = split
+        self._structures: dict = {}   # replica structures (planner.sim.split.Structure)
+        self._replica_runs: dict = {}
         self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
@@ -210,38 +221,55 @@ class Simulator:
         return out
 
     # --- building the task graph of a plan shape ---------------------------------------------
-    def _build(self, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None = None) -> None:
+    def _build(self, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None = None, delta: bool = False) -> None:
         """Everything of `plan` but its batch sizes becomes tasks of `g`; replica r is simulated
-        by replica like[r] where that differs from r (see `_like`)."""
-        Builder(self, plan, g, like).build()
+        by replica like[r] where that differs from r (see `_like`); `delta`: replicas become
+        parts (planner.sim.build.Builder.releases)."""
+        Builder(self, plan, g, like, delta).build()
 
-    def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None) -> TaskGraph:
+    def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None, delta: bool = False) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
-        collapsed as `like` says; built afresh when tracing."""
+        collapsed as `like` says, or its delta build with its split (planner.sim.split; False
+        where it does not apply); built afresh when tracing."""
         key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
                        plan.sync, plan.optimizer.name,
-                       (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, like)
+                       (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, delta, like)
         g = None if trace else self._shapes.get(key)
         if g is None:
-            g = TaskGraph(trace)
-            self._build(plan, g, like)
-            g.shared_res = tuple(sorted({x for r in g.res if len(r) > 1 for x in r}))
-            # Replicas are independent when nothing else queues on their devices and links:
-            # every device holds one stage, optimizers run on their devices (after the
-            # device's last backward, which they wait for through the all-reduces), and no two
-            # replicas or all-reduces share a link direction.
-            seen: set[int] = set()
-            g.collapsible = (like is None and plan.optimizer.placement == "device"
-                             and len(plan.devices) == sum(len(r.stages) for r in plan.replicas))
-            for used in g.replica_res if g.collapsible else ():
-                if used & seen or used & g.sync_res:
-                    g.collapsible = False
-                    break
-                seen |= used
+            g = self._delta_build(plan) if delta else self._whole_build(plan, trace, like)
             if not trace and self._shape_cache_size > 0:
                 if len(self._shapes) >= self._shape_cache_size:
                     self._shapes.pop(next(iter(self._shapes)))
                 self._shapes[key] = g
+        return g
+
+    def _whole_build(self, plan: Plan, trace: bool, like: tuple[int, ...] | None) -> TaskGraph:
+        g = TaskGraph(trace)
+        self._build(plan, g, like)
+        g.shared_res = tuple(sorted({x for r in g.res if len(r) > 1 for x in r}))
+        # Replicas are independent when nothing else queues on their devices and links:
+        # every device holds one stage, optimizers run on their devices (after the
+        # device's last backward, which they wait for through the all-reduces), and no two
+        # replicas or all-reduces share a link direction.
+        seen: set[int] = set()
+        g.collapsible = (like is None and plan.optimizer.placement == "device"
+                         and len(plan.devices) == sum(len(r.stages) for r in plan.replicas))
+        for used in g.replica_res if g.collapsible else ():
+            if used & seen or used & g.sync_res:
+                g.collapsible = False
+                break
+            seen |= used
+        return g
+
+    def _delta_build(self, plan: Plan) -> TaskGraph:
+        """The plan shape's delta build with its split (planner.sim.split), False where it
+        does not apply."""
+        g = TaskGraph(False)
+        self._build(plan, g, None, True)
+        if len(self._structures) >= STRUCTURE_CACHE_SIZE:
+            self._structures.clear()
+        self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
+        g.split = Split.of_parts(g, g.wake, len(self._lanes), self._structures, self._wake_at, self._links) or False
         return g
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:
@@ -254,7 +282,7 @@ class Simulator:
                 cost = self.cost
                 self._wake_at = {(self._rid[d.name],): w for d in self.topology.devices
                                  if (w := cost.wake_latency_s(d.name) + cost.cold_compute_s(d.name)) > 0.0}
-            links = {(x,) for key, x in self._rid.items() if isinstance(key, tuple)}
+            links = self._links
             wake_at, res, succ = self._wake_at, g.res, g.succ
             g.wake = {}
             for t in compress(range(len(res)), map(links.__contains__, res)):
@@ -275,6 +303,48 @@ class Simulator:
         if out is None:
             out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
         return out
+
+    def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float] | None:
+        """(delta build, its values, the last end of the plan's tasks) by delta simulation
+        (planner.sim.split), or None where it does not apply to the plan's shape or times.
+        Plans with offloaded activations, tensor splits or a PipeDream stream are not tried
+        (their replicas' tasks are not all from the template)."""
+        if (plan.sync.mode in PIPEDREAM_MODES
+                or any(st.offload_activations or st.split for rep in plan.replicas for st in rep.stages)
+                or self._coupled(plan)):
+            return None
+        g = self._shape(plan, False, delta=True)
+        if not g.split:
+            return None
+        values = self._evaluate(plan, g)
+        if self._plan_facts(plan, g):   # contended: durations depend on the timeline
+            return None
+        last = g.split.run(values, self._replica_runs)
+        return None if last is None else (g, values, last)
+
+    def _coupled(self, plan: Plan) -> bool:
+        """Whether two replicas' stages or routes share a resource, or a gradient all-reduce's
+        ring holds one of them: a plan that Split.of_parts would refuse, seen before building
+        (conditions it checks on the graph; this only saves the build)."""
+        owner: dict[int, int] = {}
+        for r, rep in enumerate(plan.replicas):
+            used = {self._rid[st.device] for st in rep.stages}
+            for a, b in zip(rep.stages, rep.stages[1:]):
+                used.update(h.resource for h in self.hops(a.device, b.device) + self.hops(b.device, a.device))
+            for x in used:
+                if owner.setdefault(x, r) != r:
+                    return True
+        buckets, tied = self.exchanged(plan)
+        rings = {b.devices for b in buckets + tied}
+        return any(x in owner for devices in rings for x in self._allreduce(devices, 0.0)[0])
+
+    def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
+        """g's contended CPU workers (contention.contended) and iteration overhead, kept on g:
+        they depend on the plan's devices only. Returns the former."""
+        if g.contended is None:
+            g.contended = contention.contended(self.topology, self.cost, plan)
+            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
+        return g.contended
 
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
@@ -343,25 +413,28 @@ class Simulator:
                         plan.recompute)
         if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
             return self._cache[key]
-        g = self._shape(plan, trace)
-        values = self._evaluate(plan, g)
-        if g.contended is None:   # they depend on the plan's devices only
-            g.contended = contention.contended(self.topology, self.cost, plan)
-            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
-        contended = g.contended
-        if self._collapse and g.collapsible and not trace and not contended:
-            like = self._like(g, values)
-            if like != tuple(range(len(like))):
-                g = self._shape(plan, trace, like)
-                values = self._evaluate(plan, g)
-        base = list(map(values.__getitem__, g.dkey))
-        wake = self._wakes(g)
-        start, end = self._run(g, base, wake)
-        dur = base
-        for _ in range(contention.CONTENTION_PASSES if contended else 0):
-            dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-            start, end = self._run(g, dur, wake)
-        iteration_s = _iteration_s(g, end) + g.overhead_s
+        delta = self._delta(plan) if self._split and not trace else None
+        if delta is not None:
+            g, values, last = delta
+            contended, dur, base = {}, [], []
+        else:
+            g = self._shape(plan, trace)
+            values = self._evaluate(plan, g)
+            contended = self._plan_facts(plan, g)
+            if self._collapse and g.collapsible and not trace and not contended:
+                like = self._like(g, values)
+                if like != tuple(range(len(like))):
+                    g = self._shape(plan, trace, like)
+                    values = self._evaluate(plan, g)
+            base = list(map(values.__getitem__, g.dkey))
+            wake = self._wakes(g)
+            start, end = self._run(g, base, wake)
+            dur = base
+            for _ in range(contention.CONTENTION_PASSES if contended else 0):
+                dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
+                start, end = self._run(g, dur, wake)
+            last = _iteration_s(g, end)
+        iteration_s = last + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = peak_memory(plan, self.graph, self.topology)

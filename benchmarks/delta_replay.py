@@ -1,0 +1,100 @@
+"""Delta simulation (planner.sim.split) against the whole graph on a search's own plans.
+
+Records every plan a 64 x 96 rails search simulates (benchmarks/search.py's case, seed 0, 600
+proposals), checks that both paths give identical results (repr), then replays the plans in
+order in fresh processes (cold template cache, as the search has it), delta on and off
+alternating: CPU time per side, medians and spread.
+
+    python benchmarks/delta_replay.py [--pairs 5] [--plans PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import pickle
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from search import cluster_64, synthetic_graph  # noqa: E402
+from planner.files.plan import ModelRef  # noqa: E402
+from planner.search.mcmc import SearchConfig, search  # noqa: E402
+from planner.search.problem import make_space, simulator_problem  # noqa: E402
+from planner.sim.simulator import Simulator  # noqa: E402
+
+
+def case():
+    return synthetic_graph(96, 256), cluster_64(8)
+
+
+def record(path: Path) -> None:
+    g, topo = case()
+    plans = []
+
+    class Recording(Simulator):
+        def simulate(self, plan, trace=False):
+            plans.append(plan)
+            return super().simulate(plan, trace)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    config = SearchConfig(iterations=600, time_limit_s=1e9)   # no wall-clock stop: the same plans on any machine
+    search(simulator_problem(Recording(g, topo), space), random.Random(0), config)
+    path.write_bytes(pickle.dumps(plans))
+
+
+def outcomes(sim: Simulator, plans) -> list[str]:
+    out = []
+    for p in plans:
+        try:
+            out.append(repr(sim.simulate(p)))
+        except ValueError as e:   # refused alike (no host CPU)
+            out.append(str(e))
+    return out
+
+
+def replay(path: Path, split: bool) -> float:
+    """CPU seconds to simulate the plans in order with a fresh simulator (gc off)."""
+    plans = pickle.loads(path.read_bytes())
+    g, topo = case()
+    sim = Simulator(g, topo, split=split)
+    gc.disable()
+    t0 = time.process_time()
+    outcomes(sim, plans)
+    return time.process_time() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=5, help="replays per side, alternating (default 5)")
+    ap.add_argument("--plans", type=Path, default=Path("/tmp/delta_replay_plans.pkl"), help="recorded plans")
+    ap.add_argument("--replay", choices=("on", "off"), help=argparse.SUPPRESS)   # one replay (a child)
+    args = ap.parse_args()
+    if args.replay:
+        print(replay(args.plans, args.replay == "on"))
+        return 0
+    if not args.plans.exists():
+        record(args.plans)
+    plans = pickle.loads(args.plans.read_bytes())
+    g, topo = case()
+    same = outcomes(Simulator(g, topo), plans) == outcomes(Simulator(g, topo, split=False), plans)
+    print(f"{len(plans)} plans; delta and whole results identical: {same}", file=sys.stderr)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(args.pairs):
+        for side in ("on", "off"):
+            out = subprocess.run([sys.executable, __file__, "--plans", str(args.plans), "--replay", side],
+                                 capture_output=True, text=True, check=True)
+            times[side].append(float(out.stdout))
+    for side, ts in times.items():
+        print(f"delta {side}: median {statistics.median(ts):.2f} s CPU ({min(ts):.2f}-{max(ts):.2f}), "
+              f"{len(plans) / statistics.median(ts):.1f} sims/s")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

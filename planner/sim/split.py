@@ -1,0 +1,286 @@
+"""Delta simulation: a plan of independent replicas run replica by replica, then the coupling.
+
+Where a plan's replicas hold pairwise-disjoint resources (devices, link directions) and no task
+outside them (all-reduces, optimizer steps, parameter exchange: the *coupling*) can delay one of
+their tasks, each replica's tasks run in the whole event loop exactly as they run alone: the
+loop serves each resource by (ready time, task id) and nothing else queues there. So each
+*distinct* replica is simulated alone, once, and its times are kept across plans under what
+determines them (`Structure`: its tasks' dependencies, resources renumbered in their order,
+recipe pattern and wake-ups; and its duration values); then only the coupling tasks run, each
+replica task they wait for replaced by a *release* task that ends at that task's end.
+
+The simulator uses `Split.of_parts` on a *delta build* (planner.sim.build.Builder.releases): its
+replicas are parts (template, values, resources), never stamped as tasks, so a plan that
+changes one replica builds and runs that replica's structure only; a one-replica plan (the
+search's solve_batches) takes the same path. `Split.of` splits a whole task graph whose replicas
+are blocks of ids (hand-made graphs).
+
+The conditions (`Split.of` / `Split.of_parts`, per graph; `Split.run`, per plan), each needed
+for identity:
+- every replica's tasks form one block of ids; no dependency enters a replica from outside
+  it (another replica or the coupling);
+- replicas' resources are pairwise disjoint; a coupling task holding several resources holds
+  none of a replica's (an all-reduce over a link a pipeline uses, gloo all-reduces holding the
+  compute queues of a saturated host); a coupling task on one replica resource (an optimizer
+  step on its device) becomes ready no earlier than that replica's last task there ends
+  (checked on each plan's times);
+- no coupling task wakes up (it follows no transfer: the wake-up depends on when its
+  resource was last busy); no replica task that the coupling waits for takes no time, and
+  none ends on a coupling task's resource when that task becomes ready (the loop ends such a
+  task in a later round of the same instant, which a release task would not reproduce);
+- not a trace, not a PipeDream stream, no contention (its durations depend on the timeline).
+The per-device statistics do not depend on times, so `Split.run` gives only the last end;
+the caller adds the iteration's fixed overhead as for a whole run.
+"""
+from __future__ import annotations
+
+from array import array
+from typing import NamedTuple
+
+from planner.sim.eventloop import run as run_tasks
+from planner.sim.listsched import Static
+from planner.sim.taskgraph import TaskGraph
+
+RUN_CACHE_SIZE = 4096   # replica runs kept (structure, duration values) -> times
+# the fixed-order pass (planner.sim.listsched) for a structure run this many times before: most
+# structures of a search run once, and preparing the pass costs about two event-loop runs
+STATIC_AFTER = 2
+
+
+class Structure:
+    """A replica's tasks alone, ids from 0 and resources renumbered in their order (the loop's
+    result depends only on that order): what its times depend on besides its durations."""
+
+    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template", "runs")
+
+    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None):
+        self.res, self.succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
+        self.n_res = n_res
+        self.shared = tuple(sorted({x for r in res if len(r) > 1 for x in r}))
+        self.static: Static | None | bool = None   # the fixed-order pass, False where it does not apply
+        self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
+        self.runs = 0
+
+    @staticmethod
+    def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set) -> "Structure":
+        """The tasks of template t with its resource slots `res` (resources of the plan),
+        renumbered as `canon`; a task after a hop (a link) wakes up by wake_at of its resource
+        (planner.sim.simulator.Simulator._wakes)."""
+        wake = {}
+        for j, x in enumerate(t.res):
+            if res[x] in links:
+                for v in t.succ[j]:
+                    w = wake_at.get(res[t.res[v]])
+                    if w is not None:
+                        wake[v] = w
+        return Structure(tuple(canon[x] for x in t.res), t.succ, t.ndeps, t.value, wake,
+                         1 + max((y for r in canon for y in r), default=-1), t)
+
+    def run(self, values: tuple[float, ...]) -> "ReplicaRun":
+        dur = list(map(values.__getitem__, self.pattern))
+        if self.static is None and self.runs >= STATIC_AFTER:
+            self.static = Static.of(self) or False
+        self.runs += 1
+        out = self.static.run(dur, self.wake) if self.static else None
+        if out is None:
+            out = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res, self.wake)
+        start, end = out
+        last = [0.0] * self.n_res   # per local resource, its last end
+        for r, e in zip(self.res, end):
+            for x in r:
+                if e > last[x]:
+                    last[x] = e
+        zeros = frozenset(t for t, (s, e) in enumerate(zip(start, end)) if s == e)
+        last_zero = [False] * self.n_res
+        for t in zeros:
+            for x in self.res[t]:
+                last_zero[x] |= end[t] == last[x]
+        return ReplicaRun(max(end) if end else 0.0, array("d", end), tuple(last), tuple(last_zero), zeros)
+
+
+class ReplicaRun(NamedTuple):
+    """A replica's times alone: its last end, each task's end, each (local) resource's last
+    end and whether a task taking no time ends then, the tasks that took no time."""
+    end_s: float
+    ends: array
+    last: tuple[float, ...]
+    last_zero: tuple[bool, ...]
+    zeros: frozenset[int]
+
+
+def _independent(g: TaskGraph, coupling, owner: dict[int, int], wake: dict[int, float]) -> bool:
+    """No coupling task of g wakes up or holds a replica's resource beside others."""
+    for t in coupling:
+        if t in wake or (len(g.res[t]) > 1 and any(x in owner for x in g.res[t])):
+            return False
+    return True
+
+
+class Part(NamedTuple):
+    """One replica of a task graph: its first task id, its structure, its recipes (value
+    indices in the order its pattern numbers them) and its resources' local numbers."""
+    first: int
+    structure: Structure
+    recipes: tuple[int, ...]
+    local: dict[int, int]
+
+
+class Split:
+    """A task graph's replicas and its coupling graph: release tasks (ids 0..R-1, each on a
+    resource of its own) then the coupling tasks in id order (`coupling`: their value
+    indices); `checks` are the coupling tasks on one replica resource: (coupling id, part,
+    local resource)."""
+
+    __slots__ = ("parts", "release", "coupling", "res", "succ", "ndeps", "shared", "n_res", "checks", "preds")
+
+    def __init__(self, parts, release, coupling, res, succ, ndeps, n_res, checks, preds):
+        self.parts, self.release, self.coupling = parts, release, coupling
+        self.res, self.succ, self.ndeps, self.n_res = res, succ, ndeps, n_res
+        self.shared = tuple(sorted({x for r in res if len(r) > 1 for x in r}))
+        self.checks, self.preds = checks, preds
+
+    @staticmethod
+    def of(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict) -> "Split | None":
+        """g's split, or None where a condition of the module docstring fails on the graph."""
+        if g.meta is not None or g.iteration_ends is not None or len(g.replica_tasks) < 2:
+            return None
+        bounds = []
+        owner: dict[int, int] = {}   # resource -> the replica holding it
+        for p, tasks in enumerate(g.replica_tasks):
+            if not tasks or tasks != list(range(tasks[0], tasks[0] + len(tasks))):
+                return None   # not one block (a collapsed graph's twin)
+            bounds.append((tasks[0], tasks[0] + len(tasks)))
+            for x in g.replica_res[p]:
+                if owner.setdefault(x, p) != p:
+                    return None   # two replicas share a device or link direction
+        which = [-1] * len(g.res)   # task -> its replica, -1: coupling
+        for p, (a, b) in enumerate(bounds):
+            which[a:b] = [p] * (b - a)
+        for t, vs in enumerate(g.succ):
+            if any(which[v] >= 0 and which[v] != which[t] for v in vs):
+                return None   # a dependency enters a replica from outside
+        coupling = [t for t in range(len(g.res)) if which[t] < 0]
+        if not _independent(g, coupling, owner, wake):
+            return None
+        parts = [Split._part(g, a, b, wake, structures) for a, b in bounds]
+        return Split._coupled(g, parts, which, owner, coupling, n_res)
+
+    @staticmethod
+    def of_parts(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict,
+                 wake_at: dict, links: set) -> "Split | None":
+        """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
+        first, then the coupling tasks), or None where a condition fails on the graph.
+        Structures are kept under (template, resources renumbered, their wake-ups and links)."""
+        if not g.parts:
+            return None   # not a delta build
+        owner: dict[int, int] = {}
+        parts, release = [], []
+        for p, (t, vals, res, ids) in enumerate(g.parts):
+            for x in {x for r in res for x in r}:
+                if owner.setdefault(x, p) != p:
+                    return None   # two replicas share a device or link direction
+            used = sorted({x for r in res for x in r})
+            local = dict(zip(used, range(len(used))))
+            canon = tuple(tuple(map(local.__getitem__, r)) for r in res)
+            key = (id(t), canon, tuple(wake_at.get(r) for r in res), tuple(r in links for r in res))
+            s = structures.get(key)
+            if s is None or s.template is not t:
+                s = structures[key] = Structure.of_template(t, canon, res, wake_at, links)
+            parts.append(Part(-1, s, vals, local))
+            release += [(p, x) for x in ids]
+        first = len(release)
+        if [i for *_, ids in g.parts for i in ids.values()] != list(range(first)):
+            return None   # not a delta build's layout
+        coupling = range(first, len(g.res))
+        if not _independent(g, coupling, owner, wake):
+            return None
+        checks = [(t, owner[x], parts[owner[x]].local[x]) for t in coupling for x in g.res[t] if x in owner]
+        preds: list[list[int]] = [[] for _ in coupling]
+        for t, vs in enumerate(g.succ):
+            for v in vs:
+                preds[v - first].append(t)
+        return Split(parts, release, g.dkey[first:], g.res, g.succ, g.ndeps, n_res + first, checks, preds)
+
+    @staticmethod
+    def _coupled(g: TaskGraph, parts: list["Part"], which: list[int], owner: dict[int, int],
+                 coupling: list[int], n_res: int) -> "Split":
+        """The coupling graph: a release task per replica task that a coupling task waits for
+        (on a resource numbered from n_res), then the coupling tasks."""
+        release: list[tuple[int, int]] = []   # (part, local task)
+        src: dict[int, int] = {}   # task of g -> its id in the coupling graph
+        for t, vs in enumerate(g.succ):
+            if which[t] >= 0 and any(which[v] < 0 for v in vs):
+                src[t] = len(release)
+                release.append((which[t], t - parts[which[t]].first))
+        for i, t in enumerate(coupling):
+            src[t] = len(release) + i
+        res = [(n_res + i,) for i in range(len(release))] + [g.res[t] for t in coupling]
+        checks = []
+        for t in coupling:
+            mine = [x for x in g.res[t] if x in owner]   # one at most (Split.of)
+            if mine:
+                p = owner[mine[0]]
+                checks.append((src[t], p, parts[p].local[mine[0]]))
+        succ: list[tuple[int, ...]] = [()] * len(res)
+        ndeps = [0] * len(res)
+        preds: list[list[int]] = [[] for _ in coupling]
+        for t, i in src.items():
+            succ[i] = out = tuple(src[v] for v in g.succ[t] if which[v] < 0)
+            for v in out:
+                ndeps[v] += 1
+                preds[v - len(release)].append(i)
+        return Split(parts, release, [g.dkey[t] for t in coupling], res, succ, ndeps,
+                     n_res + len(release), checks, preds)
+
+    @staticmethod
+    def _part(g: TaskGraph, a: int, b: int, wake: dict[int, float], structures: dict) -> Part:
+        """Replica tasks [a, b) of g as a Part; equal structures are one object (`structures`)."""
+        used = sorted({x for r in g.res[a:b] for x in r})
+        local = dict(zip(used, range(len(used))))
+        res = tuple(tuple(map(local.__getitem__, r)) for r in g.res[a:b])
+        succ = tuple(tuple(v - a for v in vs if a <= v < b) for vs in g.succ[a:b])
+        ndeps = tuple(g.ndeps[a:b])
+        dkey = g.dkey[a:b]
+        recipes = tuple(dict.fromkeys(dkey))
+        at = dict(zip(recipes, range(len(recipes))))
+        pattern = tuple(map(at.__getitem__, dkey))
+        w = {t - a: s for t, s in wake.items() if a <= t < b}
+        key = (res, succ, pattern, tuple(sorted(w.items())))
+        s = structures.get(key)
+        if s is None:
+            s = structures[key] = Structure(res, succ, ndeps, pattern, w, len(used))
+        return Part(a, s, recipes, local)
+
+    def run(self, values: list[float], runs: dict) -> float | None:
+        """The last end of the plan's tasks (recipe values `values`), each
+        distinct replica run once or taken from `runs`; None where a condition fails on this
+        plan's times (the caller runs the whole graph)."""
+        done = []
+        for part in self.parts:
+            s = part.structure
+            key = (s, tuple(map(values.__getitem__, part.recipes)))
+            out = runs.get(key)
+            if out is None:
+                out = s.run(key[1])
+                if len(runs) >= RUN_CACHE_SIZE:
+                    runs.pop(next(iter(runs)))
+                runs[key] = out
+            done.append(out)
+        dur = []
+        for p, t in self.release:
+            if t in done[p].zeros:   # it ends a round later than its release task would
+                return None
+            dur.append(done[p].ends[t])
+        first = len(self.release)
+        dur += map(values.__getitem__, self.coupling)
+        start, end = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res)
+        for c, p, x in self.checks:
+            ready = max((end[q] for q in self.preds[c - first]), default=0.0)
+            last = done[p].last[x]
+            if ready < last or (ready == last and done[p].last_zero[x]):
+                return None
+        last = max(end, default=0.0)
+        return max(last, max((r.end_s for r in done), default=0.0))
+
+
+__all__ = ["Split", "Structure", "ReplicaRun", "RUN_CACHE_SIZE"]

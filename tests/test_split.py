@@ -1,0 +1,301 @@
+"""planner.sim.split: delta simulation gives exactly the whole graph's results (repr of every
+SimResult), is the path plans of independent replicas take, runs each distinct replica once,
+and falls back where a replica could be delayed by something outside it."""
+from __future__ import annotations
+
+import random
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.files.plan import ModelRef, Sync
+from planner.hardware.calibration import calibration_to_dict
+from planner.hardware.topology import load_topology
+from planner.search.mcmc import SearchConfig, Searcher, search
+from planner.search.problem import make_space, simulator_problem
+from planner.search.space import propose, to_plan
+from planner.sim import split
+from planner.sim.simulator import Simulator
+from simhelpers import device, graph, layer, link, plan, topology
+from simreference import random_case, random_twin_case
+from test_bound import random_plans
+from test_listsched import CALIBRATION
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from search import cluster_64, synthetic_graph  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
+
+
+class Paths(Counter):
+    """Plans simulated with delta simulation on that took it ("split"), fell back on their
+    times ("fallback") or did not split ("whole"); replicas run alone ("replica runs")."""
+
+    def __getitem__(self, k):
+        if k == "whole":
+            return super().__getitem__("sims") - super().__getitem__("split") - super().__getitem__("fallback")
+        return super().__getitem__(k)
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    counts = Paths()
+    simulate, delta, run = Simulator.simulate, split.Split.run, split.Structure.run
+
+    def counted_sim(self, pl, trace=False):
+        counts["sims"] += self._split
+        return simulate(self, pl, trace)
+
+    def counted(self, values, runs):
+        out = delta(self, values, runs)
+        counts["fallback" if out is None else "split"] += 1
+        return out
+
+    def replica(self, values):
+        counts["replica runs"] += 1
+        return run(self, values)
+    monkeypatch.setattr(Simulator, "simulate", counted_sim)
+    monkeypatch.setattr(split.Split, "run", counted)
+    monkeypatch.setattr(split.Structure, "run", replica)
+    return counts
+
+
+def outcome(sim: Simulator, pl) -> str:
+    try:
+        return repr(sim.simulate(pl))
+    except ValueError as e:   # refused alike (no host CPU to offload to)
+        return str(e)
+
+
+def same_results(g, topo, plans) -> None:
+    """Every plan simulates to the same result (repr: every float bit for bit) with delta
+    simulation and with the whole graph (the event loop alone, no collapsing of twins)."""
+    delta = Simulator(g, topo, cache_size=0)
+    whole = Simulator(g, topo, cache_size=0, split=False, collapse=False, static_after=None)
+    for pl in plans:
+        assert outcome(delta, pl) == outcome(whole, pl), pl
+
+
+def grid_plans(g, topo, space, rng: random.Random, steps: int) -> list:
+    """Plans of several replicas: the search's grid shapes (pipelines x data parallel), each
+    walked `steps` random proposals from, batches split by solve_batches."""
+    searcher = Searcher(simulator_problem(Simulator(g, topo), space), rng)
+    searcher.baselines()
+    out = []
+    for grid in searcher._grid:
+        s = grid.strategy
+        for _ in range(steps):
+            s = propose(space, s, rng) or s
+            try:
+                out.append(to_plan(space, s, grid.batches if len(s.pipelines) == len(grid.batches)
+                                   else searcher.solve_batches(s)))
+            except ValueError:
+                continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt4():
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    return capture_graph(load_workload("gpt", {"layers": 4}), 8)
+
+
+@pytest.mark.parametrize("name,calibrated", [("workstation-gtx1650", False), ("dgx-8gpu", False),
+                                             ("dgx-8gpu", True), ("cpu-server-2socket", True),
+                                             ("dgx-2node-ib", False)])
+def test_delta_simulation_equals_the_whole_graph_on_random_plans(gpt4, name, calibrated, paths):
+    # every schedule, data parallel x pipelines, fine and coarse sync, offloaded activations and
+    # optimizers, tensor splits; calibrated workers add wake-ups, cold starts, contention
+    topo = load_topology(EXAMPLES / f"{name}.json")
+    if calibrated:
+        topo = replace(topo, measured={**topo.measured, "calibration": calibration_to_dict(CALIBRATION)})
+    space = make_space(topo, gpt4.num_layers, 32, ModelRef("gpt"), "adam", 1e-3, tensor_split=True)
+    plans = random_plans(space, random.Random(1), 60) + grid_plans(gpt4, topo, space, random.Random(2), 8)
+    plans += [replace(p, sync=replace(p.sync, granularity="coarse")) for p in plans[::3]]
+    paths.clear()
+    same_results(gpt4, topo, plans)
+    assert paths["split"] >= 2, paths   # most plans here are one replica, or share a CPU link
+
+
+def test_delta_simulation_equals_the_whole_graph_on_rails_grid_plans(paths):
+    # pipelines x data parallel on 16 GPUs (2 nodes x 8, rails), walked from every grid shape:
+    # every schedule the walk reaches, fine and coarse sync
+    g, topo = synthetic_graph(24, 64), cluster_64(2)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    plans = grid_plans(g, topo, space, random.Random(5), 6)
+    plans += [replace(p, sync=replace(p.sync, granularity="coarse")) for p in plans[::2]]
+    paths.clear()
+    same_results(g, topo, plans)
+    assert paths["split"] >= 20, paths
+
+
+def test_delta_simulation_equals_the_whole_graph_on_edge_cases(paths):
+    # zero FLOPs, zero cut bytes, zero latencies (zero-length tasks), routes over two hops,
+    # all-reduces sharing links with transfers, twin replicas
+    rng = random.Random(4)
+    cases = [random_case(rng) for _ in range(150)] + [random_twin_case(rng) for _ in range(60)]
+    for g, t, pl in cases:
+        same_results(g, t, [pl])
+    assert paths["split"] >= 20 and paths["whole"] >= 20, paths
+
+
+def test_delta_simulation_equals_the_whole_graph_on_a_rails_search(paths):
+    # the plans a short search on 16 GPUs (2 nodes x 8, rails) simulates, solve_batches' lone
+    # replicas included, in the order it simulates them
+    g, topo = synthetic_graph(48, 128), cluster_64(2)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    seen = []
+
+    class Recording(Simulator):
+        def simulate(self, pl, trace=False):
+            seen.append(pl)
+            return super().simulate(pl, trace)
+    search(simulator_problem(Recording(g, topo), space), random.Random(0), SearchConfig(iterations=60))
+    paths.clear()
+    same_results(g, topo, seen)
+    assert paths["split"] >= 10, paths
+
+
+def _node_pipelines(microbatches=lambda r: 4):
+    """Pipeline across 2 nodes x data parallel within a node on cluster_64(2): replica r holds
+    GPU r of every node (rail r) with microbatches(r) microbatches."""
+    reps = [(1 / 8, microbatches(r), [(f"node{n}/cuda:{r}", 12 * n, 12 * n + 12) for n in range(2)])
+            for r in range(8)]
+    return plan(reps, 64, granularity="fine", bucket_bytes=10**9, optimizer="adam")
+
+
+def test_each_distinct_replica_runs_once_and_a_changed_one_alone(paths):
+    # eight rail pipelines alike: one replica run serves all eight; a plan that changes one
+    # replica's microbatches runs only that replica again (the others' times are kept)
+    g, topo = synthetic_graph(24, 64), cluster_64(2)
+    sim = Simulator(g, topo, cache_size=0)
+    whole = Simulator(g, topo, cache_size=0, split=False)
+    first = _node_pipelines()
+    assert repr(sim.simulate(first)) == repr(whole.simulate(first))
+    assert paths["split"] == 1 and paths["replica runs"] == 1, paths
+    moved = _node_pipelines(lambda r: 2 if r == 3 else 4)
+    assert repr(sim.simulate(moved)) == repr(whole.simulate(moved))
+    assert paths["split"] == 2 and paths["replica runs"] == 2, paths
+
+
+def test_replicas_sharing_a_link_direction_take_the_whole_graph(paths):
+    # a chain cuda:0 - cuda:1 - cuda:2 - cuda:3: both replicas' activations cross cuda:1 -> cuda:2
+    # and queue there (no parameters: no all-reduce that would also keep the plan whole)
+    g = graph([layer(i) for i in range(4)], batch=4, cut_bytes=[10**6] * 5)
+    names = [f"cuda:{i}" for i in range(4)]
+    t = topology([device(d) for d in names], [link(a, b, 1e7) for a, b in zip(names, names[1:])])
+    pl = plan([(0.5, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]), (0.5, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)])], 8)
+    same_results(g, t, [pl])
+    assert paths["whole"] == 1 and not paths["split"], paths
+    # the same pipelines over direct links split
+    t = topology([device(d) for d in names], [link(a, b, 1e7) for i, a in enumerate(names) for b in names[i + 1:]])
+    same_results(g, t, [pl])
+    assert paths["split"] == 1, paths
+
+
+def test_all_reduces_holding_a_saturated_hosts_compute_queues_take_the_whole_graph(paths):
+    # gloo on saturated CPU workers: the all-reduce holds the workers' compute queues, which
+    # their replicas' tasks use
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=2)
+    devs = [replace(device(f"cpu:{i}", mem_bw=1e8), threads=1) for i in range(2)]
+    t = replace(topology(devs, [link("cpu:0", "cpu:1", bw=1e6)]), measured={"host": {"cores": 2}})
+    pl = plan([(0.5, 1, [("cpu:0", 0, 4)]), (0.5, 1, [("cpu:1", 0, 4)])], 2, bucket_bytes=10**6)
+    same_results(g, t, [pl])
+    assert paths["whole"] == 1 and not paths["split"], paths
+
+
+def test_a_host_step_that_wakes_up_takes_the_whole_graph(paths):
+    # calibrated CPU workers: the GPU's step on cpu:0 follows the gradients' copy over the link,
+    # so it wakes cpu:0's worker up (a wake-up that depends on when cpu:0 was last busy)
+    g, t, pl = _host_optimizer_case(1e8)
+    t = replace(t, measured={"calibration": calibration_to_dict(CALIBRATION)})
+    same_results(g, t, [pl])
+    assert paths["whole"] == 1 and not paths["split"], paths
+
+
+def _two_replicas_and_coupling(z_s: float):
+    """Replica 0: P (1 s, resource 0) then Z (z_s, resource 0); replica 1: Q (1 s, resource 1).
+    Coupling: A after Z and B after Q (1 s each, both on resource 2; A the lower id), C after A
+    (5 s, resource 3). Values: [1, z_s, 5]."""
+    from planner.sim.taskgraph import TaskGraph
+    g = TaskGraph(trace=False)
+    g.begin_replica((0,), None)
+    z = g.add(1, (0,), (g.add(0, (0,)),))
+    g.end_replica()
+    g.begin_replica((1,), None)
+    q = g.add(0, (1,))
+    g.end_replica()
+    g.add(2, (3,), (g.add(0, (2,), (z,)),))
+    g.add(0, (2,), (q,))
+    return g, [1.0, z_s, 5.0]
+
+
+def test_a_zero_length_task_before_the_coupling_takes_the_whole_graph():
+    # the event loop ends Z (0 s at 1 s) a round after Q, so B starts at 1 s and A at 2 s, C
+    # ends at 8 s; a release task would end in Q's round and A would go first (C at 7 s)
+    from planner.sim.eventloop import run as run_tasks
+    g, values = _two_replicas_and_coupling(0.0)
+    dur = [values[k] for k in g.dkey]
+    assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
+    assert split.Split.of(g, {}, 4, {}).run(values, {}) is None
+    # Z taking 0.5 s: A is ready at 1.5 s while B runs (1 to 2 s), A runs 2 to 3 s, C ends
+    # at 8 s, delta simulation agrees
+    g, values = _two_replicas_and_coupling(0.5)
+    dur = [values[k] for k in g.dkey]
+    assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
+    assert split.Split.of(g, {}, 4, {}).run(values, {}) == 8.0
+
+
+def test_a_step_ready_as_a_zero_length_task_ends_on_its_device_takes_the_whole_graph():
+    # replica 0: P (1 s, resource 0), Z0 (0 s, resource 5), Z (0 s, resource 0), W (5 s,
+    # resource 4) in a chain; replica 1: Q (1 s, resource 1); a step S after Q on resource 0.
+    # At 1 s S takes resource 0 first (Z is ready a round later), so Z waits for it: W ends at
+    # 7 s. Alone, replica 0's Z ends at 1 s, when S is ready: the release would not show the
+    # round, delta simulation must give up (else it says 6 s).
+    from planner.sim.eventloop import run as run_tasks
+    from planner.sim.taskgraph import TaskGraph
+    g = TaskGraph(trace=False)
+    g.begin_replica((0,), None)
+    z0 = g.add(1, (5,), (g.add(0, (0,)),))
+    g.add(2, (4,), (g.add(1, (0,), (z0,)),))
+    g.end_replica()
+    g.begin_replica((1,), None)
+    q = g.add(0, (1,))
+    g.end_replica()
+    g.add(0, (0,), (q,))
+    values = [1.0, 0.0, 5.0]
+    dur = [values[k] for k in g.dkey]
+    assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 6)[1]) == 7.0
+    assert split.Split.of(g, {}, 6, {}).run(values, {}) is None
+
+
+def test_a_dependency_into_a_replica_keeps_the_graph_whole():
+    # replica 1's task waits for a coupling task: replica 1 cannot run alone
+    g, _ = _two_replicas_and_coupling(0.5)
+    g.wire(len(g.dkey) - 1, 2)
+    assert split.Split.of(g, {}, 4, {}) is None
+
+
+def _host_optimizer_case(gpu_flops: float):
+    """A CPU replica and a GPU replica, no all-reduce (hogwild), optimizer on the host CPU:
+    the GPU's step runs on cpu:0's queue once the GPU's backward is done."""
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=4)
+    t = topology([device("cpu:0", flops=1e9), device("cuda:0", flops=gpu_flops)], [link("cpu:0", "cuda:0", 1e9)])
+    pl = plan([(0.5, 2, [("cpu:0", 0, 4)]), (0.5, 2, [("cuda:0", 0, 4)])], 4, placement="cpu")
+    return g, t, replace(pl, sync=Sync(mode="hogwild"))
+
+
+def test_a_host_step_ready_before_the_hosts_replica_ends_takes_the_whole_graph(paths):
+    # a fast GPU: its step is ready on cpu:0 while cpu:0's replica still computes, and in the
+    # event loop it runs between two of that replica's tasks: delta simulation must give up
+    g, t, pl = _host_optimizer_case(1e11)
+    same_results(g, t, [pl])
+    assert paths["fallback"] == 1 and not paths["split"], paths
+    # a slow GPU: the step is ready after cpu:0's last task, delta simulation holds
+    g, t, pl = _host_optimizer_case(1e8)
+    same_results(g, t, [pl])
+    assert paths["split"] == 1, paths
