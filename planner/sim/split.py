@@ -66,14 +66,14 @@ class Structure:
         """The tasks of template t with its resource slots `res` (resources of the plan),
         renumbered as `canon`; a task after a hop (a link) wakes up by wake_at of its resource
         (planner.sim.simulator.Simulator._wakes)."""
-        wake = {}
+        wake, succ = {}, t.succ
         for j, x in enumerate(t.res):
             if res[x] in links:
-                for v in t.succ[j]:
+                for v in succ[j]:
                     w = wake_at.get(res[t.res[v]])
                     if w is not None:
                         wake[v] = w
-        return Structure(tuple(canon[x] for x in t.res), t.succ, t.ndeps, t.value, wake,
+        return Structure(tuple(canon[x] for x in t.res), succ, t.ndeps, t.value, wake,
                          1 + max((y for r in canon for y in r), default=-1), t)
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":

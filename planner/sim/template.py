@@ -71,7 +71,7 @@ class ReplicaTemplate:
     def label(self) -> tuple[tuple, ...]:
         return self._label()
 
-    @property
+    @cached_property
     def succ(self) -> tuple[tuple[int, ...], ...]:
         return tuple(self.succ_at(0))
 
