@@ -9,6 +9,11 @@ from __future__ import annotations
 import heapq
 
 
+def shared_resources(res) -> tuple[int, ...]:
+    """The resources of multi-resource tasks (`run`'s `shared_res`), in id order."""
+    return tuple(sorted({x for r in res if len(r) > 1 for x in r}))
+
+
 def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], ndeps: list[int],
          shared_res: tuple[int, ...], n_res: int,
          wake: dict[int, float] | None = None) -> tuple[list[float], list[float]]:
@@ -122,4 +127,4 @@ def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], nde
     return start, end
 
 
-__all__ = ["run"]
+__all__ = ["run", "shared_resources"]

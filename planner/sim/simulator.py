@@ -69,7 +69,7 @@ from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention
 from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
-from planner.sim.eventloop import run as run_tasks
+from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
 from planner.sim.split import Split
 from planner.workload.graph import ModelGraph
@@ -246,7 +246,7 @@ class Simulator:
     def _whole_build(self, plan: Plan, trace: bool, like: tuple[int, ...] | None) -> TaskGraph:
         g = TaskGraph(trace)
         self._build(plan, g, like)
-        g.shared_res = tuple(sorted({x for r in g.res if len(r) > 1 for x in r}))
+        g.shared_res = shared_resources(g.res)
         # Replicas are independent when nothing else queues on their devices and links:
         # every device holds one stage, optimizers run on their devices (after the
         # device's last backward, which they wait for through the all-reduces), and no two

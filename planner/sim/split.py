@@ -37,7 +37,7 @@ from __future__ import annotations
 from array import array
 from typing import NamedTuple
 
-from planner.sim.eventloop import run as run_tasks
+from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
 from planner.sim.taskgraph import TaskGraph
 
@@ -56,7 +56,7 @@ class Structure:
     def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None):
         self.res, self.succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
         self.n_res = n_res
-        self.shared = tuple(sorted({x for r in res if len(r) > 1 for x in r}))
+        self.shared = shared_resources(res)
         self.static: Static | None | bool = None   # the fixed-order pass, False where it does not apply
         self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
         self.runs = 0
@@ -136,7 +136,7 @@ class Split:
     def __init__(self, parts, release, coupling, res, succ, ndeps, n_res, checks, preds):
         self.parts, self.release, self.coupling = parts, release, coupling
         self.res, self.succ, self.ndeps, self.n_res = res, succ, ndeps, n_res
-        self.shared = tuple(sorted({x for r in res if len(r) > 1 for x in r}))
+        self.shared = shared_resources(res)
         self.checks, self.preds = checks, preds
 
     @staticmethod
