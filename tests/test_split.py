@@ -299,3 +299,34 @@ def test_a_host_step_ready_before_the_hosts_replica_ends_takes_the_whole_graph(p
     g, t, pl = _host_optimizer_case(1e8)
     same_results(g, t, [pl])
     assert paths["split"] == 1, paths
+
+
+def _ring_over_a_pipeline_link(stage: int):
+    """Replica 0: cuda:0 -> cuda:1; replica 1: cuda:2 -> cuda:3; fine sync. The ring of stage
+    `stage`'s all-reduce crosses replica 0's link cuda:0 - cuda:1 both ways (stage 1's ring
+    (cuda:1, cuda:3) by 1 -> 0 -> 3, stage 0's (cuda:0, cuda:2) by 0 -> 1 -> 2)."""
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=4, cut_bytes=[10**6] * 5)
+    names = [f"cuda:{i}" for i in range(4)]
+    via = [("cuda:0", "cuda:3"), ("cuda:0", "cuda:2")] if stage == 1 else [("cuda:1", "cuda:2"), ("cuda:1", "cuda:3")]
+    t = topology([device(d) for d in names],
+                 [link("cuda:0", "cuda:1", 1e7), link("cuda:2", "cuda:3", 1e7)] + [link(a, b, 1e7) for a, b in via])
+    pl = plan([(0.5, 2, [("cuda:0", 0, 2), ("cuda:1", 2, 4)]), (0.5, 2, [("cuda:2", 0, 2), ("cuda:3", 2, 4)])],
+              4, bucket_bytes=10**6)
+    return g, t, pl
+
+
+def test_an_all_reduce_over_a_pipelines_link_splits_only_when_it_comes_after_the_pipelines_use(paths):
+    # stage 1's buckets are all-reduced while its last gradients still cross 1 -> 0 to stage 0:
+    # the ring would queue behind them, so the plan falls back on its times
+    g, t, pl = _ring_over_a_pipeline_link(1)
+    sim = Simulator(g, t, cache_size=0)
+    assert sim.hops("cuda:1", "cuda:3")[0].resource == sim.hops("cuda:1", "cuda:0")[0].resource
+    same_results(g, t, [pl])
+    assert paths["fallback"] == 1 and not paths["split"], paths
+    # stage 0's are all-reduced after its last backward: replica 0 is done with the link
+    paths.clear()
+    g, t, pl = _ring_over_a_pipeline_link(0)
+    sim = Simulator(g, t, cache_size=0)
+    assert sim.hops("cuda:0", "cuda:2")[0].resource == sim.hops("cuda:0", "cuda:1")[0].resource
+    same_results(g, t, [pl])
+    assert paths["split"] == 1, paths

@@ -324,8 +324,8 @@ class Simulator:
 
     def _coupled(self, plan: Plan) -> bool:
         """Whether two replicas' stages or routes share a resource, or a gradient all-reduce's
-        ring holds one of them: a plan that Split.of_parts would refuse, seen before building
-        (conditions it checks on the graph; this only saves the build)."""
+        ring holds a replica's device: a plan that Split.of_parts would refuse, seen before
+        building (conditions it checks on the graph; this only saves the build)."""
         owner: dict[int, int] = {}
         for r, rep in enumerate(plan.replicas):
             used = {self._rid[st.device] for st in rep.stages}
@@ -336,7 +336,8 @@ class Simulator:
                     return True
         buckets, tied = self.exchanged(plan)
         rings = {b.devices for b in buckets + tied}
-        return any(x in owner for devices in rings for x in self._allreduce(devices, 0.0)[0])
+        return any(x in owner and (x,) not in self._links
+                   for devices in rings for x in self._allreduce(devices, 0.0)[0])
 
     def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
         """g's contended CPU workers (contention.contended) and iteration overhead, kept on g:

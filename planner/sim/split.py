@@ -20,10 +20,10 @@ for identity:
 - every replica's tasks form one block of ids; no dependency enters a replica from outside
   it (another replica or the coupling);
 - replicas' resources are pairwise disjoint; a coupling task holding several resources holds
-  none of a replica's (an all-reduce over a link a pipeline uses, gloo all-reduces holding the
-  compute queues of a saturated host); a coupling task on one replica resource (an optimizer
-  step on its device) becomes ready no earlier than that replica's last task there ends
-  (checked on each plan's times);
+  no replica's device (gloo all-reduces holding the compute queues of a saturated host); a
+  coupling task on a replica's resource (an optimizer step on its device; in a delta build, an
+  all-reduce over a link direction a pipeline uses) becomes ready no earlier than that
+  replica's last task there ends (checked on each plan's times);
 - no coupling task wakes up (it follows no transfer: the wake-up depends on when its
   resource was last busy); no replica task that the coupling waits for takes no time, and
   none ends on a coupling task's resource when that task becomes ready (the loop ends such a
@@ -108,10 +108,13 @@ class ReplicaRun(NamedTuple):
     zeros: frozenset[int]
 
 
-def _independent(g: TaskGraph, coupling, owner: dict[int, int], wake: dict[int, float]) -> bool:
-    """No coupling task of g wakes up or holds a replica's resource beside others."""
+def _independent(g: TaskGraph, coupling, owner: dict[int, int], wake: dict[int, float],
+                 links: set | None = None) -> bool:
+    """No coupling task of g wakes up or holds a replica's resource beside others, except a
+    link direction (`links`: resources as tasks hold them) that `Split.run` checks per plan."""
+    links = links or set()
     for t in coupling:
-        if t in wake or (len(g.res[t]) > 1 and any(x in owner for x in g.res[t])):
+        if t in wake or (len(g.res[t]) > 1 and any(x in owner and (x,) not in links for x in g.res[t])):
             return False
     return True
 
@@ -192,7 +195,7 @@ class Split:
         if [i for *_, ids in g.parts for i in ids.values()] != list(range(first)):
             return None   # not a delta build's layout
         coupling = range(first, len(g.res))
-        if not _independent(g, coupling, owner, wake):
+        if not _independent(g, coupling, owner, wake, links):
             return None
         checks = [(t, owner[x], parts[owner[x]].local[x]) for t in coupling for x in g.res[t] if x in owner]
         preds: list[list[int]] = [[] for _ in coupling]
