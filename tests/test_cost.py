@@ -94,6 +94,7 @@ def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
     assert len(f) == g.num_layers and all(x > 0 for x in f + b)
     assert len(__import__("json").loads(cache_path().read_text())) == g.num_layers
     again = MeasuredCost(g, t, w, repeats=2)
+    monkeypatch.setattr(again, "_time_sequence", lambda *a: pytest.fail("re-measured a cached layer"))
     monkeypatch.setattr(again, "_time_layer", lambda *a: pytest.fail("re-measured a cached layer"))
     assert again.layer_times(t.device("cpu:0"), 4) == (f, b)
 
@@ -137,6 +138,7 @@ def test_the_split_backward_is_timed_per_layer_by_the_runtimes_passes_and_cached
     assert wgt[-1] == keys[k + SPLIT][1] * keys[k][1]
     # a second model reads them back; nothing is timed again
     again = MeasuredCost(g, t, w)
+    monkeypatch.setattr(again, "_time_sequence", lambda *a: pytest.fail("re-measured a cached layer"))
     monkeypatch.setattr(again, "_time_layer", lambda *a, **k: pytest.fail("re-measured a cached layer"))
     assert again.split_times(dev, 4) == (inp, wgt)
     assert again.bwd_input_s("cpu:0", 1, 3, 4) == pytest.approx(inp[1] + inp[2])
@@ -176,6 +178,7 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
     import torch
 
     from planner.workload.capture import capture_graph
+    from planner.cost import timing
     from planner.cost.timing import MeasuredCost, cache_path
     from planner.hardware.topology import Device
     from planner.workload.load import load_workload
@@ -185,20 +188,20 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
                  {"host": {"hostname": socket.gethostname()}})
     g32, g16 = capture_graph(w, 4), capture_graph(w, 4, "bf16")
     MeasuredCost(g32, t, w, repeats=1).layer_times(t.device("cpu:0"), 4)
-    seen = []                                    # the dtype each timed forward computes in
-    real = MeasuredCost._time_layer
+    seen = []                                    # the dtype each timed pass computes in
+    real = timing._timed
 
-    def spy(self, stage, x, sync, in_precision, *args):
-        with in_precision():
-            seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
-        return real(self, stage, x, sync, in_precision, *args)
-    monkeypatch.setattr(MeasuredCost, "_time_layer", spy)
+    def spy(sync, fn):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real(sync, fn)
+    monkeypatch.setattr(timing, "_timed", spy)
     MeasuredCost(g16, t, w, repeats=1).layer_times(t.device("cpu:0"), 4)
-    assert seen == [torch.bfloat16] * (g16.num_layers + 1)          # every layer and the loss
+    n = g16.num_layers + 1                       # every layer and the loss, forwards then backwards
+    assert seen[:2 * n] == [torch.bfloat16] * n + [None] * n
     keys = json.loads(cache_path().read_text())
     assert sum(k.endswith("|bf16") for k in keys) == g16.num_layers == len(keys) - g32.num_layers
     # tf32 on a CPU is fp32: served from the fp32 entries, never measured again
-    monkeypatch.setattr(MeasuredCost, "_time_layer", lambda *a: pytest.fail("re-measured"))
+    monkeypatch.setattr(timing, "_timed", lambda *a: pytest.fail("re-measured"))
     MeasuredCost(replace(g32, precision="tf32"), t, w).layer_times(t.device("cpu:0"), 4)
 
 
@@ -248,6 +251,7 @@ def test_planning_on_a_measured_host_times_layers_once_before_the_search(tmp_pat
         return real(self, dev, b, split)
     monkeypatch.setattr(MeasuredCost, "_measure", counting)
     monkeypatch.setattr(MeasuredCost, "_time_layer", _fail_after_prepare(MeasuredCost._time_layer))
+    monkeypatch.setattr(MeasuredCost, "_time_sequence", _fail_after_prepare(MeasuredCost._time_sequence))
     _, problem = plan_problem(w, ModelRef("mlp", {"hidden": 32, "depth": 2}), 24, t, "adam", 1e-3)
     # two devices: a zb-h1 pipeline may be drawn, so its split backward is timed up front too
     assert {b for _, b, split in timed if split} == {b for _, b, _ in timed} == set(batch_grid(24))

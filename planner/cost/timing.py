@@ -1,6 +1,8 @@
-"""Per-layer times measured on this machine (FlexFlow-style): each layer runs alone as a one-layer
-stage on a real batch, warm, median of `repeats` after `warmup`; the loss is timed as a pseudo-layer
-added to the last layer; the first layer gets no input gradient (as in the runtime). Cached in
+"""Per-layer times measured on this machine (FlexFlow-style): each layer is a one-layer stage on a
+real batch, timed in training steps (every forward in order, then every backward in reverse, so a
+layer meets the caches its neighbours leave, as in the runtime), median of `repeats` after
+`warmup`; the loss is timed as a pseudo-layer added to the last layer; the first layer gets no
+input gradient (as in the runtime). Cached in
 `$HETPLAN_CACHE_DIR/layer_costs-v<N>.json` by host, signature, device kind, threads, batch and
 precision. History and figures: docs/tuning.md.
 
@@ -42,8 +44,8 @@ from planner.hardware.topology import Device, Topology, parse_device_name
 # Bumped when the way layers are timed or keyed changes, so that older figures are not reused
 # (2: timed with the runtime's allocator setting, planner.hardware.host_memory; 3: signatures
 # without the capture batch, planner.workload.capture._signature: a v2 file's entries could
-# never match again).
-CACHE_VERSION = 3
+# never match again; 4: layers timed in training steps, not each alone in a loop).
+CACHE_VERSION = 4
 # Suffix of a layer's split-backward entry (layers after the first): [I pass, W pass] as shares
 # of the fused backward timed in the same runs (back to back, so a change of the machine's load
 # between two measurements does not show as a cost of the split); times = share * fused entry.
@@ -163,18 +165,16 @@ class MeasuredCost(CostModel):
             try:
                 inputs, target = self.workload.make_batch(batch, 0)
                 x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
-                for i, stage in enumerate(stages + [_Loss(self.workload.loss_fn, target.to(dev))]):
+                layers = stages + [_Loss(self.workload.loss_fn, target.to(dev))]
+                if fused:
+                    fwd, bwd = self._time_sequence(layers, x, sync, in_precision)
+                for i, stage in enumerate(layers if split else ()):
                     # the model's input is data: as in the runtime, no gradient is computed for it
                     x = _leaf_inputs(x, grad=i > 0)
                     # the first layer's I is nothing, the loss has no W: neither is timed split; the
                     # split is timed with the fused backward in the same runs, which its shares are of
-                    pieces = split and 0 < i < L
-                    times = (self._time_layer(stage, x, sync, in_precision, True, pieces)
-                             if fused or pieces else ())
-                    if fused:
-                        fwd.append(times[0])
-                        bwd.append(times[1])
-                    if pieces:
+                    if 0 < i < L:
+                        times = self._time_layer(stage, x, sync, in_precision, True, True)
                         passes.append(tuple(t / times[1] if times[1] > 0 else 0.0 for t in times[2:]))
                     with torch.no_grad(), in_precision():
                         x = as_tuple(stage(*x))
@@ -202,6 +202,13 @@ class MeasuredCost(CostModel):
                 rep = self.warmup - 1
             rep += 1
         return [statistics.median(s) for s in zip(*samples)]
+
+    def _time_sequence(self, layers, x, sync, in_precision) -> tuple[list[float], list[float]]:
+        """Median seconds of each layer's forward and backward when they run as in a training
+        step: every forward in order (each on its predecessor's output), then every backward in
+        reverse, so each layer finds the caches as the others left them (`_sequence_once`)."""
+        times = self._repeat(lambda: _sequence_once(layers, x, sync, in_precision))
+        return times[:len(layers)], times[len(layers):]
 
     def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext, fused: bool = True,
                     split: bool = False) -> tuple[float, ...]:
@@ -353,6 +360,30 @@ def _layer_once(stage, x, sync, in_precision, fused: bool, split: bool) -> tuple
         w_s, _ = _timed(sync, wp.run)
         times += (i_s, w_s)
     return times
+
+
+def _sequence_once(layers, x, sync, in_precision) -> tuple[float, ...]:
+    """One training step through `layers` (one-layer stages, the loss last), each layer's inputs
+    fresh leaves as a stage receives them: (forward seconds per layer, then backward seconds
+    per layer); a layer whose output needs no gradient has no backward (0)."""
+    import torch
+
+    from planner.workload.inputs import as_tuple
+    fwd, outs = [], []
+    for i, stage in enumerate(layers):
+        stage.zero_grad(set_to_none=True)
+        x = _leaf_inputs(x, grad=i > 0)   # the model's input is data: no gradient for it
+        with in_precision():
+            f_s, out = _timed(sync, lambda: as_tuple(stage(*x)))
+        fwd.append(f_s)
+        outs.append(_needing_grad(out))
+        x = out
+    bwd = [0.0] * len(layers)
+    for i in reversed(range(len(layers))):
+        if outs[i]:
+            grads = [torch.ones_like(o) for o in outs[i]]
+            bwd[i], _ = _timed(sync, lambda: torch.autograd.backward(outs[i], grads))
+    return tuple(fwd) + tuple(bwd)
 
 
 def _timed(sync, fn) -> tuple[float, object]:
