@@ -42,6 +42,15 @@ def test_stats_median_and_relative_iqr():
     assert stats([2.0, 2.0, 2.0]) == (2.0, 0.0)
 
 
+def test_trimmed_mean_prices_both_modes_of_a_bimodal_sample():
+    from runtime.profile_bench import trimmed_mean
+    # a queued burst on bound workers: ~0.6 ms or ~3 ms; 11 fast and 9 slow draws, one outlier
+    fast, slow = [0.6] * 11, [3.0] * 8 + [50.0]
+    assert stats(fast + slow)[0] == 0.6                       # the median sees one mode
+    assert trimmed_mean(fast + slow) == (9 * 0.6 + 7 * 3.0) / 16   # 2 cut each side: the outlier too
+    assert trimmed_mean([1.0, 2.0, 3.0]) == 2.0               # fewer than 10 samples: nothing cut
+
+
 def test_fit_recovers_latency_and_bandwidth_exactly():
     rows = [{"bytes": b, "s": 2e-5 + b / 3e9} for b in (4096, 65536, 1 << 20, 1 << 26)]
     latency_s, bandwidth = fit_latency_bandwidth(rows)
