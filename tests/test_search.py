@@ -531,13 +531,14 @@ def test_twin_replicas_have_one_key_and_the_same_simulated_time():
 
 
 def test_timing_twins_once_leaves_the_walk_as_it_was():
-    # solve_batches with Problem.twin_key: the same proposals, decisions and best plan, fewer simulations
+    # solve_batches (simulating its replicas) with Problem.twin_key: the same proposals, decisions
+    # and best plan, fewer simulations
     g, topo, space = _rails(2, 8)
     runs = []
     for twins in (True, False):
         problem = simulator_problem(Simulator(g, topo), space)
         problem = problem if twins else replace(problem, twin_key=None)
-        r = search(problem, random.Random(3), SearchConfig(iterations=400, time_limit_s=600))
+        r = search(problem, random.Random(3), SearchConfig(iterations=400, time_limit_s=600, split_by_bound=False))
         runs.append(r)
     a, b = runs
     assert (a.iterations, a.accepted, a.best.plan) == (b.iterations, b.accepted, b.best.plan)
@@ -575,3 +576,19 @@ def test_grid_move_changes_the_degree_of_every_pipeline_in_one_proposal():
         assert st.used == frozenset(problem.space.devices)
         degrees.add(len(st.pipelines[0].devices))
     assert degrees == {1, 2, 4, 8}
+
+
+def test_solve_batches_models_replicas_by_their_bound_without_simulating():
+    # 8 rail pipelines on 16 GPUs, one of them a stage shorter: the split comes from the
+    # replicas' lower bounds (no simulation), and the bound's times order the batches
+    g, topo, space = _rails(2, 8)
+    problem = simulator_problem(Simulator(g, topo), space)
+    pipes = tuple(Pipeline((f"node0/cuda:{r}", f"node1/cuda:{r}"), (g.num_layers // 2,), 2) for r in range(7))
+    pipes += (Pipeline(("node0/cuda:7",), (), 2),)      # the whole model on one GPU: slower
+    s = Strategy(pipes)
+    by_bound = Searcher(problem, random.Random(0), SearchConfig(split_by_bound=True))
+    batches = by_bound.solve_batches(s)
+    assert by_bound.evaluations == 0 and sum(batches) == space.global_batch
+    assert batches[-1] < min(batches[:-1])
+    by_sim = Searcher(problem, random.Random(0), SearchConfig(split_by_bound=False))
+    assert by_sim.solve_batches(s)[-1] < min(batches[:-1]) and by_sim.evaluations > 0

@@ -48,6 +48,7 @@ class SearchConfig:
     grid_move_prob: float = 0.05    # share of proposals that jump to a pipeline x DP grid
     patience: int | None = None     # proposals without improvement before stopping; None: `stall`
     early_reject: bool = True       # reject by Problem.bound before simulating (the same walk)
+    split_by_bound: bool = True     # solve_batches models replicas by Problem.bound, not simulations
 
 
 @dataclass(frozen=True)
@@ -186,15 +187,18 @@ class Searcher:
 
     # --- batch split ----------------------------------------------------------------------
     def replica_time_s(self, s: Strategy, pipe: Pipeline, batch: int) -> float:
-        """Predicted time of `pipe` alone (one replica, whole plan at `batch`); a twin's
-        (`Problem.twin_key`) where one was timed. Skipping such a simulation changes no decision
-        of the walk: a plan is judged by its own cost, simulated or cached."""
+        """Time of `pipe` alone (one replica, whole plan at `batch`) for solve_batches' model:
+        its lower bound (Problem.bound; `split_by_bound`), else its predicted time; a twin's
+        (`Problem.twin_key`) where one was timed. The bound costs a fraction of a simulation and
+        orders replicas as their times do; the simulator then judges the split plan. Skipping a
+        twin's timing changes no decision of the walk."""
         space = replace(self.p.space, global_batch=batch)
         plan = to_plan(space, replace(s, pipelines=(pipe,)), (batch,))
         key = self.p.twin_key(plan) if self.p.twin_key else None
         t = self.twins.get(key) if key is not None else None
         if t is None:
-            t = self.evaluate(plan).iteration_s
+            b = self.p.bound(plan) if self.cfg.split_by_bound and self.p.bound else None
+            t = b[0] if b is not None else self.evaluate(plan).iteration_s
             if key is not None:
                 self.twins[key] = t
         return t
@@ -203,7 +207,7 @@ class Searcher:
         """Integer replica batches so that replicas finish together.
 
         Each replica's time is modelled as affine in its batch, t_r(b) = a_r + c_r·b, from two
-        simulations of the replica alone (at B/8 and B samples). The continuous optimum is the
+        timings of the replica alone (`replica_time_s`, at B/8 and B samples). The continuous optimum is the
         level T with sum_r max(low_r, (T - a_r)/c_r) = B (bisection); the integer split takes
         its floors and hands the remaining samples, one by one, to the replica whose
         t_r(b_r + 1) is smallest, which minimises the max replica time for the model. The full
