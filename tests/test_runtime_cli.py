@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -117,9 +118,15 @@ def test_torchrun_two_nodes(tmp_path):
                "-m", "runtime.worker", str(p), "-o", str(out), "--iters", "3", "--warmup", "1",
                "--threads", "1", "--save-params", str(params)]
         agents.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True))
+                                       text=True, start_new_session=True))
     for a in agents:
-        _, err = a.communicate(timeout=120)
+        try:
+            _, err = a.communicate(timeout=120)
+        except subprocess.TimeoutExpired:   # a hang: stop both agents and their workers, show why
+            for b in agents:
+                os.killpg(b.pid, signal.SIGKILL)
+            errs = [b.communicate()[1][-1500:] for b in agents]
+            pytest.fail("torchrun agents still running after 120 s; their stderr:\n" + "\n---\n".join(errs))
         assert a.returncode == 0, err[-2000:]
     m = json.loads(out.read_text())
     assert set(m["per_device"]) == {"node0/cpu:0", "node1/cpu:0", "node1/cpu:1"}
