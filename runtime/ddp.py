@@ -41,15 +41,18 @@ def _sum_hook(group, bucket):
 
 
 def wrap(module: torch.nn.Module, group, device: torch.device,
-         bucket_of: dict[torch.nn.Parameter, int]) -> torch.nn.Module:
+         bucket_of: dict[torch.nn.Parameter, int], find_unused: bool = False) -> torch.nn.Module:
     """`module` in DistributedDataParallel over `group`; `bucket_of`: each parameter's bucket
-    (planner.cost.buckets), which `bucket_caps` turns into DDP's per-bucket caps."""
+    (planner.cost.buckets), which `bucket_caps` turns into DDP's per-bucket caps; `find_unused`:
+    some parameters get no gradient (planner.workload.layer_cache.LayerMap.unused), which DDP
+    refuses unless it looks for them after each forward."""
     from torch.nn.parallel import DistributedDataParallel
     params = [p for p in module.parameters() if p.requires_grad]
     ddp = DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group, bucket_cap_mb_list=[c / MiB for c in bucket_caps(params, bucket_of)],
-        gradient_as_bucket_view=True, forward_sync_buffers=False)
+        gradient_as_bucket_view=True, forward_sync_buffers=False,
+        find_unused_parameters=find_unused)
     ddp.register_comm_hook(group, _sum_hook)
     return ddp
 

@@ -277,7 +277,8 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
         sync_mb = ddp.sync_microbatch(actions) if ddp.uses_ddp(plan) else None
         wrapped = module if sync_mb is None else ddp.wrap(module, groups.sync[ranks_of_layer[0]],
-                                                          device.device, _bucket_of(plan, layout))
+                                                          device.device, _bucket_of(plan, layout),
+                                                          find_unused=bool(found.unused))
         runner = StageRunner(wrapped, device.device, workload.loss_fn, prev, nxt,
                              scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
                              recompute=plan.recompute, precision=plan.precision)

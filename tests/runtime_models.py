@@ -111,3 +111,35 @@ class TiedNet(nn.Module):
 def tiednet(width: int = 16) -> Workload:
     w = skipnet(width)
     return Workload(model=TiedNet(width), make_batch=w.make_batch, loss_fn=F.cross_entropy)
+
+
+class Inner(nn.Module):
+    """Returns its hidden state and a pooled summary, as a Hugging Face encoder does."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Linear(8, width)
+        self.pool = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return h, torch.tanh(self.pool(h))
+
+
+class Pooled(nn.Module):
+    """A user's wrapper that reads only the hidden state: the pooler's parameters get no gradient."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.inner = Inner(width)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.out(self.inner(x)[0])
+
+
+def pooled(width: int = 16) -> Workload:
+    def make_batch(batch_size: int, seed: int):
+        g = torch.Generator().manual_seed(int(seed))
+        return torch.randn(batch_size, 8, generator=g), torch.randint(0, 3, (batch_size,), generator=g)
+    return Workload(model=Pooled(width), make_batch=make_batch, loss_fn=F.cross_entropy)

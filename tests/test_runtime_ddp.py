@@ -77,3 +77,21 @@ def test_ddp_buckets_are_the_simulators(tmp_path, monkeypatch, bucket_bytes):
                 assert reduced == expect
     finally:
         dist.destroy_process_group()
+
+
+def test_a_parameter_without_gradient_trains_on_ddp_as_in_one_process(tmp_path, monkeypatch):
+    # a user's wrapper reads only the hidden state of an inner model that also pools it (a
+    # Hugging Face encoder's pooler): the pooler's parameters get no gradient; DDP refused the
+    # second iteration ("Expected to have finished reduction") until told to look for them
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    from planner.workload.layer_cache import layer_map
+    from planner.workload.load import load_workload
+    from test_runtime import check_equivalent, plan
+    model = {"spec": "tests.runtime_models:pooled", "args": {}}
+    found = layer_map(load_workload(model["spec"], model["args"]), model["spec"], model["args"], 6)
+    assert found.unused == ("inner.pool.weight", "inner.pool.bias")
+    assert layer_map(load_workload(model["spec"], model["args"]), model["spec"], model["args"], 6).unused == found.unused
+    p = plan([(0.5, 1, [("cpu:0", (0, 2))]), (0.5, 1, [("cpu:1", (0, 2))])], model=model, sync="fine",
+             bucket_bytes=256)
+    assert ddp.uses_ddp(plan_from_dict(p, "p.json"))
+    check_equivalent(tmp_path, p, iters=3)

@@ -29,6 +29,7 @@ class LayerMap:
     params: tuple[tuple[str, ...], ...]     # parameter names of each layer (one-layer stages;
                                             # a tied weight in every layer that uses it)
     buffers: tuple[tuple[str, ...], ...]    # the model's buffer names each layer uses
+    unused: tuple[str, ...] = ()            # trainable parameters that get no gradient (layers.unused_parameters)
     # on a cache miss, the export the map was cut from (planner.workload.layers.Exported), so a
     # caller cuts its stages from it instead of exporting again; None when read from the cache
     exported: Any = field(default=None, compare=False, repr=False)
@@ -66,13 +67,14 @@ def cache_key(workload, spec: str, args: dict, batch: int) -> str:
 def compute_layer_map(workload, batch: int) -> LayerMap:
     """Export the workload and cut it into one stage per layer: the partitioner's grouping of
     parameters and buffers."""
+    from planner.workload.layers import unused_parameters
     from planner.workload.partition import exported_stages
 
     exported, stages = exported_stages(workload, None, batch)
     model_buffers = dict(workload.model.named_buffers())
     return LayerMap(tuple(exported.names), tuple(tuple(n for n, _ in s.named_parameters()) for s in stages),
                     tuple(tuple(n for n, _ in s.named_buffers() if n in model_buffers) for s in stages),
-                    exported)
+                    unused_parameters(exported.gm), exported)
 
 
 def plan_batch(plan) -> int:
@@ -88,14 +90,14 @@ def layer_map(workload, spec: str, args: dict, batch: int) -> LayerMap:
     try:
         data = json.loads(path.read_text())
         return LayerMap(tuple(data["names"]), tuple(tuple(p) for p in data["params"]),
-                        tuple(tuple(b) for b in data["buffers"]))
+                        tuple(tuple(b) for b in data["buffers"]), tuple(data["unused"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     found = compute_layer_map(workload, batch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {"names": list(found.names), "params": [list(p) for p in found.params],
-                                 "buffers": [list(b) for b in found.buffers]})
+                                 "buffers": [list(b) for b in found.buffers], "unused": list(found.unused)})
     except Exception:  # noqa: BLE001 - a cache that cannot be written only costs time
         pass
     return found

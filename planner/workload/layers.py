@@ -364,3 +364,19 @@ def layer_names(workload, batch: int | None = None) -> list[str]:
 
 def num_layers(workload, batch: int | None = None) -> int:
     return export_model(workload, batch).num_layers
+
+
+def unused_parameters(gm) -> tuple[str, ...]:
+    """Trainable parameters of a graph module that nothing on the way to its output reads (a
+    Hugging Face model's pooler under a wrapper that returns the hidden states): they get no
+    gradient."""
+    out = [n for n in gm.graph.nodes if n.op == "output"]
+    seen, todo = set(out), list(out)
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    read = {n.target for n in seen if n.op in ("get_attr", "call_module")}
+    return tuple(name for name, p in gm.named_parameters() if p.requires_grad
+                 and not any(name == t or name.startswith(f"{t}.") for t in read))
