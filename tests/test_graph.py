@@ -95,6 +95,29 @@ def test_residual_cnn_conv_flops_and_skip_cut():
     assert all(p.grad is None for p in w.model.parameters())
 
 
+class _Recurrent(torch.nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(d, hidden, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_recurrent_layer_flops_are_its_gates_matmuls():
+    # nn.LSTM on CPU runs oneDNN's mkldnn_rnn_layer, which torch's counter has no formula for:
+    # per time step and sample 2·(W_ih + W_hh), 4 gates each; backward twice that
+    from planner.workload import Workload
+    B, T, d, h = 2, 5, 6, 4
+    w = Workload(model=_Recurrent(d, h), loss_fn=torch.nn.functional.cross_entropy,
+                 make_batch=lambda b, seed: (torch.randn(b, T, d), torch.zeros(b, dtype=torch.long)))
+    g = capture_graph(w, B)
+    assert [l.name for l in g.layers] == ["rnn", "head"]
+    gates = 2 * B * T * (4 * h * d + 4 * h * h) + 2 * B * T * (4 * h * h + 4 * h * h)   # layers 1 and 2
+    assert g.layers[0].fwd_flops == gates and g.layers[0].bwd_flops == 2 * gates
+
+
 class _PositionNet(torch.nn.Module):
     """Layers pos, a, b: the cut before b carries a's output (a gradient) and a position table
     made from a buffer (none), which b's product uses; the cut before a: the data and the table."""

@@ -12,6 +12,10 @@ we add them with torch's own attention formulas:
 Causal masking is not discounted: we count the full T² (as torch does); the kernels skip the
 masked blocks, so attention FLOPs are an upper bound by up to 2x for causal models.
 
+oneDNN's recurrent layer (`aten.mkldnn_rnn_layer`, what nn.LSTM / GRU / RNN run on CPU) has
+none either: 2·(W_ih + W_hh) per time step and sample forward (the gates' matmuls), twice that
+backward.
+
 Operators without a formula are costed by bytes moved (FLOPs 0). Pointwise, normalization,
 pooling, embedding, softmax, dropout, reduction, copy and factory operators are memory-bound
 by nature and expected here; any *other* operator without a formula is reported as a warning
@@ -72,7 +76,23 @@ def _cpu_flash_bwd(args, kwargs, out) -> float:
     return float(sdpa_backward_flop_count(_shape(grad_out), _shape(q), _shape(k), _shape(v)))
 
 
+def _rnn_layer_fwd(args, kwargs, out) -> float:
+    """One recurrent layer over a sequence (oneDNN's LSTM/GRU/RNN on CPU): per time step and
+    sample, the gates' matmuls with the input and the hidden state, 2·(W_ih + W_hh) FLOPs."""
+    x, w_ih, w_hh = args[:3]
+    return 2.0 * (x.numel() / x.shape[-1]) * (w_ih.numel() + w_hh.numel())
+
+
+def _rnn_layer_bwd(args, kwargs, out) -> float:
+    """Its backward: the input's and the weights' gradients, twice the forward."""
+    return 2.0 * _rnn_layer_fwd(args, kwargs, out)
+
+
 _EXTRA = {}
+if hasattr(aten, "mkldnn_rnn_layer"):
+    _EXTRA[aten.mkldnn_rnn_layer] = _rnn_layer_fwd
+if hasattr(aten, "mkldnn_rnn_layer_backward"):
+    _EXTRA[aten.mkldnn_rnn_layer_backward] = _rnn_layer_bwd
 if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _EXTRA[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_fwd
 if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
