@@ -84,7 +84,7 @@ def test_stuck_worker_times_out(tmp_path):
 
 def test_cli_writes_measured_file(tmp_path):
     p = write(tmp_path, DP2)
-    r = hetplan("run", str(p), "--iters", "3", "--warmup", "1", "--json", "--trace", str(tmp_path / "tr"))
+    r = hetplan("run", str(p), "--iters", "5", "--warmup", "3", "--json", "--trace", str(tmp_path / "tr"))
     assert r.returncode == 0, r.stderr
     out = tmp_path / "plan.measured.json"          # default: next to the plan
     summary = json.loads(r.stdout)
@@ -93,16 +93,19 @@ def test_cli_writes_measured_file(tmp_path):
     from planner.files.io import file_sha256 as plan_sha256
     m = load_measured(out)
     assert m.plan_sha256 == plan_sha256(p)
-    assert len(m.iterations_s) == 3 and len(m.losses) == 3
-    assert m.iteration_s == pytest.approx(statistics.median(m.iterations_s[1:]))   # after warm-up
+    assert len(m.iterations_s) == 5 and len(m.losses) == 5
+    assert m.iteration_s == pytest.approx(statistics.median(m.iterations_s[3:]))   # after warm-up
     assert set(m.per_device) == {"cpu:0", "cpu:1"}
     for d in m.per_device.values():
         assert 0 < d["busy_s"] <= max(m.iterations_s)
         assert d["peak_memory_bytes"] >= 0
-        assert 0 <= d["page_faults_per_iteration"] < 100   # memory reused (host_memory)
-    assert m.losses == pytest.approx(reference(DP2["model"], 12, 3)[0], rel=1e-4)
+        # memory reused (host_memory) once the first iterations have allocated what the run keeps
+        # (DDP rebuilds its buckets after iteration 1): after one warm-up iteration 62-97 faults
+        # per iteration (near the bound: the test failed now and then), after three 15-52
+        assert 0 <= d["page_faults_per_iteration"] < 100
+    assert m.losses == pytest.approx(reference(DP2["model"], 12, 5)[0], rel=1e-4)
     assert sorted(os.listdir(tmp_path / "tr")) == ["rank0.json", "rank1.json"]
-    assert "iteration 3/3" in r.stderr
+    assert "iteration 5/5" in r.stderr
 
 
 def test_torchrun_two_nodes(tmp_path):
