@@ -538,7 +538,8 @@ def test_timing_twins_once_leaves_the_walk_as_it_was():
     for twins in (True, False):
         problem = simulator_problem(Simulator(g, topo), space)
         problem = problem if twins else replace(problem, twin_key=None)
-        r = search(problem, random.Random(3), SearchConfig(iterations=400, time_limit_s=600, split_by_bound=False))
+        cfg = SearchConfig(iterations=400, time_limit_s=600, split_by_bound=False)
+        r = search(problem, random.Random(3), cfg)
         runs.append(r)
     a, b = runs
     assert (a.iterations, a.accepted, a.best.plan) == (b.iterations, b.accepted, b.best.plan)

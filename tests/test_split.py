@@ -307,11 +307,12 @@ def _ring_over_a_pipeline_link(stage: int):
     (cuda:1, cuda:3) by 1 -> 0 -> 3, stage 0's (cuda:0, cuda:2) by 0 -> 1 -> 2)."""
     g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=4, cut_bytes=[10**6] * 5)
     names = [f"cuda:{i}" for i in range(4)]
-    via = [("cuda:0", "cuda:3"), ("cuda:0", "cuda:2")] if stage == 1 else [("cuda:1", "cuda:2"), ("cuda:1", "cuda:3")]
-    t = topology([device(d) for d in names],
-                 [link("cuda:0", "cuda:1", 1e7), link("cuda:2", "cuda:3", 1e7)] + [link(a, b, 1e7) for a, b in via])
-    pl = plan([(0.5, 2, [("cuda:0", 0, 2), ("cuda:1", 2, 4)]), (0.5, 2, [("cuda:2", 0, 2), ("cuda:3", 2, 4)])],
-              4, bucket_bytes=10**6)
+    via = ([("cuda:0", "cuda:3"), ("cuda:0", "cuda:2")] if stage == 1
+           else [("cuda:1", "cuda:2"), ("cuda:1", "cuda:3")])
+    pairs = [("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")] + via
+    t = topology([device(d) for d in names], [link(a, b, 1e7) for a, b in pairs])
+    pl = plan([(0.5, 2, [("cuda:0", 0, 2), ("cuda:1", 2, 4)]),
+               (0.5, 2, [("cuda:2", 0, 2), ("cuda:3", 2, 4)])], 4, bucket_bytes=10**6)
     return g, t, pl
 
 

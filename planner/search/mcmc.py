@@ -207,8 +207,9 @@ class Searcher:
         """Integer replica batches so that replicas finish together.
 
         Each replica's time is modelled as affine in its batch, t_r(b) = a_r + c_r·b, from two
-        timings of the replica alone (`replica_time_s`, at B/8 and B samples). The continuous optimum is the
-        level T with sum_r max(low_r, (T - a_r)/c_r) = B (bisection); the integer split takes
+        timings of the replica alone (`replica_time_s`, at B/8 and B samples). The continuous
+        optimum is the level T with sum_r max(low_r, (T - a_r)/c_r) = B (bisection); the integer
+        split takes
         its floors and hands the remaining samples, one by one, to the replica whose
         t_r(b_r + 1) is smallest, which minimises the max replica time for the model. The full
         simulator then judges the plan; batch-shift moves correct what the model misses."""

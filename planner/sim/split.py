@@ -109,10 +109,9 @@ class ReplicaRun(NamedTuple):
 
 
 def _independent(g: TaskGraph, coupling, owner: dict[int, int], wake: dict[int, float],
-                 links: set | None = None) -> bool:
+                 links: set | frozenset = frozenset()) -> bool:
     """No coupling task of g wakes up or holds a replica's resource beside others, except a
     link direction (`links`: resources as tasks hold them) that `Split.run` checks per plan."""
-    links = links or set()
     for t in coupling:
         if t in wake or (len(g.res[t]) > 1 and any(x in owner and (x,) not in links for x in g.res[t])):
             return False

@@ -29,7 +29,7 @@ class LayerMap:
     params: tuple[tuple[str, ...], ...]     # parameter names of each layer (one-layer stages;
                                             # a tied weight in every layer that uses it)
     buffers: tuple[tuple[str, ...], ...]    # the model's buffer names each layer uses
-    unused: tuple[str, ...] = ()            # trainable parameters that get no gradient (layers.unused_parameters)
+    unused: tuple[str, ...] = ()            # trainable parameters with no gradient (layers.unused_parameters)
     # on a cache miss, the export the map was cut from (planner.workload.layers.Exported), so a
     # caller cuts its stages from it instead of exporting again; None when read from the cache
     exported: Any = field(default=None, compare=False, repr=False)
