@@ -272,3 +272,38 @@ def _fail_after_prepare(fn):
 
 
 _fail_after_prepare.armed = False
+
+
+def test_layers_are_timed_in_steps_over_windows_that_fit_half_the_memory(tmp_path, monkeypatch):
+    # a model whose activations at the whole batch do not fit one device is timed in windows of
+    # consecutive layers, each a training step of its own; with room for all, one step
+    import socket
+
+    from planner.cost.timing import MeasuredCost
+    from planner.hardware.topology import Device
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 2})
+    g = capture_graph(w, 4)
+    L = g.num_layers
+    per_layer = max(g.saved_bytes_at(i, i + 1, 4) for i in range(L))
+
+    def timed_windows(memory: float) -> list[int]:
+        t = Topology("h", (Device("cpu:0", "cpu", memory, 1e10, 1e9, 0.0, 1),), (),
+                     {"host": {"hostname": socket.gethostname()}})
+        sizes = []
+        real = MeasuredCost._time_sequence
+
+        def spy(self, layers, *args, **kwargs):
+            sizes.append(len(layers))
+            return real(self, layers, *args, **kwargs)
+        monkeypatch.setattr(MeasuredCost, "_time_sequence", spy)
+        f, b = MeasuredCost(g, t, w, repeats=1).layer_times(t.device("cpu:0"), 4)
+        assert len(f) == len(b) == L and all(x > 0 for x in f)
+        (tmp_path / "layer_costs-v4.json").unlink()
+        return sizes
+
+    assert timed_windows(1e12) == [L + 1]                 # every layer and the loss in one step
+    assert timed_windows(2 * per_layer) == [1, L]          # the first alone, then what fits half
+    assert timed_windows(1.0) == [1] * (L - 1) + [2]      # one layer each; the loss with the last

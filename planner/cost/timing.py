@@ -166,8 +166,14 @@ class MeasuredCost(CostModel):
                 inputs, target = self.workload.make_batch(batch, 0)
                 x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
                 layers = stages + [_Loss(self.workload.loss_fn, target.to(dev))]
-                if fused:
-                    fwd, bwd = self._time_sequence(layers, x, sync, in_precision)
+                y = x
+                for a, b in self._windows(device, batch) if fused else ():
+                    f, bw = self._time_sequence(layers[a:b + (b == L)], y, sync, in_precision, data=a == 0)
+                    fwd += f
+                    bwd += bw
+                    with torch.no_grad(), in_precision():   # the next window's input
+                        for stage in layers[a:b]:
+                            y = as_tuple(stage(*_leaf_inputs(y, grad=False)))
                 for i, stage in enumerate(layers if split else ()):
                     # the model's input is data: as in the runtime, no gradient is computed for it
                     x = _leaf_inputs(x, grad=i > 0)
@@ -203,11 +209,24 @@ class MeasuredCost(CostModel):
             rep += 1
         return [statistics.median(s) for s in zip(*samples)]
 
-    def _time_sequence(self, layers, x, sync, in_precision) -> tuple[list[float], list[float]]:
+    def _windows(self, device: Device, batch: int) -> list[tuple[int, int]]:
+        """Consecutive layer ranges [a, b), each timed as one training step (`_time_sequence`):
+        as many layers as save at most half of the device's memory for backward at `batch`
+        (a model that a pipeline spreads over devices need not fit one at the whole batch)."""
+        budget, L = 0.5 * device.memory_bytes, self.graph.num_layers
+        out, a = [], 0
+        for i in range(1, L):
+            if self.graph.saved_bytes_at(a, i + 1, batch) > budget:
+                out.append((a, i))
+                a = i
+        return out + [(a, L)]
+
+    def _time_sequence(self, layers, x, sync, in_precision, data: bool = True) -> tuple[list[float], list[float]]:
         """Median seconds of each layer's forward and backward when they run as in a training
         step: every forward in order (each on its predecessor's output), then every backward in
-        reverse, so each layer finds the caches as the others left them (`_sequence_once`)."""
-        times = self._repeat(lambda: _sequence_once(layers, x, sync, in_precision))
+        reverse, so each layer finds the caches as the others left them (`_sequence_once`);
+        `data`: x is the model's input (no gradient for it)."""
+        times = self._repeat(lambda: _sequence_once(layers, x, sync, in_precision, data))
         return times[:len(layers)], times[len(layers):]
 
     def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext, fused: bool = True,
@@ -362,17 +381,18 @@ def _layer_once(stage, x, sync, in_precision, fused: bool, split: bool) -> tuple
     return times
 
 
-def _sequence_once(layers, x, sync, in_precision) -> tuple[float, ...]:
-    """One training step through `layers` (one-layer stages, the loss last), each layer's inputs
-    fresh leaves as a stage receives them: (forward seconds per layer, then backward seconds
-    per layer); a layer whose output needs no gradient has no backward (0)."""
+def _sequence_once(layers, x, sync, in_precision, data: bool = True) -> tuple[float, ...]:
+    """One training step through `layers` (one-layer stages, the loss last where it is in), each
+    layer's inputs fresh leaves as a stage receives them (`data`: the first's are the model's
+    input, which gets no gradient): (forward seconds per layer, then backward seconds per layer);
+    a layer whose output needs no gradient has no backward (0)."""
     import torch
 
     from planner.workload.inputs import as_tuple
     fwd, outs = [], []
     for i, stage in enumerate(layers):
         stage.zero_grad(set_to_none=True)
-        x = _leaf_inputs(x, grad=i > 0)   # the model's input is data: no gradient for it
+        x = _leaf_inputs(x, grad=i > 0 or not data)
         with in_precision():
             f_s, out = _timed(sync, lambda: as_tuple(stage(*x)))
         fwd.append(f_s)
