@@ -12,8 +12,9 @@ pipelines, CPU+GPU sets and the offloaded optimizer keep GradSync.
   size (DDP's default hook would).
 - Buckets: the simulator's (planner.cost.buckets, as GradSync runs them), given to DDP as
   per-bucket caps in the order DDP's rebuild after the first iteration applies them
-  (`bucket_caps`); DDP's own rule (1 MiB first bucket, 25 MiB caps) is not used. Coarse sync is one bucket holding every gradient: its
-  all-reduce starts when the last gradient is final, after backward.
+  (`bucket_caps`); DDP's own rule (1 MiB first bucket, 25 MiB caps) is not used. Coarse sync is
+  one bucket holding every gradient: its all-reduce starts when the last gradient is final,
+  after backward.
 - Microbatches: every forward but the one of the microbatch whose backward comes last runs under
   `no_sync()`; that needs every other backward before that forward (true of a one-stage replica's
   schedules), else GradSync is used.

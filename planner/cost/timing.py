@@ -221,7 +221,8 @@ class MeasuredCost(CostModel):
                 a = i
         return out + [(a, L)]
 
-    def _time_sequence(self, layers, x, sync, in_precision, data: bool = True) -> tuple[list[float], list[float]]:
+    def _time_sequence(self, layers, x, sync, in_precision,
+                       data: bool = True) -> tuple[list[float], list[float]]:
         """Median seconds of each layer's forward and backward when they run as in a training
         step: every forward in order (each on its predecessor's output), then every backward in
         reverse, so each layer finds the caches as the others left them (`_sequence_once`);
