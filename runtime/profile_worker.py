@@ -24,7 +24,7 @@ from planner.hardware.cores import bind_worker
 from planner.hardware.fit import host_copy_fit
 from planner.hardware.device import STANDIN_ENV, TorchDevice, torch_device
 from planner.hardware.host_memory import keep_freed_memory
-from runtime.gloo_threads import lower_gloo_loop_priority
+from runtime.gloo_threads import lower_gloo_loop_priority, short_slices
 from runtime import profile_bench as bench
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -92,6 +92,7 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
     me = workers[rank]
     keep_freed_memory()          # as the runtime's workers do
     _, line = bind_worker([(w.name, w.threads) for w in workers], me.name)  # as `run`'s workers
+    short_slices()               # as `run`'s workers
     if rank == 0:
         log(line)
     torch.set_num_threads(me.threads)

@@ -58,7 +58,7 @@ def build_measured(plan_sha256: str, per_rank: list[dict[str, Any]], warmup: int
         if r.get("page_faults"):
             per_device[r["device"]]["page_faults_per_iteration"] = statistics.median(
                 r["page_faults"][warmup:] or r["page_faults"])
-        for k in ("saved_activation_peak_bytes", "rss_growth_bytes", "cores", "affinity"):
+        for k in ("saved_activation_peak_bytes", "rss_growth_bytes", "cores", "affinity", "slices_ns"):
             if r.get(k) is not None:
                 per_device[r["device"]][k] = r[k]
         if r.get("events") is not None:   # one iteration's spans on this device (compare --plot)

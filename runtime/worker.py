@@ -56,7 +56,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
     from planner.files.io import file_sha256
     from planner.files.plan import load_plan
     from runtime import stage
-    from runtime.gloo_threads import lower_gloo_loop_priority
+    from runtime.gloo_threads import lower_gloo_loop_priority, short_slices, threads_slices
     from runtime.results import build_measured
 
     from runtime.startup import Marks
@@ -73,6 +73,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
     # before the worker starts any thread: they all inherit its cores
     local = local_threads(plan.devices, name, cfg.threads)
     cores, cores_line = bind_worker(local, name)
+    short_slices()                 # inherited by every thread it starts (runtime.gloo_threads)
     torch.set_num_threads(dict(local)[name])
     device.set_current()
     timeout = timedelta(seconds=cfg.timeout_s)
@@ -90,7 +91,7 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
             print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations; "
                   f"{cores_line}", file=sys.stderr, flush=True)
         record = {**_train(cfg, plan, built, rank, device, name, marks), "cores": cores,
-                  "affinity": threads_affinity()}
+                  "affinity": threads_affinity(), "slices_ns": threads_slices()}
         records: list = [None] * world if rank == 0 else None
         dist.gather_object(record, records, dst=0)
         params = _gather_params(cfg, built, rank, world)

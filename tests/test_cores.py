@@ -83,3 +83,25 @@ def test_run_binds_nothing_when_switched_off(tmp_path, monkeypatch):
     per = _run(tmp_path, {"cpu:0": 1, "cpu:1": 1})
     for d in ("cpu:0", "cpu:1"):
         assert "cores" not in per[d] and per[d]["affinity"] == usable
+
+
+def _kernel_takes_slices() -> bool:
+    """Whether this kernel keeps a thread's own scheduler slice (Linux >= 6.12), asked in a
+    child process (the test process keeps its own)."""
+    import subprocess
+    import sys
+    probe = ("from runtime.gloo_threads import SLICE_NS, short_slices, thread_slice_ns; "
+             "short_slices(); print(thread_slice_ns() == SLICE_NS)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() == "True"
+
+
+def test_run_gives_every_thread_of_every_worker_a_short_slice(tmp_path):
+    # runtime.gloo_threads: a gloo work thread woken by its peer's data runs within one short
+    # slice instead of waiting out the compute thread's (fine data parallel's slow iterations)
+    from runtime.gloo_threads import SLICE_NS
+    if not _kernel_takes_slices():
+        pytest.skip("this kernel has no per-thread scheduler slice")
+    per = _run(tmp_path, {"cpu:0": 1, "cpu:1": 1})
+    for d in ("cpu:0", "cpu:1"):
+        assert per[d]["slices_ns"] == [SLICE_NS]   # gloo's work and loop threads too
