@@ -37,6 +37,8 @@ from __future__ import annotations
 from array import array
 from typing import NamedTuple
 
+import numpy as np
+
 from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
 from planner.sim.taskgraph import TaskGraph
@@ -51,30 +53,41 @@ class Structure:
     """A replica's tasks alone, ids from 0 and resources renumbered in their order (the loop's
     result depends only on that order): what its times depend on besides its durations."""
 
-    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template", "runs")
+    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template", "runs",
+                 "flat")
 
-    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None):
+    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None, flat=None):
         self.res, self.succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
         self.n_res = n_res
         self.shared = shared_resources(res)
         self.static: Static | None | bool = None   # the fixed-order pass, False where it does not apply
         self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
         self.runs = 0
+        # each task's one resource as an array (None where some task holds several or none)
+        self.flat = flat if flat is not None or template is not None else (
+            np.fromiter((r[0] for r in res), np.int64, len(res)) if all(len(r) == 1 for r in res) else None)
 
     @staticmethod
     def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set) -> "Structure":
         """The tasks of template t with its resource slots `res` (resources of the plan),
         renumbered as `canon`; a task after a hop (a link) wakes up by wake_at of its resource
-        (planner.sim.simulator.Simulator._wakes)."""
-        wake, succ = {}, t.succ
-        for j, x in enumerate(t.res):
-            if res[x] in links:
-                for v in succ[j]:
-                    w = wake_at.get(res[t.res[v]])
-                    if w is not None:
-                        wake[v] = w
-        return Structure(tuple(canon[x] for x in t.res), succ, t.ndeps, t.value, wake,
-                         1 + max((y for r in canon for y in r), default=-1), t)
+        (planner.sim.simulator.Simulator._wakes). Over the template's arrays: per slot whether
+        it is a link and its wake-up, then per edge out of a link's task."""
+        slots, n = t.res_array, len(res)
+        link = np.fromiter((r in links for r in res), bool, n)
+        wake_of = np.fromiter((wake_at.get(r, np.nan) for r in res), float, n)
+        dst = t.edge_dst
+        after = dst[link[slots[t.edge_src]]]   # tasks that follow a hop, in the order they are wired
+        w = wake_of[slots[after]]
+        woken = ~np.isnan(w)
+        wake = dict(zip(after[woken].tolist(), w[woken].tolist()))
+        per_slot = np.empty(n, object)
+        for x, r in enumerate(canon):
+            per_slot[x] = r
+        flat = (np.array([r[0] for r in canon], np.int64)[slots]
+                if all(len(r) == 1 for r in canon) else None)
+        return Structure(tuple(per_slot[slots].tolist()), t.succ, t.ndeps, t.value, wake,
+                         1 + max((y for r in canon for y in r), default=-1), t, flat)
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
         dur = list(map(values.__getitem__, self.pattern))
@@ -85,12 +98,19 @@ class Structure:
         if out is None:
             out = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res, self.wake)
         start, end = out
-        last = [0.0] * self.n_res   # per local resource, its last end
-        for r, e in zip(self.res, end):
-            for x in r:
-                if e > last[x]:
-                    last[x] = e
-        zeros = frozenset(t for t, (s, e) in enumerate(zip(start, end)) if s == e)
+        if self.flat is not None:   # the same maxima and zero-length tasks, over arrays
+            ends = np.asarray(end)
+            at = np.zeros(self.n_res)
+            np.maximum.at(at, self.flat, ends)
+            last = at.tolist()
+            zeros = frozenset(np.flatnonzero(np.asarray(start) == ends).tolist())
+        else:
+            last = [0.0] * self.n_res   # per local resource, its last end
+            for r, e in zip(self.res, end):
+                for x in r:
+                    if e > last[x]:
+                        last[x] = e
+            zeros = frozenset(t for t, (s, e) in enumerate(zip(start, end)) if s == e)
         last_zero = [False] * self.n_res
         for t in zeros:
             for x in self.res[t]:

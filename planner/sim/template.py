@@ -72,6 +72,21 @@ class ReplicaTemplate:
         return self._label()
 
     @cached_property
+    def res_array(self) -> np.ndarray:
+        """`res` as an array."""
+        return np.array(self.res, np.int64)
+
+    @property
+    def edge_dst(self) -> np.ndarray:
+        """Every edge's successor, the edges in task order (each task's in wiring order)."""
+        return self._succ[0]
+
+    @cached_property
+    def edge_src(self) -> np.ndarray:
+        """Every edge's predecessor, in `edge_dst`'s order."""
+        return np.repeat(np.arange(len(self._succ[1])), self._succ[1])
+
+    @cached_property
     def succ(self) -> tuple[tuple[int, ...], ...]:
         return tuple(self.succ_at(0))
 
