@@ -64,9 +64,11 @@ from itertools import compress
 from operator import add
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from planner.cost.buckets import Bucket, exchanged_buckets
 from planner.cost.model import CostModel, RooflineCost
-from planner.sim import contention
+from planner.sim import contention, fastloop
 from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks, shared_resources
@@ -295,6 +297,11 @@ class Simulator:
     def _run(self, g: TaskGraph, dur: list[float], wake: dict[int, float]) -> tuple[list[float], list[float]]:
         """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
         applies, else by the event loop; the same times either way."""
+        if len(dur) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None:
+            if g.fast is None:   # compiled (planner.sim.fastloop): the same times
+                g.fast = fastloop.prepare(g.res, g.succ, g.ndeps, g.shared_res, len(self._lanes), wake)
+            start, end = fastloop.run(g.fast, np.asarray(dur, np.float64))
+            return start.tolist(), end.tolist()
         if g.static is None:
             after = self._static_after
             g.static = False if after is None else Static.of(g) if g.runs >= after else None

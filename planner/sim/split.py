@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner.sim import fastloop
 from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
 from planner.sim.taskgraph import TaskGraph
@@ -53,19 +54,46 @@ class Structure:
     """A replica's tasks alone, ids from 0 and resources renumbered in their order (the loop's
     result depends only on that order): what its times depend on besides its durations."""
 
-    __slots__ = ("res", "succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template", "runs",
-                 "flat")
+    __slots__ = ("res", "_succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template", "runs",
+                 "flat", "fast", "woken")
 
-    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None, flat=None):
-        self.res, self.succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
+    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None, flat=None, woken=None):
+        self.res, self._succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
         self.n_res = n_res
-        self.shared = shared_resources(res)
         self.static: Static | None | bool = None   # the fixed-order pass, False where it does not apply
         self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
         self.runs = 0
+        self.fast: tuple | None = None   # (fastloop.Prepared, pattern as an array) once run compiled
         # each task's one resource as an array (None where some task holds several or none)
         self.flat = flat if flat is not None or template is not None else (
             np.fromiter((r[0] for r in res), np.int64, len(res)) if all(len(r) == 1 for r in res) else None)
+        self.shared = () if self.flat is not None else shared_resources(res)
+        self.woken = woken   # (tasks, wake-ups) as arrays: `wake` from a template
+
+    @property
+    def succ(self):
+        """Each task's successors (a template's, made when first asked: the compiled loop
+        takes the template's arrays)."""
+        if self._succ is None:
+            self._succ = self.template.succ
+        return self._succ
+
+    def _prepare(self) -> "fastloop.Prepared":
+        """The compiled loop's arrays: from the template's where each task holds one resource."""
+        t = self.template
+        if t is None or self.flat is None:
+            return fastloop.prepare(self.res, self.succ, self.ndeps, self.shared, self.n_res, self.wake)
+        n = len(self.res)
+        cap_ptr = np.zeros(self.n_res + 1, np.int64)
+        np.cumsum(np.bincount(self.flat, minlength=self.n_res), out=cap_ptr[1:])
+        wake = np.zeros(n)
+        if self.woken is not None:
+            wake[self.woken[0]] = self.woken[1]
+        else:
+            for k, w in self.wake.items():
+                wake[k] = w
+        return fastloop.Prepared(np.arange(n + 1, dtype=np.int64), self.flat, t.succ_ptr, t.edge_dst,
+                                 t.ndeps_array, np.ones(self.n_res, np.bool_), cap_ptr, wake)
 
     @staticmethod
     def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set) -> "Structure":
@@ -86,10 +114,17 @@ class Structure:
             per_slot[x] = r
         flat = (np.array([r[0] for r in canon], np.int64)[slots]
                 if all(len(r) == 1 for r in canon) else None)
-        return Structure(tuple(per_slot[slots].tolist()), t.succ, t.ndeps, t.value, wake,
-                         1 + max((y for r in canon for y in r), default=-1), t, flat)
+        return Structure(tuple(per_slot[slots].tolist()), None, t.ndeps, t.value, wake,
+                         1 + max((y for r in canon for y in r), default=-1), t, flat,
+                         (after[woken], w[woken]))
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
+        if len(self.res) >= fastloop.MIN_TASKS and fastloop.available():   # compiled, same times
+            if self.fast is None:
+                self.fast = (self._prepare(), np.asarray(self.pattern, np.int64))
+            prepared, pattern = self.fast
+            start, end = fastloop.run(prepared, np.asarray(values, np.float64)[pattern])
+            return self._result(start, end)
         dur = list(map(values.__getitem__, self.pattern))
         if self.static is None and self.runs >= STATIC_AFTER:
             self.static = Static.of(self) or False
@@ -97,7 +132,10 @@ class Structure:
         out = self.static.run(dur, self.wake) if self.static else None
         if out is None:
             out = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res, self.wake)
-        start, end = out
+        return self._result(*out)
+
+    def _result(self, start, end) -> "ReplicaRun":
+        """The replica's times from its tasks' (start, end): lists, or arrays (compiled)."""
         if self.flat is not None:   # the same maxima and zero-length tasks, over arrays
             ends = np.asarray(end)
             at = np.zeros(self.n_res)
@@ -115,6 +153,8 @@ class Structure:
         for t in zeros:
             for x in self.res[t]:
                 last_zero[x] |= end[t] == last[x]
+        if isinstance(end, np.ndarray):
+            return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last), tuple(last_zero), zeros)
         return ReplicaRun(max(end) if end else 0.0, array("d", end), tuple(last), tuple(last_zero), zeros)
 
 
@@ -122,7 +162,7 @@ class ReplicaRun(NamedTuple):
     """A replica's times alone: its last end, each task's end, each (local) resource's last
     end and whether a task taking no time ends then, the tasks that took no time."""
     end_s: float
-    ends: array
+    ends: array | np.ndarray
     last: tuple[float, ...]
     last_zero: tuple[bool, ...]
     zeros: frozenset[int]
@@ -292,7 +332,7 @@ class Split:
         for p, t in self.release:
             if t in done[p].zeros:   # it ends a round later than its release task would
                 return None
-            dur.append(done[p].ends[t])
+            dur.append(float(done[p].ends[t]))
         first = len(self.release)
         dur += map(values.__getitem__, self.coupling)
         start, end = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res)

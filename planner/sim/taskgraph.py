@@ -273,6 +273,7 @@ class TaskGraph:
         self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices
         self.stat_rows: list[tuple[str, list[tuple[str, list[int]]]]] | None = None   # stat_seq per device
         self.static = None
+        self.fast = None    # planner.sim.fastloop.Prepared once run compiled
         self.split = None   # planner.sim.split.Split, False where it does not apply, None: not built
         self.parts: list[tuple] = []   # a delta build's replicas (planner.sim.build.Builder.releases)
         self.runs = 0   # event-loop or fixed-order runs of this graph   # planner.sim.listsched.Static, False where it does not apply, None: not built

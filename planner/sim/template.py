@@ -82,6 +82,17 @@ class ReplicaTemplate:
         return self._succ[0]
 
     @cached_property
+    def succ_ptr(self) -> np.ndarray:
+        """Task t's successors are edge_dst[succ_ptr[t]:succ_ptr[t + 1]]."""
+        ptr = np.zeros(len(self._succ[1]) + 1, np.int64)
+        np.cumsum(self._succ[1], out=ptr[1:])
+        return ptr
+
+    @cached_property
+    def ndeps_array(self) -> np.ndarray:
+        return np.array(self.ndeps, np.int64)
+
+    @cached_property
     def edge_src(self) -> np.ndarray:
         """Every edge's predecessor, in `edge_dst`'s order."""
         return np.repeat(np.arange(len(self._succ[1])), self._succ[1])

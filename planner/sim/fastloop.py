@@ -1,0 +1,272 @@
+"""planner.sim.eventloop.run compiled (numba), for large task graphs: the same rules, the same
+float operations in the same order, so the same start and end times bit for bit
+(tests/test_fastloop.py compares the two on random graphs).
+
+The graph is prepared once (`prepare`: resources and successors as flat arrays) and run per
+plan with its durations (`run`). Without numba (`available()` False) callers use the Python loop.
+Where numba is present, a graph of MIN_TASKS tasks or more takes this path: below that the
+Python loop costs less than a call's conversions (and a small `hetplan simulate` never imports
+numba).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+MIN_TASKS = 1000   # graphs at least this large run compiled (where numba is installed)
+
+try:                                   # an optional speed-up: the Python loop is the reference
+    import numba
+except ImportError:                    # pragma: no cover - exercised where numba is absent
+    numba = None
+
+
+def available() -> bool:
+    return numba is not None
+
+
+class Prepared(NamedTuple):
+    """A task graph's fixed part as arrays: task t holds res_idx[res_ptr[t]:res_ptr[t + 1]] and
+    is followed by succ_idx[succ_ptr[t]:succ_ptr[t + 1]]; `solo[x]`: resource x is held by
+    single-resource tasks only; `cap_ptr`: each resource's slice of the waiting heaps."""
+    res_ptr: np.ndarray
+    res_idx: np.ndarray
+    succ_ptr: np.ndarray
+    succ_idx: np.ndarray
+    ndeps: np.ndarray
+    solo: np.ndarray
+    cap_ptr: np.ndarray
+    wake: np.ndarray
+
+
+def _csr(rows) -> tuple[np.ndarray, np.ndarray]:
+    sizes = np.fromiter(map(len, rows), np.int64, len(rows))
+    ptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(sizes, out=ptr[1:])
+    flat = np.fromiter((x for r in rows for x in r), np.int64, int(ptr[-1]))
+    return ptr, flat
+
+
+def prepare(res, succ, ndeps, shared_res, n_res: int, wake: dict[int, float] | None = None) -> Prepared:
+    """The arrays `run` takes, for eventloop.run's arguments of the same names."""
+    res_ptr, res_idx = _csr(res)
+    succ_ptr, succ_idx = _csr(succ)
+    solo = np.ones(n_res, np.bool_)
+    solo[list(shared_res)] = False
+    cap_ptr = np.zeros(n_res + 1, np.int64)
+    np.cumsum(np.bincount(res_idx, minlength=n_res), out=cap_ptr[1:])
+    w = np.zeros(len(res))
+    for t, s in (wake or {}).items():
+        w[t] = s
+    return Prepared(res_ptr, res_idx, succ_ptr, succ_idx, np.asarray(ndeps, np.int64), solo, cap_ptr, w)
+
+
+def run(p: Prepared, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) as planner.sim.eventloop.run gives them for this graph and durations."""
+    start, end, ok = _loop(np.ascontiguousarray(dur, np.float64), p.res_ptr, p.res_idx, p.succ_ptr,
+                           p.succ_idx, p.ndeps.copy(), p.solo, p.cap_ptr, p.wake)
+    if not ok:
+        raise RuntimeError("simulator deadlock: some tasks never became ready")
+    return start, end
+
+
+def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wake):
+    """eventloop.run over arrays (see there for the rules). Waiting tasks: one binary heap of
+    keys rank * n + t per resource (its slice of `heap`); task ends: one heap of (time, task),
+    a round taking every end at the earliest time."""
+    n = dur.shape[0]
+    n_res = solo.shape[0]
+    start = np.zeros(n)
+    end = np.zeros(n)
+    started = np.zeros(n, np.bool_)
+    busy = np.zeros(n_res, np.bool_)
+    free_at = np.zeros(n_res)
+    heap = np.zeros(max(cap_ptr[n_res], 1), np.int64)
+    hlen = np.zeros(n_res, np.int64)
+    tt = np.zeros(max(n, 1))                 # the ends heap: times
+    tk = np.zeros(max(n, 1), np.int64)       # and their tasks
+    tlen = 0
+    newly = np.zeros(max(n, 1), np.int64)
+    k_new = 0
+    for t in range(n):
+        if ndeps[t] == 0:
+            newly[k_new] = t
+            k_new += 1
+    touched = np.zeros(max(n_res, 1), np.int64)
+    mark = np.zeros(n_res, np.bool_)
+    k_touch = 0
+    ending = np.zeros(max(n, 1), np.int64)
+    now = 0.0
+    base = 0
+    while True:
+        if k_new > 1:
+            newly[:k_new].sort()
+        for i in range(k_new):
+            t = newly[i]
+            a, b = res_ptr[t], res_ptr[t + 1]
+            if b - a == 1:
+                x = res_idx[a]
+                if solo[x] and not busy[x] and hlen[x] == 0:
+                    busy[x] = True
+                    start[t] = now
+                    started[t] = True
+                    e = now + dur[t] + (wake[t] if free_at[x] < now else 0.0)
+                    end[t] = e
+                    tlen = _push_time(tt, tk, tlen, e, t)
+                    continue
+            elif b == a:                       # a pure join completes at once
+                start[t] = now
+                end[t] = now
+                started[t] = True
+                tlen = _push_time(tt, tk, tlen, now, t)
+                continue
+            for j in range(a, b):
+                x = res_idx[j]
+                _push_key(heap, cap_ptr[x], hlen, x, base + t)
+                if not mark[x]:
+                    mark[x] = True
+                    touched[k_touch] = x
+                    k_touch += 1
+        if k_touch > 1:
+            touched[:k_touch].sort()
+        for i in range(k_touch):                # start what can start, lowest resource first
+            x = touched[i]
+            mark[x] = False
+            if busy[x]:
+                continue
+            off = cap_ptr[x]
+            while hlen[x] > 0 and started[heap[off] % n]:   # started through another resource
+                _pop_key(heap, off, hlen, x)
+            if hlen[x] == 0:
+                continue
+            t = heap[off] % n
+            a, b = res_ptr[t], res_ptr[t + 1]
+            if b - a > 1:
+                free = True
+                for j in range(a, b):
+                    if busy[res_idx[j]]:
+                        free = False
+                        break
+                if not free:
+                    continue
+                for j in range(a, b):
+                    busy[res_idx[j]] = True
+                e = now + dur[t]
+            else:
+                _pop_key(heap, off, hlen, x)
+                busy[x] = True
+                e = now + dur[t] + (wake[t] if free_at[x] < now else 0.0)
+            start[t] = now
+            started[t] = True
+            end[t] = e
+            tlen = _push_time(tt, tk, tlen, e, t)
+        k_touch = 0
+        k_new = 0
+        if tlen == 0:
+            break
+        e = tt[0]
+        if e != now:
+            now = e
+            base += n
+        k_end = 0
+        while tlen > 0 and tt[0] == e:
+            ending[k_end] = tk[0]
+            k_end += 1
+            tlen = _pop_time(tt, tk, tlen)
+        for i in range(k_end):
+            t = ending[i]
+            for j in range(res_ptr[t], res_ptr[t + 1]):
+                x = res_idx[j]
+                busy[x] = False
+                free_at[x] = e
+                if hlen[x] > 0 and not mark[x]:
+                    mark[x] = True
+                    touched[k_touch] = x
+                    k_touch += 1
+            for j in range(succ_ptr[t], succ_ptr[t + 1]):
+                v = succ_idx[j]
+                ndeps[v] -= 1
+                if ndeps[v] == 0:
+                    newly[k_new] = v
+                    k_new += 1
+    return start, end, bool(started.all())
+
+
+def _push_key(heap, off, hlen, x, key):
+    i = hlen[x]
+    hlen[x] = i + 1
+    while i > 0:
+        parent = (i - 1) >> 1
+        if heap[off + parent] <= key:
+            break
+        heap[off + i] = heap[off + parent]
+        i = parent
+    heap[off + i] = key
+
+
+def _pop_key(heap, off, hlen, x):
+    size = hlen[x] - 1
+    hlen[x] = size
+    last = heap[off + size]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and heap[off + c + 1] < heap[off + c]:
+            c += 1
+        if heap[off + c] >= last:
+            break
+        heap[off + i] = heap[off + c]
+        i = c
+    if size > 0:
+        heap[off + i] = last
+
+
+def _push_time(tt, tk, tlen, e, t):
+    i = tlen
+    while i > 0:
+        parent = (i - 1) >> 1
+        if tt[parent] <= e:
+            break
+        tt[i] = tt[parent]
+        tk[i] = tk[parent]
+        i = parent
+    tt[i] = e
+    tk[i] = t
+    return tlen + 1
+
+
+def _pop_time(tt, tk, tlen):
+    size = tlen - 1
+    le, lk = tt[size], tk[size]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and tt[c + 1] < tt[c]:
+            c += 1
+        if tt[c] >= le:
+            break
+        tt[i] = tt[c]
+        tk[i] = tk[c]
+        i = c
+    if size > 0:
+        tt[i] = le
+        tk[i] = lk
+    return size
+
+
+if numba is not None:
+    _push_key = numba.njit(cache=True)(_push_key)
+    _pop_key = numba.njit(cache=True)(_pop_key)
+    _push_time = numba.njit(cache=True)(_push_time)
+    _pop_time = numba.njit(cache=True)(_pop_time)
+    _loop = numba.njit(cache=True)(_loop_py)
+else:                                   # pragma: no cover
+    _loop = _loop_py
+
+
+__all__ = ["MIN_TASKS", "Prepared", "available", "prepare", "run"]
