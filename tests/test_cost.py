@@ -307,3 +307,38 @@ def test_layers_are_timed_in_steps_over_windows_that_fit_half_the_memory(tmp_pat
     assert timed_windows(1e12) == [L + 1]                 # every layer and the loss in one step
     assert timed_windows(2 * per_layer) == [1, L]          # the first alone, then what fits half
     assert timed_windows(1.0) == [1] * (L - 1) + [2]      # one layer each; the loss with the last
+
+
+def test_a_size_timed_out_of_line_with_the_curve_is_timed_again_and_the_faster_kept(tmp_path, monkeypatch):
+    # a passing slowdown (the VM slow for a moment) made one size of the curve 50 % slow: more
+    # samples never take less time, so a size whose step takes longer than the next larger
+    # size's (or less than the next smaller's) is timed again and the faster median kept
+    import socket
+
+    from planner.cost.timing import MeasuredCost
+    from planner.hardware.topology import Device
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 1})
+    g = capture_graph(w, 4)
+    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
+                 {"host": {"hostname": socket.gethostname()}})
+    calls = []
+
+    def fake(self, layers, x, *args, **kwargs):   # seconds per sample, the first timing of 2 slow
+        batch = x[0].shape[0]
+        calls.append(batch)
+        slow = 3.0 if batch == 2 and calls.count(2) == 1 else 1.0
+        n = len(layers)
+        return [1e-3 * batch * slow] * n, [2e-3 * batch * slow] * n
+    monkeypatch.setattr(MeasuredCost, "_time_sequence", fake)
+    m = MeasuredCost(g, t, w, sizes=(1, 2, 4))
+    dev = t.device("cpu:0")
+    f4, _ = m.layer_times(dev, 4)            # sizes 2 (timed slow: 6 units > size 4's 4), then 4
+    assert calls == [2, 4, 4, 2]             # 4 is out of line with 2: both timed again
+    f1, _ = m.layer_times(dev, 1)
+    f2, b2 = m.layer_times(dev, 2)
+    assert calls == [2, 4, 4, 2, 1]          # 1 is in line: nothing timed again
+    assert f2[0] == pytest.approx(2e-3) and b2[0] == pytest.approx(4e-3)   # the faster kept
+    assert f1[0] == pytest.approx(1e-3) and f4[0] == pytest.approx(4e-3)

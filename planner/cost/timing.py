@@ -127,14 +127,17 @@ class MeasuredCost(CostModel):
         write_json_atomic(cache_path(), merged)
 
     # --- measuring -----------------------------------------------------------------------
-    def _measure(self, device: Device, batch: int, split: bool = False) -> tuple[list[float], list[float]]:
+    def _measure(self, device: Device, batch: int, split: bool = False,
+                 again: bool = False) -> tuple[list[float], list[float]]:
         """Per-layer (fwd, bwd) at `batch`, from the cache or timed now; with `split`, each
-        layer's split backward (I and W passes, entries `key + SPLIT`) is also cached or timed."""
+        layer's split backward (I and W passes, entries `key + SPLIT`) is also cached or timed.
+        A size timed out of line with the curve's neighbours on record (`_out_of_line`) is timed
+        again with them (`again`: timed although cached, each entry keeping the faster)."""
         disk = self._load_disk()
         keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
         # The last layer's entry also holds the loss's times: [fwd, bwd, loss fwd, loss bwd].
-        fused = not (all(k in disk for k in keys) and len(disk[keys[-1]]) == 4)
-        split = split and not all(k + SPLIT in disk for k in keys[1:])
+        fused = again or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == 4)
+        split = split and not again and not all(k + SPLIT in disk for k in keys[1:])
         if not (fused or split):
             return _from_entries(keys, disk)
         import torch
@@ -166,14 +169,19 @@ class MeasuredCost(CostModel):
                 inputs, target = self.workload.make_batch(batch, 0)
                 x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
                 layers = stages + [_Loss(self.workload.loss_fn, target.to(dev))]
-                y = x
-                for a, b in self._windows(device, batch) if fused else ():
-                    f, bw = self._time_sequence(layers[a:b + (b == L)], y, sync, in_precision, data=a == 0)
-                    fwd += f
-                    bwd += bw
-                    with torch.no_grad(), in_precision():   # the next window's input
-                        for stage in layers[a:b]:
-                            y = as_tuple(stage(*_leaf_inputs(y, grad=False)))
+
+                def timed() -> tuple[list[float], list[float]]:
+                    fs, bs, y = [], [], x
+                    for a, b in self._windows(device, batch):
+                        f, bw = self._time_sequence(layers[a:b + (b == L)], y, sync, in_precision, data=a == 0)
+                        fs += f
+                        bs += bw
+                        with torch.no_grad(), in_precision():   # the next window's input
+                            for stage in layers[a:b]:
+                                y = as_tuple(stage(*_leaf_inputs(y, grad=False)))
+                    return fs, bs
+                if fused:
+                    fwd, bwd = timed()
                 for i, stage in enumerate(layers if split else ()):
                     # the model's input is data: as in the runtime, no gradient is computed for it
                     x = _leaf_inputs(x, grad=i > 0)
@@ -192,8 +200,36 @@ class MeasuredCost(CostModel):
             entries[keys[-1]] = entries[keys[-1]][:2] + [fwd[-1], bwd[-1]]
         if split:
             entries.update(_shared([k + SPLIT for k in keys[1:]], passes))
+        if again:   # the faster of the two timings (a passing slowdown only adds time)
+            entries = {k: list(map(min, v, disk[k])) if len(disk.get(k, ())) == len(v) else v
+                       for k, v in entries.items()}
         self._save_disk(entries)
+        if fused and not again:
+            out = self._out_of_line(device, batch, sum(fwd) + sum(bwd))
+            if out:
+                # more samples never take less time: a passing slowdown of the machine made one
+                # of these sizes slow (measured: a whole size 50 % slow), so both are timed again
+                for b in (batch, *out):
+                    self._measure(device, b, again=True)
         return _from_entries(keys, self._load_disk())
+
+    def _out_of_line(self, device: Device, batch: int, total: float) -> tuple[int, ...]:
+        """The curve's sizes on record next to `batch` that a step of the whole model taking
+        `total` seconds there contradicts: the nearest smaller size if it took longer, the
+        nearest larger one if it took less."""
+        disk, L = self._load_disk(), self.graph.num_layers
+        below = above = None
+        for b in self.sizes or ():
+            keys = [self._key(i, device, b) for i in range(L)]
+            if b == batch or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == 4):
+                continue
+            f, bw = _from_entries(keys, disk)
+            if b < batch:
+                below = (b, sum(f) + sum(bw))
+            elif above is None:
+                above = (b, sum(f) + sum(bw))
+        return tuple(b for b, t, wrong in ((*(below or (0, 0.0)), below is not None and below[1] > total),
+                                           (*(above or (0, 0.0)), above is not None and above[1] < total)) if wrong)
 
     def _repeat(self, once) -> list[float]:
         """The median of each of once()'s times over `repeats` runs after `warmup`; a slow layer
