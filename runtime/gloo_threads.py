@@ -78,7 +78,7 @@ def short_slices(slice_ns: int = SLICE_NS) -> list[int]:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return []
-    if calls is None:
+    if calls is None:   # no sched_setattr known for this architecture
         return []
     libc = ctypes.CDLL(None, use_errno=True)
     done = []

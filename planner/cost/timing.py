@@ -228,8 +228,12 @@ class MeasuredCost(CostModel):
                 below = (b, sum(f) + sum(bw))
             elif above is None:
                 above = (b, sum(f) + sum(bw))
-        return tuple(b for b, t, wrong in ((*(below or (0, 0.0)), below is not None and below[1] > total),
-                                           (*(above or (0, 0.0)), above is not None and above[1] < total)) if wrong)
+        out = []
+        if below is not None and below[1] > total:
+            out.append(below[0])
+        if above is not None and above[1] < total:
+            out.append(above[0])
+        return tuple(out)
 
     def _repeat(self, once) -> list[float]:
         """The median of each of once()'s times over `repeats` runs after `warmup`; a slow layer

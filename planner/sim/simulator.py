@@ -297,8 +297,10 @@ class Simulator:
     def _run(self, g: TaskGraph, dur: list[float], wake: dict[int, float]) -> tuple[list[float], list[float]]:
         """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
         applies, else by the event loop; the same times either way."""
+        # a large graph compiled (planner.sim.fastloop: the same times), unless this simulator
+        # was asked for the Python event loop alone (static_after None)
         if len(dur) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None:
-            if g.fast is None:   # compiled (planner.sim.fastloop): the same times
+            if g.fast is None:
                 g.fast = fastloop.prepare(g.res, g.succ, g.ndeps, g.shared_res, len(self._lanes), wake)
             start, end = fastloop.run(g.fast, np.asarray(dur, np.float64))
             return start.tolist(), end.tolist()

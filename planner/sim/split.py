@@ -64,9 +64,9 @@ class Structure:
         self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
         self.runs = 0
         self.fast: tuple | None = None   # (fastloop.Prepared, pattern as an array) once run compiled
-        # each task's one resource as an array (None where some task holds several or none)
-        self.flat = flat if flat is not None or template is not None else (
-            np.fromiter((r[0] for r in res), np.int64, len(res)) if all(len(r) == 1 for r in res) else None)
+        if flat is None and template is None and all(len(r) == 1 for r in res):
+            flat = np.fromiter((r[0] for r in res), np.int64, len(res))
+        self.flat = flat   # each task's one resource as an array (None where some task holds several or none)
         self.shared = () if self.flat is not None else shared_resources(res)
         self.woken = woken   # (tasks, wake-ups) as arrays: `wake` from a template
 
@@ -87,11 +87,7 @@ class Structure:
         cap_ptr = np.zeros(self.n_res + 1, np.int64)
         np.cumsum(np.bincount(self.flat, minlength=self.n_res), out=cap_ptr[1:])
         wake = np.zeros(n)
-        if self.woken is not None:
-            wake[self.woken[0]] = self.woken[1]
-        else:
-            for k, w in self.wake.items():
-                wake[k] = w
+        wake[self.woken[0]] = self.woken[1]   # a template's structure has them as arrays
         return fastloop.Prepared(np.arange(n + 1, dtype=np.int64), self.flat, t.succ_ptr, t.edge_dst,
                                  t.ndeps_array, np.ones(self.n_res, np.bool_), cap_ptr, wake)
 
