@@ -103,5 +103,5 @@ def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch
     cases += [(c[0], c[1], [c[2]]) for c in (random_case(rng) for _ in range(40))]
     monkeypatch.setattr(fastloop, "MIN_TASKS", 0)
     compiled = [_results(*c, split) for c in cases]
-    monkeypatch.setattr(fastloop, "numba", None)       # fastloop.available() is False: Python
+    monkeypatch.setattr(fastloop, "_numba", False)     # fastloop.available() is False: Python
     assert [_results(*c, split) for c in cases] == compiled

@@ -16,14 +16,33 @@ import numpy as np
 
 MIN_TASKS = 1000   # graphs at least this large run compiled (where numba is installed)
 
-try:                                   # an optional speed-up: the Python loop is the reference
-    import numba
-except ImportError:                    # pragma: no cover - exercised where numba is absent
-    numba = None
+_numba = None      # numba once imported (on first use: a process that never runs a large graph
+                   # does not pay its import); False where it is missing
+_loop = None       # the compiled loop, made on first use
 
 
 def available() -> bool:
-    return numba is not None
+    """Whether numba can be imported (the Python loop is the reference either way)."""
+    global _numba
+    if _numba is None:
+        try:
+            import numba
+            _numba = numba
+        except ImportError:            # pragma: no cover - exercised where numba is absent
+            _numba = False
+    return _numba is not False
+
+
+def _compiled():
+    """The compiled loop (its helpers compiled first: the loop calls them by their names)."""
+    global _loop
+    if _loop is None:
+        jit = _numba.njit(cache=True)
+        g = globals()
+        for name in ("_push_key", "_pop_key", "_push_time", "_pop_time"):
+            g[name] = jit(g[name])
+        _loop = jit(_loop_py)
+    return _loop
 
 
 class Prepared(NamedTuple):
@@ -64,8 +83,8 @@ def prepare(res, succ, ndeps, shared_res, n_res: int, wake: dict[int, float] | N
 
 def run(p: Prepared, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(start, end) as planner.sim.eventloop.run gives them for this graph and durations."""
-    start, end, ok = _loop(np.ascontiguousarray(dur, np.float64), p.res_ptr, p.res_idx, p.succ_ptr,
-                           p.succ_idx, p.ndeps.copy(), p.solo, p.cap_ptr, p.wake)
+    start, end, ok = _compiled()(np.ascontiguousarray(dur, np.float64), p.res_ptr, p.res_idx, p.succ_ptr,
+                                 p.succ_idx, p.ndeps.copy(), p.solo, p.cap_ptr, p.wake)
     if not ok:
         raise RuntimeError("simulator deadlock: some tasks never became ready")
     return start, end
@@ -257,16 +276,6 @@ def _pop_time(tt, tk, tlen):
         tt[i] = le
         tk[i] = lk
     return size
-
-
-if numba is not None:
-    _push_key = numba.njit(cache=True)(_push_key)
-    _pop_key = numba.njit(cache=True)(_pop_key)
-    _push_time = numba.njit(cache=True)(_push_time)
-    _pop_time = numba.njit(cache=True)(_pop_time)
-    _loop = numba.njit(cache=True)(_loop_py)
-else:                                   # pragma: no cover
-    _loop = _loop_py
 
 
 __all__ = ["MIN_TASKS", "Prepared", "available", "prepare", "run"]
