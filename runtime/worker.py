@@ -106,6 +106,10 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
             from planner.files.measured import measured_from_dict, save_measured
             save_measured(measured_from_dict({"schema": "hetplan.measured/1", **result}, cfg.out),
                           cfg.out)
+        # Tear down together: a rank that destroys its gloo groups while a peer is still inside
+        # the last gather aborted that peer (SIGABRT, "terminate called without an active
+        # exception"), and torchrun's other agent then waited for ever (test_torchrun_two_nodes).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if cfg.error_dir:
