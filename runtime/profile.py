@@ -18,6 +18,7 @@ buffers over gloo, the path of a CPU+GPU runtime). A GPU's host copies are measu
 from __future__ import annotations
 
 import datetime
+import statistics
 import json
 import os
 import platform
@@ -67,8 +68,14 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     from planner.hardware.fit import contention_factor, fit_optimizer, lower_envelope, memory_contention_factor
     cpus = [(w, r.get("calibration", {})) for w, r in zip(workers, results) if w.kind == "cpu"]
     timed = [c for _, c in cpus if "reference_alone_s" in c and "reference_together_s" in c]
-    factor = contention_factor([c["reference_alone_s"] for c in timed],
-                               [c["reference_together_s"] for c in timed]) if len(cpus) > 1 and timed else 1.0
+    factor = 1.0
+    if len(cpus) > 1 and all(c.get("reference_ratios") for _, c in cpus):
+        # the mean over rounds spread across the profile: a slowdown that comes and goes
+        # counts in proportion to the time it holds (runtime.profile_worker._reference_rounds)
+        factor = max(1.0, statistics.median(statistics.fmean(c["reference_ratios"]) for _, c in cpus))
+    elif len(cpus) > 1 and timed:
+        factor = contention_factor([c["reference_alone_s"] for c in timed],
+                                   [c["reference_together_s"] for c in timed])
     lat = bw = None
     curve = ()
     if allreduce and all(w.kind == "cpu" for w in workers):

@@ -104,7 +104,12 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
     try:
         if os.environ.get(FAIL_ENV) == str(rank):
             raise RuntimeError(f"injected failure ({FAIL_ENV}={rank})")
+        # the reference step alone and together in three bursts spread over the profile: two
+        # one-core workers on a VM slow each other or not for tens of seconds at a time
+        step = bench.reference_step() if me.kind == "cpu" else None
+        rounds = _reference_rounds(step, workers, settings, 0)
         result = {"device": _device_tables(me, device, settings), "links": {}}
+        rounds = _reference_rounds(step, workers, settings, 1, rounds)
         result["calibration"] = _calibration_tables(workers, settings)
         if rank == 0 and world > 1:
             log(f"point-to-point between {world * (world - 1) // 2} pair(s) of workers")
@@ -122,6 +127,11 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
         if world > 1 and all(w.kind == "cpu" for w in workers):   # the curve's smallest size, queued
             result["calibration"]["allreduce_queued_s"] = bench.allreduce_queued(
                 settings.comm_sizes[0], max(20, 4 * settings.repeats))
+        alone, together = _reference_rounds(step, workers, settings, 2, rounds)
+        if step is not None:
+            result["calibration"].update(reference_alone_s=bench.stats(alone)[0],
+                                         reference_together_s=bench.stats(together)[0],
+                                         reference_ratios=[t / a for a, t in zip(alone, together)])
         write_json_atomic(Path(out_dir) / f"rank{rank}.json", result)
         # Tear down together: a rank that destroys its gloo group while a peer is still inside
         # the last collective can abort the peer ("terminate called without an active exception").
@@ -210,29 +220,39 @@ def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: floa
     return out
 
 
-def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
-    """What planner.hardware.calibration fits (CPU workers only): a reference training step timed alone
-    (one worker at a time, the others waiting in a barrier) and with every worker running it at
-    once; rank 0 also times torch.optim steps alone (planner.hardware.calibration.fit_optimizer)."""
+def _reference_rounds(step, workers: list[WorkerSpec], s: Settings, burst: int,
+                      rounds: tuple[list[float], list[float]] | None = None) -> tuple[list[float], list[float]]:
+    """Burst `burst` of 3 (0, 1, 2) of the contention measurement, added to `rounds`: a third of
+    `s.repeats` rounds (at least one), each the reference step alone on one worker at a time (the
+    others waiting in a barrier), then on every worker at once, as in training; per round this
+    worker's (alone, together) seconds per step. Every rank takes part (a GPU worker only waits)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    me, out = workers[rank], {}
-    step = bench.reference_step() if me.kind == "cpu" else None
-    if rank == 0:
-        log("calibration: reference step alone and with all workers busy; optimizer steps")
+    alone, together = rounds or ([], [])
+    if rank == 0 and burst == 0:
+        log("calibration: reference step alone and with all workers busy, in three bursts")
     window_s = 2 * s.min_time_s
-    alone, together = [], []
-    for _ in range(s.repeats):   # alternate, so slow drift of the machine hits both alike
+    n = s.repeats // 3 + (burst < s.repeats % 3) if s.repeats >= 3 else 1
+    for _ in range(n):       # alternate, so slow drift of the machine hits both alike
         for r in range(world):
-            dist.barrier()       # one worker at a time
+            dist.barrier()   # one worker at a time
             if r == rank and step is not None:
                 alone.append(bench.per_call_in_window(step, window_s))
-        dist.barrier()           # every worker at once, as during training
+        dist.barrier()       # every worker at once
         if step is not None:
             together.append(bench.per_call_in_window(step, window_s))
     dist.barrier()
-    if step is not None:
-        out["reference_alone_s"] = bench.stats(alone)[0]
-        out["reference_together_s"] = bench.stats(together)[0]
+    return alone, together
+
+
+def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
+    """What planner.hardware.calibration fits (CPU workers only), besides the reference step's
+    rounds (`_reference_rounds`): rank 0 times torch.optim steps alone
+    (planner.hardware.calibration.fit_optimizer) and with every worker stepping at once, and
+    the wake-up, message and DDP costs of the runtime's patterns."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me, out = workers[rank], {}
+    if rank == 0:
+        log("calibration: optimizer steps alone and with all workers busy")
     if rank == 0 and me.kind == "cpu":
         out["optimizer"] = bench.optimizer_table(s.repeats, s.min_time_s)
     dist.barrier()

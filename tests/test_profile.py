@@ -160,6 +160,17 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     assert 0 <= cal["allreduce_queued_s"] < 1e-2
     # issuing a message through the runtime's PeerLink (a group per direction): µs, not ms
     assert 0 < cal["send_issue_s"] < 1e-2 and 0 < cal["recv_post_s"] < 1e-2
+    # the reference step's rounds in three bursts across the profile (one round each, quick)
+    assert [len(r["reference_ratios"]) for r in cal["raw"]["reference"]] == [3, 3]
+
+
+def test_contention_is_the_mean_over_rounds_spread_across_the_profile():
+    # two one-core workers on a VM slow each other or not for tens of seconds at a time: a
+    # slowdown in one of three bursts counts for a third, where a median would drop it
+    workers = [profile.WorkerSpec(f"cpu:{i}", "cpu", i, 1) for i in range(2)]
+    results = [{"calibration": {"reference_alone_s": 1.0, "reference_together_s": 1.0,
+                                "reference_ratios": [1.0, 1.0, 1.3]}} for _ in workers]
+    assert profile.calibration(workers, results, [])["cpu_contention_factor"] == pytest.approx(1.1)
 
 
 def test_progress_goes_to_stderr(quick_profile):
