@@ -18,11 +18,11 @@ buffers over gloo, the path of a CPU+GPU runtime). A GPU's host copies are measu
 from __future__ import annotations
 
 import datetime
-import statistics
 import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import tempfile
 import time
