@@ -35,25 +35,29 @@ _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 _ATTR = "IIQiIQQQII"   # struct sched_attr: size, policy, flags, nice, priority, runtime (the slice), ...
 
 
+def thread_ids() -> list[int] | None:
+    """This process's thread ids, None where there is no /proc (not Linux)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return None
+
+
 def lower_gloo_loop_priority() -> list[int]:
     """Set gloo's event-loop threads of this process to nice 19 (an unprivileged change);
     return their thread ids. Call it after the process groups exist: a group created later may
     start a loop thread of its own. Nothing where there is no /proc (not Linux) or no such
     thread."""
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return []
     done = []
-    for tid in tids:
+    for tid in thread_ids() or ():
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if not f.read().startswith(LOOP_THREAD):
                     continue
-            os.setpriority(os.PRIO_PROCESS, int(tid), NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, NICE)
         except OSError:          # the thread ended meanwhile
             continue
-        done.append(int(tid))
+        done.append(tid)
     return done
 
 
@@ -74,15 +78,11 @@ def short_slices(slice_ns: int = SLICE_NS) -> list[int]:
     (threads started later inherit it); return the thread ids set. Nothing where there is no
     /proc, no sched_setattr for this architecture, or the kernel refuses."""
     calls = _SYSCALLS.get(platform.machine())
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return []
     if calls is None:   # no sched_setattr known for this architecture
         return []
     libc = ctypes.CDLL(None, use_errno=True)
     done = []
-    for tid in tids:
+    for tid in thread_ids() or ():
         try:
             nice = os.getpriority(os.PRIO_PROCESS, tid)
         except OSError:          # the thread ended meanwhile
@@ -97,10 +97,9 @@ def short_slices(slice_ns: int = SLICE_NS) -> list[int]:
 def threads_slices() -> list[int] | None:
     """The distinct scheduler slices of this process's threads, in ns (the measured file's
     per-device `slices_ns`); None where they cannot be read."""
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
+    tids = thread_ids()
+    if tids is None:
         return None
-    out = {thread_slice_ns(int(t)) for t in tids}
+    out = {thread_slice_ns(t) for t in tids}
     out.discard(None)           # a thread that ended meanwhile
     return sorted(out) or None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from planner.hardware.topology import natural_key, parse_device_name
+from runtime.gloo_threads import thread_ids
 
 
 def node_of(device: str) -> str:
@@ -56,14 +57,13 @@ def local_threads(devices: tuple[str, ...], name: str, threads: dict[str, int]) 
 def threads_affinity() -> list[int] | None:
     """The cores any thread of this process may run on (the union over its threads); None
     where there is no /proc (not Linux)."""
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
+    tids = thread_ids()
+    if tids is None:
         return None
     out: set[int] = set()
     for tid in tids:
         try:
-            out |= os.sched_getaffinity(int(tid))
+            out |= os.sched_getaffinity(tid)
         except OSError:          # the thread ended meanwhile
             continue
     return sorted(out)
