@@ -69,16 +69,19 @@ def _csr(rows) -> tuple[np.ndarray, np.ndarray]:
 
 def prepare(res, succ, ndeps, shared_res, n_res: int, wake: dict[int, float] | None = None) -> Prepared:
     """The arrays `run` takes, for eventloop.run's arguments of the same names."""
-    res_ptr, res_idx = _csr(res)
-    succ_ptr, succ_idx = _csr(succ)
+    w = np.zeros(len(res))
+    for t, s in (wake or {}).items():
+        w[t] = s
+    return from_arrays(*_csr(res), *_csr(succ), np.asarray(ndeps, np.int64), shared_res, n_res, w)
+
+
+def from_arrays(res_ptr, res_idx, succ_ptr, succ_idx, ndeps, shared_res, n_res: int, wake) -> Prepared:
+    """`prepare` from a graph already held as flat arrays (wake: per task, 0 for none)."""
     solo = np.ones(n_res, np.bool_)
     solo[list(shared_res)] = False
     cap_ptr = np.zeros(n_res + 1, np.int64)
     np.cumsum(np.bincount(res_idx, minlength=n_res), out=cap_ptr[1:])
-    w = np.zeros(len(res))
-    for t, s in (wake or {}).items():
-        w[t] = s
-    return Prepared(res_ptr, res_idx, succ_ptr, succ_idx, np.asarray(ndeps, np.int64), solo, cap_ptr, w)
+    return Prepared(res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wake)
 
 
 def run(p: Prepared, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -278,4 +281,4 @@ def _pop_time(tt, tk, tlen):
     return size
 
 
-__all__ = ["MIN_TASKS", "Prepared", "available", "prepare", "run"]
+__all__ = ["MIN_TASKS", "Prepared", "available", "prepare", "from_arrays", "run"]

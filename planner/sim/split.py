@@ -84,12 +84,10 @@ class Structure:
         if t is None or self.flat is None:
             return fastloop.prepare(self.res, self.succ, self.ndeps, self.shared, self.n_res, self.wake)
         n = len(self.res)
-        cap_ptr = np.zeros(self.n_res + 1, np.int64)
-        np.cumsum(np.bincount(self.flat, minlength=self.n_res), out=cap_ptr[1:])
         wake = np.zeros(n)
         wake[self.woken[0]] = self.woken[1]   # a template's structure has them as arrays
-        return fastloop.Prepared(np.arange(n + 1, dtype=np.int64), self.flat, t.succ_ptr, t.edge_dst,
-                                 t.ndeps_array, np.ones(self.n_res, np.bool_), cap_ptr, wake)
+        return fastloop.from_arrays(np.arange(n + 1, dtype=np.int64), self.flat, t.succ_ptr, t.edge_dst,
+                                    t.ndeps_array, self.shared, self.n_res, wake)
 
     @staticmethod
     def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set) -> "Structure":
