@@ -11,6 +11,15 @@ from planner.hardware.topology import Topology
 from simhelpers import device, graph, layer, link, topology
 
 
+def _here(memory: float = 1e9) -> Topology:
+    """One CPU worker (one thread) of a topology profiled on this host: layers are timed."""
+    import socket
+
+    from planner.hardware.topology import Device
+    return Topology("h", (Device("cpu:0", "cpu", memory, 1e10, 1e9, 0.0, 1),), (),
+                    {"host": {"hostname": socket.gethostname()}})
+
+
 def test_roofline_takes_the_bound_plus_overheads():
     d = device("cuda:0", flops=1e12, mem_bw=1e11, overhead=1e-5)
     assert roofline_s(2e9, 1e8, 3, d) == pytest.approx(2e-3 + 3e-5)      # compute-bound
@@ -79,16 +88,13 @@ def test_interpolation_and_host_check():
 
 
 def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
-    import socket
     from planner.workload.capture import capture_graph
     from planner.cost.timing import MeasuredCost, cache_path
-    from planner.hardware.topology import Device
     from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     g = capture_graph(w, 4)
-    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
-                 {"host": {"hostname": socket.gethostname()}})
+    t = _here()
     a = MeasuredCost(g, t, w, repeats=2)
     f, b = a.layer_times(t.device("cpu:0"), 4)
     assert len(f) == g.num_layers and all(x > 0 for x in f + b)
@@ -101,18 +107,15 @@ def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
 
 def test_the_split_backward_is_timed_per_layer_by_the_runtimes_passes_and_cached(tmp_path, monkeypatch):
     import json
-    import socket
 
     import planner.workload.split_backward as split_backward
     from planner.cost.timing import SPLIT, MeasuredCost, cache_path
-    from planner.hardware.topology import Device
     from planner.workload.capture import capture_graph
     from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 2})     # layers.0, layers.1, out: all hold weights
     g = capture_graph(w, 4)
-    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
-                 {"host": {"hostname": socket.gethostname()}})
+    t = _here()
     dev = t.device("cpu:0")
     m = MeasuredCost(g, t, w, repeats=2)
     _, bwd = m.layer_times(dev, 4)
@@ -172,7 +175,6 @@ def test_roofline_prices_the_graphs_precision_from_the_device_table():
 
 def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
     import json
-    import socket
     from dataclasses import replace
 
     import torch
@@ -180,12 +182,10 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
     from planner.workload.capture import capture_graph
     from planner.cost import timing
     from planner.cost.timing import MeasuredCost, cache_path
-    from planner.hardware.topology import Device
     from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
-    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
-                 {"host": {"hostname": socket.gethostname()}})
+    t = _here()
     g32, g16 = capture_graph(w, 4), capture_graph(w, 4, "bf16")
     MeasuredCost(g32, t, w, repeats=1).layer_times(t.device("cpu:0"), 4)
     seen = []                                    # the dtype each timed pass computes in
@@ -277,10 +277,7 @@ _fail_after_prepare.armed = False
 def test_layers_are_timed_in_steps_over_windows_that_fit_half_the_memory(tmp_path, monkeypatch):
     # a model whose activations at the whole batch do not fit one device is timed in windows of
     # consecutive layers, each a training step of its own; with room for all, one step
-    import socket
-
     from planner.cost.timing import MeasuredCost
-    from planner.hardware.topology import Device
     from planner.workload.capture import capture_graph
     from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
@@ -290,8 +287,7 @@ def test_layers_are_timed_in_steps_over_windows_that_fit_half_the_memory(tmp_pat
     per_layer = max(g.saved_bytes_at(i, i + 1, 4) for i in range(L))
 
     def timed_windows(memory: float) -> list[int]:
-        t = Topology("h", (Device("cpu:0", "cpu", memory, 1e10, 1e9, 0.0, 1),), (),
-                     {"host": {"hostname": socket.gethostname()}})
+        t = _here(memory)
         sizes = []
         real = MeasuredCost._time_sequence
 
@@ -313,17 +309,13 @@ def test_a_size_timed_out_of_line_with_the_curve_is_timed_again_and_the_faster_k
     # a passing slowdown (the VM slow for a moment) made one size of the curve 50 % slow: more
     # samples never take less time, so a size whose step takes longer than the next larger
     # size's (or less than the next smaller's) is timed again and the faster median kept
-    import socket
-
     from planner.cost.timing import MeasuredCost
-    from planner.hardware.topology import Device
     from planner.workload.capture import capture_graph
     from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     g = capture_graph(w, 4)
-    t = Topology("h", (Device("cpu:0", "cpu", 1e9, 1e10, 1e9, 0.0, 1),), (),
-                 {"host": {"hostname": socket.gethostname()}})
+    t = _here()
     calls = []
 
     def fake(self, layers, x, *args, **kwargs):   # seconds per sample, the first timing of 2 slow
