@@ -194,30 +194,40 @@ def _any_worker(flag: bool) -> bool:
 
 
 def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: float) -> dict:
-    """`matmul_<p>_table` for tf32 (CUDA only: on a CPU, a stand-in GPU's included, tf32 is fp32,
-    so the fp32 figure is copied) and bf16 (measured for real everywhere: a CPU without native
-    bf16 is slow at it and is priced so), and `matmul_flops_per_s_by_precision` from each
-    table's largest measured size."""
-    native = dev.native
-    sizes = s.cuda_low_precision_sizes if native else s.cpu_low_precision_sizes
+    """`matmul_<p>_table` for tf32 (accelerators only: on a CPU worker tf32 is fp32, so the fp32
+    figure is copied) and bf16 (measured for real everywhere: a CPU without native bf16 is slow at
+    it and is priced so), and `matmul_flops_per_s_by_precision` from each table's largest size."""
+    sizes = s.cuda_low_precision_sizes if dev.native else s.cpu_low_precision_sizes
     out: dict = {}
     rates = {"fp32": fp32_flops_per_s}
     for p in ("tf32", "bf16"):
-        if p == "tf32" and not native:
-            rates[p] = fp32_flops_per_s
-            continue
+        mine = sizes if p == "bf16" or dev.accelerator else ()
         if dist.get_rank() == 0:
-            log(f"{p} matmul n={', '.join(map(str, sizes))}")
-        rows = []
-        for n in sizes:
-            if rows and _any_worker(2 * n ** 3 / rows[-1]["flops_per_s"] > MAX_LOW_PRECISION_CALL_S):
-                break        # a slow kernel (bf16 on a CPU without it): the smaller size's rate stands
-            dist.barrier()   # every worker runs the same size at the same time
-            rows.append(bench.matmul_row(n, dev, s.min_time_s, s.repeats, precision=p))
-        out[f"matmul_{p}_table"] = rows
-        rates[p] = rows[-1]["flops_per_s"]
+            log(f"{p} matmul n={', '.join(map(str, mine))}" if mine else f"{p} matmul on the GPUs")
+        rows = _matmul_rounds(mine, lambda n: bench.matmul_row(n, dev, s.min_time_s, s.repeats,
+                                                               precision=p))
+        if rows:
+            out[f"matmul_{p}_table"] = rows
+        rates[p] = rows[-1]["flops_per_s"] if rows else fp32_flops_per_s
     out["matmul_flops_per_s_by_precision"] = rates
     return out
+
+
+def _matmul_rounds(sizes, measure) -> list[dict]:
+    """`measure(n)` for each of this worker's `sizes` in turn, in rounds that every worker takes
+    part in whatever its own list (a GPU times tf32, a CPU does not; their sizes differ): a round
+    runs while any worker has a size left, each measuring its own at once. A worker stops at a
+    size whose one call would take over MAX_LOW_PRECISION_CALL_S (bf16 on a CPU without it:
+    minutes); its smaller size's rate stands."""
+    rows: list[dict] = []
+    left = list(sizes)
+    while True:
+        if left and rows and 2 * left[0] ** 3 / rows[-1]["flops_per_s"] > MAX_LOW_PRECISION_CALL_S:
+            left = []
+        if not _any_worker(bool(left)):   # also starts the round on every worker at once
+            return rows
+        if left:
+            rows.append(measure(left.pop(0)))
 
 
 def _reference_rounds(step, workers: list[WorkerSpec], s: Settings, burst: int,

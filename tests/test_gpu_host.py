@@ -44,6 +44,11 @@ def test_profile_measures_the_gpu_and_its_host_copies(gpu_host):
         for direction in ("h2d", "d2h"):
             assert gpu["host_copy"][kind][direction]["bytes_per_s"] > 0
     assert {(l["a"], l["b"]) for l in topo["links"]} == {("cpu:0", "cuda:0")}
+    # the GPU times tf32 and the CPU worker does not (tf32 is fp32 there), their sweeps' rounds
+    # shared all the same (a real GPU's profile hung here when each worker ran its own)
+    cpu = next(d for d in topo["devices"] if d["name"] == "cpu:0")
+    assert [r["n"] for r in gpu["matmul_tf32_table"]] and "matmul_tf32_table" not in cpu
+    assert gpu["matmul_flops_per_s_by_precision"]["tf32"] == gpu["matmul_tf32_table"][-1]["flops_per_s"]
 
 
 def test_plan_and_simulate_measure_layers_on_the_gpu(gpu_host, tmp_path):
