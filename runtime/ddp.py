@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 # which plans run on DDP: decided where the simulator prices it too
-from planner.cost.grad_sync import is_plain_dp, runs_on_ddp as uses_ddp, sync_microbatch  # noqa: F401
+from planner.cost.grad_sync import ddp_parameters, is_plain_dp, runs_on_ddp as uses_ddp, sync_microbatch  # noqa: F401
 
 MiB = 1024 * 1024
 
@@ -52,10 +52,17 @@ def wrap(module: torch.nn.Module, group, device: torch.device,
     ddp = DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group, bucket_cap_mb_list=[c / MiB for c in bucket_caps(params, bucket_of)],
-        gradient_as_bucket_view=True, forward_sync_buffers=False,
-        find_unused_parameters=find_unused)
+        gradient_as_bucket_view=True, find_unused_parameters=find_unused,
+        **no_forward_buffer_sync(ddp_parameters()))
     ddp.register_comm_hook(group, _sum_hook)
     return ddp
+
+
+def no_forward_buffer_sync(accepted) -> dict[str, bool]:
+    """DDP's switch for broadcasting buffers before each forward, off, under the name the
+    installed torch takes (`accepted`: DDP's keyword arguments): `forward_sync_buffers` where it
+    exists, else `broadcast_buffers` (torch 2.11 and before)."""
+    return {"forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers": False}
 
 
 def bucket_caps(params: list[torch.nn.Parameter], bucket_of: dict) -> list[int]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from planner.hardware.device import TorchDevice
 from planner.workload.optimizer import make_optimizer
+from runtime import ddp
 from runtime.gloo_threads import lower_gloo_loop_priority
 
 MAX_CALLS = 100_000  # cap on calls per sample (op-overhead timing of ~1 us ops)
@@ -485,7 +486,8 @@ def ddp_costs(group, repeats: int) -> dict[str, float]:
     plain, inner = mlp(), mlp()
     n_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     wrapped = DistributedDataParallel(inner, process_group=group, bucket_cap_mb=n_bytes / 2 ** 20 + 1,
-                                      gradient_as_bucket_view=True, forward_sync_buffers=False)
+                                      gradient_as_bucket_view=True,
+                                      **ddp.no_forward_buffer_sync(ddp.ddp_parameters()))
     wrapped.register_comm_hook(None, _noop_hook)
     x, y = torch.randn(16, 512), torch.randint(0, 10, (16,))
     flat = torch.empty(n_bytes // 4)

@@ -10,6 +10,9 @@ The runtime decides with these functions too, so the simulator and the runtime c
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 from planner.files.plan import Plan
 from planner.hardware.topology import parse_device_name
 
@@ -38,14 +41,23 @@ def sync_microbatch(actions) -> int | None:
     return last
 
 
+@functools.cache
+def ddp_parameters() -> frozenset[str]:
+    """The keyword arguments of the installed torch's DistributedDataParallel."""
+    from torch.nn.parallel import DistributedDataParallel
+    return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
+
+
 def runs_on_ddp(plan: Plan) -> bool:
-    """Plain data parallel whose every replica's schedule allows a no_sync() microbatch: decided
-    from the plan alone, so every rank decides the same (a DDP rank beside a GradSync rank would
-    hang in mismatched collectives)."""
+    """Plain data parallel whose every replica's schedule allows a no_sync() microbatch, on a
+    torch whose DDP takes per-bucket caps (`bucket_cap_mb_list`: 2.13 has it, 2.11 not; without
+    it the plan's buckets cannot be given to DDP): decided from the plan and the installed torch,
+    so every rank decides the same (a DDP rank beside a GradSync rank would hang in mismatched
+    collectives)."""
     from planner.sim.schedule import make_schedule
-    return is_plain_dp(plan) and all(
+    return is_plain_dp(plan) and "bucket_cap_mb_list" in ddp_parameters() and all(
         sync_microbatch([(a.kind, a.microbatch) for a in make_schedule(plan.schedule, 1, rep.microbatches)[0]])
         is not None for rep in plan.replicas)
 
 
-__all__ = ["is_plain_dp", "sync_microbatch", "runs_on_ddp"]
+__all__ = ["is_plain_dp", "sync_microbatch", "runs_on_ddp", "ddp_parameters"]
