@@ -429,30 +429,34 @@ def per_call_in_window(fn: Callable[[], None], window_s: float) -> float:
             return elapsed / n
 
 
-def optimizer_table(repeats: int, min_time_s: float,
-                    barrier: Callable[[], None] | None = None) -> dict[str, list[dict]]:
+def optimizer_table(repeats: int, min_time_s: float, barrier: Callable[[], None] | None = None,
+                    dev: TorchDevice | None = None) -> dict[str, list[dict]]:
     """Adam and SGD steps (planner.workload.optimizer, as the runtime builds them) over parameter sets of
     several tensor counts and sizes, each timed alone after evicting the caches (a 64 MiB copy;
     in training, forward and backward run between two steps): rows {"tensors", "bytes", "s"}
     (median seconds per step). With `barrier` (called before each timed step), every worker
-    steps at once."""
+    steps at once. On `dev` (default the CPU), synchronized before and after each step."""
     shapes = [(1, 1 << 20), (4, 1 << 18), (16, 1 << 16), (64, 1 << 12), (64, 1 << 14), (8, 1 << 20)]
-    junk_src, junk_dst = torch.ones(16 << 20), torch.empty(16 << 20)
+    where = dev.device if dev is not None else torch.device("cpu")
+    sync = dev.synchronize if dev is not None else (lambda: None)
+    junk_src, junk_dst = torch.ones(16 << 20, device=where), torch.empty(16 << 20, device=where)
     out: dict[str, list[dict]] = {}
     for name in ("adam", "sgd"):
         rows = []
         for n, numel in shapes:
-            params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
+            params = [torch.nn.Parameter(torch.randn(numel, device=where)) for _ in range(n)]
             for p in params:
-                p.grad = torch.randn(numel)
+                p.grad = torch.randn(numel, device=where)
             opt = make_optimizer(params, name, 1e-3 if name == "adam" else 1e-2)
             samples = []
             for _ in range(max(5, repeats)):
                 junk_dst.copy_(junk_src)
                 if barrier is not None:
                     barrier()
+                sync()
                 t0 = time.perf_counter()
                 opt.step()
+                sync()
                 samples.append(time.perf_counter() - t0)
             med, spread = stats(samples[1:])
             rows.append({"tensors": n, "bytes": n * numel * 4, "s": med, "spread": spread})

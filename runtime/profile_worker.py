@@ -171,6 +171,8 @@ def _device_tables(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
         out["host_copy_table"] = bench.host_copy_table(dev, list(s.comm_sizes), s.min_time_s,
                                                        s.repeats)
         out["host_copy"] = host_copy_fit(out["host_copy_table"])
+        # a step's host work and launches, not only its memory traffic (CostModel.optimizer_s)
+        out["optimizer_table"] = bench.optimizer_table(s.repeats, s.min_time_s, dev=dev)
         if dev.native:
             out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
             out["model"] = torch.cuda.get_device_name(device)

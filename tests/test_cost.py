@@ -277,7 +277,7 @@ _fail_after_prepare.armed = False
 def test_layers_are_timed_in_steps_over_windows_that_fit_half_the_memory(tmp_path, monkeypatch):
     # a model whose activations at the whole batch do not fit one device is timed in windows of
     # consecutive layers, each a training step of its own; with room for all, one step
-    from planner.cost.timing import MeasuredCost
+    from planner.cost.timing import MeasuredCost, cache_path
     from planner.workload.capture import capture_graph
     from planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
@@ -297,7 +297,7 @@ def test_layers_are_timed_in_steps_over_windows_that_fit_half_the_memory(tmp_pat
         monkeypatch.setattr(MeasuredCost, "_time_sequence", spy)
         f, b = MeasuredCost(g, t, w, repeats=1).layer_times(t.device("cpu:0"), 4)
         assert len(f) == len(b) == L and all(x > 0 for x in f)
-        (tmp_path / "layer_costs-v4.json").unlink()
+        cache_path().unlink()
         return sizes
 
     assert timed_windows(1e12) == [L + 1]                 # every layer and the loss in one step

@@ -117,6 +117,12 @@ MALFORMED = {
     "precision_table_not_an_object": (
         lambda d: d["devices"][0].update(matmul_flops_per_s_by_precision=[1e12]),
         "devices[0].matmul_flops_per_s_by_precision: expected an object"),
+    "optimizer_row_without_time": (
+        lambda d: d["devices"][1].update(optimizer_table={"adam": [{"tensors": 1, "bytes": 4e6}]}),
+        "devices[1].optimizer_table.adam[0].s: missing; expected a positive number"),
+    "optimizer_rows_not_a_list": (
+        lambda d: d["devices"][1].update(optimizer_table={"adam": {"tensors": 1}}),
+        "devices[1].optimizer_table.adam: expected a list"),
 }
 
 

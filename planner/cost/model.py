@@ -130,6 +130,7 @@ class CostModel:
         self._prefix: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._layer: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         self._opt: dict[tuple[str, str, float], float] = {}
+        self._device_opt_fit: dict[tuple[str, str], object] = {}
         # a split backward's (I pass, W pass) prefix sums (bwd_input_s, bwd_weight_s)
         self._split: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
         tied = {l for t in graph.tied for l in t.layers}
@@ -275,17 +276,32 @@ class CostModel:
     def optimizer_s(self, device: str, param_bytes: float, optimizer: str, n_tensors: int = 0,
                     busy: int = 1) -> float:
         """One optimizer step on `device`: with a calibration fit for `optimizer` on a CPU device,
-        (n_tensors * s_per_tensor + param_bytes * s_per_byte) * contention(device, busy);
-        else the memory-bound formula `optimizer_s` (the contract's what-if semantics)."""
+        (n_tensors * s_per_tensor + param_bytes * s_per_byte) * contention(device, busy); on an
+        accelerator whose profile timed the optimizer (`optimizer_table`), that table's fit with
+        a fixed cost per step; else the memory-bound formula `optimizer_s` (the contract's
+        what-if semantics)."""
         key = (device, optimizer, param_bytes, n_tensors, busy)
         if key not in self._opt:
             dev = self.topology.device(device)
             fit = self.calibration.optimizer.get(optimizer) if self.calibration else None
             if fit is not None and dev.kind == "cpu":
                 self._opt[key] = fit.step_s(n_tensors, param_bytes) * self.contention(device, busy)
+            elif dev.kind != "cpu" and (fit := self._device_optimizer_fit(dev, optimizer)):
+                self._opt[key] = fit.step_s(n_tensors, param_bytes)
             else:
                 self._opt[key] = optimizer_s(param_bytes, optimizer, dev)
         return self._opt[key]
+
+    def _device_optimizer_fit(self, dev: Device, optimizer: str):
+        """The fit (with a fixed cost per step) of `dev`'s measured `optimizer_table` rows for
+        `optimizer`; None without them."""
+        rows = dev.measured.get("optimizer_table", {}).get(optimizer)
+        if not rows or len(rows) < 3:
+            return None
+        if (dev.name, optimizer) not in self._device_opt_fit:
+            from planner.hardware.fit import fit_optimizer
+            self._device_opt_fit[(dev.name, optimizer)] = fit_optimizer(rows, fixed=True)
+        return self._device_opt_fit[(dev.name, optimizer)]
 
     def host_copy_s(self, device: str, n_bytes: float, direction: str) -> float | None:
         """A copy of n bytes between `device` and its host's memory in one process ("h2d" or

@@ -2,7 +2,9 @@
 real batch, timed in training steps (every forward in order, then every backward in reverse, so a
 layer meets the caches its neighbours leave, as in the runtime), median of `repeats` after
 `warmup`; the loss is timed as a pseudo-layer added to the last layer; the first layer gets no
-input gradient (as in the runtime). Cached in
+input gradient (as in the runtime). On an accelerator, whose launches overlap its work, the
+layers' times are scaled to their chained step's, synchronized only around forward and
+backward (`_chained_once`). Cached in
 `$HETPLAN_CACHE_DIR/layer_costs-v<N>.json` by host, signature, device kind, threads, batch and
 precision. History and figures: docs/tuning.md.
 
@@ -44,8 +46,9 @@ from planner.hardware.topology import Device, Topology, parse_device_name
 # Bumped when the way layers are timed or keyed changes, so that older figures are not reused
 # (2: timed with the runtime's allocator setting, planner.hardware.host_memory; 3: signatures
 # without the capture batch, planner.workload.capture._signature: a v2 file's entries could
-# never match again; 4: layers timed in training steps, not each alone in a loop).
-CACHE_VERSION = 4
+# never match again; 4: layers timed in training steps, not each alone in a loop; 5: on an
+# accelerator, scaled to the layers' chained, unsynchronized step).
+CACHE_VERSION = 5
 # Suffix of a layer's split-backward entry (layers after the first): [I pass, W pass] as shares
 # of the fused backward timed in the same runs (back to back, so a change of the machine's load
 # between two measurements does not show as a cost of the split); times = share * fused entry.
@@ -159,6 +162,7 @@ class MeasuredCost(CostModel):
         old_threads = torch.get_num_threads()
         if device.kind == "cpu" and device.threads:
             torch.set_num_threads(device.threads)
+        chained = dev.accelerator   # its launches overlap its work: totals timed unsynchronized
         sync, dev = dev.synchronize, dev.device
         in_precision = lambda: autocast(dev.type, self.precision)  # noqa: E731
         fwd, bwd, passes = [], [], []
@@ -173,7 +177,11 @@ class MeasuredCost(CostModel):
                 def timed() -> tuple[list[float], list[float]]:
                     fs, bs, y = [], [], x
                     for a, b in self._windows(device, batch):
-                        f, bw = self._time_sequence(layers[a:b + (b == L)], y, sync, in_precision, data=a == 0)
+                        seq = layers[a:b + (b == L)]
+                        f, bw = self._time_sequence(seq, y, sync, in_precision, data=a == 0)
+                        if chained:
+                            f, bw = _scaled(f, bw, *self._repeat(
+                                lambda: _chained_once(seq, y, sync, in_precision, data=a == 0)))
                         fs += f
                         bs += bw
                         with torch.no_grad(), in_precision():   # the next window's input
@@ -445,6 +453,42 @@ def _sequence_once(layers, x, sync, in_precision, data: bool = True) -> tuple[fl
             grads = [torch.ones_like(o) for o in outs[i]]
             bwd[i], _ = _timed(sync, lambda: torch.autograd.backward(outs[i], grads))
     return tuple(fwd) + tuple(bwd)
+
+
+def _chained_once(layers, x, sync, in_precision, data: bool = True) -> tuple[float, float]:
+    """One training step through `layers` as one stage runs them: each forward on its
+    predecessor's output, one backward from the last outputs, the device synchronized only before,
+    between and after (on an accelerator, launches then overlap the device's work, as in the
+    runtime): (forward seconds, backward seconds)."""
+    import torch
+
+    from planner.workload.inputs import as_tuple
+    for stage in layers:
+        stage.zero_grad(set_to_none=True)
+    x = _leaf_inputs(x, grad=not data)
+
+    def forward():
+        y = x
+        with in_precision():
+            for stage in layers:
+                y = as_tuple(stage(*y))
+        return y
+    f_s, out = _timed(sync, forward)
+    out = _needing_grad(out)
+    if not out:
+        return f_s, 0.0
+    grads = [torch.ones_like(o) for o in out]
+    b_s, _ = _timed(sync, lambda: torch.autograd.backward(out, grads))
+    return f_s, b_s
+
+
+def _scaled(fwd: list[float], bwd: list[float], fwd_total: float,
+            bwd_total: float) -> tuple[list[float], list[float]]:
+    """Per-layer times, each layer synchronized on its own, scaled to the totals of the same
+    layers run as one chained step (`_chained_once`): the layers keep their shares."""
+    def scale(times, total):
+        return [t * total / sum(times) for t in times] if sum(times) > 0 else times
+    return scale(fwd, fwd_total), scale(bwd, bwd_total)
 
 
 def _timed(sync, fn) -> tuple[float, object]:

@@ -16,10 +16,11 @@ from planner.files.io import Reader
 class OptimizerFit:
     s_per_tensor: float      # Python/launch overhead per parameter tensor
     s_per_byte: float        # per parameter byte (memory traffic of the update)
+    s_fixed: float = 0.0     # per step (an accelerator's: the host's work, its launches)
 
     def step_s(self, n_tensors: int, param_bytes: float) -> float:
-        """n_tensors * s_per_tensor + param_bytes * s_per_byte."""
-        return n_tensors * self.s_per_tensor + param_bytes * self.s_per_byte
+        """s_fixed + n_tensors * s_per_tensor + param_bytes * s_per_byte."""
+        return self.s_fixed + n_tensors * self.s_per_tensor + param_bytes * self.s_per_byte
 
 
 @dataclass(frozen=True)

@@ -56,18 +56,20 @@ def host_copy_fit(rows: list[dict]) -> dict:
     return out
 
 
-def fit_optimizer(rows: list[dict]) -> OptimizerFit:
-    """Fit s = n_tensors * s_per_tensor + bytes * s_per_byte to rows {"tensors", "bytes", "s"}
-    (non-negative least squares with relative residuals, weights 1/s)."""
+def fit_optimizer(rows: list[dict], fixed: bool = False) -> OptimizerFit:
+    """Fit s = n_tensors * s_per_tensor + bytes * s_per_byte (+ s_fixed with `fixed`) to rows
+    {"tensors", "bytes", "s"} (non-negative least squares with relative residuals, weights 1/s)."""
     from scipy.optimize import nnls
-    if len(rows) < 2:
-        raise ValueError("need at least two rows to fit the optimizer step")
+    if len(rows) < 2 + fixed:
+        raise ValueError(f"need at least {2 + fixed} rows to fit the optimizer step")
     n = np.array([r["tensors"] for r in rows], dtype=float)
     b = np.array([r["bytes"] for r in rows], dtype=float)
     y = np.array([r["s"] for r in rows], dtype=float)
     w = 1.0 / y
-    coef, _ = nnls(np.stack([n, b], axis=1) * w[:, None], y * w)
-    return OptimizerFit(s_per_tensor=float(coef[0]), s_per_byte=float(coef[1]))
+    columns = [n, b] + [np.ones_like(n)] * fixed
+    coef, _ = nnls(np.stack(columns, axis=1) * w[:, None], y * w)
+    return OptimizerFit(s_per_tensor=float(coef[0]), s_per_byte=float(coef[1]),
+                        s_fixed=float(coef[2]) if fixed else 0.0)
 
 
 def memory_contention_factor(alone_rows: list[dict], together_rows: list[dict]) -> float | None:

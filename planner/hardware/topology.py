@@ -182,7 +182,7 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
                                 expected="a non-negative number"),
             threads=d.get("threads", int, default=None, check=positive, expected="a positive integer"),
             matmul_flops_per_s_by_precision=_by_precision(d),
-            measured={k: v for k, v in d.data.items() if k not in _DEVICE_FIELDS},
+            measured=_checked_measured(d),
         ))
     names = set()
     for i, dev in enumerate(devices):
@@ -205,6 +205,21 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
     extra = {k: v for k, v in r.data.items() if k not in {"schema", "name", "devices", "links"}}
     return Topology(name=r.get("name", str, default=Path(file).stem), devices=tuple(devices),
                     links=tuple(links), measured=extra)
+
+
+def _checked_measured(d: Reader) -> dict[str, Any]:
+    """A device's fields beyond the contract's (tables from `profile`), the ones the cost model
+    reads checked: `optimizer_table` maps optimizer names to rows of positive
+    {"tensors", "bytes", "s"}."""
+    if d.has("optimizer_table"):
+        table = d.sub("optimizer_table")
+        positive = lambda v: v > 0  # noqa: E731
+        for name in table.data:
+            for row in table.readers(name):
+                row.get("tensors", int, check=positive, expected="a positive integer")
+                for key in ("bytes", "s"):
+                    row.get(key, float, check=positive, expected="a positive number")
+    return {k: v for k, v in d.data.items() if k not in _DEVICE_FIELDS}
 
 
 def _by_precision(d: Reader) -> dict[str, float] | None:
