@@ -39,3 +39,18 @@ def plan(replicas, global_batch, schedule="1f1b", granularity="fine", bucket_byt
     return Plan(model=ModelRef("synthetic"), global_batch=global_batch, replicas=reps,
                 schedule=schedule, sync=Sync(granularity, bucket_bytes),
                 optimizer=Optimizer(optimizer, 1e-3, placement, cpu_fraction), recompute=recompute)
+
+
+def with_timed_steps(topo: Topology, fixed_s: float = 2e-3) -> Topology:
+    """`topo` with each GPU's optimizer steps timed by a profile (`optimizer_table`): `fixed_s`
+    per step (the host's launches) + 1e-5 s per tensor + the device's memory traffic."""
+    from dataclasses import replace
+    from planner.cost.model import OPTIMIZER_BYTES_PER_PARAM_BYTE
+
+    def rows(d, name):
+        per_byte = OPTIMIZER_BYTES_PER_PARAM_BYTE[name] / d.memory_bytes_per_s
+        return [{"tensors": n, "bytes": b, "s": fixed_s + 1e-5 * n + per_byte * b}
+                for n, b in ((1, 4e6), (16, 4e6), (64, 3.2e7))]
+    return replace(topo, devices=tuple(
+        replace(d, measured={**d.measured, "optimizer_table": {k: rows(d, k) for k in ("adam", "sgd")}})
+        if d.kind == "cuda" else d for d in topo.devices))

@@ -128,6 +128,14 @@ def test_bound_below_the_simulation_on_random_plans(gpt4, name):
     assert set(schedules) == set(SCHEDULES) or name != "dgx-2node-ib", schedules
 
 
+def test_bound_below_the_simulation_where_the_gpus_timed_their_steps(gpt4):
+    # a split optimizer's host part starts after the device's launches (Builder.optimizer_steps)
+    from simhelpers import with_timed_steps
+    topo = with_timed_steps(load_topology(EXAMPLES / "workstation-gtx1650.json"))
+    space = make_space(topo, gpt4.num_layers, 32, ModelRef("gpt"), "adam", 1e-3, tensor_split=True)
+    check_bounds(Simulator(gpt4, topo), random_plans(space, random.Random(3), 150), 0.5)
+
+
 def test_bound_below_the_simulation_with_calibrated_cpu_workers():
     # a calibrated host (message issue, wake-up, cold start, iteration overhead) whose contention
     # is 1: the bound counts the messages and the overhead, and stays below

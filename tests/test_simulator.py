@@ -211,6 +211,24 @@ def test_split_optimizer_runs_device_and_host_parts_at_once():
     assert r.peak_memory_bytes == {"cuda:0": approx(2.5e6), "cpu:0": approx(2.25e6)}
 
 
+def test_split_optimizer_host_part_waits_for_the_devices_launches():
+    # as above, but the GPU's profile timed its steps: s = 0.5 s fixed (its host's work, the
+    # launches) + 7e-6 s per byte. The worker launches the device's part, then updates the host's
+    # part on its own thread: the host chain starts 0.5 s after the backward
+    from dataclasses import replace
+    rows = [{"tensors": n, "bytes": b, "s": 0.5 + 7e-6 * b} for n, b in ((1, 1e5), (4, 1e6), (16, 4e6))]
+    g = graph([layer(0, param_bytes=10**6)], batch=1)
+    gpu = replace(device("cuda:0", mem_bw=1e6), measured={"optimizer_table": {"adam": rows}})
+    t = topology([device("cpu:0", mem_bw=1e7), gpu], [link("cpu:0", "cuda:0", bw=1e6)])
+    r = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="split",
+                      cpu_fraction=0.75), g, t)
+    # device part 0.5 + 0.25e6 * 7e-6 = 2.25 s; host chain 0.5 + 0.75 + 0.525 + 0.75 = 2.525 s
+    assert r.iteration_s == approx(3.0 + 2.525)
+    assert r.per_device["cuda:0"]["optimizer_s"] == approx(2.25)
+    alone = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam"), g, t)
+    assert alone.iteration_s == approx(3.0 + 0.5 + 7.0)
+
+
 def test_offloaded_activations_copied_out_beside_compute_and_back_before_backward():
     # one GPU stage of two layers, GPipe over 2 microbatches of 1 sample: F = 2 s, B = 4 s; each
     # microbatch saves 2e6 B, 2 s over the 1e6 B/s link each way

@@ -121,6 +121,18 @@ def test_delta_simulation_equals_the_whole_graph_on_random_plans(gpt4, name, cal
     assert paths["split"] >= 2, paths   # most plans here are one replica, or share a CPU link
 
 
+def test_delta_simulation_equals_the_whole_graph_where_the_gpus_timed_their_steps(gpt4, paths):
+    # a split optimizer's device step in two parts, the host's part after the first
+    from simhelpers import with_timed_steps
+    topo = with_timed_steps(load_topology(EXAMPLES / "dgx-8gpu.json"))
+    space = make_space(topo, gpt4.num_layers, 32, ModelRef("gpt"), "adam", 1e-3)
+    plans = random_plans(space, random.Random(4), 60) + grid_plans(gpt4, topo, space, random.Random(5), 8)
+    plans += [replace(p, optimizer=replace(p.optimizer, placement="split", cpu_fraction=0.3)) for p in plans]
+    paths.clear()
+    same_results(gpt4, topo, plans)
+    assert paths["split"] >= 2, paths
+
+
 def test_delta_simulation_equals_the_whole_graph_on_rails_grid_plans(paths):
     # pipelines x data parallel on 16 GPUs (2 nodes x 8, rails), walked from every grid shape:
     # every schedule the walk reaches, fine and coarse sync

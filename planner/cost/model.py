@@ -292,6 +292,13 @@ class CostModel:
                 self._opt[key] = optimizer_s(param_bytes, optimizer, dev)
         return self._opt[key]
 
+    def optimizer_launch_s(self, device: str, optimizer: str, n_tensors: int) -> float:
+        """The host's share of an accelerator's step whose profile timed it: its fixed and
+        per-tensor cost (the launches; the per-byte rest runs on the device). 0 otherwise."""
+        dev = self.topology.device(device)
+        fit = self._device_optimizer_fit(dev, optimizer) if dev.kind != "cpu" else None
+        return fit.s_fixed + n_tensors * fit.s_per_tensor if fit else 0.0
+
     def _device_optimizer_fit(self, dev: Device, optimizer: str):
         """The fit (with a fixed cost per step) of `dev`'s measured `optimizer_table` rows for
         `optimizer`; None without them."""

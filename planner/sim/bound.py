@@ -155,6 +155,7 @@ class _Bound:
                     self.after[dev] = on_host
                     continue
                 n, n_t = (1 - f) * n, n_t - round(f * n_t)
+                on_host += cost.optimizer_launch_s(dev, opt, n_t)   # after the device's launches
             own = cost.optimizer_s(dev, n, opt, n_t)
             self.add(self.rid[dev], own)
             self.after[dev] = max(own, on_host)

@@ -513,14 +513,28 @@ class Builder:
             if host != dev and f is None:
                 steps.append(self.offloaded_step(dev, host, n, n_t, deps))
                 continue
+            host_part = None
             if host != dev:
-                steps.append(self.offloaded_step(dev, host, f * n, round(f * n_t), deps))
+                host_part = (f * n, round(f * n_t))
                 n, n_t = (1 - f) * n, n_t - round(f * n_t)
+                # the worker launches its device's part, then updates the host's part on its
+                # own thread (runtime.optim.StageOptimizer): that waits for the launches
+                launch = sim.cost.optimizer_launch_s(dev, opt, n_t)
+                if launch <= 0.0:
+                    steps.append(self.offloaded_step(dev, host, *host_part, deps))
+                    host_part = None
             cold = sim.cost.cold_compute_s(dev) if synced.get(dev) else 0.0
-            d_k = g.value(Const(sim.cost.optimizer_s(dev, n, opt, n_t) + cold))
-            t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(f"{opt} step", dev, "optimizer"))
-            g.memory_bound.add(t)
-            g.count(dev, "optimizer_s", d_k)
+            step = sim.cost.optimizer_s(dev, n, opt, n_t) + cold
+            parts = [step] if host_part is None else [launch + cold, step - launch - cold]
+            for i, d in enumerate(parts):
+                d_k = g.value(Const(d))
+                t = g.add(d_k, (sim._rid[dev],), deps,
+                          TaskMeta(f"{opt} step" + ("", " launches", " on the device")[i + (len(parts) > 1)], dev, "optimizer"))
+                g.memory_bound.add(t)
+                g.count(dev, "optimizer_s", d_k)
+                if i == 0 and host_part is not None:
+                    steps.append(self.offloaded_step(dev, host, *host_part, [t]))
+                deps = [t]
             steps.append(t)
         return steps
 
