@@ -254,14 +254,34 @@ def test_offloaded_optimizer_copies_priced_by_the_measured_pinned_host_copy():
     g = graph([layer(0, param_bytes=10**6)], batch=1)
     fit = {"pinned": {"d2h": {"latency_s": 0.1, "bytes_per_s": 1e7},
                       "h2d": {"latency_s": 0.2, "bytes_per_s": 2e6}},
-           "pageable": {"d2h": {"latency_s": 9.0, "bytes_per_s": 1.0},
-                        "h2d": {"latency_s": 9.0, "bytes_per_s": 1.0}}}
+           "pageable": {"d2h": {"latency_s": 0.0, "bytes_per_s": 1.0},    # the data's copies
+                        "h2d": {"latency_s": 0.0, "bytes_per_s": 1.0}}}   # (no bytes here)
     gpu = replace(device("cuda:0", mem_bw=1e9), measured={"host_copy": fit})
     t = topology([device("cpu:0", mem_bw=1e7), gpu], [link("cpu:0", "cuda:0", bw=1e6)])
     r = simulate(plan([(1.0, 1, [("cuda:0", 0, 1)])], 1, optimizer="adam", placement="cpu"), g, t)
     # 3 s compute + grads d2h (0.1 + 1e6/1e7 = 0.2 s) + update 0.7 s + params h2d (0.2 + 0.5 s)
     assert r.iteration_s == approx(3.0 + 0.2 + 0.7 + 0.7)
     assert r.per_device["cuda:0"]["comm_s"] == approx(0.9)
+
+
+def test_each_microbatchs_data_is_copied_to_a_gpu_stage_from_pageable_memory():
+    # the runtime copies a microbatch's inputs to the first stage's GPU and its targets to the
+    # last's (Tensor.to from make_batch's pageable tensors): 0.1 s + 1e6 B / 1e6 B/s = 1.1 s for
+    # the inputs, 0.1 s for the targets (their bytes are not in the graph), per microbatch
+    from dataclasses import replace
+    g = graph([layer(0), layer(1)], batch=1, cut_bytes=[10**6, 0, 0])
+    fit = {"pageable": {"h2d": {"latency_s": 0.1, "bytes_per_s": 1e6}}}
+    plain = topology([device("cuda:0"), device("cpu:0")], [link("cpu:0", "cuda:0")])
+    timed = topology([replace(device("cuda:0"), measured={"host_copy": fit}),
+                      replace(device("cpu:0"), measured={"host_copy": fit})], [link("cpu:0", "cuda:0")])
+    one = plan([(1.0, 2, [("cuda:0", 0, 2)])], 2)
+    assert simulate(one, g, timed).iteration_s == approx(simulate(one, g, plain).iteration_s + 2 * 1.2)
+    # a CPU stage computes on the host's tensors: no copy
+    on_cpu = plan([(1.0, 2, [("cpu:0", 0, 2)])], 2)
+    assert simulate(on_cpu, g, timed).iteration_s == approx(simulate(on_cpu, g, plain).iteration_s)
+    # a CPU -> GPU pipeline: only the targets go to the GPU
+    two = plan([(1.0, 1, [("cpu:0", 0, 1), ("cuda:0", 1, 2)])], 1)
+    assert simulate(two, g, timed).iteration_s == approx(simulate(two, g, plain).iteration_s + 0.1)
 
 
 def test_transfer_routed_over_two_hops():

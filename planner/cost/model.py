@@ -317,6 +317,18 @@ class CostModel:
         fit = self.host_copy_fit(device, direction)
         return None if fit is None else fit[0] + n_bytes / fit[1]
 
+    def data_copy_s(self, device: str, start: int, end: int, batch: float) -> float:
+        """The runtime's copies of a microbatch's data from the host's (pageable) memory to an
+        accelerator stage holding layers [start, end): the model's inputs on the first stage
+        (cut_bytes[0]), the targets on the last (by latency alone: their bytes are not in the
+        graph); by the device's measured pageable fit, 0 on a CPU or without one."""
+        dev = self.topology.device(device)
+        fit = dev.measured.get("host_copy", {}).get("pageable", {}).get("h2d")
+        if fit is None or dev.kind == "cpu":
+            return 0.0
+        t = fit["latency_s"] + self.graph.cut_bytes_at(0, batch) / fit["bytes_per_s"] if start == 0 else 0.0
+        return t + (fit["latency_s"] if end == self.graph.num_layers else 0.0)
+
     def host_copy_fit(self, device: str, direction: str) -> tuple[float, float] | None:
         """(latency_s, bytes_per_s) of `device`'s measured pinned host copy in `direction`; None
         without one."""

@@ -37,7 +37,8 @@ class LayerRange:
     counts them), and, where the task starts a schedule action (`action`; a backward
     cut into bucket chunks is one action), the runtime's own work per action
     (cost.action_overhead_s). A backward or W task with `accumulates` adds its weight gradients
-    into those of an earlier microbatch (cost.grad_accumulate_s)."""
+    into those of an earlier microbatch (cost.grad_accumulate_s). A forward of the first or last
+    layers copies the microbatch's data to an accelerator (cost.data_copy_s)."""
     phase: str
     replica: int
     device: str
@@ -51,6 +52,8 @@ class LayerRange:
     def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
         if self.phase == "fwd":
             t = cost.fwd_s(self.device, self.start, self.end, mbs[self.replica])
+            if self.start == 0 or self.end == graph.num_layers:
+                t += cost.data_copy_s(self.device, self.start, self.end, mbs[self.replica])
         elif self.phase == "bwd":
             t = cost.bwd_s(self.device, self.start, self.end, mbs[self.replica])
         elif self.phase == "inp":
