@@ -204,8 +204,8 @@ def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: floa
     rates = {"fp32": fp32_flops_per_s}
     for p in ("tf32", "bf16"):
         mine = sizes if p == "bf16" or dev.accelerator else ()
-        if dist.get_rank() == 0:
-            log(f"{p} matmul n={', '.join(map(str, mine))}" if mine else f"{p} matmul on the GPUs")
+        if dist.get_rank() == 0 and mine:
+            log(f"{p} matmul n={', '.join(map(str, mine))}")
         rows = _matmul_rounds(mine, lambda n: bench.matmul_row(n, dev, s.min_time_s, s.repeats,
                                                                precision=p))
         if rows:
