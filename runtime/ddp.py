@@ -5,7 +5,8 @@ model, all on one kind of device (all CPU, or all CUDA on NCCL), with the optimi
 and synchronous training (sync.mode "sync").
 Such replicas run on `DistributedDataParallel` (gradients as bucket views, all-reduce launched by
 the reducer's autograd hooks during backward) instead of runtime.sync.GradSync; hybrid plans,
-pipelines, CPU+GPU sets and the offloaded optimizer keep GradSync.
+pipelines, CPU+GPU sets and the offloaded optimizer keep GradSync, and so does a torch whose DDP
+takes no per-bucket caps (`bucket_cap_mb_list`; planner.cost.grad_sync.runs_on_ddp).
 
 - Weighted shares: each replica's loss is already scaled by its share of the global batch
   (pipeline.StageRunner), so the comm hook all-reduces with SUM and does not divide by the world

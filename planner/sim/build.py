@@ -525,11 +525,11 @@ class Builder:
                     host_part = None
             cold = sim.cost.cold_compute_s(dev) if synced.get(dev) else 0.0
             step = sim.cost.optimizer_s(dev, n, opt, n_t) + cold
-            parts = [step] if host_part is None else [launch + cold, step - launch - cold]
-            for i, d in enumerate(parts):
+            parts = ([(f"{opt} step", step)] if host_part is None else
+                     [(f"{opt} step launches", launch + cold), (f"{opt} step on the device", step - launch - cold)])
+            for i, (name, d) in enumerate(parts):
                 d_k = g.value(Const(d))
-                t = g.add(d_k, (sim._rid[dev],), deps,
-                          TaskMeta(f"{opt} step" + ("", " launches", " on the device")[i + (len(parts) > 1)], dev, "optimizer"))
+                t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(name, dev, "optimizer"))
                 g.memory_bound.add(t)
                 g.count(dev, "optimizer_s", d_k)
                 if i == 0 and host_part is not None:
