@@ -276,11 +276,11 @@ def message_issue(repeats: int, n: int = 256) -> tuple[float, float] | None:
     """(isend, irecv) seconds the calling thread spends issuing one pipeline message, in the
     runtime's own code and pattern: `runtime.pipeline.PeerLink` over a process group per
     direction, as stages use (an 8 x 256 float tensor; gloo's issue cost does not depend on the
-    size), each call right after a stage's compute (an n x n matmul, ~0.3 ms at n=256), while
-    the peer computes and its message arrives: there a call costs ~3x what it does back to back
-    (27-31 µs against 10 on a 2-core VM). Both ranks post the receive of the peer's next
-    message, compute, send theirs and wait for the peer's. Rank 0's medians; None on other
-    ranks. Every rank takes part in creating the groups; ranks above 1 do nothing else."""
+    size), each call right after a stage's compute (an n x n matmul) while the peer computes
+    and its message arrives, where a call costs several times what it does back to back
+    (docs/tuning.md). Both ranks post the receive of the peer's next message, compute, send
+    theirs and wait for the peer's. Rank 0's medians; None on other ranks. Every rank takes
+    part in creating the groups; ranks above 1 do nothing else."""
     from planner.hardware.device import torch_device
     from runtime.pipeline import PeerLink
     rank = dist.get_rank()
