@@ -439,8 +439,10 @@ def optimizer_table(repeats: int, min_time_s: float, barrier: Callable[[], None]
     (median seconds per step). With `barrier` (called before each timed step), every worker
     steps at once. On `dev` (default the CPU), synchronized before and after each step."""
     shapes = [(1, 1 << 20), (4, 1 << 18), (16, 1 << 16), (64, 1 << 12), (64, 1 << 14), (8, 1 << 20)]
-    where = dev.device if dev is not None else torch.device("cpu")
-    sync = dev.synchronize if dev is not None else (lambda: None)
+    if dev is None:
+        from planner.hardware.device import torch_device
+        dev = torch_device("cpu:0")
+    where, sync = dev.device, dev.synchronize
     junk_src, junk_dst = torch.ones(16 << 20, device=where), torch.empty(16 << 20, device=where)
     out: dict[str, list[dict]] = {}
     for name in ("adam", "sgd"):

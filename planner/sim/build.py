@@ -499,7 +499,7 @@ class Builder:
         CPU updates cpu_fraction of the bytes (and of the tensors, rounded) while the device
         updates the rest, both after the same all-reduces. A worker that waited for its
         all-reduces starts the step cold (cost.cold_compute_s). Returns the steps' last tasks."""
-        g, graph, sim = self.g, self.sim.graph, self.sim
+        graph, sim = self.sim.graph, self.sim
         opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
         f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         steps: list[int] = []
@@ -513,28 +513,24 @@ class Builder:
             if host != dev and f is None:
                 steps.append(self.offloaded_step(dev, host, n, n_t, deps))
                 continue
-            host_part = None
+            host_part, launch = None, 0.0
             if host != dev:
                 host_part = (f * n, round(f * n_t))
                 n, n_t = (1 - f) * n, n_t - round(f * n_t)
                 # the worker launches its device's part, then updates the host's part on its
-                # own thread (runtime.optim.StageOptimizer): that waits for the launches
+                # own thread (runtime.optim.StageOptimizer): where the launches are timed, that
+                # part waits for them; else both start after the same all-reduces
                 launch = sim.cost.optimizer_launch_s(dev, opt, n_t)
                 if launch <= 0.0:
                     steps.append(self.offloaded_step(dev, host, *host_part, deps))
-                    host_part = None
             cold = sim.cost.cold_compute_s(dev) if synced.get(dev) else 0.0
             step = sim.cost.optimizer_s(dev, n, opt, n_t) + cold
-            parts = ([(f"{opt} step", step)] if host_part is None else
-                     [(f"{opt} step launches", launch + cold), (f"{opt} step on the device", step - launch - cold)])
-            for i, (name, d) in enumerate(parts):
-                d_k = g.value(Const(d))
-                t = g.add(d_k, (sim._rid[dev],), deps, TaskMeta(name, dev, "optimizer"))
-                g.memory_bound.add(t)
-                g.count(dev, "optimizer_s", d_k)
-                if i == 0 and host_part is not None:
-                    steps.append(self.offloaded_step(dev, host, *host_part, [t]))
-                deps = [t]
+            if launch > 0.0:
+                t = self.optimizer_task(dev, f"{opt} step launches", launch + cold, deps)
+                steps.append(self.offloaded_step(dev, host, *host_part, [t]))
+                t = self.optimizer_task(dev, f"{opt} step on the device", step - launch - cold, [t])
+            else:
+                t = self.optimizer_task(dev, f"{opt} step", step, deps)
             steps.append(t)
         return steps
 
@@ -596,11 +592,18 @@ class Builder:
         g, sim, opt = self.g, self.sim, self.plan.optimizer.name
         join = g.add(g.value(Const(0.0)), (), deps, TaskMeta("sync", dev, "join"))
         t = self.host_copy(dev, host, join, f"grads {dev}->{host}", n_bytes)
-        d_k = g.value(Const(sim.cost.optimizer_s(host, n_bytes, opt, n_tensors)))
-        t = g.add(d_k, (sim._rid[host],), (t,), TaskMeta(f"{opt} step for {dev}", host, "optimizer"))
-        g.memory_bound.add(t)
-        g.count(host, "optimizer_s", d_k)
+        t = self.optimizer_task(host, f"{opt} step for {dev}", sim.cost.optimizer_s(host, n_bytes, opt, n_tensors), [t])
         return self.host_copy(host, dev, t, f"params {host}->{dev}", n_bytes)
+
+    def optimizer_task(self, dev: str, name: str, seconds: float, deps) -> int:
+        """A memory-bound optimizer task of `seconds` on dev's queue after `deps`, counted in
+        dev's optimizer time."""
+        g = self.g
+        d_k = g.value(Const(seconds))
+        t = g.add(d_k, (self.sim._rid[dev],), deps, TaskMeta(name, dev, "optimizer"))
+        g.memory_bound.add(t)
+        g.count(dev, "optimizer_s", d_k)
+        return t
 
 
 def stage_messages(graph: ModelGraph, stages, s: int) -> tuple[int, int, int, int]:
