@@ -222,6 +222,18 @@ def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_b
                     assert acts[-1] == Action(s, "B", m - 1)
 
 
+def test_zb_h1s_trailing_w_passes_are_those_of_its_schedule():
+    """The bound counts per stage the W passes after its last I without building the schedule."""
+    from planner.sim.bound import trailing_w
+    from planner.sim.schedule import make_schedule
+    for p in range(1, 9):
+        for m in range(p, 3 * p + 2):
+            rows = make_schedule("zb-h1", p, m)
+            last_i = [max(k for k, a in enumerate(acts) if a.kind == "I") for acts in rows]
+            assert all(a.kind == "W" for acts, k in zip(rows, last_i) for a in acts[k + 1:])
+            assert trailing_w(p, m) == tuple(len(acts) - k - 1 for acts, k in zip(rows, last_i))
+
+
 def test_early_rejection_walks_the_same_plans_through_infeasible_ones():
     # a model that fits two 300 MB GPUs only as a two-stage pipeline: most proposals are over
     # memory, costed t (2 + over); the bound's exact peak memory prices them alike
@@ -263,3 +275,24 @@ def outcome(f, *args):
         return f(*args)
     except ValueError:
         return "refused"
+
+
+@pytest.mark.parametrize("name", ["workstation-gtx1650", "dgx-2node-ib"])
+def test_results_and_bounds_do_not_depend_on_what_the_simulator_saw_before(gpt4, name):
+    # the simulator keeps replicas' values (Builder.replica_values) and bound terms
+    # (_Bound.replica) across plans: a plan's result is that of a fresh simulator
+    topo = load_topology(EXAMPLES / f"{name}.json")
+    space = make_space(topo, gpt4.num_layers, 32, ModelRef("gpt"), "adam", 1e-3, tensor_split=True)
+    plans = random_plans(space, random.Random(2), 40)
+    plans += [replace(pl, sync=replace(pl.sync, granularity="coarse" if pl.sync.granularity == "fine" else "fine"))
+              for pl in plans]
+    plans += [replace(pl, optimizer=replace(pl.optimizer, placement="cpu", cpu_fraction=None)) for pl in plans[:40]]
+    shared = Simulator(gpt4, topo)
+
+    def outcome(sim, pl):
+        try:
+            return repr((sim.lower_bound_s(pl), sim.simulate(pl)))
+        except ValueError as e:   # refused (no host CPU to offload to): the same refusal
+            return str(e)
+    for pl in plans + plans[::-1]:
+        assert outcome(shared, pl) == outcome(Simulator(gpt4, topo), pl), pl

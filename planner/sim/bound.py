@@ -31,9 +31,8 @@ the same sums taken in another order.
 """
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 
@@ -42,8 +41,8 @@ from planner.cost.model import host_cpu
 from planner.files.plan import Plan, Stage
 from planner.sim import contention
 from planner.sim.build import stage_messages
-from planner.sim.schedule import make_schedule
 
+REPLICA_CACHE_SIZE = 8192   # replicas' terms a simulator keeps (_Bound.replica)
 BOUND_MARGIN = 1e-9   # relative; sums of 1e5 task durations in another order differ by ~1e-12
 # every stage's first action is F0; under all but zb-h1 its last is B of the last microbatch
 HEAD_SCHEDULES = ("gpipe", "1f1b", "hippie", "zb-h1")
@@ -63,16 +62,11 @@ def lower_bound_s(sim: Any, plan: Plan) -> float | None:
     return (lb + sim.cost.iteration_overhead_s(len(plan.devices))) * (1.0 - BOUND_MARGIN)
 
 
-@functools.lru_cache(maxsize=256)
-def _trailing_w(stages: int, m: int) -> tuple[int, ...] | None:
-    """ZB-H1: per stage, the W actions after its last I (None unless only W's follow it)."""
-    out = []
-    for acts in make_schedule("zb-h1", stages, m):
-        last = max(k for k, a in enumerate(acts) if a.kind == "I")
-        if any(a.kind != "W" for a in acts[last + 1:]):
-            return None
-        out.append(len(acts) - last - 1)
-    return tuple(out)
+def trailing_w(stages: int, m: int) -> tuple[int, ...]:
+    """ZB-H1 (planner.sim.schedule.zb_h1): per stage s, the W actions after its last I, all of
+    its actions after it. Stage s runs W(i - s) after each I(i) with i >= s and owes the rest
+    to the end: the last I, I(m-1), is followed by its W and the s owed (m > s), else by all m."""
+    return tuple(min(m, s + 1) for s in range(stages))
 
 
 def _connected(topology) -> bool:
@@ -208,47 +202,77 @@ class _Bound:
 
     def replica(self, stages: tuple[Stage, ...], m: int, mb: float) -> float:
         """Adds the replica's compute and hops to the resources' work; returns its best
-        head + work + tail over stages (0 where the schedule or a split allows none)."""
+        head + work + tail over stages (0 where the schedule or a split allows none). Its
+        terms are kept by the simulator across plans (`ReplicaTerms`)."""
+        after = tuple(self.after.get(st.device, 0.0) for st in stages)
+        key = (stages, m, mb, self.plan.schedule, self.plan.recompute, after)
+        cache = self.sim._bound_replicas
+        terms = cache.get(key)
+        if terms is None:
+            if len(cache) >= REPLICA_CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            terms = cache[key] = self.replica_terms(stages, m, mb)
+        for x, seconds in terms.work:
+            self.add(x, seconds)
+        self.done.update(terms.done)
+        self.last_start.update(terms.last_start)
+        return terms.best
+
+    def replica_terms(self, stages: tuple[Stage, ...], m: int, mb: float) -> "ReplicaTerms":
+        adds: list[tuple[int, float]] = []
         comp = [self.compute(s, stages, mb) for s in range(len(stages))]
         for st, (f, b) in zip(stages, comp):
             for x in self.stage_resources(st):
-                self.add(x, m * (f + b))
+                adds.append((x, m * (f + b)))
         ahead, back = [], []
         for s in range(len(stages) - 1):
             a, b, cut = stages[s].device, stages[s + 1].device, stages[s + 1].start
             ahead.append(self.hops_s(a, b, cut, mb))
             back.append(self.hops_s(b, a, cut, mb))
             for x, t in ahead[-1] + back[-1]:
-                self.add(x, m * t)
+                adds.append((x, m * t))
+        done: list[tuple[str, float]] = []
+        last_start: list[tuple[str, float]] = []
         schedule = self.plan.schedule
         if schedule not in HEAD_SCHEDULES or any(st.split for st in stages):
-            return 0.0
+            return ReplicaTerms(adds, done, last_start, 0.0)
         best = head = chain = 0.0   # chain: the backwards of stages < s and their hops
         below = -math.inf           # zb-h1: the longest continuation through a stage below s
         first = stages[0].device
-        trailing = _trailing_w(len(stages), m) if schedule == "zb-h1" else None
+        trailing = trailing_w(len(stages), m) if schedule == "zb-h1" else None
         for s, st in enumerate(stages):
             f, b = comp[s]
             work = m * (f + b)
             step = self.after.get(st.device, 0.0)
-            self.done[st.device] = head + work
+            done.append((st.device, head + work))
             if schedule == "zb-h1":
                 # the stage's last I ends after all but its trailing W's; then those W's and its
                 # step, or the gradient's I passes down to a stage j < s, j's trailing W's and step
                 w = self.weight_pass(s, stages, mb)
-                self.last_start[st.device] = head + work - w
-                own = (trailing[s] * w + step) if trailing else step
-                best = max(best, head + work - trailing[s] * w + max(own, below) if trailing else head + work + step)
+                last_start.append((st.device, head + work - w))
+                own = trailing[s] * w + step
+                best = max(best, head + work - trailing[s] * w + max(own, below))
                 if s < len(stages) - 1:
                     below = sum(t for _, t in back[s]) + (b - w) + max(below, own)
             else:
-                self.last_start[st.device] = head + work - b
+                last_start.append((st.device, head + work - b))
                 tail = max(step, chain + self.after.get(first, 0.0)) if s else step
                 best = max(best, head + work + tail)
             if s < len(stages) - 1:
                 head += f + sum(t for _, t in ahead[s])
                 chain += b + sum(t for _, t in back[s])
-        return best
+        return ReplicaTerms(adds, done, last_start, best)
+
+
+class ReplicaTerms(NamedTuple):
+    """What one replica adds to a plan's bound, given its stages, microbatches, microbatch
+    size, the plan's schedule and recompute, and its devices' optimizer steps (`_Bound.after`):
+    (resource, seconds) in the order they are added, its devices' `done` and `last_start`,
+    and its best head + work + tail."""
+    work: list[tuple[int, float]]
+    done: list[tuple[str, float]]
+    last_start: list[tuple[str, float]]
+    best: float
 
 
 __all__ = ["lower_bound_s", "BOUND_MARGIN"]

@@ -36,6 +36,7 @@ class SimulatorView(Protocol):
     _rid: dict[Any, int]   # resource id of each device and link direction
     _lanes: list[str]      # per resource id, its name
     _saturated: frozenset[str]   # CPU devices with no core to spare (planner.sim.contention)
+    _replica_values: dict[tuple, "ReplicaValues"]   # Builder.replica_values, across plan shapes
 
     def hops(self, a: str, b: str) -> list[RouteHop]: ...
 
@@ -53,6 +54,19 @@ class Exchange(NamedTuple):
     buckets: list[Bucket]
     by_device: dict[str, list[int]]
     tied: list[Bucket] = []
+    first: list[int] = []   # per bucket its first layer
+
+
+class ReplicaValues(NamedTuple):
+    """A replica's tasks apart from the graph they go into (`Builder.replica_values`): its
+    template, the duration recipe of each value slot, the resources and lane of each resource
+    slot, its hop counts, and per stage whether its last backward is cut at its buckets."""
+    template: ReplicaTemplate
+    recipes: tuple
+    res: tuple[tuple[int, ...], ...]
+    lanes: tuple[str, ...]
+    hops: tuple[tuple[int, int], ...]
+    bucketed: tuple[bool, ...]
 
 
 class Chunk(NamedTuple):
@@ -73,6 +87,7 @@ class Progress:
 # iterations of a PipeDream / 2BW stream simulated: the second's end minus the first's is the
 # steady state's iteration (the first ends after the warm-up, the third holds the cool-down)
 STREAM_ITERATIONS = 3
+REPLICA_VALUES_CACHE_SIZE = 4096   # replicas' values a simulator keeps across plan shapes
 
 
 class Builder:
@@ -87,6 +102,8 @@ class Builder:
         self.progress = Progress()
         self.exchange = Exchange(False, [], {})
         self.ddp = runs_on_ddp(plan)        # else GradSync, which also copies the sums back
+        # what a replica's values depend on beside the replica and its buckets (replica_values)
+        self.values_key = (plan.schedule, plan.sync.mode, plan.recompute, plan.optimizer.name, self.ddp)
 
     def build(self) -> None:
         self.plan_devices()
@@ -126,32 +143,87 @@ class Builder:
         for k, b in enumerate(shared):
             for d in b.devices:
                 by_device.setdefault(d, []).append(k)
-        return Exchange(fine, shared, by_device, tied)
+        return Exchange(fine, shared, by_device, tied, [min(b.layers) for b in shared])
 
     # --- one replica: compute per stage, then the transfers between stages --------------------
     def replica(self, r: int, rep: Replica) -> None:
         """The replica's tasks, stamped from its structure's template (planner.sim.template)."""
-        g, hops, like, sim = self.g, self.sim.hops, self.like, self.sim
+        g, like = self.g, self.like
+        stages = rep.stages
+        stream = self.stream(rep.microbatches)
+        held = [self.stage_buckets(st) for st in stages]
+        made = self.replica_values(r, rep, held)
+        t, res = made.template, made.res
+        if not self.delta:
+            g.begin_replica((rep.microbatches * STREAM_ITERATIONS if stream else rep.microbatches,
+                             tuple(st.layers for st in stages), made.hops),
+                            g.replica_tasks[like[r]] if like and like[r] != r else None)
+        vals = list(map(g.value, made.recipes))
+        if self.delta:
+            ids = self.releases(t, vals, res)
+        else:
+            ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
+                          t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None)
+        devs = [st.device for st in stages]
+        seq = g.stat_seq
+        for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
+            if stages[s].split:
+                self.count_split(stages[s], stat, [vals[v] for v in vs])
+                continue
+            seq[(devs[s], stat)] += map(vals.__getitem__, vs)
+        progress = self.progress
+        for s, st in enumerate(stages):
+            if made.bucketed[s]:   # piece j of the last backward makes the stage's j-th bucket final
+                for bucket, end in zip(held[s], t.chunk_end[s]):
+                    progress.chunk_of[(st.device, bucket)] = ids[end]
+            # a device's tasks are chained in creation order: its last is its latest stage's
+            last = ids[t.last_backward[s]]
+            for dev in st.devices:
+                progress.last_backward[dev] = max(last, progress.last_backward.get(dev, last))
+        for s, st in enumerate(stages):
+            if st.offload_activations:
+                self.offload_copies(r, s, st, t, ids)
+            if st.split:
+                self.fan_copies(r, s, stages, t, ids)
+        if stream:
+            g.iteration_ends = [[ids[x] for x in ends] for ends in t.iteration_end]
+            g.memory_bound.update(ids[x] for x, lab in enumerate(t.label) if lab[0] == "update")
+        if not self.delta:
+            g.end_replica()
+
+    def replica_values(self, r: int, rep: Replica, held: list[list[int]]) -> ReplicaValues:
+        """The replica's `ReplicaValues`, kept by the simulator across plan shapes: they depend
+        on the replica (its index, microbatches, stages and so its routes), the plan's
+        `values_key`, whether sync is fine, and the first layer and size of each bucket its
+        stages hold (`held`)."""
+        ex = self.exchange
+        key = (r, rep.microbatches, rep.stages, self.values_key, ex.fine,
+               tuple(tuple((ex.first[k], ex.buckets[k].bytes) for k in ks) for ks in held))
+        cache = self.sim._replica_values
+        made = cache.get(key)
+        if made is None:
+            if len(cache) >= REPLICA_VALUES_CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            made = cache[key] = self.make_replica_values(r, rep)
+        return made
+
+    def make_replica_values(self, r: int, rep: Replica) -> ReplicaValues:
+        g, hops = self.g, self.sim.hops
         m, stages = rep.microbatches, rep.stages
         stream = self.stream(m)
         m = m * STREAM_ITERATIONS if stream else m
         pairs = [(a.device, b.device) for a, b in zip(stages, stages[1:])]
         routes = [(hops(a, b), hops(b, a)) for a, b in pairs]
         counts = tuple((len(x), len(y)) for x, y in routes)
-        if not self.delta:
-            g.begin_replica((m, tuple(st.layers for st in stages), counts),
-                            g.replica_tasks[like[r]] if like and like[r] != r else None)
         chunks = [self.backward_chunks(st) for st in stages]
         devices = len(rep.pipeline_devices) if self.plan.schedule == "interleaved-1f1b" else None
         t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream)
         split = split_backward(self.plan.schedule)
         pieces = self.weight_values if split else self.backward_values
         vals: list[int] = []
-        lasts = []
         for s, (st, ch) in enumerate(zip(stages, chunks)):   # values in the order the slots number them
             vals.append(self.forward_value(r, s, stages))
-            lasts.append(self.with_copies(st, pieces(r, s, stages, ch, accumulates=accumulates(m - 1, stream))))
-            vals += [k for k, _ in lasts[-1]]
+            vals += [k for k, _ in self.with_copies(st, pieces(r, s, stages, ch, accumulates=accumulates(m - 1, stream)))]
             whole = [Chunk(st.end, st.start, None)]   # the other microbatches' backward, uncut
             if t.slots.fresh[s]:    # the first of the iteration (a stream: after each update)
                 vals += [k for k, _ in pieces(r, s, stages, whole)]
@@ -169,37 +241,8 @@ class Builder:
                     lanes.append(h.lane)
         if split:
             vals += [self.input_value(r, s, stages) for s in range(len(stages))]
-        if self.delta:
-            ids = self.releases(t, vals, res)
-        else:
-            ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
-                          t.ndeps, self.labels(r, t, lanes) if self.tracing else None)
-        devs = [st.device for st in stages]
-        seq = g.stat_seq
-        for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
-            if stages[s].split:
-                self.count_split(stages[s], stat, [vals[v] for v in vs])
-                continue
-            seq[(devs[s], stat)] += map(vals.__getitem__, vs)
-        progress = self.progress
-        for s, st in enumerate(stages):
-            for (_, bucket), end in zip(lasts[s], t.chunk_end[s]):
-                if bucket is not None:
-                    progress.chunk_of[(st.device, bucket)] = ids[end]
-            # a device's tasks are chained in creation order: its last is its latest stage's
-            last = ids[t.last_backward[s]]
-            for dev in st.devices:
-                progress.last_backward[dev] = max(last, progress.last_backward.get(dev, last))
-        for s, st in enumerate(stages):
-            if st.offload_activations:
-                self.offload_copies(r, s, st, t, ids)
-            if st.split:
-                self.fan_copies(r, s, stages, t, ids)
-        if stream:
-            g.iteration_ends = [[ids[x] for x in ends] for ends in t.iteration_end]
-            g.memory_bound.update(ids[x] for x, lab in enumerate(t.label) if lab[0] == "update")
-        if not self.delta:
-            g.end_replica()
+        return ReplicaValues(t, tuple(map(g.recipes.__getitem__, vals)), tuple(res), tuple(lanes), counts,
+                             tuple(c[0].bucket is not None for c in chunks))
 
     def releases(self, t: ReplicaTemplate, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
         """A delta build (planner.sim.split; plans without offloaded activations, tensor splits

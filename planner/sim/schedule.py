@@ -11,13 +11,13 @@ with unit-time actions and prints the step x stage table (and names the step of 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     stage: int
     kind: str          # "F" (forward), "B" (backward), or its halves "I" (input grad), "W" (weight grad)
     microbatch: int
@@ -119,6 +119,15 @@ def zb_h1(stages: int, microbatches: int) -> list[list[Action]]:
 def make_schedule(name: str, stages: int, microbatches: int, devices: int | None = None) -> list[list[Action]]:
     """Each device's actions; `devices` (interleaved-1f1b only) is the number of distinct
     devices p of the pipeline (default: one per stage)."""
+    return [list(row) for row in _schedule(name, stages, microbatches, devices)]
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, stages: int, microbatches: int, devices: int | None) -> tuple[tuple[Action, ...], ...]:
+    return tuple(map(tuple, _make(name, stages, microbatches, devices)))
+
+
+def _make(name: str, stages: int, microbatches: int, devices: int | None) -> list[list[Action]]:
     if name == "interleaved-1f1b":
         return interleaved_1f1b(devices or stages, stages, microbatches)
     if name == "gpipe":

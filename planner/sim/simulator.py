@@ -167,6 +167,8 @@ class Simulator:
         self._split = split
         self._structures: dict = {}   # replica structures (planner.sim.split.Structure)
         self._replica_runs: dict = {}
+        self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
+        self._bound_replicas: dict = {}   # planner.sim.bound._Bound.replica
         self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
@@ -271,7 +273,7 @@ class Simulator:
         if len(self._structures) >= STRUCTURE_CACHE_SIZE:
             self._structures.clear()
         self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
-        g.split = Split.of_parts(g, g.wake, len(self._lanes), self._structures, self._wake_at, self._links) or False
+        g.split = Split.of_parts(g, g.wake, self._structures, self._wake_at, self._links) or False
         return g
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:

@@ -189,7 +189,7 @@ class Split:
 
     __slots__ = ("parts", "release", "coupling", "res", "succ", "ndeps", "shared", "n_res", "checks", "preds")
 
-    def __init__(self, parts, release, coupling, res, succ, ndeps, n_res, checks, preds):
+    def __init__(self, parts, release, coupling, res, n_res, succ, ndeps, checks, preds):
         self.parts, self.release, self.coupling = parts, release, coupling
         self.res, self.succ, self.ndeps, self.n_res = res, succ, ndeps, n_res
         self.shared = shared_resources(res)
@@ -222,8 +222,7 @@ class Split:
         return Split._coupled(g, parts, which, owner, coupling, n_res)
 
     @staticmethod
-    def of_parts(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict,
-                 wake_at: dict, links: set) -> "Split | None":
+    def of_parts(g: TaskGraph, wake: dict[int, float], structures: dict, wake_at: dict, links: set) -> "Split | None":
         """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
         first, then the coupling tasks), or None where a condition fails on the graph.
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
@@ -255,7 +254,7 @@ class Split:
         for t, vs in enumerate(g.succ):
             for v in vs:
                 preds[v - first].append(t)
-        return Split(parts, release, g.dkey[first:], g.res, g.succ, g.ndeps, n_res + first, checks, preds)
+        return Split(parts, release, g.dkey[first:], *_dense(g.res), g.succ, g.ndeps, checks, preds)
 
     @staticmethod
     def _coupled(g: TaskGraph, parts: list["Part"], which: list[int], owner: dict[int, int],
@@ -285,8 +284,7 @@ class Split:
             for v in out:
                 ndeps[v] += 1
                 preds[v - len(release)].append(i)
-        return Split(parts, release, [g.dkey[t] for t in coupling], res, succ, ndeps,
-                     n_res + len(release), checks, preds)
+        return Split(parts, release, [g.dkey[t] for t in coupling], *_dense(res), succ, ndeps, checks, preds)
 
     @staticmethod
     def _part(g: TaskGraph, a: int, b: int, wake: dict[int, float], structures: dict) -> Part:
@@ -338,5 +336,13 @@ class Split:
         last = max(end, default=0.0)
         return max(last, max((r.end_s for r in done), default=0.0))
 
+
+def _dense(res: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
+    """A coupling graph's resources numbered 0.. in the same order (the event loop serves queues
+    in id order) and their count: its per-resource lists as long as the resources it uses, not
+    the topology's lanes plus one per release task."""
+    used = sorted({x for r in res for x in r})
+    dense = dict(zip(used, range(len(used))))
+    return [tuple(map(dense.__getitem__, r)) for r in res], len(used)
 
 __all__ = ["Split", "Structure", "ReplicaRun", "RUN_CACHE_SIZE"]
