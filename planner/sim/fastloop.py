@@ -10,6 +10,7 @@ numba).
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -63,7 +64,7 @@ def _csr(rows) -> tuple[np.ndarray, np.ndarray]:
     sizes = np.fromiter(map(len, rows), np.int64, len(rows))
     ptr = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(sizes, out=ptr[1:])
-    flat = np.fromiter((x for r in rows for x in r), np.int64, int(ptr[-1]))
+    flat = np.fromiter(chain.from_iterable(rows), np.int64, int(ptr[-1]))
     return ptr, flat
 
 

@@ -263,19 +263,12 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     slots, _, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
     c = _compute_tasks(sk, slots, pieces)
     starts, ends = c.start.tolist(), c.end.tolist()
-    value, res, srcs, dsts = [c.value], [c.res], [c.src], [c.dst]
-    base = len(c.value)
-    for p, (na, nb) in enumerate(hops):   # per pair, per microbatch: its ahead hops, its back hops
-        v, r, src, dst = _hop_tasks(sk, c, slots, p, na, nb, base)
-        value.append(v)
-        res.append(r)
-        srcs.append(src)
-        dsts.append(dst)
-        base += len(v)
-    src, dst = np.concatenate(srcs), np.concatenate(dsts)
+    v, r, src, dst = _hop_tasks(sk, c, slots, hops, len(c.value))
+    src, dst = np.concatenate([c.src, src]), np.concatenate([c.dst, dst])
+    base = len(c.value) + len(v)
     order = np.argsort(src, kind="stable")   # a task's successors in the order they were wired
     return ReplicaTemplate(
-        slots, tuple(np.concatenate(value).tolist()), tuple(np.concatenate(res).tolist()),
+        slots, tuple(np.concatenate([c.value, v]).tolist()), tuple(np.concatenate([c.res, r]).tolist()),
         (dst[order], np.bincount(src, minlength=base)), tuple(np.bincount(dst, minlength=base).tolist()),
         _statistics(sk, c, slots, hops, m),
         tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
@@ -312,21 +305,43 @@ def _compute_tasks(sk: _Skeleton, slots: Slots, pieces: tuple[int, ...]) -> _Com
     return _Compute(start, end, value, sk.stage[of], of, src, src + 1)
 
 
-def _hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, p: int, na: int, nb: int, base: int
+def _hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, int], ...], base: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Pair p's hop tasks from task `base` on, microbatch after microbatch (na hops ahead,
-    nb back): value slots, resource slots, and their edges in the order they are wired."""
-    m = sk.fwd.shape[1]
-    block = base + (na + nb) * np.arange(m)
+    """The hop tasks from task `base` on, pair after pair and in a pair microbatch after
+    microbatch (its na hops ahead, then its nb back): value slots, resource slots, and their
+    edges in the order they are wired. Pairs with the same hop counts are laid out at once."""
+    m, n_pairs = sk.fwd.shape[1], len(hops)
+    empty = np.zeros(0, np.int64)
+    if not n_pairs:
+        return empty, empty, empty, empty
+    na, nb = (np.array(x, np.int64) for x in zip(*hops))
+    first_task = base + np.concatenate([[0], np.cumsum((na + nb) * m)[:-1]])
+    cols = np.where(na > 0, na + 2, 1) + np.where(nb > 0, nb + 2, 1)   # edges per microbatch
+    first_edge = np.concatenate([[0], np.cumsum(cols * m)[:-1]])
+    lo_value = np.array([(a + b + (0,))[0] for a, b in zip(slots.ahead, slots.back)], np.int64)
+    lo_res = np.array([(a + b + (0,))[0] for a, b in zip(slots.ahead_res, slots.back_res)], np.int64)
     fwd, first, last = c.start[sk.fwd], c.start[sk.bwd], c.end[sk.bwd] - sk.update[sk.bwd]
-    posted = [np.where(x >= 0, c.end[x], -1) for x in (sk.posted_act[p], sk.posted_grad[p])]
-    ahead = _chain_edges(block, na, fwd[p], posted[0], fwd[p + 1])
-    back = _chain_edges(block + na, nb, last[p + 1], posted[1], first[p])
-    src, dst, keep = (np.stack(x + y, 1).ravel() for x, y in zip(ahead, back))
-    lo = (slots.ahead[p] + slots.back[p] + (0,))[0]
-    rlo = (slots.ahead_res[p] + slots.back_res[p] + (0,))[0]
-    return (np.tile(np.arange(lo, lo + na + nb), m), np.tile(np.arange(rlo, rlo + na + nb), m),
-            src[keep], dst[keep])
+    posted = [np.where(x >= 0, c.end[np.maximum(x, 0)], -1) for x in (sk.posted_act, sk.posted_grad)]
+    total = int(((na + nb) * m).sum())
+    value, res = np.empty(total, np.int64), np.empty(total, np.int64)
+    srcs, dsts, keeps, ranks = [], [], [], []
+    for a, b in sorted(set(hops)):
+        ps = np.flatnonzero((na == a) & (nb == b))
+        block = first_task[ps, None] + (a + b) * np.arange(m)            # [pairs, microbatch]
+        at = block[:, :, None] - base + np.arange(a + b)                   # their tasks
+        value[at] = lo_value[ps, None, None] + np.arange(a + b)
+        res[at] = lo_res[ps, None, None] + np.arange(a + b)
+        ahead = _chain_edges(block, a, fwd[ps], posted[0][ps], fwd[ps + 1])
+        back = _chain_edges(block + a, b, last[ps + 1], posted[1][ps], first[ps])
+        k = len(ahead[0]) + len(back[0])
+        src, dst, keep = (np.stack(x + y, -1) for x, y in zip(ahead, back))
+        srcs.append(src.ravel())
+        dsts.append(dst.ravel())
+        keeps.append(keep.ravel())
+        ranks.append((first_edge[ps, None, None] + k * np.arange(m)[:, None] + np.arange(k)).ravel())
+    order = np.argsort(np.concatenate(ranks))   # the edges pair after pair, as wired
+    src, dst, keep = (np.concatenate(x)[order] for x in (srcs, dsts, keeps))
+    return value, res, src[keep], dst[keep]
 
 
 def _chain_edges(block: np.ndarray, n_hops: int, after: np.ndarray, posted: np.ndarray,
@@ -336,7 +351,7 @@ def _chain_edges(block: np.ndarray, n_hops: int, after: np.ndarray, posted: np.n
     after which the receive is posted (posted >= 0) to the first hop, hop to hop, the last hop
     to the receiver's task; no hops: the sender's task to the receiver's. Columns of
     (sources, destinations, kept)."""
-    yes = np.ones(len(block), bool)
+    yes = np.ones(block.shape, bool)
     if n_hops == 0:
         return [after], [before], [yes]
     src, dst, keep = [after, np.maximum(posted, 0)], [block, block], [yes, posted >= 0]
@@ -356,7 +371,9 @@ def _statistics(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int,
     backward = sk.kind[c.of] != _F
     backward[c.end[ups]] = False
     on = c.res[backward]
-    by_stage = _tuples(c.value[backward][np.argsort(on, kind="stable")], np.bincount(on, minlength=n))
+    flat = c.value[backward][np.argsort(on, kind="stable")].tolist()
+    ends = np.cumsum(np.bincount(on, minlength=n)).tolist()
+    by_stage = [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
     counts: dict[tuple[int, str], tuple[int, ...]] = {}
     for s, stat in sk.keys:
         counts[(s, stat)] = ((slots.fwd[s],) * sk.n_fwd[s] if stat == "fwd_s" else by_stage[s] if stat == "bwd_s"
