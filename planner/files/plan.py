@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ class Replica:
     microbatches: int
     stages: tuple[Stage, ...]
 
-    @property
+    @cached_property
     def devices(self) -> tuple[str, ...]:
         return tuple(d for s in self.stages for d in s.devices)
 
@@ -134,10 +135,10 @@ class Plan:
     topology: TopologyRef | None = None
     predicted: Predicted | None = None
 
-    @property
+    @cached_property
     def devices(self) -> tuple[str, ...]:
         """Every device the plan runs on, once: its stages' (a split stage's every device), then a
-        parameter server's."""
+        parameter server's (kept on the frozen plan once asked for)."""
         stages = tuple(dict.fromkeys(d for r in self.replicas for d in r.devices))
         server = self.sync.server if self.sync.mode == "parameter-server" else None
         return stages + (server,) if server is not None and server not in stages else stages

@@ -48,7 +48,9 @@ def busy(topology: Topology, plan: Plan) -> dict[str, int]:
 def contended(topology: Topology, cost: CostModel, plan: Plan) -> dict[str, list[str]]:
     """Per CPU device of the plan whose compute the cost model slows when other CPU workers
     of its node compute at once: those other workers. Empty when nothing is contended."""
-    out = {}
+    out: dict[str, list[str]] = {}
+    if sum(topology.device(d).kind == "cpu" for d in plan.devices) < 2:
+        return out   # no two CPU workers to compete
     for d, k in busy(topology, plan).items():
         if k > 1 and cost.contention(d, k) != 1.0:
             node = topology.device(d).node

@@ -59,9 +59,7 @@ None of it changes a result. Contention between CPU workers: planner.sim.content
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import reduce
-from itertools import compress
-from operator import add
+from itertools import chain, compress
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -451,12 +449,11 @@ class Simulator:
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = peak_memory(plan, self.graph, self.topology)
         stats: dict[str, dict[str, float]] = {}
-        get = values.__getitem__
         if g.stat_rows is None:
-            g.stat_rows = [(d, [(s, g.stat_seq.get((d, s), ())) for s in _STATS]) for d in g.devices]   # compute_s: ()
-        for d, row in g.stat_rows:
-            # in build order, one addition at a time from 0.0, so sums are reproducible
-            v = stats[d] = {s: reduce(add, map(get, ks), 0.0) * per_iteration for s, ks in row}
+            g.stat_rows = StatRows.of(g)
+        sums = g.stat_rows.sums(values, per_iteration)
+        for k, d in enumerate(g.devices):
+            v = stats[d] = dict(zip(_STATS, sums[k]))
             if d in slowed:
                 for s in TIMED:
                     v[s] *= slowed[d]
@@ -477,6 +474,32 @@ class Simulator:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = result
         return result
+
+
+class StatRows(NamedTuple):
+    """Per (device, statistic) of a task graph (devices in g.devices order, statistics in
+    _STATS order; compute_s empty), the values it adds up, as one index array cut in
+    segments: `sums` adds each segment's values for a plan."""
+    index: np.ndarray     # value ids, segment after segment
+    starts: np.ndarray    # the first position of each non-empty segment
+    at: np.ndarray        # its (device, statistic) cell, numbered device-major
+    cells: int
+
+    @staticmethod
+    def of(g: TaskGraph) -> "StatRows":
+        seqs = [g.stat_seq.get((d, s), ()) for d in g.devices for s in _STATS]
+        sizes = np.array([len(x) for x in seqs], np.int64)
+        first = np.cumsum(sizes) - sizes
+        return StatRows(np.fromiter(chain.from_iterable(seqs), np.int64, int(sizes.sum())), first[sizes > 0],
+                        np.flatnonzero(sizes > 0), len(seqs))
+
+    def sums(self, values: list[float], scale: float) -> list[list[float]]:
+        """Per device, its statistics' sums times `scale` (a segment's sum is reproducible: the
+        same values in the same order)."""
+        out = np.zeros(self.cells)
+        if len(self.index):
+            out[self.at] = np.add.reduceat(np.asarray(values, np.float64)[self.index], self.starts)
+        return (out * scale).reshape(-1, len(_STATS)).tolist()
 
 
 def _iteration_s(g: TaskGraph, end: list[float]) -> float:

@@ -274,7 +274,7 @@ class TaskGraph:
         self.unkept: list[int] = []   # recipes of other kinds: evaluated for every plan
         self.contended: dict[str, list[str]] | None = None
         self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices
-        self.stat_rows: list[tuple[str, list[tuple[str, list[int]]]]] | None = None   # stat_seq per device
+        self.stat_rows = None   # planner.sim.simulator.StatRows: stat_seq as arrays
         self.static = None
         self.fast = None    # planner.sim.fastloop.Prepared once run compiled
         self.split = None   # planner.sim.split.Split, False where it does not apply, None: not built
