@@ -608,7 +608,8 @@ def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
             tg = TaskGraph(False)
             sim._build(pl, tg)
             graphs.append((tg.dkey, tg.res, tg.succ, tg.ndeps, tg.recipes, tg.stat_seq,
-                           tg.replica_shape, tg.replica_pattern, sim.simulate(pl)))
+                           tg.replica_shape, [tg.replica_recipes(r) for r in range(len(tg.replica_tasks))],
+                           sim.simulate(pl)))
             monkeypatch.undo()
         assert graphs[0] == graphs[1]
 
@@ -642,7 +643,7 @@ def test_templates_laid_out_with_arrays_equal_those_built_task_by_task(schedule)
 
 @pytest.mark.parametrize("seed", range(2))
 def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(seed):
-    # TaskGraph.end_replica, which Simulator._like compares replicas by, against its definition
+    # TaskGraph.replica_recipes, which Simulator._like compares replicas by, against its definition
     from planner.sim.taskgraph import TaskGraph
     rng = random.Random(seed)
     for _ in range(30):
@@ -654,6 +655,5 @@ def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(s
             for k in (tg.dkey[x] for x in tasks):
                 if k not in recipes:
                     recipes.append(k)
-            assert tg.replica_recipes[r] == recipes
-            assert tg.replica_pattern[r] == tuple(recipes.index(tg.dkey[x]) for x in tasks)
+            assert tg.replica_recipes(r) == (recipes, tuple(recipes.index(tg.dkey[x]) for x in tasks))
             assert tg.replica_res[r] == {y for x in tasks for y in tg.res[x]}

@@ -168,8 +168,8 @@ def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]
                     ranges.setdefault(dev, [])
             else:
                 ranges.setdefault(st.device, []).append(st.layers)
-    return {dev: split.get(dev) or (graph.device_param_bytes(rs),
-                                    sum(len(graph.layers[i].param_names) for a, b in rs for i in range(a, b)))
+    return {dev: split.get(dev) or ((graph.stage_param_bytes(*rs[0]) if len(rs) == 1 else graph.device_param_bytes(rs)),
+                                    sum(graph.stage_param_tensors(a, b) for a, b in rs))
             for dev, rs in ranges.items()}
 
 

@@ -363,9 +363,11 @@ class Simulator:
         duration values. In a collapsible graph such a replica's tasks run at the same times as
         its twin's, so it is simulated by reference and only its statistics are counted."""
         first: dict[tuple, int] = {}
-        return tuple(first.setdefault((g.replica_shape[r], g.replica_pattern[r],
-                                       tuple(map(values.__getitem__, g.replica_recipes[r]))), r)
-                     for r in range(len(g.replica_shape)))
+        out = []
+        for r in range(len(g.replica_shape)):
+            recipes, pattern = g.replica_recipes(r)
+            out.append(first.setdefault((g.replica_shape[r], pattern, tuple(map(values.__getitem__, recipes))), r))
+        return tuple(out)
 
     def _evaluate(self, plan: Plan, g: TaskGraph) -> list[float]:
         """The values of g's duration recipes (planner.sim.taskgraph) for plan's batch sizes,

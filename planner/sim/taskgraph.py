@@ -254,12 +254,10 @@ class TaskGraph:
         self.stat_seq: dict[tuple[str, str], list[int]] = {}
         self.devices: tuple[str, ...] = ()
         self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
-        # Per replica (see Simulator._like): its task ids; its structure, duration recipes
-        # and each task's recipe as an index into them; the resources its tasks use.
+        # Per replica (see Simulator._like): its task ids; its structure; the resources its
+        # tasks use (its recipes and pattern: `replica_recipes`).
         self.replica_tasks: list[list[int]] = []
         self.replica_shape: list[tuple] = []
-        self.replica_recipes: list[list[int]] = []
-        self.replica_pattern: list[tuple[int, ...]] = []
         self.replica_res: list[set[int]] = []
         self.sync_res: set[int] = set()          # resources of the gradient all-reduces
         self.memory_bound: set[int] = set()      # optimizer steps (planner.sim.contention.contend)
@@ -297,13 +295,17 @@ class TaskGraph:
             self._ghost = None
             return
         first = self._first
-        dkey = self.dkey[first:]
-        recipes = list(dict.fromkeys(dkey))   # in order of first use
-        local = dict(zip(recipes, range(len(recipes))))
         self.replica_tasks.append(list(range(first, len(self.dkey))))
-        self.replica_recipes.append(recipes)
-        self.replica_pattern.append(tuple(map(local.__getitem__, dkey)))
         self.replica_res.append(set().union(*self.res[first:]))
+
+    def replica_recipes(self, r: int) -> tuple[list[int], tuple[int, ...]]:
+        """Replica r's duration recipes in order of first use, and each of its tasks' recipe as
+        an index into them (Simulator._like); r built, not collapsed."""
+        tasks = self.replica_tasks[r]
+        dkey = self.dkey[tasks[0]:tasks[-1] + 1] if tasks else []
+        recipes = list(dict.fromkeys(dkey))
+        local = dict(zip(recipes, range(len(recipes))))
+        return recipes, tuple(map(local.__getitem__, dkey))
 
     def wire(self, t: int, v: int) -> None:
         """Task v also waits for task t."""

@@ -103,8 +103,8 @@ class ModelGraph:
     def param_bytes(self) -> int:
         return sum(l.param_bytes for l in self.layers)
 
-    def _sums(self, start: int, end: int) -> tuple[int, int, int]:
-        """(stage_param_bytes, saved bytes, autocast's weight copies) of layers [start, end):
+    def _sums(self, start: int, end: int) -> tuple[int, int, int, int]:
+        """(stage_param_bytes, saved bytes, autocast's weight copies, parameter tensors) of layers [start, end):
         integers, kept per range (the simulator asks for the same stages plan after plan)."""
         memo = self.__dict__.get("_range_sums")
         if memo is None:
@@ -116,13 +116,18 @@ class ModelGraph:
             copies = sum(t.bytes for t in self.tied
                          if not start <= t.layers[0] < end and any(start <= l < end for l in t.layers))
             out = memo[(start, end)] = (sum(l.param_bytes for l in layers) + copies,
-                                        sum(l.saved_bytes for l in layers), sum(l.cast_param_bytes for l in layers))
+                                        sum(l.saved_bytes for l in layers), sum(l.cast_param_bytes for l in layers),
+                                        sum(len(l.param_names) for l in layers))
         return out
 
     def stage_param_bytes(self, start: int, end: int) -> int:
         """Parameter bytes a stage of layers [start, end) holds: its layers' own, plus a copy of
         each tied parameter that one of them uses but whose first layer is elsewhere."""
         return self._sums(start, end)[0]
+
+    def stage_param_tensors(self, start: int, end: int) -> int:
+        """Parameter tensors of layers [start, end) (their `param_names`)."""
+        return self._sums(start, end)[3]
 
     def device_param_bytes(self, ranges) -> int:
         """Parameter bytes a device holding the stages `ranges` ([(start, end), ...]; several
@@ -136,7 +141,7 @@ class ModelGraph:
     def saved_bytes_at(self, start: int, end: int, batch: float) -> float:
         """Bytes layers [start, end) save for backward at a microbatch of `batch` samples:
         saved_bytes scaled to it, plus autocast's weight copies (not scaled)."""
-        _, saved, cast = self._sums(start, end)
+        _, saved, cast, _ = self._sums(start, end)
         return saved * batch / self.batch + cast
 
     def exchanged_param_bytes(self, i: int) -> int:
