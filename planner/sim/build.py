@@ -59,9 +59,10 @@ class Exchange(NamedTuple):
 
 class ReplicaValues(NamedTuple):
     """A replica's tasks apart from the graph they go into (`Builder.replica_values`): its
-    template, the duration recipe of each value slot, the resources and lane of each resource
-    slot, its hop counts, and per stage whether its last backward is cut at its buckets."""
-    template: ReplicaTemplate
+    template's arguments (replica_template keeps the templates, a few hundred), the duration
+    recipe of each value slot, the resources and lane of each resource slot, its hop counts,
+    and per stage whether its last backward is cut at its buckets."""
+    template: tuple
     recipes: tuple
     res: tuple[tuple[int, ...], ...]
     lanes: tuple[str, ...]
@@ -153,7 +154,7 @@ class Builder:
         stream = self.stream(rep.microbatches)
         held = [self.stage_buckets(st) for st in stages]
         made = self.replica_values(r, rep, held)
-        t, res = made.template, made.res
+        t, res = replica_template(*made.template), made.res
         if not self.delta:
             g.begin_replica((rep.microbatches * STREAM_ITERATIONS if stream else rep.microbatches,
                              tuple(st.layers for st in stages), made.hops),
@@ -217,7 +218,8 @@ class Builder:
         counts = tuple((len(x), len(y)) for x, y in routes)
         chunks = [self.backward_chunks(st) for st in stages]
         devices = len(rep.pipeline_devices) if self.plan.schedule == "interleaved-1f1b" else None
-        t = replica_template(self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream)
+        args = (self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream)
+        t = replica_template(*args)
         split = split_backward(self.plan.schedule)
         pieces = self.weight_values if split else self.backward_values
         vals: list[int] = []
@@ -241,7 +243,7 @@ class Builder:
                     lanes.append(h.lane)
         if split:
             vals += [self.input_value(r, s, stages) for s in range(len(stages))]
-        return ReplicaValues(t, tuple(map(g.recipes.__getitem__, vals)), tuple(res), tuple(lanes), counts,
+        return ReplicaValues(args, tuple(map(g.recipes.__getitem__, vals)), tuple(res), tuple(lanes), counts,
                              tuple(c[0].bucket is not None for c in chunks))
 
     def releases(self, t: ReplicaTemplate, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
