@@ -287,7 +287,7 @@ class Simulator:
             links = self._links
             wake_at, res, succ = self._wake_at, g.res, g.succ
             g.wake = {}
-            for t in compress(range(len(res)), map(links.__contains__, res)):
+            for t in compress(range(len(res)), map(links.__contains__, res)) if wake_at else ():
                 for v in succ[t]:
                     w = wake_at.get(res[v])
                     if w is not None:
