@@ -656,4 +656,4 @@ def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(s
                 if k not in recipes:
                     recipes.append(k)
             assert tg.replica_recipes(r) == (recipes, tuple(recipes.index(tg.dkey[x]) for x in tasks))
-            assert tg.replica_res[r] == {y for x in tasks for y in tg.res[x]}
+            assert tg.replica_resources(r) == {y for x in tasks for y in tg.res[x]}

@@ -256,7 +256,7 @@ class Simulator:
         seen: set[int] = set()
         g.collapsible = (like is None and plan.optimizer.placement == "device"
                          and len(plan.devices) == sum(len(r.stages) for r in plan.replicas))
-        for used in g.replica_res if g.collapsible else ():
+        for used in map(g.replica_resources, range(len(g.replica_tasks))) if g.collapsible else ():
             if used & seen or used & g.sync_res:
                 g.collapsible = False
                 break

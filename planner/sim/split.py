@@ -206,7 +206,7 @@ class Split:
             if not tasks or tasks != list(range(tasks[0], tasks[0] + len(tasks))):
                 return None   # not one block (a collapsed graph's twin)
             bounds.append((tasks[0], tasks[0] + len(tasks)))
-            for x in g.replica_res[p]:
+            for x in g.replica_resources(p):
                 if owner.setdefault(x, p) != p:
                     return None   # two replicas share a device or link direction
         which = [-1] * len(g.res)   # task -> its replica, -1: coupling

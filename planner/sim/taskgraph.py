@@ -254,11 +254,10 @@ class TaskGraph:
         self.stat_seq: dict[tuple[str, str], list[int]] = {}
         self.devices: tuple[str, ...] = ()
         self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
-        # Per replica (see Simulator._like): its task ids; its structure; the resources its
-        # tasks use (its recipes and pattern: `replica_recipes`).
+        # Per replica (see Simulator._like): its task ids; its structure (its recipes and
+        # pattern: `replica_recipes`; the resources its tasks use: `replica_resources`).
         self.replica_tasks: list[list[int]] = []
         self.replica_shape: list[tuple] = []
-        self.replica_res: list[set[int]] = []
         self.sync_res: set[int] = set()          # resources of the gradient all-reduces
         self.memory_bound: set[int] = set()      # optimizer steps (planner.sim.contention.contend)
         self.collapsible = False
@@ -296,7 +295,11 @@ class TaskGraph:
             return
         first = self._first
         self.replica_tasks.append(list(range(first, len(self.dkey))))
-        self.replica_res.append(set().union(*self.res[first:]))
+
+    def replica_resources(self, r: int) -> set[int]:
+        """The resources replica r's tasks use."""
+        tasks = self.replica_tasks[r]
+        return set().union(*self.res[tasks[0]:tasks[-1] + 1]) if tasks else set()
 
     def replica_recipes(self, r: int) -> tuple[list[int], tuple[int, ...]]:
         """Replica r's duration recipes in order of first use, and each of its tasks' recipe as
