@@ -105,3 +105,35 @@ def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch
     compiled = [_results(*c, split) for c in cases]
     monkeypatch.setattr(fastloop, "_numba", False)     # fastloop.available() is False: Python
     assert [_results(*c, split) for c in cases] == compiled
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_graphs_arrays_are_its_lists_flattened(seed):
+    # TaskGraph.arrays, assembled from the stamped templates' arrays and the tasks and edges
+    # added one by one, is what flattening its res and succ lists gives (the compiled loop's
+    # input); on whole graphs and on graphs whose twin replicas are collapsed into one
+    from planner.sim.simulator import Simulator
+    from simreference import random_case, random_twin_case
+    rng = random.Random(seed)
+    made = collapsed = 0
+
+    def check(tg, pl):
+        got = tg.arrays()
+        if got is None:   # a block without arrays (a tensor-split stage): the lists are flattened
+            assert any(st.split for rep in pl.replicas for st in rep.stages)
+            return 0
+        want = (*fastloop._csr(tg.res), *fastloop._csr(tg.succ))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)), pl
+        return 1
+    for _ in range(80):
+        g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
+        sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
+        try:
+            tg = sim._shape(pl, False)
+        except ValueError:   # refused (no host CPU to offload to)
+            continue
+        made += check(tg, pl)
+        like = sim._like(tg, sim._evaluate(pl, tg)) if tg.collapsible else None
+        if like is not None and like != tuple(range(len(like))):
+            collapsed += check(sim._shape(pl, False, like), pl)
+    assert made >= 60 and collapsed >= 5, (made, collapsed)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+
 from planner.cost.buckets import Bucket
 from planner.cost.grad_sync import runs_on_ddp
 from planner.cost.memory import stepped_params
@@ -68,6 +70,7 @@ class ReplicaValues(NamedTuple):
     lanes: tuple[str, ...]
     hops: tuple[tuple[int, int], ...]
     bucketed: tuple[bool, ...]
+    flat_res: np.ndarray | None   # each resource slot's one resource; None where one holds several
 
 
 class Chunk(NamedTuple):
@@ -163,8 +166,10 @@ class Builder:
         if self.delta:
             ids = self.releases(t, vals, res)
         else:
+            flat = made.flat_res
             ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
-                          t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None)
+                          t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None,
+                          None if flat is None else (t, flat[t.res_array]))
         devs = [st.device for st in stages]
         seq = g.stat_seq
         for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
@@ -244,7 +249,8 @@ class Builder:
         if split:
             vals += [self.input_value(r, s, stages) for s in range(len(stages))]
         return ReplicaValues(args, tuple(map(g.recipes.__getitem__, vals)), tuple(res), tuple(lanes), counts,
-                             tuple(c[0].bucket is not None for c in chunks))
+                             tuple(c[0].bucket is not None for c in chunks),
+                             np.array([x[0] for x in res], np.int64) if all(len(x) == 1 for x in res) else None)
 
     def releases(self, t: ReplicaTemplate, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
         """A delta build (planner.sim.split; plans without offloaded activations, tensor splits

@@ -68,12 +68,15 @@ def _csr(rows) -> tuple[np.ndarray, np.ndarray]:
     return ptr, flat
 
 
-def prepare(res, succ, ndeps, shared_res, n_res: int, wake: dict[int, float] | None = None) -> Prepared:
-    """The arrays `run` takes, for eventloop.run's arguments of the same names."""
+def prepare(res, succ, ndeps, shared_res, n_res: int, wake: dict[int, float] | None = None,
+            flat: tuple | None = None) -> Prepared:
+    """The arrays `run` takes, for eventloop.run's arguments of the same names; `flat`: res and
+    succ already flat (TaskGraph.arrays)."""
     w = np.zeros(len(res))
     for t, s in (wake or {}).items():
         w[t] = s
-    return from_arrays(*_csr(res), *_csr(succ), np.asarray(ndeps, np.int64), shared_res, n_res, w)
+    flat = flat or (*_csr(res), *_csr(succ))
+    return from_arrays(*flat, np.asarray(ndeps, np.int64), shared_res, n_res, w)
 
 
 def from_arrays(res_ptr, res_idx, succ_ptr, succ_idx, ndeps, shared_res, n_res: int, wake) -> Prepared:

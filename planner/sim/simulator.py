@@ -301,7 +301,7 @@ class Simulator:
         # was asked for the Python event loop alone (static_after None)
         if len(dur) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None:
             if g.fast is None:
-                g.fast = fastloop.prepare(g.res, g.succ, g.ndeps, g.shared_res, len(self._lanes), wake)
+                g.fast = fastloop.prepare(g.res, g.succ, g.ndeps, g.shared_res, len(self._lanes), wake, g.arrays())
             start, end = fastloop.run(g.fast, np.asarray(dur, np.float64))
             return start.tolist(), end.tolist()
         if g.static is None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 # Per-device statistics a task graph counts (TaskGraph.count): compute time, then communication.
 TIMED = ("fwd_s", "bwd_s", "optimizer_s")
 COUNTED = TIMED + ("comm_s",)
@@ -258,6 +260,12 @@ class TaskGraph:
         # pattern: `replica_recipes`; the resources its tasks use: `replica_resources`).
         self.replica_tasks: list[list[int]] = []
         self.replica_shape: list[tuple] = []
+        # the same tasks as arrays are made from (`arrays`): the stamped blocks (first task, its
+        # template, each task's one resource; None once a block came without them), the tasks
+        # added one by one, and the edges added to earlier tasks (add's deps, wire) in order
+        self.blocks: list[tuple[int, Any, np.ndarray]] | None = []
+        self.added: list[int] = []
+        self.extra: list[tuple[int, int]] = []
         self.sync_res: set[int] = set()          # resources of the gradient all-reduces
         self.memory_bound: set[int] = set()      # optimizer steps (planner.sim.contention.contend)
         self.collapsible = False
@@ -315,6 +323,7 @@ class TaskGraph:
         if self._ghost is None:
             self.succ[t] += (v,)
             self.ndeps[v] += 1
+            self.extra.append((t, v))
 
     def value(self, recipe: Recipe) -> int:
         """Index of a duration recipe (equal recipes share one index)."""
@@ -328,15 +337,21 @@ class TaskGraph:
         self.stat_seq[(device, stat)].append(k)
 
     def stamp(self, dkey: list[int], res: list[tuple[int, ...]], succ: Callable[[int], list[tuple[int, ...]]],
-              ndeps: tuple[int, ...], meta: list[TaskMeta] | None) -> list[int]:
+              ndeps: tuple[int, ...], meta: list[TaskMeta] | None, block: tuple[Any, np.ndarray] | None = None
+              ) -> list[int]:
         """Adds a block of tasks at once (planner.sim.template); `succ(base)` gives their
-        successors as ids with the block starting at task `base`. Returns their ids (an
-        identical replica's, see `begin_replica`)."""
+        successors as ids with the block starting at task `base`; `block`: (its template, each
+        task's one resource as an array), for `arrays`. Returns their ids (an identical
+        replica's, see `begin_replica`)."""
         if self._ghost is not None:
             ids = self._ghost[self._ghost_pos:self._ghost_pos + len(dkey)]
             self._ghost_pos += len(dkey)
             return ids
         base = len(self.dkey)
+        if block is None:
+            self.blocks = None
+        elif self.blocks is not None:
+            self.blocks.append((base, *block))
         self.dkey += dkey
         self.res += res
         self.succ += succ(base)
@@ -355,13 +370,46 @@ class TaskGraph:
         self.res.append(res)
         self.succ.append(())
         self.ndeps.append(0)
+        self.added.append(t)
         for d in deps:
             if d is not None:
                 self.succ[d] += (t,)
                 self.ndeps[t] += 1
+                self.extra.append((d, t))
         if self.meta is not None:
             self.meta.append(meta)
         return t
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """`res` and `succ` flat (res_ptr, res_idx, succ_ptr, succ_idx: planner.sim.fastloop),
+        made from the stamped blocks' template arrays and the tasks and edges added one by
+        one, not from the lists; None where a block came without its arrays."""
+        if self.blocks is None:
+            return None
+        n = len(self.dkey)
+        sizes = np.ones(n, np.int64)
+        sizes[self.added] = [len(self.res[t]) for t in self.added]
+        res_ptr = np.zeros(n + 1, np.int64)
+        np.cumsum(sizes, out=res_ptr[1:])
+        res_idx = np.empty(int(res_ptr[-1]), np.int64)
+        own = np.zeros(n, np.int64)   # per task its template successors
+        for base, t, flat in self.blocks:   # one resource per task: a contiguous run
+            res_idx[res_ptr[base]:res_ptr[base + len(flat)]] = flat
+            own[base:base + len(flat)] = np.diff(t.succ_ptr)
+        for t in self.added:
+            res_idx[res_ptr[t]:res_ptr[t + 1]] = self.res[t]
+        src, dst = (np.array(x, np.int64) for x in zip(*self.extra)) if self.extra else (np.zeros(0, np.int64),) * 2
+        succ_ptr = np.zeros(n + 1, np.int64)
+        np.cumsum(own + np.bincount(src, minlength=n), out=succ_ptr[1:])
+        succ_idx = np.empty(int(succ_ptr[-1]), np.int64)
+        for base, t, flat in self.blocks:   # a task's template successors first, in their order
+            local = t.edge_src
+            succ_idx[succ_ptr[base + local] + np.arange(len(local)) - t.succ_ptr[local]] = t.edge_dst + base
+        order = np.argsort(src, kind="stable")   # then the edges added to it, in the order added
+        s = src[order]
+        rank = np.arange(len(s)) - np.searchsorted(s, s)
+        succ_idx[succ_ptr[s] + own[s] + rank] = dst[order]
+        return res_ptr, res_idx, succ_ptr, succ_idx
 
 
 __all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "SavedCopy",
