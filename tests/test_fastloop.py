@@ -137,3 +137,38 @@ def test_a_graphs_arrays_are_its_lists_flattened(seed):
         if like is not None and like != tuple(range(len(like))):
             collapsed += check(sim._shape(pl, False, like), pl)
     assert made >= 60 and collapsed >= 5, (made, collapsed)
+
+
+def test_successors_made_when_asked_are_those_made_while_stamping():
+    # a stamped block's successor tuples wait until asked for (TaskGraph.succ); a traced graph
+    # makes them at once: the same lists, with the edges added since (all-reduces, steps, copies)
+    # and tensor-split stages (blocks without arrays)
+    from dataclasses import replace
+
+    from planner.files.plan import ModelRef
+    from planner.hardware.topology import load_topology
+    from planner.search.problem import make_space
+    from planner.sim.simulator import Simulator
+    from planner.sim.taskgraph import TaskGraph
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    from test_bound import random_plans
+    from test_listsched import EXAMPLES
+
+    g = capture_graph(load_workload("gpt", {"layers": 4}), 8)
+    topo = load_topology(EXAMPLES / "dgx-2node-ib.json")
+    space = make_space(topo, g.num_layers, 32, ModelRef("gpt"), "adam", 1e-3, tensor_split=True)
+    sim = Simulator(g, topo, cache_size=0, shape_cache_size=0)
+    splits = 0
+    for pl in random_plans(space, random.Random(3), 80):
+        if pl.sync.mode != "sync":
+            pl = replace(pl, sync=replace(pl.sync, mode="sync"))
+        lazy, traced = TaskGraph(False), TaskGraph(True)
+        try:
+            sim._build(pl, lazy)
+            sim._build(pl, traced)
+        except ValueError:
+            continue
+        assert lazy.succ == traced.succ, pl
+        splits += any(st.split for rep in pl.replicas for st in rep.stages)
+    assert splits >= 1, splits

@@ -284,10 +284,10 @@ class Simulator:
                 cost = self.cost
                 self._wake_at = {(self._rid[d.name],): w for d in self.topology.devices
                                  if (w := cost.wake_latency_s(d.name) + cost.cold_compute_s(d.name)) > 0.0}
-            links = self._links
-            wake_at, res, succ = self._wake_at, g.res, g.succ
+            links, wake_at = self._links, self._wake_at
             g.wake = {}
-            for t in compress(range(len(res)), map(links.__contains__, res)) if wake_at else ():
+            res, succ = (g.res, g.succ) if wake_at else ((), ())
+            for t in compress(range(len(res)), map(links.__contains__, res)):
                 for v in succ[t]:
                     w = wake_at.get(res[v])
                     if w is not None:
@@ -301,7 +301,9 @@ class Simulator:
         # was asked for the Python event loop alone (static_after None)
         if len(dur) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None:
             if g.fast is None:
-                g.fast = fastloop.prepare(g.res, g.succ, g.ndeps, g.shared_res, len(self._lanes), wake, g.arrays())
+                flat = g.arrays()
+                g.fast = fastloop.prepare(g.res, None if flat else g.succ, g.ndeps, g.shared_res, len(self._lanes),
+                                          wake, flat)
             start, end = fastloop.run(g.fast, np.asarray(dur, np.float64))
             return start.tolist(), end.tolist()
         if g.static is None:

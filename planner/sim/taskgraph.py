@@ -248,7 +248,10 @@ class TaskGraph:
     def __init__(self, trace: bool):
         self.dkey: list[int] = []
         self.res: list[tuple[int, ...]] = []
-        self.succ: list[tuple[int, ...]] = []   # tuples: stamped blocks share them (see `stamp`)
+        # each task's successors (`succ`); a stamped block's are None until first asked for
+        # (the compiled loop takes `arrays`), then its template's tuples and the edges added since
+        self._succ: list[tuple[int, ...] | None] = []
+        self._pending = False
         self.ndeps: list[int] = []
         self.meta: list[TaskMeta | None] | None = [] if trace else None
         self.recipes: list[Recipe] = []
@@ -321,7 +324,8 @@ class TaskGraph:
     def wire(self, t: int, v: int) -> None:
         """Task v also waits for task t."""
         if self._ghost is None:
-            self.succ[t] += (v,)
+            if self._succ[t] is not None:
+                self._succ[t] += (v,)
             self.ndeps[v] += 1
             self.extra.append((t, v))
 
@@ -349,12 +353,18 @@ class TaskGraph:
             return ids
         base = len(self.dkey)
         if block is None:
+            if self._pending:
+                self.succ   # the pending blocks' tuples made while their list is there
             self.blocks = None
         elif self.blocks is not None:
             self.blocks.append((base, *block))
         self.dkey += dkey
         self.res += res
-        self.succ += succ(base)
+        if self.blocks is not None and self.meta is None:   # made when asked for (`succ`)
+            self._succ += [None] * len(dkey)
+            self._pending = True
+        else:
+            self._succ += succ(base)
         self.ndeps += ndeps
         if self.meta is not None:
             self.meta += meta
@@ -368,17 +378,32 @@ class TaskGraph:
         t = len(self.dkey)
         self.dkey.append(k)
         self.res.append(res)
-        self.succ.append(())
+        self._succ.append(())
         self.ndeps.append(0)
         self.added.append(t)
         for d in deps:
             if d is not None:
-                self.succ[d] += (t,)
+                if self._succ[d] is not None:
+                    self._succ[d] += (t,)
                 self.ndeps[t] += 1
                 self.extra.append((d, t))
         if self.meta is not None:
             self.meta.append(meta)
         return t
+
+    @property
+    def succ(self) -> list[tuple[int, ...]]:
+        """Each task's successors, in the order they were wired."""
+        if self._pending:
+            pending = [x is None for x in self._succ]
+            for base, t, flat in self.blocks:
+                if pending[base]:
+                    self._succ[base:base + len(flat)] = t.succ_at(base)
+            for a, b in self.extra:   # edges added to a block's task since it was stamped
+                if pending[a]:
+                    self._succ[a] += (b,)
+            self._pending = False
+        return self._succ
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """`res` and `succ` flat (res_ptr, res_idx, succ_ptr, succ_idx: planner.sim.fastloop),
