@@ -323,7 +323,7 @@ def test_a_size_timed_out_of_line_with_the_curve_is_timed_again_and_the_faster_k
         calls.append(batch)
         slow = 3.0 if batch == 2 and calls.count(2) == 1 else 1.0
         n = len(layers)
-        return [1e-3 * batch * slow] * n, [2e-3 * batch * slow] * n
+        return [1e-3 * batch * slow] * n, [2e-3 * batch * slow] * n, 0.0
     monkeypatch.setattr(MeasuredCost, "_time_sequence", fake)
     m = MeasuredCost(g, t, w, sizes=(1, 2, 4))
     dev = t.device("cpu:0")
@@ -334,3 +334,89 @@ def test_a_size_timed_out_of_line_with_the_curve_is_timed_again_and_the_faster_k
     assert calls == [2, 4, 4, 2, 1]          # 1 is in line: nothing timed again
     assert f2[0] == pytest.approx(2e-3) and b2[0] == pytest.approx(4e-3)   # the faster kept
     assert f1[0] == pytest.approx(1e-3) and f4[0] == pytest.approx(4e-3)
+
+
+class _Calls(RooflineCost):
+    """Roofline layer times with a backward call of `call` seconds in each layer's backward, as
+    layers timed one at a time measure it (planner.cost.timing)."""
+
+    def __init__(self, g, t, call: float):
+        super().__init__(g, t)
+        self.call = call
+
+    def backward_call_s(self, device, batch: float) -> float:
+        return self.call
+
+
+def test_a_stages_backward_pays_one_backward_call_for_all_its_layers():
+    # layers timed alone each pay a backward call of their own (the last one a second: the
+    # loss's); a stage runs one call over its layers. bwd 2 s per layer at 1 sample, call 0.25 s
+    g = graph([layer(i, fwd_flops=4e9, bwd_flops=8e9) for i in range(3)], batch=4)
+    t = topology([device("cuda:0", flops=1e9)])
+    c = _Calls(g, t, 0.25)
+    assert c.bwd_s("cuda:0", 0, 1, 1) == pytest.approx(2.0)                # one layer: as timed
+    assert c.bwd_s("cuda:0", 0, 2, 1) == pytest.approx(4.0 - 0.25)         # two layers, one call
+    assert c.bwd_s("cuda:0", 0, 3, 1) == pytest.approx(6.0 - 3 * 0.25)     # and the loss's call
+    # a backward cut into pieces (DDP buckets) is one call: its later pieces pay none
+    assert c.bwd_s("cuda:0", 0, 1, 1) + c.bwd_s("cuda:0", 1, 3, 1, call=False) == pytest.approx(
+        c.bwd_s("cuda:0", 0, 3, 1))
+    assert c.fwd_s("cuda:0", 0, 3, 1) == pytest.approx(3.0)                # forwards as timed
+    assert c.layer_s("cuda:0", 2, 1) == pytest.approx((1.0, 2.0))
+
+
+def test_a_layer_is_timed_with_a_gradient_only_for_inputs_that_carry_one():
+    # a layer's outputs that need no gradient (Llama's rotary cos/sin, from buffers) reach the
+    # next layer as inputs without one, as the runtime's stages receive them: timing each layer
+    # with every floating-point input a leaf requiring grad made its backward compute and
+    # accumulate their gradients too (llama at 16: 8.99 against 8.15 ms)
+    import contextlib
+
+    import torch
+
+    from planner.cost.timing import _next_inputs, _sequence_once
+    seen = []
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("pos", torch.ones(4))
+
+        def forward(self, x):
+            return self.lin(x), self.pos * 2.0
+
+    class Use(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, h, pos):
+            seen.append((h.requires_grad, pos.requires_grad))
+            return (self.lin(h + pos),)
+
+    layers, x = [Pair(), Use()], (torch.randn(2, 4),)
+    times = _sequence_once(layers, x, lambda: None, contextlib.nullcontext, data=True)
+    assert seen == [(True, False)] and all(t > 0 for t in times)
+    h, pos = _next_inputs(layers[:1], x, contextlib.nullcontext)    # a window's next inputs
+    assert (h.requires_grad, pos.requires_grad) == (True, False) and h.grad_fn is None
+
+
+def test_a_cpus_backward_call_is_measured_against_one_chained_call(tmp_path, monkeypatch):
+    # the layers' separate backward calls against one chained call of the same layers, in the
+    # same runs: the difference per call saved prices a stage's backward (CostModel.bwd_s)
+    from planner.cost import timing
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 2})
+    g = capture_graph(w, 4)
+    L = g.num_layers
+    n = L + 1                                          # the loss is timed as a last pseudo-layer
+    monkeypatch.setattr(timing, "_sequence_once", lambda layers, *a, **k: (1e-3,) * n + (2e-3,) * n)
+    monkeypatch.setattr(timing, "_chained_once", lambda layers, *a, **k: (n * 1e-3, n * 2e-3 - (n - 1) * 1e-4))
+    t = _here()
+    m = timing.MeasuredCost(g, t, w, repeats=1)
+    dev = t.device("cpu:0")
+    assert m.backward_call_s(dev, 4) == pytest.approx(1e-4)
+    assert m.bwd_s("cpu:0", 0, L, 4) == pytest.approx(n * 2e-3 - (n - 1) * 1e-4)   # the chained step
+    assert m.bwd_s("cpu:0", 0, 1, 4) == pytest.approx(2e-3)                         # one layer alone

@@ -139,6 +139,12 @@ class CostModel:
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         raise NotImplementedError
 
+    def backward_call_s(self, device: Device, batch: float) -> float:
+        """The own cost of one backward call that each layer's time in `layer_times` includes
+        (layers timed one at a time) where a stage's backward pays one for all its layers; 0
+        where layer times are of the model's chained step or formulas."""
+        return 0.0
+
     def split_times(self, device: Device, batch: float) -> tuple[list[float], list[float]] | None:
         """Per-layer (I pass, W pass) seconds of a split backward where measured, else None:
         weight_grad_share of the fused backward prices them (`_split_tables`)."""
@@ -153,15 +159,22 @@ class CostModel:
         return None
 
     def _tables(self, device: str, batch: float):
+        """Prefix sums of the layers' forward, of their backward less their own backward calls
+        (`backward_call_s`: one per layer with a backward, the last layer's loss a second), and
+        of the layers with a backward, and the backward call's seconds."""
         key = (device, batch)
         if key not in self._prefix:
-            fwd, bwd = self.layer_times(self.topology.device(device), batch)
-            pf, pb = [0.0], [0.0]
-            for f, b in zip(fwd, bwd):
+            dev = self.topology.device(device)
+            fwd, bwd = self.layer_times(dev, batch)
+            call = self.backward_call_s(dev, batch)
+            pf, pb, pn = [0.0], [0.0], [0]
+            for i, (f, b) in enumerate(zip(fwd, bwd)):
+                calls = (b > 0) + (b > 0 and i == len(bwd) - 1)
                 pf.append(pf[-1] + f)
-                pb.append(pb[-1] + b)
+                pb.append(pb[-1] + b - calls * call)
+                pn.append(pn[-1] + (b > 0))
             self._layer[key] = (list(fwd), list(bwd))
-            self._prefix[key] = (pf, pb)
+            self._prefix[key] = (pf, pb, pn, call)
         return self._prefix[key]
 
     def contention(self, device: str, busy: float) -> float:
@@ -186,11 +199,13 @@ class CostModel:
         t = pf[end] - pf[start]
         return t if busy <= 1 else t * self.contention(device, busy)
 
-    def bwd_s(self, device: str, start: int, end: int, batch: float, busy: float = 1) -> float:
-        """Backward time of layers [start, end) on `device` at a microbatch of `batch` samples,
-        times `contention(device, busy)`."""
-        pb = self._tables(device, batch)[1]
-        t = pb[end] - pb[start]
+    def bwd_s(self, device: str, start: int, end: int, batch: float, busy: float = 1,
+              call: bool = True) -> float:
+        """Backward time of layers [start, end) on `device` at a microbatch of `batch` samples in
+        one backward call (`call`; else a later part of a call, e.g. a bucket's layers after the
+        first), times `contention(device, busy)`."""
+        _, pb, pn, c = self._tables(device, batch)
+        t = pb[end] - pb[start] + c if call and pn[end] > pn[start] else max(0.0, pb[end] - pb[start])
         return t if busy <= 1 else t * self.contention(device, busy)
 
     def _split_tables(self, device: str, batch: float) -> tuple[list[float], list[float]]:

@@ -2,9 +2,13 @@
 real batch, timed in training steps (every forward in order, then every backward in reverse, so a
 layer meets the caches its neighbours leave, as in the runtime), median of `repeats` after
 `warmup`; the loss is timed as a pseudo-layer added to the last layer; the first layer gets no
-input gradient (as in the runtime). On an accelerator, whose launches overlap its work, the
-layers' times are scaled to their chained step's, synchronized only around forward and
-backward (`_chained_once`). Cached in
+input gradient, the others one for the inputs that carry one (as in the runtime). Each layer
+timed alone pays a backward call of its own where a stage pays one for all of its layers: on a
+CPU, that call's own cost is measured in the same runs (the layers' separate backward calls
+against one chained call, per call: `backward_call_s`) and a stage's backward is priced as its
+layers' less their calls plus one (CostModel.bwd_s). On an accelerator, whose launches overlap
+its work, the layers' times are scaled to their chained step's, synchronized only around
+forward and backward (`_chained_once`). Cached in
 `$HETPLAN_CACHE_DIR/layer_costs-v<N>.json` by host, signature, device kind, threads, batch and
 precision. History and figures: docs/tuning.md.
 
@@ -47,8 +51,11 @@ from planner.hardware.topology import Device, Topology, parse_device_name
 # (2: timed with the runtime's allocator setting, planner.hardware.host_memory; 3: signatures
 # without the capture batch, planner.workload.capture._signature: a v2 file's entries could
 # never match again; 4: layers timed in training steps, not each alone in a loop; 5: on an
-# accelerator, scaled to the layers' chained, unsynchronized step).
-CACHE_VERSION = 5
+# accelerator, scaled to the layers' chained, unsynchronized step; 6: inputs require grad only
+# where they carry one, and on a CPU the backward call's own cost, `CALL`).
+CACHE_VERSION = 6
+# The last layer's entry: [fwd, bwd, loss fwd, loss bwd, one backward call's own seconds].
+ENTRY = 5
 # Suffix of a layer's split-backward entry (layers after the first): [I pass, W pass] as shares
 # of the fused backward timed in the same runs (back to back, so a change of the machine's load
 # between two measurements does not show as a cost of the split); times = share * fused entry.
@@ -138,8 +145,8 @@ class MeasuredCost(CostModel):
         again with them (`again`: timed although cached, each entry keeping the faster)."""
         disk = self._load_disk()
         keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
-        # The last layer's entry also holds the loss's times: [fwd, bwd, loss fwd, loss bwd].
-        fused = again or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == 4)
+        # The last layer's entry also holds the loss's times and the backward call's (ENTRY).
+        fused = again or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == ENTRY)
         split = split and not again and not all(k + SPLIT in disk for k in keys[1:])
         if not (fused or split):
             return _from_entries(keys, disk)
@@ -174,22 +181,23 @@ class MeasuredCost(CostModel):
                 x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
                 layers = stages + [_Loss(self.workload.loss_fn, target.to(dev))]
 
-                def timed() -> tuple[list[float], list[float]]:
-                    fs, bs, y = [], [], x
+                def timed() -> tuple[list[float], list[float], float]:
+                    fs, bs, y, saved, calls = [], [], x, 0.0, 0
                     for a, b in self._windows(device, batch):
                         seq = layers[a:b + (b == L)]
-                        f, bw = self._time_sequence(seq, y, sync, in_precision, data=a == 0)
+                        f, bw, s = self._time_sequence(seq, y, sync, in_precision, data=a == 0,
+                                                       chained=not chained)
                         if chained:
                             f, bw = _scaled(f, bw, *self._repeat(
                                 lambda: _chained_once(seq, y, sync, in_precision, data=a == 0)))
+                        else:
+                            saved, calls = saved + s, calls + sum(t > 0 for t in bw) - 1
                         fs += f
                         bs += bw
-                        with torch.no_grad(), in_precision():   # the next window's input
-                            for stage in layers[a:b]:
-                                y = as_tuple(stage(*_leaf_inputs(y, grad=False)))
-                    return fs, bs
+                        y = _next_inputs(layers[a:b], y, in_precision)   # the next window's
+                    return fs, bs, max(0.0, saved) / calls if calls > 0 else 0.0
                 if fused:
-                    fwd, bwd = timed()
+                    fwd, bwd, call = timed()
                 for i, stage in enumerate(layers if split else ()):
                     # the model's input is data: as in the runtime, no gradient is computed for it
                     x = _leaf_inputs(x, grad=i > 0)
@@ -198,14 +206,13 @@ class MeasuredCost(CostModel):
                     if 0 < i < L:
                         times = self._time_layer(stage, x, sync, in_precision, True, True)
                         passes.append(tuple(t / times[1] if times[1] > 0 else 0.0 for t in times[2:]))
-                    with torch.no_grad(), in_precision():
-                        x = as_tuple(stage(*x))
+                    x = _next_inputs([stage], x, in_precision)
             finally:
                 torch.set_num_threads(old_threads)
         entries = {}
         if fused:
             entries = _shared(keys, list(zip(fwd, bwd)))
-            entries[keys[-1]] = entries[keys[-1]][:2] + [fwd[-1], bwd[-1]]
+            entries[keys[-1]] = entries[keys[-1]][:2] + [fwd[-1], bwd[-1], call]
         if split:
             entries.update(_shared([k + SPLIT for k in keys[1:]], passes))
         if again:   # the faster of the two timings (a passing slowdown only adds time)
@@ -229,7 +236,7 @@ class MeasuredCost(CostModel):
         below = above = None
         for b in self.sizes or ():
             keys = [self._key(i, device, b) for i in range(L)]
-            if b == batch or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == 4):
+            if b == batch or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == ENTRY):
                 continue
             f, bw = _from_entries(keys, disk)
             if b < batch:
@@ -269,14 +276,23 @@ class MeasuredCost(CostModel):
                 a = i
         return out + [(a, L)]
 
-    def _time_sequence(self, layers, x, sync, in_precision,
-                       data: bool = True) -> tuple[list[float], list[float]]:
+    def _time_sequence(self, layers, x, sync, in_precision, data: bool = True,
+                       chained: bool = False) -> tuple[list[float], list[float], float]:
         """Median seconds of each layer's forward and backward when they run as in a training
         step: every forward in order (each on its predecessor's output), then every backward in
         reverse, so each layer finds the caches as the others left them (`_sequence_once`);
-        `data`: x is the model's input (no gradient for it)."""
-        times = self._repeat(lambda: _sequence_once(layers, x, sync, in_precision, data))
-        return times[:len(layers)], times[len(layers):]
+        `data`: x is the model's input (no gradient for it). With `chained`, each run also runs
+        the layers as one stage does (`_chained_once`), and the third figure is the median of
+        how much longer the layers' own backward calls took than the one chained call (else 0)."""
+        k = len(layers)
+
+        def once() -> tuple[float, ...]:
+            times = _sequence_once(layers, x, sync, in_precision, data)
+            if not chained:
+                return times
+            return times + (sum(times[k:]) - _chained_once(layers, x, sync, in_precision, data)[1],)
+        times = self._repeat(once)
+        return times[:k], times[k:2 * k], times[2 * k] if chained else 0.0
 
     def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext, fused: bool = True,
                     split: bool = False) -> tuple[float, ...]:
@@ -296,6 +312,21 @@ class MeasuredCost(CostModel):
         f1, b1 = self._measure(device, hi)
         return ([interpolate(batch, lo, a, hi, b) for a, b in zip(f0, f1)],
                 [interpolate(batch, lo, a, hi, b) for a, b in zip(b0, b1)])
+
+    def backward_call_s(self, device: Device, batch: float) -> float:
+        """On a CPU, what one layer's own backward call took beyond its share of one chained call
+        over the model (timed in the same runs; a curve over `sizes` as layer_times); 0 on an
+        accelerator (its layers are scaled to their chained step) or priced by the roofline."""
+        if device.kind != "cpu":
+            return 0.0
+        if self.sizes is None:
+            return self._call_at(device, int(batch))
+        lo, hi = _neighbours(self.sizes, batch)
+        return max(0.0, interpolate(batch, lo, self._call_at(device, lo), hi, self._call_at(device, hi)))
+
+    def _call_at(self, device: Device, batch: int) -> float:
+        self._measure(device, batch)
+        return self._load_disk()[self._key(self.graph.num_layers - 1, device, batch)][4]
 
     def split_times(self, device: Device, batch: float) -> tuple[list[float], list[float]] | None:
         """Per-layer (I pass, W pass) seconds measured on this machine (a curve over `sizes` as
@@ -369,11 +400,26 @@ def cost_model(graph, topology: Topology, workload, global_batch: int) -> CostMo
 
 def _leaf_inputs(x: tuple, grad: bool) -> tuple:
     """A layer's inputs as fresh leaves (tensors anywhere in tuples or dicts, as a stage passes
-    them on): floating-point ones require grad when `grad` (not for the model's data)."""
+    them on): those that carry a gradient in training (a predecessor's floating-point outputs
+    that require grad) require one when `grad` (not for the model's data), as the runtime's
+    received activations do (runtime.pipeline's headers)."""
     import torch
     from torch.utils._pytree import tree_map
-    return tree_map(lambda t: t.detach().requires_grad_(grad and t.is_floating_point())
+    return tree_map(lambda t: t.detach().requires_grad_(grad and t.requires_grad and t.is_floating_point())
                     if isinstance(t, torch.Tensor) else t, x)
+
+
+def _next_inputs(layers, x: tuple, in_precision) -> tuple:
+    """The outputs of `layers` run in order on `x` (fresh leaves as `_leaf_inputs` makes them),
+    with autograd on so that each output says whether it carries a gradient; the graph is
+    dropped."""
+    import torch
+
+    from planner.workload.inputs import as_tuple
+    with torch.enable_grad(), in_precision():
+        for stage in layers:
+            x = as_tuple(stage(*_leaf_inputs(x, grad=True)))
+    return _leaf_inputs(x, grad=True)
 
 
 def _model_copy_for(workload, dev):
@@ -519,7 +565,7 @@ def _shared(keys: list[str], values: list[tuple[float, ...]]) -> dict[str, list[
 
 def _from_entries(keys: list[str], entries: dict) -> tuple[list[float], list[float]]:
     """Per-layer (fwd, bwd) from cache entries; the last layer's entry also holds the loss's
-    times ([fwd, bwd, loss fwd, loss bwd]), added to the last layer."""
+    times ([fwd, bwd, loss fwd, loss bwd, call]), added to the last layer."""
     last = entries[keys[-1]]
     return ([entries[k][0] for k in keys[:-1]] + [last[0] + last[2]],
             [entries[k][1] for k in keys[:-1]] + [last[1] + last[3]])

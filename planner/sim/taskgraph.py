@@ -57,7 +57,7 @@ class LayerRange:
             if self.start == 0 or self.end == graph.num_layers:
                 t += cost.data_copy_s(self.device, self.start, self.end, mbs[self.replica])
         elif self.phase == "bwd":
-            t = cost.bwd_s(self.device, self.start, self.end, mbs[self.replica])
+            t = cost.bwd_s(self.device, self.start, self.end, mbs[self.replica], call=self.action)
         elif self.phase == "inp":
             t = cost.bwd_input_s(self.device, self.start, self.end, mbs[self.replica])
         else:
