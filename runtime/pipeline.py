@@ -224,6 +224,10 @@ class StageRunner:
         self.offload = None         # runtime.offload.ActivationOffload (offload_activations)
         self.forward_context = lambda mb: contextlib.nullcontext()   # runtime.ddp: no_sync()
         self.weight_passes: dict[int, Any] = {}   # split backward: microbatch -> its W still to run
+        # runs of `run` to come, this one included: the next run's first receives are posted once
+        # this run's last ones are taken (the builder sets it to the iterations to train)
+        self.runs_left = 1
+        self._later = {"act": 0, "grad": 0}
 
     def run(self, actions: list[Step], inputs: list[tuple] | None,
             targets: list[Any] | None) -> torch.Tensor | None:
@@ -231,9 +235,11 @@ class StageRunner:
         saved: dict[int, tuple[list, list]] = {}
         losses: dict[int, torch.Tensor] = {}
         # receives still to come this iteration: an activation per F (not on the first stage),
-        # a gradient per B or I (not on the last)
+        # a gradient per B or I (not on the last); and in the runs after this one
         self._left = {"act": sum(k == "F" for k, _ in actions) if self.prev else 0,
                       "grad": sum(k in "BI" for k, _ in actions) if self.next else 0}
+        self.runs_left = max(self.runs_left - 1, 0)
+        self._later = {k: n * self.runs_left for k, n in self._left.items()}
         for kind, mb in actions:
             self._flush(block=False)   # sends whose host copy finished during the last action
             self._post_ahead()
@@ -256,12 +262,15 @@ class StageRunner:
     def _post_ahead(self) -> None:
         """Keep the next POSTED_AHEAD receives of each link posted (once its header is known), so
         a message arrives during the compute before it is needed, also the second of two receives
-        in a row (a message moves only once its receive is posted); never more than this
-        iteration still receives (a receive left posted would outlive the run). The simulator's
-        rule: planner.sim.schedule.receives."""
+        in a row (a message moves only once its receive is posted); once this iteration's last
+        are taken, the next iteration's first, so that the sender learns of them while it still
+        waits in this one (gloo's loop thread, at the lowest priority, reads the receiver's
+        notice only when its worker's core is idle: a send issued before it has read it leaves at
+        the worker's next wait); never more than the runs to come receive (a receive left posted
+        would outlive the run). The simulator's rule: planner.sim.schedule.receives."""
         for link, key in ((self.prev, "act"), (self.next, "grad")):
             if link is not None and key in link.headers:
-                while len(link.posted) < min(POSTED_AHEAD, self._left[key]):
+                while len(link.posted) < min(POSTED_AHEAD, self._left[key] + self._later[key]):
                     link.post(key)
 
     def _recv(self, link: PeerLink, key: str) -> list[torch.Tensor]:

@@ -282,6 +282,7 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         runner = StageRunner(wrapped, device.device, workload.loss_fn, prev, nxt,
                              scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
                              recompute=plan.recompute, precision=plan.precision)
+        runner.runs_left = iterations
     runner.saved_tracker = SavedTracker(named.values())
     if rep.stages[st_j].offload_activations:
         runner.offload = ActivationOffload(device, named.values())

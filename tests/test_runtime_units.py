@@ -163,6 +163,53 @@ def test_a_stage_keeps_two_receives_posted_per_link_never_more_than_it_still_rec
     assert len(prev.posted) == 1
 
 
+class _Receiving(_Link):
+    """A link a last stage receives activations on: each receive takes a posted one (posting it
+    first if none is), as PeerLink.recv does."""
+
+    def recv(self, key):
+        import torch
+        if not self.posted:
+            self.post(key)
+        self.posted.pop(0)
+        self.taken = getattr(self, "taken", 0) + 1
+        return [torch.ones(2, 1)]
+
+    def send(self, key, tensors):
+        pass
+
+    def flush(self, block=True):
+        pass
+
+    def drain(self):
+        pass
+
+
+def test_the_next_iterations_first_receives_are_posted_once_this_ones_last_are_taken():
+    # gloo moves a send once the sender's loop thread, at the lowest priority, has read the
+    # receiver's notice of the posted receive, which it does when its worker's core is idle: a
+    # receive posted at the start of an iteration, while the sender computes (its optimizer,
+    # its first forwards), held the first activation until the sender next waited (mlp-small,
+    # GPipe: ~250 us after the isend). Posted in the iteration before, they are read while the
+    # sender still waits in it; the last iteration leaves none posted
+    import contextlib
+
+    import torch
+
+    from runtime.pipeline import StageRunner
+    prev = _Receiving(["act"])
+    prev.headers["act"] = [(torch.float32, (2, 1), True)]
+    r = StageRunner(torch.nn.Linear(1, 1), torch.device("cpu"), torch.nn.functional.mse_loss, prev, None,
+                    0.5, lambda *a, **k: contextlib.nullcontext())
+    r.runs_left = 2
+    gpipe = [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    targets = [torch.zeros(1)] * 2          # the loss takes the stage output's first tensor
+    r.run(gpipe, None, targets)
+    assert prev.taken == 2 and prev.posted == ["act", "act"]      # the next run's two, posted
+    r.run(gpipe, None, targets)
+    assert prev.taken == 4 and prev.posted == []                  # none beyond the last run
+
+
 def test_an_interleaved_rank_posts_two_ahead_in_the_peers_send_order_up_to_an_unknown_header():
     import torch
 
