@@ -52,7 +52,7 @@ from planner.hardware.topology import Device, Topology, parse_device_name
 # without the capture batch, planner.workload.capture._signature: a v2 file's entries could
 # never match again; 4: layers timed in training steps, not each alone in a loop; 5: on an
 # accelerator, scaled to the layers' chained, unsynchronized step; 6: inputs require grad only
-# where they carry one, and on a CPU the backward call's own cost, `CALL`).
+# where they carry one, and on a CPU the backward call's own cost, ENTRY's fifth figure).
 CACHE_VERSION = 6
 # The last layer's entry: [fwd, bwd, loss fwd, loss bwd, one backward call's own seconds].
 ENTRY = 5
@@ -151,7 +151,6 @@ class MeasuredCost(CostModel):
         if not (fused or split):
             return _from_entries(keys, disk)
         import torch
-        from planner.workload.inputs import as_tuple
         from planner.workload.partition import build_stages, place_stages, stage_inputs
 
         L = self.graph.num_layers
@@ -186,7 +185,7 @@ class MeasuredCost(CostModel):
                     for a, b in self._windows(device, batch):
                         seq = layers[a:b + (b == L)]
                         f, bw, s = self._time_sequence(seq, y, sync, in_precision, data=a == 0,
-                                                       chained=not chained)
+                                                       calls=not chained)
                         if chained:
                             f, bw = _scaled(f, bw, *self._repeat(
                                 lambda: _chained_once(seq, y, sync, in_precision, data=a == 0)))
@@ -277,22 +276,22 @@ class MeasuredCost(CostModel):
         return out + [(a, L)]
 
     def _time_sequence(self, layers, x, sync, in_precision, data: bool = True,
-                       chained: bool = False) -> tuple[list[float], list[float], float]:
+                       calls: bool = False) -> tuple[list[float], list[float], float]:
         """Median seconds of each layer's forward and backward when they run as in a training
         step: every forward in order (each on its predecessor's output), then every backward in
         reverse, so each layer finds the caches as the others left them (`_sequence_once`);
-        `data`: x is the model's input (no gradient for it). With `chained`, each run also runs
+        `data`: x is the model's input (no gradient for it). With `calls`, each run also runs
         the layers as one stage does (`_chained_once`), and the third figure is the median of
         how much longer the layers' own backward calls took than the one chained call (else 0)."""
         k = len(layers)
 
         def once() -> tuple[float, ...]:
             times = _sequence_once(layers, x, sync, in_precision, data)
-            if not chained:
+            if not calls:
                 return times
             return times + (sum(times[k:]) - _chained_once(layers, x, sync, in_precision, data)[1],)
         times = self._repeat(once)
-        return times[:k], times[k:2 * k], times[2 * k] if chained else 0.0
+        return times[:k], times[k:2 * k], times[2 * k] if calls else 0.0
 
     def _time_layer(self, stage, x, sync, in_precision=contextlib.nullcontext, fused: bool = True,
                     split: bool = False) -> tuple[float, ...]:
