@@ -190,7 +190,7 @@ class MeasuredCost(CostModel):
                             f, bw = _scaled(f, bw, *self._repeat(
                                 lambda: _chained_once(seq, y, sync, in_precision, data=a == 0)))
                         else:
-                            saved, calls = saved + s, calls + sum(t > 0 for t in bw) - 1
+                            saved, calls = saved + s, calls + max(0, sum(t > 0 for t in bw) - 1)
                         fs += f
                         bs += bw
                         y = _next_inputs(layers[a:b], y, in_precision)   # the next window's
