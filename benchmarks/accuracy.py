@@ -6,7 +6,7 @@ run the plan for real `--repeats` times (`hetplan run`, median after warm-up, bo
 `--warmup`/`--iters` and WARMUP_S/MEASURED_S long: `run_window`; the plan's time is
 the median of the runs, their spread shown beside it), and report MAPE, the worst error and
 Kendall's tau, overall, per workload and per size class (microbatch, iteration time, pipeline
-depth, sync). The plan set follows the topology: on CPU workers only, 42 plans over mlp, gpt,
+depth, sync). The plan set follows the topology: on CPU workers only, 51 plans over mlp, gpt,
 cnn, a small-microbatch mlp and two Hugging Face models (Llama, ResNet; when `transformers` is
 installed); with a GPU, plans of the GPU alone and of the CPU and the GPU together (batch split,
 CPU pipeline stage, optimizer on the CPU).

@@ -151,7 +151,7 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
 
 def _small_plans(w: str, spec: dict, L: int, a: str, b: str) -> dict[str, dict]:
     """Single device, even DP (coarse, fine), a 30/70 split, and two-stage pipelines of small
-    microbatches (GPipe with 2, 1F1B with 4)."""
+    microbatches (GPipe with 2 and with 4, 1F1B with 4)."""
     full, other = [(a, (0, L))], [(b, (0, L))]
     pipe = [(a, (0, L // 2)), (b, (L // 2, L))]
     plan = lambda replicas, **kw: make_plan(spec, replicas, **kw)  # noqa: E731
@@ -161,6 +161,7 @@ def _small_plans(w: str, spec: dict, L: int, a: str, b: str) -> dict[str, dict]:
         f"{w}/dp-even-fine": plan([(0.5, 1, full), (0.5, 1, other)], sync="fine", bucket_bytes=64 << 10),
         f"{w}/dp-30-70": plan([(0.25, 1, full), (0.75, 1, other)]),
         f"{w}/gpipe-2mb": plan([(1.0, 2, pipe)], schedule="gpipe"),
+        f"{w}/gpipe-4mb": plan([(1.0, 4, pipe)], schedule="gpipe"),
         f"{w}/1f1b-4mb": plan([(1.0, 4, pipe)], schedule="1f1b"),
     }
 
