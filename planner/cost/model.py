@@ -159,9 +159,9 @@ class CostModel:
         return None
 
     def _tables(self, device: str, batch: float):
-        """Prefix sums of the layers' forward, of their backward less their own backward calls
-        (`backward_call_s`: one per layer with a backward, the last layer's loss a second), and
-        of the layers with a backward, and the backward call's seconds."""
+        """(forward prefix sums, prefix sums of the backward less each layer's own backward
+        calls (`backward_call_s`: one per layer with a backward, a second for the last layer's
+        loss), prefix counts of the layers with a backward, one call's seconds)."""
         key = (device, batch)
         if key not in self._prefix:
             dev = self.topology.device(device)
