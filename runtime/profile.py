@@ -92,6 +92,7 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
                     allreduce_queued_s=rank0.get("allreduce_queued_s") if curve else None,
                     **{k: rank0.get(k) or 0.0 for k in single},
                     memory_contention_factor=mem,
+                    held_send_curve=tuple(map(tuple, rank0.get("held_send_curve") or ())),
                     optimizer={k: fit_optimizer(v) for k, v in opt_rows.items() if len(v) >= 2})
     tables = ("optimizer", "optimizer_together")
     raw = {"reference": [{"device": w.name, **{k: v for k, v in r.items() if k not in tables}}

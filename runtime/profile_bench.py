@@ -272,6 +272,65 @@ def wake_latency(repeats: int, lead_s: float = 0.002) -> float | None:
     return max(0.0, stats(rounds[True])[0] - stats(rounds[False])[0])
 
 
+HELD_WINDOWS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006)   # held_send's curve
+
+
+def held_send(repeats: int, windows: tuple[float, ...] = HELD_WINDOWS_S, lead_s: float = 0.001,
+              post_s: float = 0.0012) -> list[tuple[float, float]] | None:
+    """How much later a pipeline message leaves when its receive is posted while the sender
+    computes: gloo sends an unbound buffer once the sender's event-loop thread (nice 19:
+    runtime.gloo_threads) has read the receiver's notice, which it does when the worker's thread
+    waits, or when the scheduler first gives it the core, after a delay D of the worker's
+    compute that varies from round to round (docs/tuning.md). Ranks 0 and 1 on
+    one host, on a group of their own: rank 0 computes `lead_s`, isends 4 KiB, then computes
+    max(windows) (else waits at once: the baseline) and waits for the send; rank 1 posts its
+    irecv `post_s` after the round's barrier, just after the isend, and waits; the arrival (rank
+    1's clock) less the later of isend and post (one host's monotonic clock) per round, rounds
+    alternating. Returns the expected hold of a sender that waits after w seconds of compute,
+    [(w, mean over rounds of min(D, w))] with D = delay - the baseline's median, on rank 0 (None
+    elsewhere); None where ranks 0 and 1 are on different hosts."""
+    import socket
+    rank = dist.get_rank()
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    ahead = dist.new_group([0, 1], backend="gloo")
+    lower_gloo_loop_priority()
+    if hosts[0] != hosts[1] or rank > 1:
+        return None
+    a, t, stamp = torch.randn(64, 64), torch.randn(1024), torch.zeros(1, dtype=torch.float64)
+    delays: dict[float, list[float]] = {0.0: [], max(windows): []}
+    for i in range(repeats + 1):
+        for w, out in delays.items():
+            dist.barrier(group=ahead)
+            if rank == 0:
+                _compute_for(lead_s, a)
+                stamp[0] = time.perf_counter()
+                work = dist.isend(t, 1, group=ahead)
+                _compute_for(w, a)
+                work.wait()
+                dist.send(stamp, 1, group=ahead)
+            else:
+                time.sleep(post_s)
+                posted = time.perf_counter()
+                dist.irecv(t, 0, group=ahead).wait()
+                arrived = time.perf_counter()
+                dist.recv(stamp, 0, group=ahead)
+                if i:
+                    out.append(arrived - max(posted, float(stamp[0])))
+    base, held = (torch.tensor(v, dtype=torch.float64) for v in delays.values())
+    n = torch.tensor([len(held)])
+    dist.broadcast(n, 1, group=ahead)
+    held = held if rank == 1 else torch.zeros(int(n), dtype=torch.float64)
+    gap = torch.tensor([float(base.median()) if rank == 1 else 0.0], dtype=torch.float64)
+    dist.broadcast(held, 1, group=ahead)
+    dist.broadcast(gap, 1, group=ahead)
+    dist.destroy_process_group(ahead)
+    if rank != 0:
+        return None
+    d = (held - gap).clamp(min=0.0)
+    return [(w, float(d.clamp(max=w).mean())) for w in windows]
+
+
 def message_issue(repeats: int, n: int = 256) -> tuple[float, float] | None:
     """(isend, irecv) seconds the calling thread spends issuing one pipeline message, in the
     runtime's own code and pattern: `runtime.pipeline.PeerLink` over a process group per

@@ -105,7 +105,16 @@ def random_case(rng: random.Random):
         pl = replace(pl, schedule="zb-h1")
     elif rng.random() < 0.25:
         pl = replace(pl, schedule="hippie")
-    return g, topology(devs, links), pl
+    return g, held_sends(pl, topology(devs, links)), pl
+
+
+def held_sends(pl, topo):
+    """`topo`, for half the plans, with a calibration whose CPU worker's sends can be held
+    (planner.sim.template), on the scale of these cases' seconds-long tasks; drawn from the
+    plan, not from the cases' generator, which makes the same cases as before."""
+    if random.Random(repr(pl)).random() < 0.5:
+        return topo
+    return replace(topo, measured={"calibration": {"held_send_curve": [[0.5, 0.2], [2.0, 0.6], [8.0, 1.5]]}})
 
 
 def random_twin_case(rng: random.Random):
@@ -130,7 +139,35 @@ def random_twin_case(rng: random.Random):
     pl = plan(reps, 24, schedule=rng.choice(["gpipe", "1f1b"]), granularity=rng.choice(["fine", "coarse"]),
               bucket_bytes=rng.choice([10**5, 10**6, 1 << 40]), optimizer=rng.choice(["sgd", "adam"]),
               placement=rng.choice(["device", "device", "cpu"]), recompute=rng.random() < 0.3)
-    return g, topology([device(d, mem_bw=1e9) for d in names], links), pl
+    return g, held_sends(pl, topology([device(d, mem_bw=1e9) for d in names], links)), pl
+
+
+def random_cpu_pipelines(rng: random.Random):
+    """(graph, topology, plan): 1-2 replicas of 2-4 stages on CPU workers of a
+    calibrated host whose sends can be held (planner.sim.template) and whose workers wake up
+    late (cpu:0..cpu:7), 2-8 microbatches, every schedule but interleaved, every sync granularity."""
+    nl = rng.randint(2, 6)
+    g = graph([layer(i, fwd_flops=rng.choice([0, 1e9, 3e9]), bwd_flops=rng.choice([1e9, 2e9, 5e9]),
+                     param_bytes=rng.choice([0, 10**5, 10**6]), saved_bytes=100) for i in range(nl)],
+              batch=rng.choice([1, 4]), cut_bytes=[rng.choice([0, 800, 10**6]) for _ in range(nl + 1)])
+    names = [f"cpu:{i}" for i in range(8)]
+    devs = [device(d, flops=rng.choice([5e8, 1e9, 2e9])) for d in names]
+    links = [link(a, b, rng.choice([1e6, 1e7]), rng.choice([0.0, 1e-2])) for i, a in enumerate(names)
+             for b in names[i + 1:]]
+    free = names[:]
+    rng.shuffle(free)
+    reps = []
+    for _ in range(rng.randint(1, 2)):
+        k = rng.randint(2, min(4, nl))
+        bounds = [0, *sorted(rng.sample(range(1, nl), k - 1)), nl]
+        reps.append((rng.randint(1, 3), rng.randint(2, 8), [(free.pop(), bounds[i], bounds[i + 1]) for i in range(k)]))
+    total = sum(w for w, _, _ in reps)
+    pl = plan([(w / total, m, st) for w, m, st in reps], 24,
+              schedule=rng.choice(["gpipe", "gpipe", "hippie", "zb-h1", "1f1b"]),
+              granularity=rng.choice(["fine", "coarse"]), bucket_bytes=rng.choice([10**5, 1 << 40]))
+    curve = [[0.3, rng.choice([0.1, 0.3])], [2.0, 0.8], [8.0, rng.choice([0.8, 2.0])]]
+    calibration = {"held_send_curve": curve, "wake_latency_s": rng.choice([0.0, 0.05])}
+    return g, replace(topology(devs, links), measured={"calibration": calibration}), pl
 
 
 def build_one_by_one(builder, r, rep):
@@ -141,6 +178,7 @@ def build_one_by_one(builder, r, rep):
     backward's pieces per W action; its I values are numbered after the hops."""
     from planner.sim.build import Chunk
     from planner.sim.schedule import make_schedule, receives, split_backward
+    from planner.sim.taskgraph import HeldSend
     g, sim, m = builder.g, builder.sim, rep.microbatches
     pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
     g.begin_replica((m, tuple(st.layers for st in rep.stages),
@@ -160,6 +198,7 @@ def build_one_by_one(builder, r, rep):
             src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
             builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
     fwd, first, last, ends = [], [], [], []   # ends[s]: the last task of each action of stage s
+    spans = []   # spans[s]: (first task, last task) of each action of stage s
     for s, st in enumerate(rep.stages):
         rid, dev = sim._rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)
@@ -169,7 +208,9 @@ def build_one_by_one(builder, r, rep):
         i_k = builder.input_value(r, s, rep.stages) if split else None
         f, b0, b1, prev = [None] * m, [None] * m, [None] * m, None
         ends.append([])
+        spans.append([])
         for act in sched[s]:
+            spans[s].append(len(g.dkey))
             i = act.microbatch
             if act.kind == "F":
                 prev = f[i] = g.add(f_k, (rid,), (prev,))
@@ -198,12 +239,32 @@ def build_one_by_one(builder, r, rep):
     def posted(msg):
         d, _, after = recv[msg]
         return None if after is None else ends[d][after]
+    routes = []
     for s in range(1, len(rep.stages)):
         src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
-        ahead, back = builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
+        routes.append((builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)))
+
+    def hold(msg, sender: int, kind: str, sent: int, route) -> int:
+        """The hold task msg passes before its hops (planner.sim.template), after `sent`; or
+        `sent` where it passes none."""
+        st = rep.stages[sender]
+        if not (route and not st.split and sim.cost.holds_sends(st.device) and recv[msg][2] is not None):
+            return sent
+        k = next(j for j, a in enumerate(sched[sender]) if a.kind == kind and a.microbatch == msg[2])
+        takes = sorted(t for d, t, _ in recv.values() if d == sender and t > k)
+        stop = spans[sender][takes[0]] if takes else ends[sender][-1] + 1
+        if stop <= sent + 1:
+            return sent
+        window = tuple(g.recipes[g.dkey[t]] for t in range(sent + 1, stop))
+        return g.add(g.value(HeldSend(r, st.device, window)), (route[0][0].resource,), (sent,))
+    for s in range(1, len(rep.stages)):
+        src, dst = rep.stages[s - 1].device, rep.stages[s].device
+        ahead, back = routes[s - 1]
         for i in range(m):   # a message moves once its receive is posted (schedule.receives)
-            g.wire(builder.chain(ahead, src, dst, fwd[s - 1][i], None, posted(("act", s, i))), fwd[s][i])
-            g.wire(builder.chain(back, dst, src, last[s][i], None, posted(("grad", s - 1, i))), first[s - 1][i])
+            t = hold(("act", s, i), s - 1, "F", fwd[s - 1][i], ahead)
+            g.wire(builder.chain(ahead, src, dst, t, None, posted(("act", s, i))), fwd[s][i])
+            t = hold(("grad", s - 1, i), s, "I" if split else "B", last[s][i], back)
+            g.wire(builder.chain(back, dst, src, t, None, posted(("grad", s - 1, i))), first[s - 1][i])
     g.end_replica()
 
 
@@ -222,6 +283,7 @@ class OneByOne(NamedTuple):
     last_backward: tuple[int, ...]
     label: tuple[tuple, ...]
     iteration_end: tuple[tuple[int, ...], ...]
+    holds: tuple[tuple[int, tuple[int, ...]], ...]
 
 
 def _backward_tasks(add, counts, slots: Slots, stream: Stream | None, act: Action, prev: int | None,
@@ -248,7 +310,7 @@ def _backward_tasks(add, counts, slots: Slots, stream: Stream | None, act: Actio
 
 def replica_template_one_by_one(schedule: str, m: int, pieces: tuple[int, ...],
                                 hops: tuple[tuple[int, int], ...], devices: int | None = None,
-                                stream: Stream | None = None) -> OneByOne:
+                                stream: Stream | None = None, holds: tuple[bool, ...] | None = None) -> OneByOne:
     """planner.sim.template.replica_template built task by task (the reference of its tests).
 
     The template of a replica with len(pieces) stages (stage s's last microbatch's backward
@@ -257,8 +319,11 @@ def replica_template_one_by_one(schedule: str, m: int, pieces: tuple[int, ...],
     stage). A device's actions are chained in its schedule order, whichever of its (virtual)
     stages they belong to; a compute task's resource slot is its stage's (the builder maps
     the virtual stages of one device to that device's resource). A `stream` adds each stage's
-    updates and marks its iterations' ends."""
-    slots, _, _ = _slots(pieces, m, hops, stream, _split_backward(schedule))
+    updates and marks its iterations' ends. `holds[s]`: a message stage s sends, whose receive
+    is posted during the iteration, first passes a hold task on its first hop's link, lasting
+    the sender's tasks from its isend to its next action that takes a message (or its row's
+    end); none where that window is empty."""
+    slots, n_values, _ = _slots(pieces, m, hops, stream, _split_backward(schedule))
     value: list[int] = []
     res: list[int] = []
     succ: list[list[int]] = []
@@ -307,9 +372,27 @@ def replica_template_one_by_one(schedule: str, m: int, pieces: tuple[int, ...],
             row.append((start, prev))
     chunk_end = [tuple(e) for e in ends_of]
     last_backward = last_of
+    recv = _receives(rows)
+    where = {act: (d, k) for d, acts in enumerate(rows) for k, act in enumerate(acts)}
+    takes = [set() for _ in rows]
+    for d, take, _ in recv.values():
+        takes[d].add(take)
+    hold_slot: dict[tuple[int, tuple[int, ...]], int] = {}
 
-    def chain(vals, rs, src: int, dst: int, after: int, lab: tuple, posted: int | None) -> int:
+    def hold(msg: tuple[str, int, int], sender: Action, sent: int, n_hops: int) -> int | None:
+        """The value slot of the hold msg passes, or None."""
+        if not (n_hops and holds and holds[sender.stage] and recv[msg][2] is not None):
+            return None
+        d, k = where[sender]
+        nxt = [j for j in range(k + 1, len(rows[d])) if j in takes[d]]
+        stop = spans[d][nxt[0]][0] if nxt else spans[d][-1][1] + 1
+        window = tuple(value[sent + 1:stop])
+        return hold_slot.setdefault((sender.stage, window), n_values + len(hold_slot)) if window else None
+
+    def chain(vals, rs, src: int, dst: int, after: int, lab: tuple, posted: int | None, held: int | None) -> int:
         t = after
+        if held is not None:   # the hold on the first hop's link
+            t = add(held, rs[0], t, ("held " + lab[0], *lab[1:]))
         for j, (k, r) in enumerate(zip(vals, rs)):
             t = add(k, r, t, lab)
             if j == 0 and posted is not None:   # a message moves once its receive is posted
@@ -322,8 +405,6 @@ def replica_template_one_by_one(schedule: str, m: int, pieces: tuple[int, ...],
         succ[t].append(v)
         ndeps[v] += 1
 
-    recv = _receives(rows)
-
     def posted(msg: tuple[str, int, int]) -> int | None:
         """The task after which msg's receive is posted (None: at the iteration's start). In these
         schedules a device needs each peer's messages in their send order, so the message is
@@ -334,10 +415,14 @@ def replica_template_one_by_one(schedule: str, m: int, pieces: tuple[int, ...],
     for s in range(1, len(pieces)):
         p = s - 1
         for i in range(m):
-            wire(chain(slots.ahead[p], slots.ahead_res[p], s - 1, s, fwd_t[s - 1][i],
-                       ("act", s - 1, s, i), posted(("act", s, i))), fwd_t[s][i])
-            wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i],
-                       ("grad", s, s - 1, i), posted(("grad", s - 1, i))), bwd_first[s - 1][i])
+            grad_sender = next(a for a in rows[where[Action(s, "F", i)][0]] if a.stage == s and a.microbatch == i
+                               and a.kind in "BI")
+            wire(chain(slots.ahead[p], slots.ahead_res[p], s - 1, s, fwd_t[s - 1][i], ("act", s - 1, s, i),
+                       posted(("act", s, i)), hold(("act", s, i), Action(p, "F", i), fwd_t[p][i], len(slots.ahead[p]))),
+                 fwd_t[s][i])
+            wire(chain(slots.back[p], slots.back_res[p], s, s - 1, bwd_last[s][i], ("grad", s, s - 1, i),
+                       posted(("grad", s - 1, i)), hold(("grad", p, i), grad_sender, bwd_last[s][i], len(slots.back[p]))),
+                 bwd_first[s - 1][i])
     return OneByOne(slots, tuple(value), tuple(res), tuple(tuple(x) for x in succ), tuple(ndeps),
                     tuple((s, stat, tuple(v)) for (s, stat), v in counts.items()), tuple(chunk_end),
-                    tuple(last_backward), tuple(label), tuple(map(tuple, iteration_end)))
+                    tuple(last_backward), tuple(label), tuple(map(tuple, iteration_end)), tuple(hold_slot))

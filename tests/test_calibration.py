@@ -105,6 +105,20 @@ def test_calibration_dict_round_trips():
     assert calibration_to_dict(calibration_from_dict(with_curve)) == with_curve
 
 
+def test_a_held_send_follows_the_measured_curve_from_zero_and_stays_flat_beyond_it():
+    held = {**CAL, "held_send_curve": [[1e-3, 4e-4], [4e-3, 1e-3]]}
+    c = calibration_from_dict(held)
+    assert calibration_to_dict(c) == held
+    assert c.held_send_s(0.0) == 0.0
+    assert c.held_send_s(5e-4) == pytest.approx(2e-4)       # from (0, 0) to the first point
+    assert c.held_send_s(2.5e-3) == pytest.approx(7e-4)     # half way between the points
+    assert c.held_send_s(1.0) == pytest.approx(1e-3)        # flat beyond the last
+    assert calibration_from_dict(CAL).held_send_s(1e-3) == 0.0
+    cost = RooflineCost(graph([layer(0)]), _topo(held))
+    assert cost.held_send_s("cpu:0", 5e-4) == pytest.approx(2e-4) and cost.holds_sends("cpu:0")
+    assert not RooflineCost(graph([layer(0)]), _topo(CAL)).holds_sends("cpu:0")
+
+
 def test_calibrated_topology_file_round_trips(tmp_path):
     t = _topo({**CAL, "raw": {"reference": []}})
     save_topology(t, tmp_path / "t.json")
@@ -120,6 +134,12 @@ def test_bad_calibration_field_is_named(tmp_path):
         topology_calibration(t)
     t = _topo({**CAL, "allreduce_curve": [[2e6, 1e-3], [1e6, 2e-3]]})
     with pytest.raises(InputError, match=r"calibration\.allreduce_curve: expected \[\[bytes, seconds\]"):
+        topology_calibration(t)
+    t = _topo({**CAL, "held_send_curve": [[1e-3, 2e-4], [1e-3, 3e-4]]})
+    with pytest.raises(InputError, match=r"calibration\.held_send_curve: expected \[\[window_seconds, seconds\]"):
+        topology_calibration(t)
+    t = _topo({**CAL, "held_send_curve": [[1e-3, -2e-4]]})
+    with pytest.raises(InputError, match=r"calibration\.held_send_curve: .*seconds non-negative"):
         topology_calibration(t)
     t = _topo({**CAL, "optimizer": {"adam": {"s_per_tensor": -1, "s_per_byte": 0}}})
     with pytest.raises(InputError, match=r"calibration\.optimizer\.adam\.s_per_tensor"):

@@ -89,7 +89,7 @@ def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch
     from planner.search.problem import make_space
     from planner.workload.capture import capture_graph
     from planner.workload.load import load_workload
-    from simreference import random_case
+    from simreference import random_case, random_cpu_pipelines
     from test_bound import random_plans
     from test_listsched import CALIBRATION, EXAMPLES
     from planner.hardware.calibration import calibration_to_dict
@@ -101,6 +101,7 @@ def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch
     cases = [(g, topo, random_plans(space, random.Random(2), 60))]
     rng = random.Random(5)
     cases += [(c[0], c[1], [c[2]]) for c in (random_case(rng) for _ in range(40))]
+    cases += [(c[0], c[1], [c[2]]) for c in (random_cpu_pipelines(rng) for _ in range(20))]
     monkeypatch.setattr(fastloop, "MIN_TASKS", 0)
     compiled = [_results(*c, split) for c in cases]
     monkeypatch.setattr(fastloop, "_numba", False)     # fastloop.available() is False: Python

@@ -22,7 +22,8 @@ from test_bound import SCHEDULES, random_plans
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
 CALIBRATION = Calibration(cpu_workers=2, cpu_contention_factor=1.0, iteration_overhead_s=1e-3,
-                          wake_latency_s=2e-4, cold_compute_s=1e-4, send_issue_s=3e-5, recv_post_s=2e-5)
+                          wake_latency_s=2e-4, cold_compute_s=1e-4, send_issue_s=3e-5, recv_post_s=2e-5,
+                          held_send_curve=((2e-4, 1e-4), (1e-3, 3e-4), (4e-3, 8e-4)))
 
 
 @pytest.fixture
@@ -91,6 +92,20 @@ def test_fixed_order_pass_equals_the_event_loop_on_edge_cases(passes):
         g, t, pl = random_twin_case(rng)
         same_results(g, t, [pl], passes)
     assert sum(passes.values()) - passes["event loop"] >= 50, passes   # the rest share links with all-reduces
+
+
+def test_fixed_order_pass_equals_the_event_loop_with_held_sends(passes, monkeypatch):
+    # CPU pipelines whose sends can be held (planner.sim.template: hold tasks on the links),
+    # none of them compiled (planner.sim.fastloop)
+    from planner.sim import fastloop
+    from simreference import random_cpu_pipelines
+    monkeypatch.setattr(fastloop, "MIN_TASKS", 10**9)
+    rng = random.Random(7)
+    for _ in range(60):
+        g, t, pl = random_cpu_pipelines(rng)
+        same_results(g, t, [pl], passes)
+    # a hold can be ready before an earlier message's hop on its link: such plans take the loop
+    assert sum(passes.values()) - passes["event loop"] >= 10, passes
 
 
 def test_a_link_carrying_two_routes_falls_back_where_the_order_flips():

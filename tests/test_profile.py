@@ -159,6 +159,12 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     assert 0 <= cal["allreduce_queued_s"] < 1e-2
     # issuing a message through the runtime's PeerLink (a group per direction): µs, not ms
     assert 0 < cal["send_issue_s"] < 1e-2 and 0 < cal["recv_post_s"] < 1e-2
+    # a send held while its sender computes (profile_bench.held_send): an expected hold per
+    # window of compute, never more than the window, never less for a longer one
+    from runtime.profile_bench import HELD_WINDOWS_S
+    windows, held = zip(*cal["held_send_curve"])
+    assert windows == HELD_WINDOWS_S and all(0 <= h <= w for w, h in zip(windows, held))
+    assert list(held) == sorted(held)
     # the reference step's rounds in three bursts across the profile (one round each, quick)
     assert [len(r["reference_ratios"]) for r in cal["raw"]["reference"]] == [3, 3]
 

@@ -333,6 +333,29 @@ def test_a_message_moves_once_its_receive_is_posted_two_ahead_per_peer():
     assert r.iteration_s == approx(8.5)
 
 
+def test_a_message_posted_while_its_cpu_sender_computes_is_held_for_the_senders_window():
+    # GPipe, 2 CPU workers, m = 4 of 1 sample: F 1 s, B 2 s on each stage, 0.1 s per message.
+    # gloo sends a message once the sender's loop thread has read the receive's notice, which
+    # it may do only when the worker waits (planner.sim.template). act2's receive is posted
+    # during the iteration (after 1F0); stage 0 goes on computing F3 (1 s) after its isend
+    # before it waits (B0 takes a gradient): held held_send_s(1 s) = 0.5 s on the link, 3.0-3.5,
+    # then 3.5-3.6. act3: stage 0 waits right after: not held. grad2 (after 0B0 took grad0):
+    # stage 1 computes B3 (2 s) and then drains: held 0.5 + 0.5 * 1/3 s, 11.6-12.267, then
+    # 12.267-12.367. Stage 1: F 1.1-2.1, 2.1-3.1, 3.6-4.6, 4.6-5.6, B 5.6-7.6 ... 11.6-13.6;
+    # stage 0's B 7.7-9.7, 9.7-11.7, 12.367-14.367, 14.367-16.367. Without holds: 15.2 s.
+    g = graph([layer(0, fwd_flops=1e9, bwd_flops=2e9), layer(1, fwd_flops=1e9, bwd_flops=2e9)], batch=1)
+    t = topology([device("cpu:0"), device("cpu:1")], [link("cpu:0", "cpu:1", lat=0.1)])
+    pl = plan([(1.0, 4, [("cpu:0", 0, 1), ("cpu:1", 1, 2)])], 4, schedule="gpipe")
+    assert simulate(pl, g, t).iteration_s == approx(15.2)
+    held = replace(t, measured={"calibration": {"held_send_curve": [[1.0, 0.5], [4.0, 1.0]]}})
+    r = simulate(pl, g, held, trace=True)
+    assert r.iteration_s == approx(16.2 + 0.5 / 3)
+    ahead = sorted(x for t in r.tasks if t["lane"] == "cpu:0->cpu:1" for x in (t["start_s"], t["end_s"]))
+    assert ahead == approx([1.0, 1.1, 2.0, 2.1, 3.0, 3.5, 3.5, 3.6, 4.0, 4.1])
+    back = sorted(x for t in r.tasks if t["lane"] == "cpu:1->cpu:0" for x in (t["start_s"], t["end_s"]))
+    assert back == approx([7.6, 7.7, 9.6, 9.7, 11.6, 11.6 + 2 / 3, 11.6 + 2 / 3, 11.7 + 2 / 3, 13.6, 13.7])
+
+
 def test_buckets_follow_ddp_reverse_order_groups_and_cap():
     g = graph([layer(i, param_bytes=b) for i, b in enumerate([10, 20, 30, 40, 0])], batch=2)
     pl = plan([(0.5, 1, [("cuda:0", 0, 2), ("cuda:1", 2, 5)]), (0.5, 1, [("cpu:0", 0, 5)])], 2,
@@ -614,10 +637,34 @@ def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
         assert graphs[0] == graphs[1]
 
 
+def test_held_sends_stamp_the_graph_built_task_by_task(monkeypatch):
+    # CPU pipelines whose sends can be held: the templates' hold tasks (ids, windows, edges,
+    # links) are those of adding them one by one, and the results the same
+    from planner.sim.build import Builder
+    from planner.sim.taskgraph import HeldSend, TaskGraph
+    from simreference import build_one_by_one, random_cpu_pipelines
+    rng, held = random.Random(3), 0
+    for _ in range(40):
+        g, t, pl = random_cpu_pipelines(rng)
+        graphs = []
+        for one_by_one in (False, True):
+            if one_by_one:
+                monkeypatch.setattr(Builder, "replica", build_one_by_one)
+            sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
+            tg = TaskGraph(False)
+            sim._build(pl, tg)
+            graphs.append((tg.dkey, tg.res, tg.succ, tg.ndeps, tg.recipes, tg.stat_seq, sim.simulate(pl)))
+            monkeypatch.undo()
+        assert graphs[0] == graphs[1]
+        held += any(isinstance(r, HeldSend) for r in graphs[0][4])
+    assert held >= 15
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b"])
 def test_templates_laid_out_with_arrays_equal_those_built_task_by_task(schedule):
     # planner.sim.template.replica_template against the builder it replaced, field by field:
-    # task values, resources, successors in wiring order, dependencies, statistics, labels
+    # task values, resources, successors in wiring order, dependencies, statistics, labels,
+    # held sends' windows
     from planner.sim.template import ReplicaTemplate, Stream, replica_template
     from simreference import replica_template_one_by_one
     rng = random.Random(schedule)
@@ -632,7 +679,8 @@ def test_templates_laid_out_with_arrays_equal_those_built_task_by_task(schedule)
                     for _ in range(2):
                         pieces = tuple(rng.randint(1, 4) for _ in range(n))
                         hops = tuple((rng.choice([0, 1, 2, 3]), rng.choice([0, 1, 2])) for _ in range(n - 1))
-                        args = (schedule, 3 * m if stream else m, pieces, hops, d, stream)
+                        holds = rng.choice([None, tuple(rng.random() < 0.7 for _ in range(n))])
+                        args = (schedule, 3 * m if stream else m, pieces, hops, d, stream, holds)
                         new, old = replica_template.__wrapped__(*args), replica_template_one_by_one(*args)
                         for field in ReplicaTemplate.FIELDS:
                             assert getattr(new, field) == getattr(old, field), (args, field)

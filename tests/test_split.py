@@ -155,6 +155,16 @@ def test_delta_simulation_equals_the_whole_graph_on_edge_cases(paths):
     assert paths["split"] >= 20 and paths["whole"] >= 20, paths
 
 
+def test_delta_simulation_equals_the_whole_graph_with_held_sends(paths):
+    # CPU pipelines whose sends can be held (planner.sim.template: hold tasks on the links)
+    from simreference import random_cpu_pipelines
+    rng = random.Random(6)
+    for _ in range(60):
+        g, t, pl = random_cpu_pipelines(rng)
+        same_results(g, t, [pl])
+    assert paths["split"] >= 20, paths
+
+
 def test_delta_simulation_equals_the_whole_graph_on_a_rails_search(paths):
     # the plans a short search on 16 GPUs (2 nodes x 8, rails) simulates, solve_batches' lone
     # replicas included, in the order it simulates them

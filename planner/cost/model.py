@@ -411,6 +411,18 @@ class CostModel:
         c = self._cpu_calibration(device)
         return c.grad_copy_s_per_byte * n_bytes if c else 0.0
 
+    def held_send_s(self, device: str, window_s: float) -> float:
+        """The expected hold of a pipeline message whose receive is posted while its sender, a
+        CPU worker, computes and goes on computing `window_s` before it next waits
+        (Calibration.held_send_s); 0 for other devices and without calibration."""
+        c = self._cpu_calibration(device)
+        return c.held_send_s(window_s) if c else 0.0
+
+    def holds_sends(self, device: str) -> bool:
+        """Whether `device`'s sends can be held (held_send_s is not 0 for every window)."""
+        c = self._cpu_calibration(device)
+        return bool(c and any(s > 0 for _, s in c.held_send_curve))
+
     def cold_compute_s(self, device: str) -> float:
         """How much longer a CPU worker's first compute after a blocking wait takes than back to
         back (calibration's cold_compute_s); 0 for other devices and without calibration."""

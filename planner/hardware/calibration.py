@@ -53,6 +53,22 @@ class Calibration:
                                                    #   wrapper, the reducer's preparation)
     grad_copy_s_per_byte: float = 0.0              # copying fresh gradients into a flat bucket
                                                    #   buffer (or back), per byte
+    held_send_curve: tuple[tuple[float, float], ...] = ()   # ((w, s), ...): how long a message
+                                                   #   whose receive is posted while its sender
+                                                   #   computes is held, expected, when the sender
+                                                   #   waits after w seconds of compute
+
+    def held_send_s(self, window_s: float) -> float:
+        """The expected hold of such a message (held_send_curve: straight lines from (0, 0)
+        through its points, flat beyond the last); 0 without a curve."""
+        if not self.held_send_curve or window_s <= 0.0:
+            return 0.0
+        x0 = y0 = 0.0
+        for x1, y1 in self.held_send_curve:
+            if window_s <= x1:
+                return y0 + (y1 - y0) * (window_s - x0) / (x1 - x0)
+            x0, y0 = x1, y1
+        return y0
 
     def contention(self, busy_workers: float) -> float:
         """Slowdown of a CPU worker's compute when `busy_workers` CPU workers of its host (itself
@@ -144,12 +160,22 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         action_overhead_s=non_negative("action_overhead_s"),
         grad_accumulate_s_per_byte=non_negative("grad_accumulate_s_per_byte"),
         ddp_forward_s=non_negative("ddp_forward_s"),
-        grad_copy_s_per_byte=non_negative("grad_copy_s_per_byte"))
+        grad_copy_s_per_byte=non_negative("grad_copy_s_per_byte"),
+        held_send_curve=tuple((float(w), float(t)) for w, t in r.get(
+            "held_send_curve", list, default=[], check=_is_held_curve,
+            expected="[[window_seconds, seconds], ...] with windows positive and increasing, "
+                     "seconds non-negative")))
 
 
 def _is_curve(v: Any) -> bool:
     ok = all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                          and x > 0 for x in p) for p in v)
+    return ok and all(a[0] < b[0] for a, b in zip(v, v[1:]))
+
+
+def _is_held_curve(v: Any) -> bool:
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+    ok = all(isinstance(p, list) and len(p) == 2 and all(map(num, p)) and p[0] > 0 and p[1] >= 0 for p in v)
     return ok and all(a[0] < b[0] for a, b in zip(v, v[1:]))
 
 
@@ -175,6 +201,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
                  "grad_copy_s_per_byte"):   # absent in older profiles
         if getattr(c, name):
             out[name] = getattr(c, name)
+    if c.held_send_curve:
+        out["held_send_curve"] = [list(p) for p in c.held_send_curve]
     return out
 
 

@@ -24,7 +24,7 @@ from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.schedule import split_backward
 from planner.sim.template import ReplicaTemplate, Stream, accumulates, replica_template
-from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HopRecipe, LayerRange, Recompute,
+from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HeldSend, HopRecipe, LayerRange, Recompute,
                                    RouteHop, SavedCopy, SplitRange, SyncWork, TaskGraph, TaskMeta,
                                    TransferLabel)
 from planner.workload.graph import ModelGraph
@@ -223,7 +223,9 @@ class Builder:
         counts = tuple((len(x), len(y)) for x, y in routes)
         chunks = [self.backward_chunks(st) for st in stages]
         devices = len(rep.pipeline_devices) if self.plan.schedule == "interleaved-1f1b" else None
-        args = (self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream)
+        holds = tuple(not st.split and self.sim.cost.holds_sends(st.device) for st in stages)
+        args = (self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream,
+                holds if any(holds) else None)
         t = replica_template(*args)
         split = split_backward(self.plan.schedule)
         pieces = self.weight_values if split else self.backward_values
@@ -248,6 +250,9 @@ class Builder:
                     lanes.append(h.lane)
         if split:
             vals += [self.input_value(r, s, stages) for s in range(len(stages))]
+        recipes = g.recipes
+        vals += [g.value(HeldSend(r, stages[s].device, tuple(recipes[vals[k]] for k in window)))
+                 for s, window in t.holds]
         return ReplicaValues(args, tuple(map(g.recipes.__getitem__, vals)), tuple(res), tuple(lanes), counts,
                              tuple(c[0].bucket is not None for c in chunks),
                              np.array([x[0] for x in res], np.int64) if all(len(x) == 1 for x in res) else None)

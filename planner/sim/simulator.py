@@ -43,10 +43,15 @@ count its own part. Each device steps the parameters it holds. The neighbouring 
 transfers go to and from the split's first device, and copies of them to its other devices
 (Builder.fan_copies).
 
+A CPU worker's gloo sends leave once its event-loop thread has read the receiver's notice, which
+it does when the worker waits or when the scheduler gives it the core: a message whose receive
+is posted during the iteration first waits the expected hold for the sender's compute from its
+isend to its next wait (cost.held_send_s, measured by the profile; planner.sim.template).
+
 Not modelled: compute slowed by concurrent communication (NCCL kernels, gloo threads), the
 loss computation (part of the last stage's forward as captured), the notice a late-posted
-receive sends back to the sender (one more latency) and, on a loaded host, the sender's wake-up
-to answer it, and all-reduce algorithms other than the ring.
+receive sends back to the sender (one more latency), and all-reduce algorithms other than the
+ring.
 
 Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
 from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan;

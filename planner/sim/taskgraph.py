@@ -125,6 +125,19 @@ class HopRecipe:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldSend:
+    """How long a message whose receive is posted while its sender computes waits to leave
+    (cost.held_send_s), at the replica's microbatch: `window` are the recipes of the sender's
+    tasks from its isend to its next wait."""
+    replica: int
+    device: str
+    window: tuple
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        return cost.held_send_s(self.device, sum(r.seconds(cost, graph, mbs) for r in self.window))
+
+
+@dataclass(frozen=True, slots=True)
 class SavedCopy:
     """One microbatch's saved activations of layers [start, end) copied between a device and
     host memory (offload_activations): latency_s + graph.saved_bytes_at(...) / bytes_per_s."""
@@ -193,7 +206,7 @@ class SplitSync:
         return cost.tensor_sync_s(self.phase, self.devices, self.start, self.end, mbs[self.replica])
 
 
-Recipe = Const | LayerRange | SyncWork | Recompute | HopRecipe | SavedCopy | SplitRange | SplitPart | SplitSync
+Recipe = Const | LayerRange | SyncWork | Recompute | HopRecipe | HeldSend | SavedCopy | SplitRange | SplitPart | SplitSync
 
 
 # --- names of routes and tasks ------------------------------------------------------------------
@@ -437,6 +450,6 @@ class TaskGraph:
         return res_ptr, res_idx, succ_ptr, succ_idx
 
 
-__all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "SavedCopy",
+__all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "HeldSend", "SavedCopy",
            "SplitRange", "SplitPart", "SplitSync",
            "Recipe", "RouteHop", "ComputeLabel", "TransferLabel", "TaskMeta"]

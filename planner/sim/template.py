@@ -9,7 +9,12 @@ value and resource ids. Task ids, dependencies and the order of the statistics a
 building the tasks one by one, so a stamped graph is identical to a hand-built one.
 
 A message's first hop also waits for the receiver's task after which the runtime posts its
-receive (planner.sim.schedule.receives).
+receive (planner.sim.schedule.receives). A message whose receive is posted during the iteration,
+from a stage whose sends can be held (`holds`), first passes a hold task on its first hop's
+link: it lasts the expected hold for the sender's compute from its isend to its next wait (the
+window: the sender's tasks up to its next action that takes a message, or to its row's end), a
+value slot per distinct window after the others (`ReplicaTemplate.holds`); the hop then waits
+for the hold and the post.
 
 A split backward (zb-h1: actions I and W) has one more value slot per stage, its I pass: the
 gradient goes back from I to the previous stage's I, and the W pass takes the backward's
@@ -52,17 +57,20 @@ class ReplicaTemplate:
     microbatch (its bucket becomes final there), `last_backward[s]` stage s's last task;
     `label[i]` = (kind, stage or pair, Action or (what, microbatch)) for a trace. A stream
     (`Stream`): `iteration_end[s][i]` is stage s's last task of iteration i (its update after
-    the iteration's last backward). The successors are kept flat (`succ_at` makes the tuples
-    per stamping base) and the labels made when first asked for (a trace, offloads, splits)."""
+    the iteration's last backward). `holds`: per hold value slot (numbered after the slots),
+    the sending stage and the value slots of its window in task order. The successors are kept
+    flat (`succ_at` makes the tuples per stamping base) and the labels made when first asked for
+    (a trace, offloads, splits)."""
     FIELDS = ("slots", "value", "res", "succ", "ndeps", "counts", "chunk_end", "last_backward", "label",
-              "iteration_end")
+              "iteration_end", "holds")
 
     def __init__(self, slots: Slots, value: tuple[int, ...], res: tuple[int, ...],
                  succ: tuple[np.ndarray, np.ndarray], ndeps: tuple[int, ...],
                  counts: tuple[tuple[int, str, tuple[int, ...]], ...], chunk_end: tuple[tuple[int, ...], ...],
                  last_backward: tuple[int, ...], label: Callable[[], tuple[tuple, ...]],
-                 iteration_end: tuple[tuple[int, ...], ...]):
+                 iteration_end: tuple[tuple[int, ...], ...], holds: tuple[tuple[int, tuple[int, ...]], ...] = ()):
         self.slots, self.value, self.res, self.ndeps, self.counts = slots, value, res, ndeps, counts
+        self.holds = holds
         self.chunk_end, self.last_backward, self.iteration_end = chunk_end, last_backward, iteration_end
         self._succ, self._label = succ, label   # (successor ids in task order, per task how many)
         self.shifted: dict[int, list[tuple[int, ...]]] = {}
@@ -174,6 +182,8 @@ class _Skeleton(NamedTuple):
     posted_grad: np.ndarray  # receive (("grad", p, i)'s) is posted; -1 at the iteration's start
     last: np.ndarray         # [stage]: its last microbatch's B or W (the pieces)
     final: np.ndarray        # [stage]: its last backward action
+    next_take: np.ndarray    # per action: the next action of its row that takes a message, or the
+                             #   index after the row's last
     iteration_end: tuple[tuple[int, ...], ...]   # per stage: a stream's actions ending an iteration
     keys: tuple[tuple[int, str], ...]            # compute statistics in first-count order
     n_fwd: tuple[int, ...]                       # per stage its forwards
@@ -207,9 +217,14 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
     np.maximum.at(final, stage[~f], idx[~f])   # a stage's actions are in one row, in order
     ends = bw & ((mb + 1) % stream.per_iteration == 0) if stream else np.zeros(len(acts), bool)
     posted = np.full((2, max(n - 1, 0), m), -1, np.int64)
-    for (what, s, i), (d, _, after) in receives(rows).items():
+    takes = np.zeros(len(acts) + 1, bool)
+    for (what, s, i), (d, take, after) in receives(rows).items():
+        takes[offset[d] + take] = True
         if after is not None:   # ("act", s, i) crosses pair s - 1, ("grad", s, i) pair s
             posted[0 if what == "act" else 1, s - 1 if what == "act" else s, i] = offset[d] + after
+    takes[offset[1:]] = True   # each row's end
+    at = np.flatnonzero(takes)
+    next_take = at[np.searchsorted(at, idx + 1)]
     first = {}   # (stage, statistic) -> (first action counting it, then bwd_s before optimizer_s)
     for stat, mask, late in (("fwd_s", f, 0), ("bwd_s", ~f, 0), ("optimizer_s", update, 1)):
         for s in range(n):
@@ -217,7 +232,7 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
             if len(at):
                 first[(s, stat)] = (int(at[0]), late)
     return _Skeleton(stage, kind, update, offset[1:][offset[1:] > offset[:-1]] - 1, fwd, bwd, posted[0], posted[1],
-                     last, final, tuple(tuple(idx[ends & (stage == s)].tolist()) for s in range(n)),
+                     last, final, next_take, tuple(tuple(idx[ends & (stage == s)].tolist()) for s in range(n)),
                      tuple(sorted(first, key=first.__getitem__)), tuple(np.bincount(stage[f], minlength=n).tolist()))
 
 
@@ -242,7 +257,7 @@ def _empty(n: int) -> np.ndarray:
 @lru_cache(maxsize=256)
 def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                      hops: tuple[tuple[int, int], ...], devices: int | None = None,
-                     stream: Stream | None = None) -> ReplicaTemplate:
+                     stream: Stream | None = None, holds: tuple[bool, ...] | None = None) -> ReplicaTemplate:
     """The template of a replica with len(pieces) stages (stage s's last microbatch's backward
     in pieces[s] >= 1 pieces) and m microbatches; hops[p] = (hops ahead, hops back) between
     stages p and p+1; `devices`: the pipeline's distinct devices (interleaved-1f1b; default one
@@ -260,10 +275,12 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     if min(pieces, default=1) < 1:
         raise ValueError(f"every stage's last backward has at least one piece; got {pieces}")
     sk = _skeleton(schedule, n, m, devices, stream)
-    slots, _, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
+    slots, n_values, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
     c = _compute_tasks(sk, slots, pieces)
     starts, ends = c.start.tolist(), c.end.tolist()
-    v, r, src, dst = _hop_tasks(sk, c, slots, hops, len(c.value))
+    held, hold_windows = _hold_slots(sk, c, hops, holds, n_values)
+    v, r, src, dst = (_hop_tasks(sk, c, slots, hops, len(c.value)) if not hold_windows
+                      else _held_hop_tasks(sk, c, slots, hops, len(c.value), held))
     src, dst = np.concatenate([c.src, src]), np.concatenate([c.dst, dst])
     base = len(c.value) + len(v)
     order = np.argsort(src, kind="stable")   # a task's successors in the order they were wired
@@ -272,8 +289,9 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
         (dst[order], np.bincount(src, minlength=base)), tuple(np.bincount(dst, minlength=base).tolist()),
         _statistics(sk, c, slots, hops, m),
         tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
-        tuple(ends[a] for a in sk.final.tolist()), lambda: _labels(make_schedule(schedule, n, m, devices), sk, c, hops, m),
-        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end))
+        tuple(ends[a] for a in sk.final.tolist()),
+        lambda: _labels(make_schedule(schedule, n, m, devices), sk, c, hops, m, held),
+        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows)
 
 
 class _Compute(NamedTuple):
@@ -303,6 +321,34 @@ def _compute_tasks(sk: _Skeleton, slots: Slots, pieces: tuple[int, ...]) -> _Com
     chained[end[sk.row_last]] = False
     src = np.flatnonzero(chained[:-1])
     return _Compute(start, end, value, sk.stage[of], of, src, src + 1)
+
+
+def _hold_slots(sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...], holds: tuple[bool, ...] | None,
+                first_value: int) -> tuple[np.ndarray, tuple[tuple[int, tuple[int, ...]], ...]]:
+    """[activation 0 or gradient 1, pair, microbatch]: the value slot of the hold the message
+    passes, or -1: one where its receive is posted during the iteration, its sending stage's
+    sends can be held, it has hops and its sender computes after its isend (the window, up to
+    its next action that takes a message); and `ReplicaTemplate.holds`, a slot per distinct
+    (sender, window) in the order met (pair after pair, microbatch after microbatch, the
+    activation's before the gradient's)."""
+    out = np.full((2, len(hops), sk.fwd.shape[1]), -1, np.int64)
+    if not holds or not any(holds):
+        return out, ()
+    sent = (c.start[sk.fwd[:-1]], c.end[sk.bwd[1:]] - sk.update[sk.bwd[1:]])   # [pair, microbatch]
+    stop = np.append(c.start, len(c.value))[sk.next_take]   # per action: where its window ends
+    acts = (sk.fwd[:-1], sk.bwd[1:])
+    posted = (sk.posted_act, sk.posted_grad)
+    slot_of: dict[tuple[int, tuple[int, ...]], int] = {}
+    for p, counts in enumerate(hops):
+        for i in range(sk.fwd.shape[1]):
+            for k in (0, 1):
+                sender = p + k
+                if not (counts[k] and holds[sender] and posted[k][p, i] >= 0):
+                    continue
+                window = tuple(c.value[sent[k][p, i] + 1:stop[acts[k][p, i]]].tolist())
+                if window:   # else the sender waits right after its isend
+                    out[k, p, i] = slot_of.setdefault((sender, window), first_value + len(slot_of))
+    return out, tuple(slot_of)
 
 
 def _hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, int], ...], base: int
@@ -342,6 +388,37 @@ def _hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, 
     order = np.argsort(np.concatenate(ranks))   # the edges pair after pair, as wired
     src, dst, keep = (np.concatenate(x)[order] for x in (srcs, dsts, keeps))
     return value, res, src[keep], dst[keep]
+
+
+def _held_hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, int], ...], base: int,
+                    held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_hop_tasks` where some messages pass a hold (`held`: its value slot per message, or -1):
+    the hold task on the first hop's link just before the message's hops, after the sender's
+    task; the first hop after the hold and the post. Message by message."""
+    fwd, first, last = c.start[sk.fwd], c.start[sk.bwd], c.end[sk.bwd] - sk.update[sk.bwd]
+    posted = [np.where(x >= 0, c.end[np.maximum(x, 0)], -1) for x in (sk.posted_act, sk.posted_grad)]
+    value, res, src, dst = [], [], [], []
+    for p, (na, nb) in enumerate(hops):
+        for i in range(sk.fwd.shape[1]):
+            for k, n_hops, after, before, vs, rs in ((0, na, fwd[p, i], fwd[p + 1, i], slots.ahead[p], slots.ahead_res[p]),
+                                                     (1, nb, last[p + 1, i], first[p, i], slots.back[p], slots.back_res[p])):
+                t = int(after)
+                if held[k, p, i] >= 0:
+                    value.append(int(held[k, p, i]))
+                    res.append(rs[0])
+                    src.append(t)
+                    dst.append(t := base + len(value) - 1)
+                for j in range(n_hops):
+                    value.append(vs[j])
+                    res.append(rs[j])
+                    src.append(t)
+                    dst.append(t := base + len(value) - 1)
+                    if j == 0 and posted[k][p, i] >= 0:
+                        src.append(int(posted[k][p, i]))
+                        dst.append(t)
+                src.append(t)
+                dst.append(int(before))
+    return tuple(np.array(x, np.int64) for x in (value, res, src, dst))
 
 
 def _chain_edges(block: np.ndarray, n_hops: int, after: np.ndarray, posted: np.ndarray,
@@ -388,9 +465,10 @@ def _statistics(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int,
 
 
 def _labels(rows: list[list[Action]], sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...],
-            m: int) -> tuple[tuple, ...]:
+            m: int, held: np.ndarray) -> tuple[tuple, ...]:
     """Per task ("compute" or "update", stage, Action), ("act", p, p + 1, microbatch) or
-    ("grad", p + 1, p, microbatch)."""
+    ("grad", p + 1, p, microbatch), a hold ("held act" or "held grad", ...) before its
+    message's hops."""
     acts = [a for row in rows for a in row]
     sizes = (c.end - c.start + 1).tolist()
     label = list(chain.from_iterable(map(repeat, (("compute", a.stage, a) for a in acts), sizes)))
@@ -398,7 +476,8 @@ def _labels(rows: list[list[Action]], sk: _Skeleton, c: _Compute, hops: tuple[tu
         label[int(c.end[a])] = ("update", acts[a].stage, acts[a])
     for p, (na, nb) in enumerate(hops):
         for i in range(m):
-            label += [("act", p, p + 1, i)] * na + [("grad", p + 1, p, i)] * nb
+            label += [("held act", p, p + 1, i)] * int(held[0, p, i] >= 0) + [("act", p, p + 1, i)] * na
+            label += [("held grad", p + 1, p, i)] * int(held[1, p, i] >= 0) + [("grad", p + 1, p, i)] * nb
     return tuple(label)
 
 
