@@ -137,12 +137,13 @@ def test_bound_below_the_simulation_where_the_gpus_timed_their_steps(gpt4):
 
 
 def test_bound_below_the_simulation_with_calibrated_cpu_workers():
-    # a calibrated host (message issue, wake-up, cold start, iteration overhead) whose contention
-    # is 1: the bound counts the messages and the overhead, and stays below
+    # a calibrated host (message issue, wake-up, cold start, iteration overhead, held sends)
+    # whose contention is 1: the bound counts the messages and the overhead, and stays below
     from planner.hardware.calibration import calibration_to_dict, Calibration
     g = synthetic_graph(8, 16, d_model=256, seq=64)
     cal = Calibration(cpu_workers=2, cpu_contention_factor=1.0, iteration_overhead_s=1e-3, wake_latency_s=2e-4,
-                      cold_compute_s=1e-4, send_issue_s=3e-5, recv_post_s=2e-5)
+                      cold_compute_s=1e-4, send_issue_s=3e-5, recv_post_s=2e-5,
+                      held_send_curve=((2e-4, 1e-4), (1e-3, 3e-4), (4e-3, 8e-4)))
     topo = replace(topology([device("cpu:0", flops=1e11, mem_bw=1e10), device("cpu:1", flops=1e11, mem_bw=1e10)],
                             [link("cpu:0", "cpu:1", bw=1e10, lat=1e-5)]),
                    measured={"calibration": calibration_to_dict(cal)})
