@@ -431,16 +431,24 @@ def action_overhead(repeats: int, microbatches: int = 8) -> float:
     return stats(per_action)[0]
 
 
-def cold_compute(repeats: int, idle_s: float = 0.002) -> float:
+def cold_compute(repeats: int, gap_s: float = 0.0003) -> float | None:
     """How much longer a small stage's forward and backward (three 256-wide linear layers on 16
     samples: what a pipeline stage of a small model runs per microbatch) takes right after this
-    thread slept `idle_s`, as a worker blocked in a wait does, than right after running it: the
-    difference of the medians, >= 0. Caches, TLB and branch predictors go cold while a core
-    idles (or serves another process)."""
+    worker waited in a gloo receive, as a pipeline stage or an optimizer step after the
+    all-reduce does, than right after running it: rank 1 sends 4 KiB `gap_s` after rank 0 asks,
+    rank 0 blocked in its receive meanwhile; the difference of the medians, >= 0, on rank 0
+    (None elsewhere; ranks above 1 only create the group). After the wait the core ran gloo's
+    loop thread and the kernel's receive path, not only idled: the excess is ~2x what the same
+    gap of sleeping gives, and much the same for 0.05-1 ms gaps (docs/tuning.md)."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], backend="gloo")
+    lower_gloo_loop_priority()
+    if rank > 1:
+        return None
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                               torch.nn.ReLU(), torch.nn.Linear(256, 256))
-    x = torch.randn(16, 256)
+    x, t = torch.randn(16, 256), torch.zeros(1024)
 
     def probe() -> float:
         net.zero_grad(set_to_none=True)
@@ -452,10 +460,17 @@ def cold_compute(repeats: int, idle_s: float = 0.002) -> float:
         probe()
     cold, hot = [], []
     for _ in range(repeats):     # alternate, so slow drift of the machine hits both alike
-        time.sleep(idle_s)
+        if rank == 1:
+            dist.recv(t, 0, group=group)
+            time.sleep(gap_s)
+            dist.send(t, 0, group=group)
+            continue
+        dist.send(t, 1, group=group)
+        dist.recv(t, 1, group=group)
         cold.append(probe())
         hot.append(probe())
-    return max(0.0, stats(cold)[0] - stats(hot)[0])
+    dist.destroy_process_group(group)
+    return max(0.0, stats(cold)[0] - stats(hot)[0]) if rank == 0 else None
 
 
 def reference_step(threads_hint: int | None = None) -> Callable[[], None]:

@@ -277,11 +277,12 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
         out["wake_latency_s"] = bench.wake_latency(max(20, 4 * s.repeats))
         issue = bench.message_issue(max(40, 8 * s.repeats))
         held = bench.held_send(max(60, 10 * s.repeats))
+        cold = bench.cold_compute(max(40, 8 * s.repeats))
         if rank == 0 and held:
             out["held_send_curve"] = held
         if rank == 0:                # the others wait in the barrier below
             out["send_issue_s"], out["recv_post_s"] = issue
-            out["cold_compute_s"] = bench.cold_compute(max(40, 8 * s.repeats))
+            out["cold_compute_s"] = cold
             out["action_overhead_s"] = bench.action_overhead(max(40, 8 * s.repeats))
             out["grad_accumulate_s_per_byte"] = bench.grad_accumulate(max(40, 8 * s.repeats))
     dist.barrier()
