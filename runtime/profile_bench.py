@@ -317,18 +317,14 @@ def held_send(repeats: int, windows: tuple[float, ...] = HELD_WINDOWS_S, lead_s:
                 dist.recv(stamp, 0, group=ahead)
                 if i:
                     out.append(arrived - max(posted, float(stamp[0])))
-    base, held = (torch.tensor(v, dtype=torch.float64) for v in delays.values())
-    n = torch.tensor([len(held)])
-    dist.broadcast(n, 1, group=ahead)
-    held = held if rank == 1 else torch.zeros(int(n), dtype=torch.float64)
-    gap = torch.tensor([float(base.median()) if rank == 1 else 0.0], dtype=torch.float64)
-    dist.broadcast(held, 1, group=ahead)
-    dist.broadcast(gap, 1, group=ahead)
+    curve = torch.zeros(len(windows), dtype=torch.float64)
+    if rank == 1:   # the samples are rank 1's
+        base, held = (torch.tensor(v, dtype=torch.float64) for v in delays.values())
+        d = (held - base.median()).clamp(min=0.0)
+        curve = torch.stack([d.clamp(max=w).mean() for w in windows])
+    dist.broadcast(curve, 1, group=ahead)
     dist.destroy_process_group(ahead)
-    if rank != 0:
-        return None
-    d = (held - gap).clamp(min=0.0)
-    return [(w, float(d.clamp(max=w).mean())) for w in windows]
+    return list(zip(windows, curve.tolist())) if rank == 0 else None
 
 
 def message_issue(repeats: int, n: int = 256) -> tuple[float, float] | None:

@@ -143,9 +143,9 @@ def random_twin_case(rng: random.Random):
 
 
 def random_cpu_pipelines(rng: random.Random):
-    """(graph, topology, plan): 1-2 replicas of 2-4 stages on CPU workers of a
+    """(graph, topology, plan): 1-2 replicas of 2-4 stages on CPU workers cpu:0..cpu:7 of a
     calibrated host whose sends can be held (planner.sim.template) and whose workers wake up
-    late (cpu:0..cpu:7), 2-8 microbatches, every schedule but interleaved, every sync granularity."""
+    late, 2-8 microbatches, every schedule but interleaved, every sync granularity."""
     nl = rng.randint(2, 6)
     g = graph([layer(i, fwd_flops=rng.choice([0, 1e9, 3e9]), bwd_flops=rng.choice([1e9, 2e9, 5e9]),
                      param_bytes=rng.choice([0, 10**5, 10**6]), saved_bytes=100) for i in range(nl)],
@@ -198,7 +198,7 @@ def build_one_by_one(builder, r, rep):
             src, dst, cut = rep.stages[s - 1].device, rep.stages[s].device, rep.stages[s].start
             builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)
     fwd, first, last, ends = [], [], [], []   # ends[s]: the last task of each action of stage s
-    spans = []   # spans[s]: (first task, last task) of each action of stage s
+    spans = []   # spans[s]: the first task of each action of stage s
     for s, st in enumerate(rep.stages):
         rid, dev = sim._rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)

@@ -614,49 +614,46 @@ def test_tied_weight_copy_and_its_allreduce_between_two_stages():
     assert r0.iteration_s == approx(6.02 + 0.03) and peak_memory(pl, base, t)["cuda:1"] == 0
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
-    # planner.sim.template: same task ids, durations, resources, edges and statistics order
+def _stamped_and_built_one_by_one(g, t, pl, monkeypatch) -> list[tuple]:
+    """The plan's task graph (ids, durations, resources, edges, recipes, statistics, replica
+    bookkeeping) and result, stamped from templates and then built task by task."""
     from planner.sim.build import Builder
     from planner.sim.taskgraph import TaskGraph
     from simreference import build_one_by_one
+    graphs = []
+    for one_by_one in (False, True):
+        if one_by_one:
+            monkeypatch.setattr(Builder, "replica", build_one_by_one)
+        sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
+        tg = TaskGraph(False)
+        sim._build(pl, tg)
+        graphs.append((tg.dkey, tg.res, tg.succ, tg.ndeps, tg.recipes, tg.stat_seq,
+                       tg.replica_shape, [tg.replica_recipes(r) for r in range(len(tg.replica_tasks))],
+                       sim.simulate(pl)))
+        monkeypatch.undo()
+    return graphs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
+    # planner.sim.template: same task ids, durations, resources, edges and statistics order
     rng = random.Random(seed)
     for _ in range(60):
         g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
-        graphs = []
-        for one_by_one in (False, True):
-            if one_by_one:
-                monkeypatch.setattr(Builder, "replica", build_one_by_one)
-            sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
-            tg = TaskGraph(False)
-            sim._build(pl, tg)
-            graphs.append((tg.dkey, tg.res, tg.succ, tg.ndeps, tg.recipes, tg.stat_seq,
-                           tg.replica_shape, [tg.replica_recipes(r) for r in range(len(tg.replica_tasks))],
-                           sim.simulate(pl)))
-            monkeypatch.undo()
-        assert graphs[0] == graphs[1]
+        stamped, built = _stamped_and_built_one_by_one(g, t, pl, monkeypatch)
+        assert stamped == built
 
 
 def test_held_sends_stamp_the_graph_built_task_by_task(monkeypatch):
     # CPU pipelines whose sends can be held: the templates' hold tasks (ids, windows, edges,
     # links) are those of adding them one by one, and the results the same
-    from planner.sim.build import Builder
-    from planner.sim.taskgraph import HeldSend, TaskGraph
-    from simreference import build_one_by_one, random_cpu_pipelines
+    from planner.sim.taskgraph import HeldSend
+    from simreference import random_cpu_pipelines
     rng, held = random.Random(3), 0
     for _ in range(40):
-        g, t, pl = random_cpu_pipelines(rng)
-        graphs = []
-        for one_by_one in (False, True):
-            if one_by_one:
-                monkeypatch.setattr(Builder, "replica", build_one_by_one)
-            sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
-            tg = TaskGraph(False)
-            sim._build(pl, tg)
-            graphs.append((tg.dkey, tg.res, tg.succ, tg.ndeps, tg.recipes, tg.stat_seq, sim.simulate(pl)))
-            monkeypatch.undo()
-        assert graphs[0] == graphs[1]
-        held += any(isinstance(r, HeldSend) for r in graphs[0][4])
+        stamped, built = _stamped_and_built_one_by_one(*random_cpu_pipelines(rng), monkeypatch)
+        assert stamped == built
+        held += any(isinstance(r, HeldSend) for r in stamped[4])
     assert held >= 15
 
 
