@@ -327,15 +327,18 @@ def held_send(repeats: int, windows: tuple[float, ...] = HELD_WINDOWS_S, lead_s:
     return list(zip(windows, curve.tolist())) if rank == 0 else None
 
 
-def message_issue(repeats: int, n: int = 256) -> tuple[float, float] | None:
-    """(isend, irecv) seconds the calling thread spends issuing one pipeline message, in the
+def message_issue(repeats: int) -> tuple[float, float] | None:
+    """(isend, irecv) seconds an isend or an irecv post costs the calling thread, in the
     runtime's own code and pattern: `runtime.pipeline.PeerLink` over a process group per
     direction, as stages use (an 8 x 256 float tensor; gloo's issue cost does not depend on the
-    size), each call right after a stage's compute (an n x n matmul) while the peer computes
-    and its message arrives, where a call costs several times what it does back to back
-    (docs/tuning.md). Both ranks post the receive of the peer's next message, compute, send
-    theirs and wait for the peer's. Rank 0's medians; None on other ranks. Every rank takes
-    part in creating the groups; ranks above 1 do nothing else."""
+    size), each call right after a stage's compute while the peer computes and its message
+    arrives, where a call costs several times what it does back to back (docs/tuning.md); with
+    what the call costs the compute after it (the small stage of `_small_stage`, cold by 10-30
+    µs after the call's trip through gloo and the kernel): the call and the stage's compute
+    after it less the stage's compute after a compute. Both ranks post the receive of the
+    peer's next message, compute, send theirs, compute and wait for the peer's. Rank 0's
+    medians; None on other ranks. Every rank takes part in creating the groups; ranks above 1
+    do nothing else."""
     from planner.hardware.device import torch_device
     from runtime.pipeline import PeerLink
     rank = dist.get_rank()
@@ -346,26 +349,27 @@ def message_issue(repeats: int, n: int = 256) -> tuple[float, float] | None:
     peer = 1 - rank
     sends_on, receives_on = (ahead, back) if rank == 0 else (back, ahead)
     link = PeerLink(peer, sends_on, receives_on, torch_device("cpu:0"), host_staged=False)
-    t, a = torch.randn(8, 256), torch.randn(n, n)
+    t, probe = torch.randn(8, 256), _small_stage()
     mine, theirs = ("act", "grad") if rank == 0 else ("grad", "act")
     if rank == 0:                         # the first exchange carries the headers
         link.send(mine, [t])
         link.recv(theirs)
     else:
         link.send(mine, link.recv(theirs))
-    sends, posts = [], []
+    hot, sends, posts = [], [], []
     for _ in range(repeats):
-        a @ a                             # a stage's compute while the peer's message arrives
+        probe()                           # a stage's compute while the peer's message arrives
+        hot.append(probe())
         t0 = time.perf_counter()
         link.post(theirs)
-        posts.append(time.perf_counter() - t0)
-        a @ a
+        posts.append(time.perf_counter() - t0 + probe())
         t0 = time.perf_counter()
         link.send(mine, [t])
-        sends.append(time.perf_counter() - t0)
+        sends.append(time.perf_counter() - t0 + probe())
         link.recv(theirs)
     link.drain()
-    return (stats(sends)[0], stats(posts)[0]) if rank == 0 else None
+    base = stats(hot)[0]
+    return (max(0.0, stats(sends)[0] - base), max(0.0, stats(posts)[0] - base)) if rank == 0 else None
 
 
 def grad_accumulate(repeats: int) -> float:
@@ -427,9 +431,27 @@ def action_overhead(repeats: int, microbatches: int = 8) -> float:
     return stats(per_action)[0]
 
 
+def _small_stage() -> Callable[[], float]:
+    """A timed forward and backward of three 256-wide linear layers on 16 samples (what a
+    pipeline stage of a small model runs per microbatch), warmed up: returns its seconds."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                              torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    x = torch.randn(16, 256)
+
+    def probe() -> float:
+        net.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        net(x).sum().backward()
+        return time.perf_counter() - t0
+
+    for _ in range(5):
+        probe()
+    return probe
+
+
 def cold_compute(repeats: int, gap_s: float = 0.0003) -> float | None:
-    """How much longer a small stage's forward and backward (three 256-wide linear layers on 16
-    samples: what a pipeline stage of a small model runs per microbatch) takes right after this
+    """How much longer a small stage's forward and backward (`_small_stage`) takes right after this
     worker waited in a gloo receive, as a pipeline stage or an optimizer step after the
     all-reduce does, than right after running it: rank 1 sends 4 KiB `gap_s` after rank 0 asks,
     rank 0 blocked in its receive meanwhile; the difference of the medians, >= 0, on rank 0
@@ -441,19 +463,7 @@ def cold_compute(repeats: int, gap_s: float = 0.0003) -> float | None:
     lower_gloo_loop_priority()
     if rank > 1:
         return None
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-                              torch.nn.ReLU(), torch.nn.Linear(256, 256))
-    x, t = torch.randn(16, 256), torch.zeros(1024)
-
-    def probe() -> float:
-        net.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        net(x).sum().backward()
-        return time.perf_counter() - t0
-
-    for _ in range(5):
-        probe()
+    t, probe = torch.zeros(1024), _small_stage()
     cold, hot = [], []
     for _ in range(repeats):     # alternate, so slow drift of the machine hits both alike
         if rank == 1:
