@@ -323,6 +323,15 @@ def _compute_tasks(sk: _Skeleton, slots: Slots, pieces: tuple[int, ...]) -> _Com
     return _Compute(start, end, value, sk.stage[of], of, src, src + 1)
 
 
+def _message_ends(sk: _Skeleton, c: _Compute) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """[stage, microbatch]: the task of its forward (an activation leaves after it and arrives
+    before it), the first task of its backward (a gradient arrives before it), the task a
+    gradient leaves after (its backward's last piece); and per direction [pair, microbatch] the
+    task after which the message's receive is posted, -1 at the iteration's start."""
+    posted = [np.where(x >= 0, c.end[np.maximum(x, 0)], -1) for x in (sk.posted_act, sk.posted_grad)]
+    return c.start[sk.fwd], c.start[sk.bwd], c.end[sk.bwd] - sk.update[sk.bwd], posted
+
+
 def _hold_slots(sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...], holds: tuple[bool, ...] | None,
                 first_value: int) -> tuple[np.ndarray, tuple[tuple[int, tuple[int, ...]], ...]]:
     """[activation 0 or gradient 1, pair, microbatch]: the value slot of the hold the message
@@ -334,7 +343,8 @@ def _hold_slots(sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...], h
     out = np.full((2, len(hops), sk.fwd.shape[1]), -1, np.int64)
     if not holds or not any(holds):
         return out, ()
-    sent = (c.start[sk.fwd[:-1]], c.end[sk.bwd[1:]] - sk.update[sk.bwd[1:]])   # [pair, microbatch]
+    fwd, _, last, _ = _message_ends(sk, c)
+    sent = (fwd[:-1], last[1:])   # [pair, microbatch]: the task each message leaves after
     stop = np.append(c.start, len(c.value))[sk.next_take]   # per action: where its window ends
     acts = (sk.fwd[:-1], sk.bwd[1:])
     posted = (sk.posted_act, sk.posted_grad)
@@ -366,8 +376,7 @@ def _hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, 
     first_edge = np.concatenate([[0], np.cumsum(cols * m)[:-1]])
     lo_value = np.array([(a + b + (0,))[0] for a, b in zip(slots.ahead, slots.back)], np.int64)
     lo_res = np.array([(a + b + (0,))[0] for a, b in zip(slots.ahead_res, slots.back_res)], np.int64)
-    fwd, first, last = c.start[sk.fwd], c.start[sk.bwd], c.end[sk.bwd] - sk.update[sk.bwd]
-    posted = [np.where(x >= 0, c.end[np.maximum(x, 0)], -1) for x in (sk.posted_act, sk.posted_grad)]
+    fwd, first, last, posted = _message_ends(sk, c)
     total = int(((na + nb) * m).sum())
     value, res = np.empty(total, np.int64), np.empty(total, np.int64)
     srcs, dsts, keeps, ranks = [], [], [], []
@@ -395,8 +404,7 @@ def _held_hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[
     """`_hop_tasks` where some messages pass a hold (`held`: its value slot per message, or -1):
     the hold task on the first hop's link just before the message's hops, after the sender's
     task; the first hop after the hold and the post. Message by message."""
-    fwd, first, last = c.start[sk.fwd], c.start[sk.bwd], c.end[sk.bwd] - sk.update[sk.bwd]
-    posted = [np.where(x >= 0, c.end[np.maximum(x, 0)], -1) for x in (sk.posted_act, sk.posted_grad)]
+    fwd, first, last, posted = _message_ends(sk, c)
     value, res, src, dst = [], [], [], []
     for p, (na, nb) in enumerate(hops):
         for i in range(sk.fwd.shape[1]):
