@@ -192,29 +192,33 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
     launched async on its own group and waited for, rank 0 arriving last, `lead_s` after the
     others, which wait blocked (so their wake-up is part of it, as in training). Rank 0 times
     from its launch to the end of its wait: what the simulator's all-reduce task lasts (it
-    starts at the last arrival). The caller keeps rank 0's table."""
+    starts at the last arrival). The sizes take turns, round after round, so that a slow spell
+    of the host (gloo's threads starved for a few seconds) lands on every size a little, not on
+    one size's every sample. The caller keeps rank 0's table."""
     group = dist.new_group(backend="gloo")
     lower_gloo_loop_priority()    # a new group may start its own loop thread
     rank, a = dist.get_rank(), torch.randn(64, 64)
-    rows = []
-    for n in sizes:
-        t = torch.zeros(n // 4)
-        trips = max(1, round_trips(n) // 5)
-        samples = []
-        for rep in range(repeats + 1):
+    buffers = {n: torch.zeros(n // 4) for n in sizes}
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(repeats + 1):
+        for n in sizes:
+            trips = max(1, round_trips(n) // 5)
             dist.barrier()
             total = 0.0
             for _ in range(trips):
                 if rank == 0:
                     _compute_for(lead_s, a)
                 t0 = time.perf_counter()
-                dist.all_reduce(t, group=group, async_op=True).wait()
+                dist.all_reduce(buffers[n], group=group, async_op=True).wait()
                 total += time.perf_counter() - t0
             if rep:
-                samples.append(total / trips)
-        med, spread = stats(samples)
-        rows.append({"bytes": n, "s": med, "spread": spread, "best_s": min(samples), "samples": repeats})
+                samples[n].append(total / trips)
     dist.destroy_process_group(group)
+    rows = []
+    for n in sizes:
+        med, spread = stats(samples[n])
+        rows.append({"bytes": n, "s": med, "spread": spread, "best_s": min(samples[n]),
+                     "samples": repeats})
     return rows
 
 

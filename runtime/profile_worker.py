@@ -122,8 +122,10 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
                     result["links"][workers[second].name] = rows
         if rank == 0 and world > 1:
             log(f"all-reduce over {world} workers")
-        result["allreduce"] = bench.allreduce_table(list(settings.comm_sizes), settings.repeats) \
-            if world > 1 else []
+        # three times the samples: one size's time is bimodal on a loaded host (1 MiB: ~0.5 or
+        # ~1.8 ms), and its median must land on the mode training sees
+        result["allreduce"] = bench.allreduce_table(list(settings.comm_sizes),
+                                                    3 * settings.repeats) if world > 1 else []
         if world > 1 and all(w.kind == "cpu" for w in workers):   # the curve's smallest size, queued
             result["calibration"]["allreduce_queued_s"] = bench.allreduce_queued(
                 settings.comm_sizes[0], max(20, 4 * settings.repeats))
