@@ -336,6 +336,43 @@ def test_a_size_timed_out_of_line_with_the_curve_is_timed_again_and_the_faster_k
     assert f1[0] == pytest.approx(1e-3) and f4[0] == pytest.approx(4e-3)
 
 
+def test_a_size_timed_far_above_the_line_through_its_neighbours_is_timed_again_with_them(tmp_path, monkeypatch):
+    # a slow spell made one size 50 % slow without passing the next larger size's time (Llama's
+    # batch 8 at 12.2 ms between 5.8 at 4 and 13.7 at 16): the three sizes are timed again
+    from planner.cost.timing import KINK, MeasuredCost
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 1})
+    g = capture_graph(w, 4)
+    t = _here()
+    calls, slow = [], {2: 1.5}
+
+    def fake(self, layers, x, *args, **kwargs):   # seconds per sample, the first timing of 2 slow
+        batch = x[0].shape[0]
+        calls.append(batch)
+        k = slow.pop(batch, 1.0)
+        n = len(layers)
+        return [1e-3 * batch * k] * n, [2e-3 * batch * k] * n, 0.0
+    monkeypatch.setattr(MeasuredCost, "_time_sequence", fake)
+    m = MeasuredCost(g, t, w, sizes=(1, 2, 4))
+    dev = t.device("cpu:0")
+    m.layer_times(dev, 4)                    # sizes 2 (1.5x: 9 units, under 4's 12) and 4
+    assert calls == [2, 4]
+    m.layer_times(dev, 1)                    # 1 (3 units): 2 lies 50 % above the line 1-4
+    assert calls == [2, 4, 1, 1, 2, 4]
+    f2, b2 = m.layer_times(dev, 2)
+    assert f2[0] == pytest.approx(2e-3) and b2[0] == pytest.approx(4e-3)   # the faster kept
+    # within KINK of the line: nothing timed again
+    calls.clear()
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path / "2"))
+    slow[2] = 1 + 0.9 * KINK                 # 2 at (1 + 0.9 KINK) x the line's 6 units
+    m = MeasuredCost(g, t, w, sizes=(1, 2, 4))
+    for b in (4, 1):
+        m.layer_times(dev, b)
+    assert calls == [2, 4, 1]
+
+
 class _Calls(RooflineCost):
     """Roofline layer times with a backward call of `call` seconds in each layer's backward, as
     layers timed one at a time measure it (planner.cost.timing)."""

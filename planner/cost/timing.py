@@ -76,6 +76,9 @@ def interpolate(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
 # measured in seconds; faster layers get `warmup` + `repeats` runs.
 SLOW_LAYER_S = 0.02
 SLOW_LAYER_REPEATS = 3
+# A size whose whole-model step lies this far above the line through its two neighbours on the
+# curve is timed again with them (`_out_of_line`).
+KINK = 0.25
 
 
 def batch_grid(global_batch: int) -> tuple[int, ...]:
@@ -222,32 +225,39 @@ class MeasuredCost(CostModel):
             out = self._out_of_line(device, batch, sum(fwd) + sum(bwd))
             if out:
                 # more samples never take less time: a passing slowdown of the machine made one
-                # of these sizes slow (measured: a whole size 50 % slow), so both are timed again
+                # of these sizes slow (measured: a whole size 50 % slow), so they are timed again
                 for b in (batch, *out):
                     self._measure(device, b, again=True)
         return _from_entries(keys, self._load_disk())
 
     def _out_of_line(self, device: Device, batch: int, total: float) -> tuple[int, ...]:
-        """The curve's sizes on record next to `batch` that a step of the whole model taking
-        `total` seconds there contradicts: the nearest smaller size if it took longer, the
-        nearest larger one if it took less."""
+        """The curve's sizes on record that a step of the whole model taking `total` seconds at
+        `batch` contradicts: the nearest smaller size if it took longer, the nearest larger one
+        if it took less; and of three neighbouring sizes, `batch` among them, where the middle
+        one lies more than KINK above the straight line through the other two, those of the
+        three other than `batch` (a slow spell that made one size slow without passing the
+        next size's time)."""
         disk, L = self._load_disk(), self.graph.num_layers
-        below = above = None
+        on_record = {batch: total}
         for b in self.sizes or ():
             keys = [self._key(i, device, b) for i in range(L)]
             if b == batch or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == ENTRY):
                 continue
             f, bw = _from_entries(keys, disk)
-            if b < batch:
-                below = (b, sum(f) + sum(bw))
-            elif above is None:
-                above = (b, sum(f) + sum(bw))
-        out = []
-        if below is not None and below[1] > total:
-            out.append(below[0])
-        if above is not None and above[1] < total:
-            out.append(above[0])
-        return tuple(out)
+            on_record[b] = sum(f) + sum(bw)
+        sizes = sorted(on_record)
+        i = sizes.index(batch)
+        out = set()
+        if i > 0 and on_record[sizes[i - 1]] > total:
+            out.add(sizes[i - 1])
+        if i + 1 < len(sizes) and on_record[sizes[i + 1]] < total:
+            out.add(sizes[i + 1])
+        for j in range(max(1, i - 1), min(len(sizes) - 1, i + 2)):   # triples holding batch
+            a, m, c = sizes[j - 1], sizes[j], sizes[j + 1]
+            line = interpolate(m, a, on_record[a], c, on_record[c])
+            if on_record[m] > (1 + KINK) * line:
+                out.update(x for x in (a, m, c) if x != batch)
+        return tuple(sorted(out))
 
     def _repeat(self, once) -> list[float]:
         """The median of each of once()'s times over `repeats` runs after `warmup`; a slow layer
