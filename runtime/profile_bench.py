@@ -187,17 +187,17 @@ def _compute_for(seconds: float, a: torch.Tensor) -> None:
         torch.mm(a, a)
 
 
-def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> list[dict]:
-    """Sum all-reduce of n bytes (float32, host memory) in the runtime's pattern (runtime.sync):
-    launched async on its own group and waited for, rank 0 arriving last, `lead_s` after the
-    others, which wait blocked (so their wake-up is part of it, as in training). Rank 0 times
-    from its launch to the end of its wait: what the simulator's all-reduce task lasts (it
-    starts at the last arrival). The sizes take turns, round after round, so that a slow spell
-    of the host (gloo's threads starved for a few seconds) lands on every size a little, not on
-    one size's every sample. The caller keeps rank 0's table."""
+def allreduce_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> list[dict]:
+    """Sum all-reduce of n bytes (float32, host memory) in the runtime's pattern (runtime.sync,
+    runtime.ddp): launched async on its own group and waited for, every rank arriving at once
+    from `busy_s` of compute, as data parallel replicas arrive from their backward. Rank 0
+    times from its launch to the end of its wait: what the simulator's all-reduce task lasts
+    (it starts at the last arrival). The sizes take turns, round after round, so that a slow
+    spell of the host lands on every size a little, not on one size's every sample. The caller
+    keeps rank 0's table."""
     group = dist.new_group(backend="gloo")
     lower_gloo_loop_priority()    # a new group may start its own loop thread
-    rank, a = dist.get_rank(), torch.randn(64, 64)
+    a = torch.randn(64, 64)
     buffers = {n: torch.zeros(n // 4) for n in sizes}
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(repeats + 1):
@@ -206,8 +206,7 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
             dist.barrier()
             total = 0.0
             for _ in range(trips):
-                if rank == 0:
-                    _compute_for(lead_s, a)
+                _compute_for(busy_s, a)
                 t0 = time.perf_counter()
                 dist.all_reduce(buffers[n], group=group, async_op=True).wait()
                 total += time.perf_counter() - t0
@@ -225,7 +224,7 @@ def allreduce_table(sizes: list[int], repeats: int, lead_s: float = 0.002) -> li
 def allreduce_queued(n_bytes: int, repeats: int, queued: int = 4, lead_s: float = 0.002) -> float:
     """Seconds an all-reduce of n bytes adds when it is issued right behind others of its group
     (DDP's buckets, launched during a backward, run back to back once the worker waits): in
-    allreduce_table's pattern (rank 0 arriving `lead_s` late), `queued` + 1 async all-reduces
+    a pattern of its own (rank 0 arriving `lead_s` late), `queued` + 1 async all-reduces
     launched together and waited for, against one alone, alternating; (trimmed mean of the
     burst - that of one) / queued, >= 0, timed on rank 0 (every rank returns its own). A mean,
     not a median: on bound CPU workers a burst takes ~0.6 or ~3 ms, and a median of a few
