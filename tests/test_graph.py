@@ -90,6 +90,9 @@ def test_residual_cnn_conv_flops_and_skip_cut():
     act = B * c * hw * hw * 4
     # the stem output s is live across a|b (beside a's output): the skip connection is counted
     assert g.cut_bytes == (B * hw * hw * 4, act, 2 * act, act, B * 10 * 4)
+    # each block's BatchNorm buffers (running mean and variance, c floats each; the batch
+    # count, one int64): what a data parallel plan broadcasts before each iteration
+    assert [l.buffer_bytes for l in g.layers] == [(), *[(("torch.float32", 2 * c * 4), ("torch.int64", 8))] * 2, ()]
     # capturing does not change the model: BatchNorm statistics and gradients are restored
     assert torch.equal(w.model.a.bn.running_mean, running)
     assert all(p.grad is None for p in w.model.parameters())

@@ -119,6 +119,42 @@ def test_coarse_data_parallel_is_compute_plus_ring_allreduce_plus_optimizer():
     assert r.per_device["cuda:1"]["optimizer_s"] == approx(0.03)
 
 
+def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_set_and_dtype():
+    # the coarse case above with buffers (BatchNorm statistics): the runtime broadcasts them from
+    # the first replica before each iteration, per device set and dtype (runtime.sync.BufferSync):
+    # float32 of layers 0 and 1 together (1e5 + 3e5 B), int64 apart (16 B), each priced as an
+    # all-reduce of its bytes: 2*1*0.01 + 4e5/1e6 = 0.42 s and 2*1*0.01 + 16/1e6 s
+    from dataclasses import replace
+    from planner.cost.buckets import buffer_broadcasts
+    bn = (("torch.float32", 10**5), ("torch.int64", 8))
+    bn1 = (("torch.float32", 3 * 10**5), ("torch.int64", 8))
+    g = graph([replace(layer(0, param_bytes=10**6), buffer_bytes=bn),
+               replace(layer(1, fwd_flops=0, bwd_flops=0), buffer_bytes=bn1)], batch=2)
+    t = topology([device("cuda:0", mem_bw=1e8), device("cuda:1", mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    pl = plan([(0.5, 1, [("cuda:0", 0, 2)]), (0.5, 1, [("cuda:1", 0, 2)])], 2, granularity="coarse")
+    assert [(b.devices, b.bytes) for b in buffer_broadcasts(pl, g)] == [
+        (("cuda:0", "cuda:1"), 4 * 10**5), (("cuda:0", "cuda:1"), 16)]
+    broadcasts = 0.02 + 0.4 + 0.02 + 16 / 1e6
+    assert simulate(pl, g, t).iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03 + broadcasts)
+    # one device holds the layers (a pipeline of one replica): nothing to broadcast
+    one = plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2)
+    assert buffer_broadcasts(one, g) == []
+    # per device set: layer 0 on cuda:0 + cuda:1, layer 1 on cuda:2 + cuda:3 run at once
+    t4 = topology([device(f"cuda:{i}", mem_bw=1e8) for i in range(4)],
+                  [link(f"cuda:{i}", f"cuda:{j}", bw=1e6, lat=0.01) for i in range(4) for j in range(i + 1, 4)])
+    hybrid = plan([(0.5, 1, [("cuda:0", 0, 1), ("cuda:2", 1, 2)]),
+                   (0.5, 1, [("cuda:1", 0, 1), ("cuda:3", 1, 2)])], 2)
+    assert [b.devices for b in buffer_broadcasts(hybrid, g)] == \
+        [("cuda:0", "cuda:1")] * 2 + [("cuda:2", "cuda:3")] * 2
+    from planner.sim.simulator import Simulator
+    from planner.cost.model import RooflineCost
+    sim = Simulator(g, t4, RooflineCost(g, t4))
+    assert sim.buffer_sync_s(hybrid) == approx(0.02 + 0.3 + 0.02 + 8 / 1e6)   # cuda:2's, the longer
+    # asynchronous modes keep each replica's buffers: nothing broadcast
+    assert buffer_broadcasts(replace(pl, sync=replace(pl.sync, mode="hogwild")), g) == []
+
+
 def _dp4(granularity):
     # 4 layers of 1e6 B params, one bucket each (cap 1e6); t_f = 0.5 s, t_b = 1.0 s per layer;
     # all-reduce per bucket 2*1/2*1e6/1e6 = 1.0 s; SGD 3*4e6/1e8 = 0.12 s

@@ -102,4 +102,25 @@ def exchanged_buckets(plan: Plan, graph: ModelGraph) -> tuple[list[Bucket], list
     return shared, tied
 
 
-__all__ = ["Bucket", "coarse_buckets", "exchanged_buckets", "grad_buckets", "layer_groups", "tied_buckets"]
+def buffer_broadcasts(plan: Plan, graph: ModelGraph) -> list[Bucket]:
+    """The buffers (BatchNorm statistics, rotary tables) a synchronous plan broadcasts from its
+    first replica before each iteration, as runtime.sync.BufferSync does (DDP's
+    broadcast_buffers): one broadcast per set of devices holding a layer with buffers, more than
+    one device, and per dtype, in that order; `layers` holds the set's layers with buffers."""
+    if plan.sync.mode != "sync" or not any(l.buffer_bytes for l in graph.layers):
+        return []
+    groups = layer_groups(plan, graph.num_layers)
+    sets: dict[tuple[str, ...], tuple[list[int], dict[str, int]]] = {}
+    for layer in graph.layers:
+        devices = tuple(sorted(set(groups[layer.index])))
+        if len(devices) > 1 and layer.buffer_bytes:
+            layers, by_dtype = sets.setdefault(devices, ([], {}))
+            layers.append(layer.index)
+            for dtype, n in layer.buffer_bytes:
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+    return [Bucket(tuple(layers), devices, n) for devices, (layers, by_dtype) in sorted(sets.items())
+            for _, n in sorted(by_dtype.items())]
+
+
+__all__ = ["Bucket", "buffer_broadcasts", "coarse_buckets", "exchanged_buckets", "grad_buckets",
+           "layer_groups", "tied_buckets"]

@@ -23,7 +23,8 @@ durations are those of the recipes (planner.sim.taskgraph), which wake-ups only 
 * the iteration adds cost.iteration_overhead_s.
 
 Each task counts with its recipe's value; what only adds time is left out (wake-ups, cold
-starts, host and offload copies, the pieces of a last backward before its bucket). No bound (None) where no proof is written:
+starts, host and offload copies, the pieces of a last backward before its bucket, the buffer
+broadcasts). No bound (None) where no proof is written:
 asynchronous modes (PipeDream's stream iteration is a difference of two ends), CPU contention
 (durations rescaled by overlap), a topology whose devices are not all linked (the simulator may
 refuse a plan the bound would price), a negative duration. BOUND_MARGIN absorbs the rounding of

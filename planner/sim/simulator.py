@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from planner.cost.buckets import Bucket, exchanged_buckets
+from planner.cost.buckets import Bucket, buffer_broadcasts, exchanged_buckets
 from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention, fastloop
 from planner.sim.bound import lower_bound_s
@@ -356,12 +356,23 @@ class Simulator:
                    for devices in rings for x in self._allreduce(devices, 0.0)[0])
 
     def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
-        """g's contended CPU workers (contention.contended) and iteration overhead, kept on g:
-        they depend on the plan's devices only. Returns the former."""
+        """g's contended CPU workers (contention.contended) and iteration overhead (with the
+        buffer broadcasts), kept on g: they depend on the plan's shape only. Returns the former."""
         if g.contended is None:
             g.contended = contention.contended(self.topology, self.cost, plan)
-            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices))
+            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices)) + self.buffer_sync_s(plan)
         return g.contended
+
+    def buffer_sync_s(self, plan: Plan) -> float:
+        """The buffer broadcasts before each iteration (planner.cost.buckets.buffer_broadcasts),
+        blocking calls one after another on each device, each priced as an all-reduce of its
+        bytes over its devices (a small collective: its latency): the most a device spends."""
+        spent: dict[str, float] = {}
+        for b in buffer_broadcasts(plan, self.graph):
+            s = self._allreduce(b.devices, b.bytes)[1]
+            for d in b.devices:
+                spent[d] = spent.get(d, 0.0) + s
+        return max(spent.values(), default=0.0)
 
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:

@@ -230,7 +230,7 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
             grad = carries_grad(stage, grad, model)
             cut_tensors.append(_tensor_count(h))
             cut_grad.append(sum(grad))
-    layers = _layers(ex, stages, rec)
+    layers = _layers(ex, stages, rec, dict(model.named_buffers()))
     tied = _tied(stages)
     g = _op_graph(ex, rec)
     warnings = sorted(rec.warnings)
@@ -307,12 +307,19 @@ def _tied(stages) -> tuple[TiedParam, ...]:
     return tuple(TiedParam(n, size[n], tuple(ls)) for n, ls in sorted(used.items()) if len(ls) > 1)
 
 
-def _layers(ex, stages, rec) -> list[Layer]:
-    out, owned = [], set()
+def _layers(ex, stages, rec, model_buffers: dict[str, torch.Tensor]) -> list[Layer]:
+    out, owned, used = [], set(), set()
     for k, stage in enumerate(stages):
         names = [n for n in ex.compute_nodes() if ex.layer_of[n] == k]
         params = [(nm, p) for nm, p in stage.named_parameters() if id(p) not in owned]
         owned.update(id(p) for _, p in params)
+        # the model's buffers go with the first layer using them (as runtime.stage._buffer_sets)
+        buffers: dict[str, int] = {}
+        for nm, _ in stage.named_buffers():
+            if nm in model_buffers and nm not in used:
+                used.add(nm)
+                b = model_buffers[nm]
+                buffers[str(b.dtype)] = buffers.get(str(b.dtype), 0) + b.numel() * b.element_size()
 
         def tot(field: str, nodes=names) -> float:
             return sum(rec.ops[n.name][field] for n in nodes if n.name in rec.ops)
@@ -326,7 +333,8 @@ def _layers(ex, stages, rec) -> list[Layer]:
             bwd_bytes_moved=tot("bwd_bytes_moved") + rec.stage_extra[k]["bwd_bytes_moved"],
             n_ops=int(tot("fwd_n_ops")), bwd_n_ops=int(tot("bwd_n_ops") + rec.stage_extra[k]["bwd_n_ops"]),
             param_names=tuple(nm for nm, _ in params),
-            signature=_signature(names, rec, ex.dynamic_batch), cast_param_bytes=int(tot("cast_param_bytes"))))
+            signature=_signature(names, rec, ex.dynamic_batch), cast_param_bytes=int(tot("cast_param_bytes")),
+            buffer_bytes=tuple(sorted(buffers.items()))))
     return out
 
 

@@ -29,6 +29,8 @@ class Layer:
     signature: str = ""        # stable key of the layer's ops and shapes (cost cache key)
     cast_param_bytes: int = 0  # autocast's low-precision copies of parameters, per forward
                                # (held for backward; parameter-like: do not scale with batch)
+    buffer_bytes: tuple[tuple[str, int], ...] = ()   # (dtype, bytes) of the model's buffers this
+                               # layer is the first to use (BatchNorm statistics, rotary tables)
 
     def scaled(self, ratio: float) -> "Layer":
         """The same layer at batch * ratio: activation-like fields scale, parameters do not."""
