@@ -136,7 +136,9 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
     assert [(b.devices, b.bytes) for b in buffer_broadcasts(pl, g)] == [
         (("cuda:0", "cuda:1"), 4 * 10**5), (("cuda:0", "cuda:1"), 16)]
     broadcasts = 0.02 + 0.4 + 0.02 + 16 / 1e6
-    assert simulate(pl, g, t).iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03 + broadcasts)
+    r = simulate(pl, g, t)
+    assert r.iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03 + broadcasts)
+    assert r.per_device["cuda:1"]["comm_s"] == approx(1.02 + broadcasts)   # as the runtime's events count them
     # one device holds the layers (a pipeline of one replica): nothing to broadcast
     one = plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2)
     assert buffer_broadcasts(one, g) == []
@@ -150,7 +152,9 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
     from planner.sim.simulator import Simulator
     from planner.cost.model import RooflineCost
     sim = Simulator(g, t4, RooflineCost(g, t4))
-    assert sim.buffer_sync_s(hybrid) == approx(0.02 + 0.3 + 0.02 + 8 / 1e6)   # cuda:2's, the longer
+    spent = sim.buffer_sync_s(hybrid)
+    assert spent["cuda:2"] == spent["cuda:3"] == approx(0.02 + 0.3 + 0.02 + 8 / 1e6)
+    assert spent["cuda:0"] == approx(0.02 + 0.1 + 0.02 + 8 / 1e6)
     # asynchronous modes keep each replica's buffers: nothing broadcast
     assert buffer_broadcasts(replace(pl, sync=replace(pl.sync, mode="hogwild")), g) == []
 

@@ -360,19 +360,21 @@ class Simulator:
         buffer broadcasts), kept on g: they depend on the plan's shape only. Returns the former."""
         if g.contended is None:
             g.contended = contention.contended(self.topology, self.cost, plan)
-            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices)) + self.buffer_sync_s(plan)
+            g.overhead_s = (self.cost.iteration_overhead_s(len(plan.devices))
+                            + max(self.buffer_sync_s(plan).values(), default=0.0))
         return g.contended
 
-    def buffer_sync_s(self, plan: Plan) -> float:
-        """The buffer broadcasts before each iteration (planner.cost.buckets.buffer_broadcasts),
-        blocking calls one after another on each device, each priced as an all-reduce of its
-        bytes over its devices (a small collective: its latency): the most a device spends."""
+    def buffer_sync_s(self, plan: Plan) -> dict[str, float]:
+        """Per device, its seconds in the buffer broadcasts before each iteration
+        (planner.cost.buckets.buffer_broadcasts): blocking calls one after another, each priced
+        as an all-reduce of its bytes over its devices (a small collective: its latency). The
+        iteration adds the most a device spends; each device counts its own as comm_s."""
         spent: dict[str, float] = {}
         for b in buffer_broadcasts(plan, self.graph):
             s = self._allreduce(b.devices, b.bytes)[1]
             for d in b.devices:
                 spent[d] = spent.get(d, 0.0) + s
-        return max(spent.values(), default=0.0)
+        return spent
 
     @staticmethod
     def _like(g: TaskGraph, values: list[float]) -> tuple[int, ...]:
@@ -481,6 +483,9 @@ class Simulator:
             v["busy_s"] = v["compute_s"]
             v["idle_s"] = iteration_s - v["busy_s"]
             v["peak_memory_bytes"] = peaks.get(d, 0.0)
+        if g.overhead_s > 0.0:
+            for d, spent in self.buffer_sync_s(plan).items():
+                stats[d]["comm_s"] += spent
         for d, steps in staleness(plan).items():
             stats[d]["staleness_steps"] = float(steps)
         tasks = None
