@@ -139,6 +139,10 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
     r = simulate(pl, g, t)
     assert r.iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03 + broadcasts)
     assert r.per_device["cuda:1"]["comm_s"] == approx(1.02 + broadcasts)   # as the runtime's events count them
+    # the same whole graph, its twin replicas collapsed or not, and by delta simulation
+    from planner.sim.simulator import Simulator
+    for split, collapse in ((False, True), (False, False), (True, True)):
+        assert Simulator(g, t, split=split, collapse=collapse).simulate(pl).iteration_s == approx(r.iteration_s)
     # one device holds the layers (a pipeline of one replica): nothing to broadcast
     one = plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2)
     assert buffer_broadcasts(one, g) == []
@@ -149,7 +153,6 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
                    (0.5, 1, [("cuda:1", 0, 1), ("cuda:3", 1, 2)])], 2)
     assert [b.devices for b in buffer_broadcasts(hybrid, g)] == \
         [("cuda:0", "cuda:1")] * 2 + [("cuda:2", "cuda:3")] * 2
-    from planner.sim.simulator import Simulator
     from planner.cost.model import RooflineCost
     sim = Simulator(g, t4, RooflineCost(g, t4))
     spent = sim.buffer_sync_s(hybrid)

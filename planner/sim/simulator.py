@@ -458,6 +458,7 @@ class Simulator:
                 if like != tuple(range(len(like))):
                     g = self._shape(plan, trace, like)
                     values = self._evaluate(plan, g)
+                    self._plan_facts(plan, g)   # its own graph: its iteration overhead too
             base = list(map(values.__getitem__, g.dkey))
             wake = self._wakes(g)
             start, end = self._run(g, base, wake)
