@@ -86,7 +86,7 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     together_rows = rank0.get("optimizer_together", {})
     mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
     single = ("wake_latency_s", "cold_compute_s", "send_issue_s", "recv_post_s", "action_overhead_s",
-              "grad_accumulate_s_per_byte", "ddp_forward_s", "grad_copy_s_per_byte")
+              "iteration_overhead_s", "grad_accumulate_s_per_byte", "ddp_forward_s", "grad_copy_s_per_byte")
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
                     allreduce_bytes_per_s=bw, allreduce_curve=curve,
                     allreduce_queued_s=rank0.get("allreduce_queued_s") if curve else None,

@@ -434,6 +434,47 @@ def action_overhead(repeats: int, microbatches: int = 8) -> float:
     return stats(per_action)[0]
 
 
+def iteration_overhead(repeats: int) -> float:
+    """Seconds per iteration the runtime's own loop (runtime.worker._train: `begin`, the step's
+    contexts, the loop's bookkeeping) spends beside its actions and their timed compute: the
+    loop run for real over a one-stage, one-microbatch plan of a 4 x 4 linear layer (SGD), its
+    iteration times less its busy timers, median after a warm-up, less the two actions'
+    overhead (`action_overhead`, which the simulator adds to each action). >= 0."""
+    import types
+    from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+    from planner.hardware.device import torch_device
+    from planner.workload import Workload
+    from runtime.instruments import BusyTimer, SavedTracker
+    from runtime.optim import StageOptimizer
+    from runtime.pipeline import StageRunner, WholeModel, stage_actions
+    from runtime.stage import Built
+    from runtime.sync import BufferSync
+    from runtime.sync_modes import NoGradSync
+    from runtime.worker import _train
+    torch.manual_seed(0)
+    dev = torch_device("cpu:0")
+    plan = Plan(model=ModelRef("linear"), global_batch=2,
+                replicas=(Replica(1.0, 1, (Stage("cpu:0", (0, 1)),)),), schedule="1f1b",
+                sync=Sync("coarse"), optimizer=Optimizer("sgd", 1e-3), recompute=False)
+    module = WholeModel(torch.nn.Linear(4, 4))
+    workload = Workload(model=module, make_batch=lambda n, seed: (torch.randn(n, 4), torch.randn(n, 4)),
+                        loss_fn=torch.nn.functional.mse_loss)
+    timer = BusyTimer(dev)
+    runner = StageRunner(module, torch.device("cpu"), workload.loss_fn, None, None, scale=1.0,
+                         busy=timer.timer)
+    runner.saved_tracker = SavedTracker(list(module.parameters()))
+    actions = stage_actions("1f1b", 0, 1, 1)
+    built = Built(plan, workload, 0, 0, 1, 0, 2, module, runner, NoGradSync(),
+                  StageOptimizer(list(module.parameters()), plan.optimizer, dev),
+                  types.SimpleNamespace(barrier=lambda: None), timer, actions, BufferSync(None, []))
+    warmup = 10
+    cfg = types.SimpleNamespace(iters=warmup + repeats, trace_dir=None)
+    # rank -1: the loop prints no progress lines (those are rank 0's)
+    out = _train(cfg, plan, built, -1, dev, "cpu:0", types.SimpleNamespace(mark=lambda name: None))
+    beside = [it - busy for it, busy in zip(out["iter_s"][warmup:], out["busy_s"][warmup:])]
+    return max(0.0, stats(beside)[0] - len(actions) * action_overhead(repeats))
+
+
 def _small_stage() -> Callable[[], float]:
     """A timed forward and backward of three 256-wide linear layers on 16 samples (what a
     pipeline stage of a small model runs per microbatch), warmed up: returns its seconds."""

@@ -213,6 +213,16 @@ def test_uneven_data_parallel_is_slowed_only_while_both_compute():
     assert _sim(CAL).simulate(single).iteration_s == pytest.approx(24.0)
 
 
+def test_the_runtime_loops_own_work_is_added_once_per_iteration():
+    # calibration's iteration_overhead_s (profile_bench.iteration_overhead): the runtime's loop
+    # beside its actions, once per iteration, on a single device as on two replicas
+    loop = {**CAL, "iteration_overhead_s": 0.5}
+    single = plan([(1.0, 1, [("cpu:0", 0, 2)])], 4)
+    assert _sim(loop).simulate(single).iteration_s == pytest.approx(24.0 + 0.5)
+    even = plan([(0.5, 1, [("cpu:0", 0, 2)]), (0.5, 1, [("cpu:1", 0, 2)])], 2)
+    assert _sim(loop).simulate(even).iteration_s == pytest.approx(12.0 + 0.5)
+
+
 def test_coarse_sync_is_one_flat_allreduce_per_device_set_and_no_barrier_skew():
     # 2 layers of 1 MB parameters, forward 1 s + backward 2 s per sample each; no contention
     g = graph([layer(0, param_bytes=10**6), layer(1, param_bytes=10**6)])

@@ -148,6 +148,10 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     cal = t.measured["calibration"]
     assert 0 < cal["action_overhead_s"] < 1e-3
     assert calibration_from_dict(cal).action_overhead_s == cal["action_overhead_s"]
+    # and per iteration beside its actions (profile_bench.iteration_overhead: the runtime's loop
+    # run for real; ~25 µs on the VM; noise may make it 0, never negative)
+    assert 0 <= cal["iteration_overhead_s"] < 1e-3
+    assert calibration_from_dict(cal).iteration_overhead_s == cal["iteration_overhead_s"]
     # a backward adding into existing gradients (runtime.profile_bench.grad_accumulate): tens of
     # ps per parameter byte in cache (2.3e-11 on the VM); noise may make it 0, never negative
     assert 0 <= cal["grad_accumulate_s_per_byte"] < 1e-9

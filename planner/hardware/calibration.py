@@ -34,7 +34,7 @@ class Calibration:
     allreduce_queued_s: float | None = None        # the latency of an all-reduce issued right behind
                                                    #   another of its group (None: as a lone one's)
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)   # per torch.optim name
-    iteration_overhead_s: float = 0.0              # fixed cost per iteration (not measured yet: 0)
+    iteration_overhead_s: float = 0.0              # the runtime loop's own work per iteration
     multi_worker_overhead_s: float = 0.0           # older profiles only, not used (a per-iteration
                                                    #   barrier's exit skew; see runtime.results)
     memory_contention_factor: float | None = None  # an optimizer step with all CPU workers stepping
