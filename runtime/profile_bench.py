@@ -434,12 +434,12 @@ def action_overhead(repeats: int, microbatches: int = 8) -> float:
     return stats(per_action)[0]
 
 
-def iteration_overhead(repeats: int) -> float:
+def iteration_overhead(repeats: int, action_s: float) -> float:
     """Seconds per iteration the runtime's own loop (runtime.worker._train: `begin`, the step's
     contexts, the loop's bookkeeping) spends beside its actions and their timed compute: the
     loop run for real over a one-stage, one-microbatch plan of a 4 x 4 linear layer (SGD), its
     iteration times less its busy timers, median after a warm-up, less the two actions'
-    overhead (`action_overhead`, which the simulator adds to each action). >= 0."""
+    overhead (`action_s` each: `action_overhead`, which the simulator adds to each action). >= 0."""
     import types
     from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
     from planner.hardware.device import torch_device
@@ -472,7 +472,7 @@ def iteration_overhead(repeats: int) -> float:
     # rank -1: the loop prints no progress lines (those are rank 0's)
     out = _train(cfg, plan, built, -1, dev, "cpu:0", types.SimpleNamespace(mark=lambda name: None))
     beside = [it - busy for it, busy in zip(out["iter_s"][warmup:], out["busy_s"][warmup:])]
-    return max(0.0, stats(beside)[0] - len(actions) * action_overhead(repeats))
+    return max(0.0, stats(beside)[0] - len(actions) * action_s)
 
 
 def _small_stage() -> Callable[[], float]:

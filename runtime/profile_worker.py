@@ -286,7 +286,8 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
             out["send_issue_s"], out["recv_post_s"] = issue
             out["cold_compute_s"] = cold
             out["action_overhead_s"] = bench.action_overhead(max(40, 8 * s.repeats))
-            out["iteration_overhead_s"] = bench.iteration_overhead(max(40, 8 * s.repeats))
+            out["iteration_overhead_s"] = bench.iteration_overhead(max(40, 8 * s.repeats),
+                                                                   out["action_overhead_s"])
             out["grad_accumulate_s_per_byte"] = bench.grad_accumulate(max(40, 8 * s.repeats))
     dist.barrier()
     if world > 1 and workers[0].kind == "cpu":
