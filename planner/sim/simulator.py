@@ -356,12 +356,12 @@ class Simulator:
                    for devices in rings for x in self._allreduce(devices, 0.0)[0])
 
     def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
-        """g's contended CPU workers (contention.contended) and iteration overhead (with the
-        buffer broadcasts), kept on g: they depend on the plan's shape only. Returns the former."""
+        """g's contended CPU workers (contention.contended), buffer broadcasts and iteration
+        overhead, kept on g: they depend on the plan's shape only. Returns the former."""
         if g.contended is None:
             g.contended = contention.contended(self.topology, self.cost, plan)
-            g.overhead_s = (self.cost.iteration_overhead_s(len(plan.devices))
-                            + max(self.buffer_sync_s(plan).values(), default=0.0))
+            g.buffer_s = self.buffer_sync_s(plan)
+            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices)) + max(g.buffer_s.values(), default=0.0)
         return g.contended
 
     def buffer_sync_s(self, plan: Plan) -> dict[str, float]:
@@ -484,9 +484,8 @@ class Simulator:
             v["busy_s"] = v["compute_s"]
             v["idle_s"] = iteration_s - v["busy_s"]
             v["peak_memory_bytes"] = peaks.get(d, 0.0)
-        if g.overhead_s > 0.0:
-            for d, spent in self.buffer_sync_s(plan).items():
-                stats[d]["comm_s"] += spent
+        for d, spent in g.buffer_s.items():
+            stats[d]["comm_s"] += spent
         for d, steps in staleness(plan).items():
             stats[d]["staleness_steps"] = float(steps)
         tasks = None

@@ -294,7 +294,8 @@ class TaskGraph:
         self.by_replica: list[tuple[list[int], dict[float, list[float]]]] | None = None
         self.unkept: list[int] = []   # recipes of other kinds: evaluated for every plan
         self.contended: dict[str, list[str]] | None = None
-        self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices
+        self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices, the broadcasts'
+        self.buffer_s: dict[str, float] = {}   # per device its buffer broadcasts (Simulator.buffer_sync_s)
         self.stat_rows = None   # planner.sim.simulator.StatRows: stat_seq as arrays
         self.static = None
         self.fast = None    # planner.sim.fastloop.Prepared once run compiled
