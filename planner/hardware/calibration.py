@@ -162,20 +162,16 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
         ddp_forward_s=non_negative("ddp_forward_s"),
         grad_copy_s_per_byte=non_negative("grad_copy_s_per_byte"),
         held_send_curve=tuple((float(w), float(t)) for w, t in r.get(
-            "held_send_curve", list, default=[], check=_is_held_curve,
+            "held_send_curve", list, default=[], check=lambda v: _is_curve(v, zero_times=True),
             expected="[[window_seconds, seconds], ...] with windows positive and increasing, "
                      "seconds non-negative")))
 
 
-def _is_curve(v: Any) -> bool:
-    ok = all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                         and x > 0 for x in p) for p in v)
-    return ok and all(a[0] < b[0] for a, b in zip(v, v[1:]))
-
-
-def _is_held_curve(v: Any) -> bool:
+def _is_curve(v: Any, zero_times: bool = False) -> bool:
+    """[[x, y], ...] of numbers, x positive and increasing, y positive (or 0 with `zero_times`)."""
     num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
-    ok = all(isinstance(p, list) and len(p) == 2 and all(map(num, p)) and p[0] > 0 and p[1] >= 0 for p in v)
+    ok = all(isinstance(p, list) and len(p) == 2 and all(map(num, p)) and p[0] > 0
+             and (p[1] >= 0 if zero_times else p[1] > 0) for p in v)
     return ok and all(a[0] < b[0] for a, b in zip(v, v[1:]))
 
 
