@@ -404,6 +404,22 @@ def grad_accumulate(repeats: int) -> float:
     return max(0.0, stats(accumulating)[0] - stats(fresh)[0]) / n_bytes
 
 
+def _tiny_runner(scale: float):
+    """(module, busy timer, runner): the runtime's StageRunner over a whole 4 x 4 linear layer
+    (MSE loss) on cpu:0, whose compute takes a few µs: what the runtime's own overheads are
+    timed around."""
+    from planner.hardware.device import torch_device
+    from runtime.instruments import BusyTimer, SavedTracker
+    from runtime.pipeline import StageRunner, WholeModel
+    torch.manual_seed(0)
+    timer = BusyTimer(torch_device("cpu:0"))
+    module = WholeModel(torch.nn.Linear(4, 4))
+    runner = StageRunner(module, torch.device("cpu"), torch.nn.functional.mse_loss, None, None,
+                         scale=scale, busy=timer.timer)
+    runner.saved_tracker = SavedTracker(list(module.parameters()))
+    return module, timer, runner
+
+
 def action_overhead(repeats: int, microbatches: int = 8) -> float:
     """Seconds the runtime's own code spends per schedule action besides the compute it times:
     the driver (runtime.pipeline.StageRunner.run: the action loop, the busy timers'
@@ -411,15 +427,8 @@ def action_overhead(repeats: int, microbatches: int = 8) -> float:
     iteration of a 4 x 4 linear layer, so the compute is a few µs: (iteration wall time - the
     busy timers' total) / actions, median of `repeats` iterations. The pipeline's messages are
     timed apart (message_issue)."""
-    from planner.hardware.device import torch_device
-    from runtime.instruments import BusyTimer, SavedTracker
-    from runtime.pipeline import StageRunner, WholeModel, stage_actions
-    torch.manual_seed(0)
-    timer = BusyTimer(torch_device("cpu:0"))
-    module = WholeModel(torch.nn.Linear(4, 4))
-    runner = StageRunner(module, torch.device("cpu"), torch.nn.functional.mse_loss, None, None,
-                         scale=1.0 / microbatches, busy=timer.timer)
-    runner.saved_tracker = SavedTracker(list(module.parameters()))
+    from runtime.pipeline import stage_actions
+    _, timer, runner = _tiny_runner(1.0 / microbatches)
     actions = stage_actions("1f1b", 0, 1, microbatches)
     inputs = [((torch.randn(2, 4),), {}) for _ in range(microbatches)]
     targets = [torch.randn(2, 4) for _ in range(microbatches)]
@@ -444,25 +453,19 @@ def iteration_overhead(repeats: int, action_s: float) -> float:
     from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
     from planner.hardware.device import torch_device
     from planner.workload import Workload
-    from runtime.instruments import BusyTimer, SavedTracker
     from runtime.optim import StageOptimizer
-    from runtime.pipeline import StageRunner, WholeModel, stage_actions
+    from runtime.pipeline import stage_actions
     from runtime.stage import Built
     from runtime.sync import BufferSync
     from runtime.sync_modes import NoGradSync
     from runtime.worker import _train
-    torch.manual_seed(0)
     dev = torch_device("cpu:0")
     plan = Plan(model=ModelRef("linear"), global_batch=2,
                 replicas=(Replica(1.0, 1, (Stage("cpu:0", (0, 1)),)),), schedule="1f1b",
                 sync=Sync("coarse"), optimizer=Optimizer("sgd", 1e-3), recompute=False)
-    module = WholeModel(torch.nn.Linear(4, 4))
+    module, timer, runner = _tiny_runner(1.0)
     workload = Workload(model=module, make_batch=lambda n, seed: (torch.randn(n, 4), torch.randn(n, 4)),
                         loss_fn=torch.nn.functional.mse_loss)
-    timer = BusyTimer(dev)
-    runner = StageRunner(module, torch.device("cpu"), workload.loss_fn, None, None, scale=1.0,
-                         busy=timer.timer)
-    runner.saved_tracker = SavedTracker(list(module.parameters()))
     actions = stage_actions("1f1b", 0, 1, 1)
     built = Built(plan, workload, 0, 0, 1, 0, 2, module, runner, NoGradSync(),
                   StageOptimizer(list(module.parameters()), plan.optimizer, dev),
