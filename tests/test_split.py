@@ -18,6 +18,7 @@ from planner.search.mcmc import SearchConfig, Searcher, search
 from planner.search.problem import make_space, simulator_problem
 from planner.search.space import propose, to_plan
 from planner.sim import split
+from planner.sim.pipeline import PipelineRun
 from planner.sim.simulator import Simulator
 from simhelpers import device, graph, layer, link, plan, topology
 from simreference import random_case, random_twin_case
@@ -43,7 +44,8 @@ class Paths(Counter):
 @pytest.fixture
 def paths(monkeypatch):
     counts = Paths()
-    simulate, delta, run = Simulator.simulate, split.Split.run, split.Structure.run
+    simulate, delta = Simulator.simulate, split.Split.run
+    runs = {cls: cls.run for cls in (split.Structure, PipelineRun)}   # the event loop's and the pass's
 
     def counted_sim(self, pl, trace=False):
         counts["sims"] += self._split
@@ -56,10 +58,12 @@ def paths(monkeypatch):
 
     def replica(self, values):
         counts["replica runs"] += 1
-        return run(self, values)
+        counts["pipeline passes"] += isinstance(self, PipelineRun)
+        return runs[type(self)](self, values)
     monkeypatch.setattr(Simulator, "simulate", counted_sim)
     monkeypatch.setattr(split.Split, "run", counted)
-    monkeypatch.setattr(split.Structure, "run", replica)
+    for cls in runs:
+        monkeypatch.setattr(cls, "run", replica)
     return counts
 
 

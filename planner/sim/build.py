@@ -23,7 +23,7 @@ from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
 from planner.sim.schedule import split_backward
-from planner.sim.template import ReplicaTemplate, Stream, accumulates, replica_template
+from planner.sim.template import ReplicaCore, ReplicaTemplate, Stream, accumulates, replica_core, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HeldSend, HopRecipe, LayerRange, Recompute,
                                    RouteHop, SavedCopy, SplitRange, SyncWork, TaskGraph, TaskMeta,
                                    TransferLabel)
@@ -157,7 +157,8 @@ class Builder:
         stream = self.stream(rep.microbatches)
         held = [self.stage_buckets(st) for st in stages]
         made = self.replica_values(r, rep, held)
-        t, res = replica_template(*made.template), made.res
+        # a delta build's part needs no hop tasks: the core (planner.sim.split builds the rest)
+        t, res = (replica_core if self.delta else replica_template)(*made.template), made.res
         if not self.delta:
             g.begin_replica((rep.microbatches * STREAM_ITERATIONS if stream else rep.microbatches,
                              tuple(st.layers for st in stages), made.hops),
@@ -226,7 +227,7 @@ class Builder:
         holds = tuple(not st.split and self.sim.cost.holds_sends(st.device) for st in stages)
         args = (self.plan.schedule, m, tuple(len(c) for c in chunks), counts, devices, stream,
                 holds if any(holds) else None)
-        t = replica_template(*args)
+        t = replica_core(*args)
         split = split_backward(self.plan.schedule)
         pieces = self.weight_values if split else self.backward_values
         vals: list[int] = []
@@ -257,7 +258,7 @@ class Builder:
                              tuple(c[0].bucket is not None for c in chunks),
                              np.array([x[0] for x in res], np.int64) if all(len(x) == 1 for x in res) else None)
 
-    def releases(self, t: ReplicaTemplate, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
+    def releases(self, t: ReplicaCore, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
         """A delta build (planner.sim.split; plans without offloaded activations, tensor splits
         or streams): the replica becomes a part of g, (template, value ids per value slot,
         resources per resource slot), and only the tasks the coupling may wait for (the pieces

@@ -42,7 +42,9 @@ import numpy as np
 from planner.sim import fastloop
 from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
+from planner.sim.pipeline import PipelineRun, fits as pipeline_fits
 from planner.sim.taskgraph import TaskGraph
+from planner.sim.template import replica_template
 
 RUN_CACHE_SIZE = 4096   # replica runs kept (structure, duration values) -> times
 # the fixed-order pass (planner.sim.listsched) for a structure run this many times before: most
@@ -238,10 +240,11 @@ class Split:
             local = dict(zip(used, range(len(used))))
             canon = tuple(tuple(map(local.__getitem__, r)) for r in res)
             key = (id(t), canon, tuple(wake_at.get(r) for r in res), tuple(r in links for r in res))
-            s = structures.get(key)
-            if s is None or s.template is not t:
-                s = structures[key] = Structure.of_template(t, canon, res, wake_at, links)
-            parts.append(Part(-1, s, vals, local))
+            kept = structures.get(key)
+            if kept is None or kept[0] is not t:   # t: the part's planner.sim.template.ReplicaCore
+                kept = structures[key] = (t, PipelineRun(t, canon) if pipeline_fits(t, res, wake_at) else
+                                          Structure.of_template(replica_template(*t.args), canon, res, wake_at, links))
+            parts.append(Part(-1, kept[1], vals, local))
             release += [(p, x) for x in ids]
         first = len(release)
         if [i for *_, ids in g.parts for i in ids.values()] != list(range(first)):

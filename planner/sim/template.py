@@ -254,6 +254,47 @@ def _empty(n: int) -> np.ndarray:
     return out
 
 
+class ReplicaCore(NamedTuple):
+    """What a replica's template holds apart from its hop tasks (`replica_core`): its
+    arguments, slots, the schedule's skeleton, its compute tasks (ids as in the template:
+    compute tasks come first), statistics, each stage's last-backward pieces and last task,
+    a stream's iteration ends, and the holds (`ReplicaTemplate.holds`; `held` per message).
+    Enough to build a replica's values and a delta build's part (planner.sim.pipeline times
+    it without the template where that is exact)."""
+    args: tuple
+    slots: Slots
+    n_values: int
+    sk: "_Skeleton"
+    c: "_Compute"
+    counts: tuple[tuple[int, str, tuple[int, ...]], ...]
+    chunk_end: tuple[tuple[int, ...], ...]
+    last_backward: tuple[int, ...]
+    iteration_end: tuple[tuple[int, ...], ...]
+    holds: tuple[tuple[int, tuple[int, ...]], ...]
+    held: np.ndarray
+
+
+@lru_cache(maxsize=1024)
+def replica_core(schedule: str, m: int, pieces: tuple[int, ...], hops: tuple[tuple[int, int], ...],
+                 devices: int | None = None, stream: Stream | None = None,
+                 holds: tuple[bool, ...] | None = None) -> ReplicaCore:
+    """The `ReplicaCore` of `replica_template`'s arguments."""
+    n = len(pieces)
+    if min(pieces, default=1) < 1:
+        raise ValueError(f"every stage's last backward has at least one piece; got {pieces}")
+    sk = _skeleton(schedule, n, m, devices, stream)
+    slots, n_values, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
+    c = _compute_tasks(sk, slots, pieces)
+    starts, ends = c.start.tolist(), c.end.tolist()
+    held, hold_windows = _hold_slots(sk, c, hops, holds, n_values)
+    return ReplicaCore(
+        (schedule, m, pieces, hops, devices, stream, holds), slots, n_values, sk, c,
+        _statistics(sk, c, slots, hops, m),
+        tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
+        tuple(ends[a] for a in sk.final.tolist()),
+        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows, held)
+
+
 @lru_cache(maxsize=256)
 def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
                      hops: tuple[tuple[int, int], ...], devices: int | None = None,
@@ -271,15 +312,9 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     Laid out with arrays over the schedule's `_skeleton`; the edges are listed in the order
     the one-at-a-time builder added them (tests/simreference.py), so each task's successors
     come in the same order."""
-    n = len(pieces)
-    if min(pieces, default=1) < 1:
-        raise ValueError(f"every stage's last backward has at least one piece; got {pieces}")
-    sk = _skeleton(schedule, n, m, devices, stream)
-    slots, n_values, _ = _slots(pieces, m, hops, stream, split_backward(schedule))
-    c = _compute_tasks(sk, slots, pieces)
-    starts, ends = c.start.tolist(), c.end.tolist()
-    held, hold_windows = _hold_slots(sk, c, hops, holds, n_values)
-    v, r, src, dst = (_hop_tasks(sk, c, slots, hops, len(c.value)) if not hold_windows
+    core = replica_core(schedule, m, pieces, hops, devices, stream, holds)
+    sk, c, slots, held = core.sk, core.c, core.slots, core.held
+    v, r, src, dst = (_hop_tasks(sk, c, slots, hops, len(c.value)) if not core.holds
                       else _held_hop_tasks(sk, c, slots, hops, len(c.value), held))
     src, dst = np.concatenate([c.src, src]), np.concatenate([c.dst, dst])
     base = len(c.value) + len(v)
@@ -287,11 +322,9 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     return ReplicaTemplate(
         slots, tuple(np.concatenate([c.value, v]).tolist()), tuple(np.concatenate([c.res, r]).tolist()),
         (dst[order], np.bincount(src, minlength=base)), tuple(np.bincount(dst, minlength=base).tolist()),
-        _statistics(sk, c, slots, hops, m),
-        tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
-        tuple(ends[a] for a in sk.final.tolist()),
-        lambda: _labels(make_schedule(schedule, n, m, devices), sk, c, hops, m, held),
-        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows)
+        core.counts, core.chunk_end, core.last_backward,
+        lambda: _labels(make_schedule(schedule, len(pieces), m, devices), sk, c, hops, m, held),
+        core.iteration_end, core.holds)
 
 
 class _Compute(NamedTuple):
@@ -489,4 +522,5 @@ def _labels(rows: list[list[Action]], sk: _Skeleton, c: _Compute, hops: tuple[tu
     return tuple(label)
 
 
-__all__ = ["Slots", "Stream", "accumulates", "ReplicaTemplate", "replica_template", "Action"]
+__all__ = ["Slots", "Stream", "accumulates", "ReplicaTemplate", "ReplicaCore", "replica_core", "replica_template",
+           "Action"]

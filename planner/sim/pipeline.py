@@ -1,0 +1,192 @@
+"""One replica's pipeline timed from its schedule, without its task graph (delta simulation).
+
+Where every resource of a replica serves its tasks in an order known before the run, the
+event loop's times follow from one pass in that order: a task starts at the latest of its
+predecessors' ends and its resource's previous end, and ends that much later (the same float
+operations, so the same times bit for bit). In a replica built from a template
+(planner.sim.template) that holds when
+- each stage has a device of its own (not interleaved): a device runs its row of the
+  schedule, each task chained after the previous one;
+- every link direction carries one message stream (one stage pair's activations or its
+  gradients, one hop of their route): its messages leave in microbatch order (a stage sends
+  in its row's order, and receives are posted in that order), and on a tie the loop serves
+  the lower task id, the earlier microbatch; so each hop starts at the latest of its
+  message's ready time and its link's previous end;
+- no task wakes up, no send is held, no stream (their durations or order depend on more).
+`fits` checks this per replica; the caller (planner.sim.split) uses the template's event loop
+elsewhere. The pass itself (`_times`) is plain Python over arrays, compiled with numba where
+it is installed and the replica is large; tests/test_pipeline_pass.py compares it with the
+event loop on random replicas.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from planner.sim import fastloop
+from planner.sim.template import ReplicaCore, replica_core
+
+COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where numba is installed)
+
+
+class Layout(NamedTuple):
+    """A replica core's pass arrays: device rows of compute tasks (row d is tasks
+    row_ptr[d]..row_ptr[d+1]-1, stage d's), each task's value slot and the message it takes
+    (queue, microbatch; -1: none), per message queue (2p: pair p's activations, 2p+1 its
+    gradients) and microbatch the task it leaves after and the task after which its receive
+    is posted (-1: at the start), per queue its hops (hop_ptr) with their value and resource
+    slots."""
+    row_ptr: np.ndarray
+    task_slot: np.ndarray
+    take_q: np.ndarray
+    take_i: np.ndarray
+    send: np.ndarray
+    post: np.ndarray
+    hop_ptr: np.ndarray
+    hop_slot: np.ndarray
+    hop_res: np.ndarray
+
+
+@lru_cache(maxsize=1024)
+def layout(*args) -> Layout:
+    """The `Layout` of the replica core of `replica_template`'s arguments."""
+    core = replica_core(*args)
+    sk, c, slots = core.sk, core.c, core.slots
+    n, m = sk.fwd.shape
+    starts = c.start
+    fwd, first = starts[sk.fwd], starts[sk.bwd]
+    last = c.end[sk.bwd] - sk.update[sk.bwd]
+    posted = [np.where(x >= 0, c.end[np.maximum(x, 0)], -1) for x in (sk.posted_act, sk.posted_grad)]
+    q = max(n - 1, 0)
+    take_q = np.full(len(c.value), -1, np.int64)
+    take_i = np.zeros(len(c.value), np.int64)
+    send, post = np.zeros((2 * q, m), np.int64), np.zeros((2 * q, m), np.int64)
+    mb = np.arange(m)
+    for p in range(q):
+        take_q[fwd[p + 1]], take_i[fwd[p + 1]] = 2 * p, mb
+        take_q[first[p]], take_i[first[p]] = 2 * p + 1, mb
+        send[2 * p], post[2 * p] = fwd[p], posted[0][p]
+        send[2 * p + 1], post[2 * p + 1] = last[p + 1], posted[1][p]
+    hop_slot = [x for p in range(q) for x in slots.ahead[p] + slots.back[p]]
+    hop_res = [x for p in range(q) for x in slots.ahead_res[p] + slots.back_res[p]]
+    sizes = [len(h) for p in range(q) for h in (slots.ahead[p], slots.back[p])]
+    rows = np.append(0, c.end[sk.row_last] + 1)
+    return Layout(rows.astype(np.int64), c.value.astype(np.int64), take_q, take_i, send, post,
+                  np.append(0, np.cumsum(sizes, dtype=np.int64)).astype(np.int64),
+                  np.array(hop_slot, np.int64), np.array(hop_res, np.int64))
+
+
+def fits(core: ReplicaCore, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:
+    """Whether the pass gives a replica of `core` on resources `res` (per resource slot) its
+    event-loop times (the module docstring's conditions)."""
+    _, _, _, _, devices, stream, _ = core.args
+    return (devices is None and stream is None and not core.holds
+            and all(len(r) == 1 for r in res) and len(set(res)) == len(res)
+            and not any(r in wake_at for r in res))
+
+
+def _times(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur):
+    """(start, end) of each compute task, each hop's link's last end and whether the hop
+    ending there took no time; ok False on a deadlock (a schedule that cannot run)."""
+    n_tasks, n_rows, n_hops = len(dur), len(row_ptr) - 1, len(hop_dur)
+    start, end = np.zeros(n_tasks), np.zeros(n_tasks)
+    done = np.zeros(n_tasks, np.bool_)
+    free = np.zeros(n_rows)
+    pos = row_ptr[:-1].copy()
+    link, link_zero = np.zeros(n_hops), np.zeros(n_hops, np.bool_)
+    arrive = np.zeros(send.shape)
+    nxt = np.zeros(send.shape[0], np.int64)   # per queue: its next message to send
+    left = n_tasks
+    while left > 0:
+        moved = False
+        for d in range(n_rows):
+            while pos[d] < row_ptr[d + 1]:
+                t = pos[d]
+                ready = free[d]
+                q = take_q[t]
+                if q >= 0:
+                    i = take_i[t]
+                    while nxt[q] <= i:   # the queue's messages in order, as far as they can go
+                        j = nxt[q]
+                        s, after = send[q, j], post[q, j]
+                        if not done[s] or (after >= 0 and not done[after]):
+                            break
+                        r = end[s]
+                        if hop_ptr[q + 1] > hop_ptr[q]:
+                            if after >= 0 and end[after] > r:
+                                r = end[after]
+                            for h in range(hop_ptr[q], hop_ptr[q + 1]):
+                                if link[h] > r:
+                                    r = link[h]
+                                e = r + hop_dur[h]
+                                link_zero[h] = e == r
+                                link[h] = e
+                                r = e
+                        arrive[q, j] = r
+                        nxt[q] = j + 1
+                    if nxt[q] <= i:
+                        break
+                    if arrive[q, i] > ready:
+                        ready = arrive[q, i]
+                start[t] = ready
+                end[t] = ready + dur[t]
+                done[t] = True
+                free[d] = end[t]
+                pos[d] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            return start, end, link, link_zero, False
+    return start, end, link, link_zero, True
+
+
+_compiled = None
+
+
+def _pass():
+    global _compiled
+    if _compiled is None:
+        _compiled = fastloop._numba.njit(cache=True)(_times)
+    return _compiled
+
+
+class PipelineRun:
+    """A replica's structure timed by the pass: its core's `Layout`, and per resource slot its
+    local resource (the numbering planner.sim.split gives a part's resources)."""
+
+    __slots__ = ("core", "layout", "local", "n_res", "n_stages")
+
+    def __init__(self, core: ReplicaCore, canon: tuple[tuple[int, ...], ...]):
+        self.core, self.layout = core, layout(*core.args)
+        self.local = np.array([r[0] for r in canon], np.int64)
+        self.n_res = 1 + int(self.local.max(initial=-1))
+        self.n_stages = len(self.layout.row_ptr) - 1
+
+    def run(self, values: tuple[float, ...]):
+        """The replica's `planner.sim.split.ReplicaRun` for its value slots' `values` (ends of
+        its compute tasks only: the coupling waits for no hop)."""
+        from planner.sim.split import ReplicaRun
+        lay = self.layout
+        v = np.asarray(values, np.float64)
+        dur, hop_dur = v[lay.task_slot], v[lay.hop_slot]
+        f = (_pass() if len(dur) >= COMPILED_FROM and fastloop.available() else _times)
+        start, end, link, link_zero, ok = f(lay.row_ptr, dur, lay.take_q, lay.take_i, lay.send, lay.post,
+                                            lay.hop_ptr, hop_dur)
+        if not ok:
+            raise ValueError(f"schedule {self.core.args[0]!r} deadlocks")
+        last, last_zero = np.zeros(self.n_res), np.zeros(self.n_res, bool)
+        rows = lay.row_ptr
+        tail = rows[1:][rows[1:] > rows[:-1]] - 1          # each non-empty row's last task
+        stages = np.flatnonzero(rows[1:] > rows[:-1])
+        last[self.local[stages]] = end[tail]
+        last_zero[self.local[stages]] = start[tail] == end[tail]
+        at = self.local[lay.hop_res]
+        last[at], last_zero[at] = link, link_zero
+        zeros = frozenset(np.flatnonzero(start == end).tolist())
+        return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last.tolist()),
+                          tuple(last_zero.tolist()), zeros)
+
+
+__all__ = ["Layout", "layout", "fits", "PipelineRun", "COMPILED_FROM"]
