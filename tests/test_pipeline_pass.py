@@ -1,0 +1,102 @@
+"""planner.sim.pipeline: a replica timed by one pass over its schedule gives the event loop's
+times bit for bit (each compute task's end, each resource's last end and whether a task taking
+no time ends there, the iteration's end), compiled and in Python; and `fits` refuses what the
+pass does not model."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from planner.sim import fastloop, pipeline
+from planner.sim.pipeline import PipelineRun, fits
+from planner.sim.split import Structure
+from planner.sim.template import Stream, replica_core, replica_template
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "hippie")
+
+
+def random_replica(rng: random.Random):
+    """(template arguments, resources per slot, links, slot values): durations drawn from a few
+    values with zeros, so ties and tasks taking no time are common."""
+    n, m = rng.randint(1, 5), rng.randint(1, 7)
+    schedule = rng.choice(SCHEDULES)
+    pieces = tuple(rng.randint(1, 3) for _ in range(n))
+    hops = tuple((rng.randint(0, 3), rng.randint(0, 3)) for _ in range(n - 1))
+    args = (schedule, m, pieces, hops, None, None, None)
+    core = replica_core(*args)
+    n_res = n + sum(a + b for a, b in hops)
+    ids = rng.sample(range(3 * n_res + 5), n_res)   # the plan's resource ids, distinct
+    res = tuple((x,) for x in ids)
+    links = {(x,) for x in ids[n:]}
+    choices = [0.0, 1.0, 2.0, 0.5, 3.0, 1e-9, 7.25]
+    values = tuple(rng.choice(choices) for _ in range(core.n_values))
+    return args, res, links, values
+
+
+def canonical(res):
+    used = sorted({x for r in res for x in r})
+    local = dict(zip(used, range(len(used))))
+    return tuple(tuple(map(local.__getitem__, r)) for r in res)
+
+
+def event_loop_run(args, res, links, values):
+    canon = canonical(res)
+    return Structure.of_template(replica_template(*args), canon, res, {}, links).run(values)
+
+
+def assert_same(fast, slow, n_compute):
+    assert fast.end_s == slow.end_s
+    assert np.asarray(fast.ends).tolist() == np.asarray(slow.ends)[:n_compute].tolist()
+    assert fast.last == slow.last
+    assert fast.last_zero == slow.last_zero
+    assert fast.zeros == frozenset(t for t in slow.zeros if t < n_compute)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_pass_gives_the_event_loops_times_on_random_replicas(compiled, monkeypatch):
+    if compiled and not fastloop.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(pipeline, "COMPILED_FROM", 0 if compiled else 10**9)
+    rng = random.Random(7)
+    for _ in range(300):
+        args, res, links, values = random_replica(rng)
+        core = replica_core(*args)
+        assert fits(core, res, {})
+        fast = PipelineRun(core, canonical(res)).run(values)
+        assert_same(fast, event_loop_run(args, res, links, values), len(core.c.value))
+
+
+def test_the_pass_follows_a_late_posted_receive_and_a_busy_link():
+    # GPipe, 2 stages, 4 microbatches, one hop each way: stage 1 posts its third receive only
+    # after its first forward (POSTED_AHEAD 2), so activation 2 waits on the link for it
+    args = ("gpipe", 4, (1, 1), ((1, 1),), None, None, None)
+    core = replica_core(*args)
+    res, links = ((0,), (1,), (2,), (3,)), {(2,), (3,)}
+    fwd, hop, slow = 1.0, 0.25, 5.0
+    values = [0.0] * core.n_values
+    values[core.slots.fwd[0]], values[core.slots.fwd[1]] = fwd, slow
+    for s in range(2):
+        for k in core.slots.last[s] + core.slots.fresh[s] + core.slots.other[s]:
+            values[k] = 1.0
+    values[core.slots.ahead[0][0]] = values[core.slots.back[0][0]] = hop
+    run = PipelineRun(core, canonical(res)).run(tuple(values))
+    assert_same(run, event_loop_run(args, res, links, tuple(values)), len(core.c.value))
+    # stage 1's forwards take 5: F0 from 1.25 (stage 0's F0, then the hop) to 6.25, F1 right
+    # after; activation 2 leaves stage 0 at 3 but waits for its post (F0's end, 6.25), lands at
+    # 6.5, and F2 starts when F1 ends
+    f = [run.ends[t] for t in core.c.start[core.sk.fwd[1]]]
+    assert f == [6.25, 11.25, 16.25, 21.25]
+
+
+def test_fits_refuses_what_the_pass_does_not_model():
+    plain = replica_core("1f1b", 4, (1, 1), ((1, 1),), None, None, None)
+    res = ((0,), (1,), (2,), (3,))
+    assert fits(plain, res, {})
+    assert not fits(plain, ((0,), (1,), (2,), (2,)), {})          # a link carrying two streams
+    assert not fits(plain, ((0, 5), (1,), (2,), (3,)), {})        # a stage holding two resources
+    assert not fits(plain, res, {(1,): 1e-5})                     # a device that wakes up
+    assert not fits(replica_core("interleaved-1f1b", 4, (1,) * 4, ((1, 1),) * 3, 2, None, None), res, {})
+    assert not fits(replica_core("1f1b", 4, (1, 1), ((1, 1),), None, Stream(4, 1), None), res, {})
+    assert not fits(replica_core("gpipe", 4, (1, 1), ((1, 1),), None, None, (True, True)), res, {})
