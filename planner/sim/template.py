@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from planner.sim.schedule import Action, make_schedule, receives, split_backward
+from planner.sim.schedule import POSTED_AHEAD, Action, make_schedule, split_backward
 
 
 class Slots(NamedTuple):
@@ -203,7 +203,7 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
     letter = np.array(list(map(attrgetter("kind"), acts)))
     f, i_pass = letter == "F", letter == "I"
     bw = ~(f | i_pass)
-    adds = np.fromiter((accumulates(i, stream) for i in mb.tolist()), bool, len(acts))
+    adds = mb % stream.update_every != 0 if stream else mb > 0   # accumulates(i, stream), per action
     kind = np.select([f, i_pass, mb == m - 1, adds], [_F, _I, _LAST, _OTHER], _FRESH)
     # a stream's stage updates its weights after every update_every-th backward (Stream)
     update = bw & ((mb + 1) % stream.update_every == 0) if stream else np.zeros(len(acts), bool)
@@ -216,24 +216,55 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
     last[stage[kind == _LAST]] = idx[kind == _LAST]
     np.maximum.at(final, stage[~f], idx[~f])   # a stage's actions are in one row, in order
     ends = bw & ((mb + 1) % stream.per_iteration == 0) if stream else np.zeros(len(acts), bool)
-    posted = np.full((2, max(n - 1, 0), m), -1, np.int64)
-    takes = np.zeros(len(acts) + 1, bool)
-    for (what, s, i), (d, take, after) in receives(rows).items():
-        takes[offset[d] + take] = True
-        if after is not None:   # ("act", s, i) crosses pair s - 1, ("grad", s, i) pair s
-            posted[0 if what == "act" else 1, s - 1 if what == "act" else s, i] = offset[d] + after
+    posted, takes = _receives(offset, stage, mb, f, took, fwd, bwd)
     takes[offset[1:]] = True   # each row's end
     at = np.flatnonzero(takes)
     next_take = at[np.searchsorted(at, idx + 1)]
     first = {}   # (stage, statistic) -> (first action counting it, then bwd_s before optimizer_s)
     for stat, mask, late in (("fwd_s", f, 0), ("bwd_s", ~f, 0), ("optimizer_s", update, 1)):
-        for s in range(n):
-            at = np.flatnonzero(mask & (stage == s))
-            if len(at):
-                first[(s, stat)] = (int(at[0]), late)
+        counted, at = np.unique(stage[mask], return_index=True)   # each stage's first such action
+        for s, a in zip(counted.tolist(), np.flatnonzero(mask)[at].tolist()):
+            first[(s, stat)] = (a, late)
     return _Skeleton(stage, kind, update, offset[1:][offset[1:] > offset[:-1]] - 1, fwd, bwd, posted[0], posted[1],
                      last, final, next_take, tuple(tuple(idx[ends & (stage == s)].tolist()) for s in range(n)),
                      tuple(sorted(first, key=first.__getitem__)), tuple(np.bincount(stage[f], minlength=n).tolist()))
+
+
+def _receives(offset: np.ndarray, stage: np.ndarray, mb: np.ndarray, f: np.ndarray, took: np.ndarray,
+              fwd: np.ndarray, bwd: np.ndarray, window: int = POSTED_AHEAD) -> tuple[np.ndarray, np.ndarray]:
+    """`planner.sim.schedule.receives` over the skeleton's arrays (actions in row order; f: the
+    forwards, took: what a gradient leaves and arrives at): [activation 0 or gradient 1, pair,
+    microbatch] the action after whose end the message's receive is posted (-1: at the
+    iteration's start), and per action (one more slot: the end) whether it takes a message."""
+    n, m = fwd.shape
+    row = np.repeat(np.arange(len(offset) - 1), np.diff(offset))
+    grad = took & (stage > 0)
+    sent = np.flatnonzero((f & (stage < n - 1)) | grad)   # each peer's messages in its send order
+    back = grad[sent]
+    to = np.where(back, stage[sent] - 1, stage[sent] + 1)
+    consumer = np.where(back, bwd[to, mb[sent]], fwd[to, mb[sent]])
+    to_row = row[consumer]
+    peers = row[sent] * len(offset) + to_row
+    order = np.argsort(peers, kind="stable")
+    cut = np.flatnonzero(np.diff(peers[order])) + 1
+    need = consumer[order] - offset[to_row[order]]   # the index in its row of the action needing it
+    take, post = np.empty_like(need), np.full(len(need), -1, np.int64)
+    for a, b in zip(np.append(0, cut).tolist(), np.append(cut, len(need)).tolist()):
+        t = take[a:b] = np.minimum.accumulate(need[a:b][::-1])[::-1]   # taken by it or a later one
+        if b - a > window:
+            now, before = t[window:], t[:-window]
+            # posted as the action after that take starts, or (taken with it) when needed
+            post[a + window:b] = np.where(now > before, before, np.where(now > 0, now - 1, -1))
+    posted = np.full((2, max(n - 1, 0), m), -1, np.int64)
+    ordered = sent[order]
+    base = offset[to_row[order]]
+    k = back[order].astype(np.int64)
+    pair = to[order] - 1 + k   # an activation to stage s crosses pair s - 1, a gradient to s pair s
+    has = post >= 0
+    posted[k[has], pair[has], mb[ordered][has]] = (base + post)[has]
+    takes = np.zeros(len(stage) + 1, bool)
+    takes[base + take] = True
+    return posted, takes
 
 
 def _tuples(flat: np.ndarray, sizes: np.ndarray) -> list[tuple[int, ...]]:
