@@ -58,10 +58,27 @@ def outcomes(sim: Simulator, plans) -> list[str]:
     return out
 
 
+def warm_up() -> None:
+    """What a process pays once, whichever path it takes: torch (the DDP bucket layout) and the
+    compiled loops, loaded by simulating a small plan; then the template caches emptied, so the
+    replay builds its structures cold, as a search does."""
+    from planner.sim import fastloop, pipeline, schedule, template
+    if fastloop.available():
+        fastloop._compiled(), pipeline._pass()
+    g, topo = synthetic_graph(8, 16), cluster_64(1)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    search(simulator_problem(Simulator(g, topo), space), random.Random(0), SearchConfig(iterations=30))
+    for f in (template.replica_template, template.replica_core, template._skeleton, pipeline.layout,
+              schedule._schedule):
+        f.cache_clear()
+
+
 def replay(path: Path, split: bool) -> float:
-    """CPU seconds to simulate the plans in order with a fresh simulator (gc off)."""
+    """CPU seconds to simulate the plans in order with a fresh simulator (gc off), after
+    `warm_up`."""
     plans = pickle.loads(path.read_bytes())
     g, topo = case()
+    warm_up()
     sim = Simulator(g, topo, split=split)
     gc.disable()
     t0 = time.process_time()

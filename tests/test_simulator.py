@@ -1,6 +1,8 @@
 """Exact-time tests of the simulator on hand-computable what-if cases (op overhead 0)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from planner.cost.buckets import Bucket, grad_buckets
@@ -745,3 +747,23 @@ def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(s
                     recipes.append(k)
             assert tg.replica_recipes(r) == (recipes, tuple(recipes.index(tg.dkey[x]) for x in tasks))
             assert tg.replica_resources(r) == {y for x in tasks for y in tg.res[x]}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b"])
+def test_schedule_arrays_are_the_schedules_actions(schedule):
+    # planner.sim.schedule.schedule_arrays (what the templates are laid out from) against
+    # make_schedule's actions, row by row
+    from planner.sim.schedule import KINDS, make_schedule, schedule_arrays
+    cases = 0
+    for n in range(1, 9):
+        for m in range(1, 13):
+            for d in ([p for p in range(1, n + 1) if n % p == 0 and m % p == 0]
+                      if schedule == "interleaved-1f1b" else [None]):
+                rows = make_schedule(schedule, n, m, d)
+                offset, stage, kind, mb = schedule_arrays(schedule, n, m, d)
+                acts = [a for row in rows for a in row]
+                assert offset.tolist() == [0] + list(itertools.accumulate(len(r) for r in rows)), (n, m, d)
+                assert [(s, KINDS[k], i) for s, k, i in zip(stage.tolist(), kind.tolist(), mb.tolist())] == \
+                    [(a.stage, a.kind, a.microbatch) for a in acts], (n, m, d)
+                cases += 1
+    assert cases >= 96

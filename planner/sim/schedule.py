@@ -14,6 +14,8 @@ import re
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
+
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
@@ -141,6 +143,63 @@ def _make(name: str, stages: int, microbatches: int, devices: int | None) -> lis
     raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b, interleaved-1f1b, zb-h1 or hippie")
 
 
+KINDS = "FBIW"   # an action's kind as a number: its index here (`schedule_arrays`)
+
+
+@lru_cache(maxsize=256)
+def schedule_arrays(name: str, stages: int, microbatches: int, devices: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`make_schedule` as arrays, the rows one after another: (each row's first index and the
+    end, then per action its stage, its kind's index in KINDS, its microbatch). Laid out with
+    arrays for GPipe, 1F1B, ZB-H1 and Hippie (the same actions in the same order); read off the
+    actions for interleaved 1F1B."""
+    n, m = stages, microbatches
+    if name == "interleaved-1f1b":
+        acts = [a for row in _schedule(name, n, m, devices) for a in row]
+        offset = np.cumsum([0] + [len(row) for row in _schedule(name, n, m, devices)])
+        return _frozen(offset.astype(np.int64), np.array([a.stage for a in acts], np.int64),
+                       np.array([KINDS.index(a.kind) for a in acts], np.int64),
+                       np.array([a.microbatch for a in acts], np.int64))
+    _make(name, 0, 0, None)   # the name's check
+    rows = [_row_arrays(name, n, m, s) for s in range(n)]
+    offset = np.cumsum([0] + [len(k) for k, _ in rows]).astype(np.int64)
+    stage = np.repeat(np.arange(n, dtype=np.int64), np.diff(offset))
+    kinds = np.concatenate([k for k, _ in rows]).astype(np.int64) if rows else np.zeros(0, np.int64)
+    mbs = np.concatenate([i for _, i in rows]).astype(np.int64) if rows else np.zeros(0, np.int64)
+    return _frozen(offset, stage, kinds, mbs)
+
+
+def _frozen(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The arrays made read-only (they are cached and shared)."""
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
+
+
+def _row_arrays(name: str, n: int, m: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stage s's row of a non-interleaved schedule: (kinds, microbatches)."""
+    F, B, I, W = range(4)
+    i = np.arange(m)
+    if name == "gpipe" or (name == "hippie" and s < n - 1):
+        return np.repeat([F, B], m), np.concatenate([i, i])
+    if name == "hippie":   # the last stage: F0 B0 F1 B1 ...
+        return np.tile([F, B], m), np.repeat(i, 2)
+    w = min(n - s - 1, m)   # 1F1B and ZB-H1: warm-up forwards, then F with each backward
+    steady = i < m - w
+    late = i >= s if name == "zb-h1" else np.zeros(m, bool)   # ZB-H1: W(i - s) after I(i)
+    size = steady + 1 + late
+    at = w + np.cumsum(size) - size   # where microbatch i's backward block starts
+    owed = np.arange(max(m - s, 0), m) if name == "zb-h1" else np.zeros(0, np.int64)
+    kinds, mbs = np.empty(w + int(size.sum()) + len(owed), np.int64), np.empty(w + int(size.sum()) + len(owed), np.int64)
+    kinds[:w], mbs[:w] = F, np.arange(w)
+    kinds[at[steady]], mbs[at[steady]] = F, w + i[steady]
+    back = at + steady
+    kinds[back], mbs[back] = (I if name == "zb-h1" else B), i
+    kinds[back[late] + 1], mbs[back[late] + 1] = W, i[late] - s
+    kinds[len(kinds) - len(owed):], mbs[len(kinds) - len(owed):] = W, owed
+    return kinds, mbs
+
+
 def split_backward(name: str) -> bool:
     """Whether schedule `name` splits each backward into I and W actions."""
     return name == "zb-h1"
@@ -254,6 +313,6 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "hippie", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
+__all__ = ["Action", "KINDS", "schedule_arrays", "gpipe", "one_f_one_b", "hippie", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
            "POSTED_AHEAD", "receives", "format_schedule",
            "parse_schedule", "dry_run", "grid"]

@@ -23,13 +23,12 @@ pieces and buckets (the weights' gradients are final when the last microbatch's 
 from __future__ import annotations
 
 from functools import cached_property, lru_cache
-from operator import attrgetter
 from itertools import chain, repeat
 from typing import Callable, NamedTuple
 
 import numpy as np
 
-from planner.sim.schedule import POSTED_AHEAD, Action, make_schedule, split_backward
+from planner.sim.schedule import KINDS, POSTED_AHEAD, Action, make_schedule, schedule_arrays, split_backward
 
 
 class Slots(NamedTuple):
@@ -195,27 +194,22 @@ _F, _I, _FRESH, _OTHER, _LAST = range(5)   # the value slot of an action's tasks
 @lru_cache(maxsize=256)
 def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream | None) -> _Skeleton:
     """The schedule's actions and messages as arrays (`_Skeleton`), shared by its templates."""
-    rows = make_schedule(schedule, n, m, devices)
-    acts = [a for row in rows for a in row]
-    offset = np.cumsum([0] + [len(row) for row in rows])
-    stage = np.fromiter(map(attrgetter("stage"), acts), np.int64, len(acts))
-    mb = np.fromiter(map(attrgetter("microbatch"), acts), np.int64, len(acts))
-    letter = np.array(list(map(attrgetter("kind"), acts)))
-    f, i_pass = letter == "F", letter == "I"
+    offset, stage, letter, mb = schedule_arrays(schedule, n, m, devices)   # letter: an index in KINDS
+    f, i_pass = letter == KINDS.index("F"), letter == KINDS.index("I")
     bw = ~(f | i_pass)
     adds = mb % stream.update_every != 0 if stream else mb > 0   # accumulates(i, stream), per action
     kind = np.select([f, i_pass, mb == m - 1, adds], [_F, _I, _LAST, _OTHER], _FRESH)
     # a stream's stage updates its weights after every update_every-th backward (Stream)
-    update = bw & ((mb + 1) % stream.update_every == 0) if stream else np.zeros(len(acts), bool)
-    idx = np.arange(len(acts))
+    update = bw & ((mb + 1) % stream.update_every == 0) if stream else np.zeros(len(stage), bool)
+    idx = np.arange(len(stage))
     fwd, bwd = np.zeros((n, m), np.int64), np.zeros((n, m), np.int64)
     fwd[stage[f], mb[f]] = idx[f]
-    took = ~f & (letter != "W")            # B, or I: what the gradient leaves and arrives at
+    took = ~f & (letter != KINDS.index("W"))   # B, or I: what the gradient leaves and arrives at
     bwd[stage[took], mb[took]] = idx[took]
     last, final = np.zeros(n, np.int64), np.zeros(n, np.int64)
     last[stage[kind == _LAST]] = idx[kind == _LAST]
     np.maximum.at(final, stage[~f], idx[~f])   # a stage's actions are in one row, in order
-    ends = bw & ((mb + 1) % stream.per_iteration == 0) if stream else np.zeros(len(acts), bool)
+    ends = bw & ((mb + 1) % stream.per_iteration == 0) if stream else np.zeros(len(stage), bool)
     posted, takes = _receives(offset, stage, mb, f, took, fwd, bwd)
     takes[offset[1:]] = True   # each row's end
     at = np.flatnonzero(takes)
@@ -226,7 +220,8 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
         for s, a in zip(counted.tolist(), np.flatnonzero(mask)[at].tolist()):
             first[(s, stat)] = (a, late)
     return _Skeleton(stage, kind, update, offset[1:][offset[1:] > offset[:-1]] - 1, fwd, bwd, posted[0], posted[1],
-                     last, final, next_take, tuple(tuple(idx[ends & (stage == s)].tolist()) for s in range(n)),
+                     last, final, next_take,
+                     tuple(tuple(idx[ends & (stage == s)].tolist()) for s in range(n)) if stream else ((),) * n,
                      tuple(sorted(first, key=first.__getitem__)), tuple(np.bincount(stage[f], minlength=n).tolist()))
 
 
