@@ -3,9 +3,11 @@
 Records every plan a 64 x 96 rails search simulates (benchmarks/search.py's case, seed 0, 600
 proposals), checks that both paths give identical results (repr), then replays the plans in
 order in fresh processes (cold template cache, as the search has it), delta on and off
-alternating: CPU time per side, medians and spread.
+alternating: CPU time per side, medians and spread. Sides: delta simulation ("on"), whole
+graphs with what the simulator keeps across plans ("off": templates, replica values, identical
+replicas once), whole graphs from scratch per plan ("scratch").
 
-    python benchmarks/delta_replay.py [--pairs 5] [--plans PATH]
+    python benchmarks/delta_replay.py [--pairs 5] [--plans PATH] [--sides on,off,scratch]
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ from planner.files.plan import ModelRef  # noqa: E402
 from planner.search.mcmc import SearchConfig, search  # noqa: E402
 from planner.search.problem import make_space, simulator_problem  # noqa: E402
 from planner.sim.simulator import Simulator  # noqa: E402
+
+
+SIDES = {"on": "delta simulation", "off": "whole graphs, kept across plans",
+         "scratch": "whole graphs from scratch"}
 
 
 def case():
@@ -73,16 +79,26 @@ def warm_up() -> None:
         f.cache_clear()
 
 
-def replay(path: Path, split: bool) -> float:
-    """CPU seconds to simulate the plans in order with a fresh simulator (gc off), after
-    `warm_up`."""
+def replay(path: Path, side: str) -> float:
+    """CPU seconds to simulate the plans in order (gc off), after `warm_up`: "on" and "off" with
+    one simulator, delta simulation on or off (whole graphs, identical replicas once); "scratch"
+    whole graphs with nothing kept from one plan to the next (a simulator per plan, the template
+    caches emptied) but the cost model's tables: full simulation as FlexFlow's paper compares."""
+    from planner.sim import pipeline, schedule, template
     plans = pickle.loads(path.read_bytes())
     g, topo = case()
     warm_up()
-    sim = Simulator(g, topo, split=split)
+    sim = Simulator(g, topo, split=side == "on")
     gc.disable()
     t0 = time.process_time()
-    outcomes(sim, plans)
+    if side != "scratch":
+        outcomes(sim, plans)
+        return time.process_time() - t0
+    for p in plans:
+        for f in (template.replica_template, template.replica_core, template._skeleton, pipeline.layout,
+                  schedule._schedule):
+            f.cache_clear()
+        outcomes(Simulator(g, topo, cost=sim.cost, split=False), [p])
     return time.process_time() - t0
 
 
@@ -90,10 +106,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=5, help="replays per side, alternating (default 5)")
     ap.add_argument("--plans", type=Path, default=Path("/tmp/delta_replay_plans.pkl"), help="recorded plans")
-    ap.add_argument("--replay", choices=("on", "off"), help=argparse.SUPPRESS)   # one replay (a child)
+    ap.add_argument("--sides", default="on,off,scratch", help="replays to time (default on,off,scratch)")
+    ap.add_argument("--replay", choices=SIDES, help=argparse.SUPPRESS)   # one replay (a child)
     args = ap.parse_args()
     if args.replay:
-        print(replay(args.plans, args.replay == "on"))
+        print(replay(args.plans, args.replay))
         return 0
     if not args.plans.exists():
         record(args.plans)
@@ -101,15 +118,21 @@ def main() -> int:
     g, topo = case()
     same = outcomes(Simulator(g, topo), plans) == outcomes(Simulator(g, topo, split=False), plans)
     print(f"{len(plans)} plans; delta and whole results identical: {same}", file=sys.stderr)
-    times: dict[str, list[float]] = {"on": [], "off": []}
+    sides = [x for x in args.sides.split(",") if x]
+    if not set(sides) <= set(SIDES):
+        print(f"--sides: expected some of {', '.join(SIDES)}; got {args.sides!r}", file=sys.stderr)
+        return 2
+    times: dict[str, list[float]] = {side: [] for side in sides}
     for _ in range(args.pairs):
-        for side in ("on", "off"):
+        for side in sides:
             out = subprocess.run([sys.executable, __file__, "--plans", str(args.plans), "--replay", side],
                                  capture_output=True, text=True, check=True)
             times[side].append(float(out.stdout))
     for side, ts in times.items():
-        print(f"delta {side}: median {statistics.median(ts):.2f} s CPU ({min(ts):.2f}-{max(ts):.2f}), "
-              f"{len(plans) / statistics.median(ts):.1f} sims/s")
+        ratio = (f", {statistics.median(ts) / statistics.median(times['on']):.2f}x delta's time"
+                 if "on" in times and side != "on" else "")
+        print(f"{SIDES[side]}: median {statistics.median(ts):.2f} s CPU ({min(ts):.2f}-{max(ts):.2f}), "
+              f"{len(plans) / statistics.median(ts):.1f} sims/s{ratio}")
     return 0 if same else 1
 
 

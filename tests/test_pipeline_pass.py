@@ -1,7 +1,8 @@
 """planner.sim.pipeline: a replica timed by one pass over its schedule gives the event loop's
 times bit for bit (each compute task's end, each resource's last end and whether a task taking
-no time ends there, the iteration's end), compiled and in Python; and `fits` refuses what the
-pass does not model."""
+no time ends there, the iteration's end), compiled and in Python; `fits` refuses what the pass
+does not model; a replica's graph laid out without its template (`graph`, run by
+planner.sim.split.GraphRun where links are shared) is the template's."""
 from __future__ import annotations
 
 import random
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 
 from planner.sim import fastloop, pipeline
-from planner.sim.pipeline import PipelineRun, fits
-from planner.sim.split import Structure
+from planner.sim.pipeline import PipelineRun, fits, graph
+from planner.sim.split import GraphRun, Structure
 from planner.sim.template import Stream, replica_core, replica_template
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "hippie")
@@ -100,3 +101,55 @@ def test_fits_refuses_what_the_pass_does_not_model():
     assert not fits(replica_core("interleaved-1f1b", 4, (1,) * 4, ((1, 1),) * 3, 2, None, None), res, {})
     assert not fits(replica_core("1f1b", 4, (1, 1), ((1, 1),), None, Stream(4, 1), None), res, {})
     assert not fits(replica_core("gpipe", 4, (1, 1), ((1, 1),), None, None, (True, True)), res, {})
+
+
+def random_linked_replica(rng: random.Random):
+    """A replica whose hops may share link directions (routes through one another's links) and,
+    interleaved, whose stages share devices: (template arguments, resources per slot, links,
+    slot values)."""
+    schedule = rng.choice(SCHEDULES + ("interleaved-1f1b",))
+    n, m = rng.randint(1, 6), rng.randint(1, 7)
+    devices = None
+    if schedule == "interleaved-1f1b":
+        devices = rng.choice([p for p in range(1, n + 1) if n % p == 0 and m % p == 0] or [1])
+        m = m if m % devices == 0 else devices
+    pieces = tuple(rng.randint(1, 3) for _ in range(n))
+    hops = tuple((rng.randint(0, 3), rng.randint(0, 3)) for _ in range(n - 1))
+    args = (schedule, m, pieces, hops, devices, None, None)
+    core = replica_core(*args)
+    stage_dev = [(s % devices if devices else s) for s in range(n)]
+    n_links = sum(a + b for a, b in hops)
+    pool = [100 + rng.randint(0, max(1, n_links // 2)) for _ in range(n_links)]   # repeats: shared
+    res = tuple((d,) for d in stage_dev) + tuple((x,) for x in pool)
+    values = tuple(rng.choice([0.0, 1.0, 2.0, 0.5, 3.0, 1e-9, 7.25]) for _ in range(core.n_values))
+    return args, res, {(x,) for x in pool}, values
+
+
+def test_a_graph_laid_out_without_its_template_is_the_templates():
+    rng = random.Random(3)
+    for _ in range(200):
+        args, *_ = random_linked_replica(rng)
+        t, g = replica_template(*args), graph(*args)
+        assert g.task_slot.tolist() == list(t.value) and g.res_slot.tolist() == list(t.res)
+        assert g.ndeps.tolist() == list(t.ndeps)
+        assert [sorted(g.succ_idx[a:b].tolist()) for a, b in zip(g.succ_ptr[:-1], g.succ_ptr[1:])] == \
+            [sorted(x) for x in t.succ]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_graph_runs_give_the_templates_times_where_links_are_shared(compiled, monkeypatch):
+    if compiled and not fastloop.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(fastloop, "MIN_TASKS", 0 if compiled else 10**9)
+    rng = random.Random(11)
+    shared = 0
+    for _ in range(200):
+        args, res, links, values = random_linked_replica(rng)
+        core = replica_core(*args)
+        assert GraphRun.fits(core, res, {})
+        shared += len(set(res)) < len(res)
+        run = GraphRun(core, canonical(res)).run(values)
+        slow = event_loop_run(args, res, links, values)
+        assert (run.end_s, run.last, run.last_zero, run.zeros) == (slow.end_s, slow.last, slow.last_zero, slow.zeros)
+        assert np.asarray(run.ends).tolist() == np.asarray(slow.ends).tolist()
+    assert shared >= 100

@@ -45,7 +45,7 @@ class Paths(Counter):
 def paths(monkeypatch):
     counts = Paths()
     simulate, delta = Simulator.simulate, split.Split.run
-    runs = {cls: cls.run for cls in (split.Structure, PipelineRun)}   # the event loop's and the pass's
+    runs = {cls: cls.run for cls in (split.Structure, split.GraphRun, PipelineRun)}   # event loops, the pass
 
     def counted_sim(self, pl, trace=False):
         counts["sims"] += self._split

@@ -35,18 +35,22 @@ class Layout(NamedTuple):
     """A replica core's pass arrays: device rows of compute tasks (row d is tasks
     row_ptr[d]..row_ptr[d+1]-1, stage d's), each task's value slot and the message it takes
     (queue, microbatch; -1: none), per message queue (2p: pair p's activations, 2p+1 its
-    gradients) and microbatch the task it leaves after and the task after which its receive
-    is posted (-1: at the start), per queue its hops (hop_ptr) with their value and resource
-    slots."""
+    gradients) and microbatch the task it leaves after, the task after which its receive
+    is posted (-1: at the start) and the task that takes it, per queue its hops (hop_ptr) with
+    their value and resource slots and (`first_hop`) the template's id of its first hop of
+    microbatch 0 (those of microbatch i are `stride[q]` ids later)."""
     row_ptr: np.ndarray
     task_slot: np.ndarray
     take_q: np.ndarray
     take_i: np.ndarray
     send: np.ndarray
     post: np.ndarray
+    recv: np.ndarray
     hop_ptr: np.ndarray
     hop_slot: np.ndarray
     hop_res: np.ndarray
+    first_hop: np.ndarray
+    stride: np.ndarray
 
 
 @lru_cache(maxsize=1024)
@@ -62,20 +66,68 @@ def layout(*args) -> Layout:
     q = max(n - 1, 0)
     take_q = np.full(len(c.value), -1, np.int64)
     take_i = np.zeros(len(c.value), np.int64)
-    send, post = np.zeros((2 * q, m), np.int64), np.zeros((2 * q, m), np.int64)
+    send, post, recv = (np.zeros((2 * q, m), np.int64) for _ in range(3))
     mb = np.arange(m)
     for p in range(q):
         take_q[fwd[p + 1]], take_i[fwd[p + 1]] = 2 * p, mb
         take_q[first[p]], take_i[first[p]] = 2 * p + 1, mb
-        send[2 * p], post[2 * p] = fwd[p], posted[0][p]
-        send[2 * p + 1], post[2 * p + 1] = last[p + 1], posted[1][p]
+        send[2 * p], post[2 * p], recv[2 * p] = fwd[p], posted[0][p], fwd[p + 1]
+        send[2 * p + 1], post[2 * p + 1], recv[2 * p + 1] = last[p + 1], posted[1][p], first[p]
     hop_slot = [x for p in range(q) for x in slots.ahead[p] + slots.back[p]]
     hop_res = [x for p in range(q) for x in slots.ahead_res[p] + slots.back_res[p]]
-    sizes = [len(h) for p in range(q) for h in (slots.ahead[p], slots.back[p])]
+    sizes = np.array([len(h) for p in range(q) for h in (slots.ahead[p], slots.back[p])], np.int64)
+    per_pair = sizes.reshape(-1, 2).sum(axis=1) if q else sizes   # a pair's hops per microbatch
+    # the template's hop ids: pair after pair, microbatch after microbatch, ahead then back
+    pair_first = len(c.value) + np.append(0, np.cumsum(per_pair * m))[:-1]
+    first_hop = (np.repeat(pair_first, 2) + np.where(np.arange(2 * q) % 2, np.repeat(sizes[::2], 2), 0)
+                 if q else np.zeros(0, np.int64))
     rows = np.append(0, c.end[sk.row_last] + 1)
-    return Layout(rows.astype(np.int64), c.value.astype(np.int64), take_q, take_i, send, post,
+    return Layout(rows.astype(np.int64), c.value.astype(np.int64), take_q, take_i, send, post, recv,
                   np.append(0, np.cumsum(sizes, dtype=np.int64)).astype(np.int64),
-                  np.array(hop_slot, np.int64), np.array(hop_res, np.int64))
+                  np.array(hop_slot, np.int64), np.array(hop_res, np.int64), first_hop.astype(np.int64),
+                  np.repeat(per_pair, 2).astype(np.int64))
+
+
+class Graph(NamedTuple):
+    """A replica's task graph as the template has it (the same task ids, dependencies and slots;
+    each task's successors in no particular order: the event loop takes ready tasks in id
+    order), laid out from its `Layout` without the template's other fields."""
+    task_slot: np.ndarray   # value slot per task
+    res_slot: np.ndarray    # resource slot per task
+    succ_ptr: np.ndarray
+    succ_idx: np.ndarray
+    ndeps: np.ndarray
+
+
+@lru_cache(maxsize=256)
+def graph(*args) -> Graph:
+    """The `Graph` of the replica core of `replica_template`'s arguments."""
+    core, lay = replica_core(*args), layout(*args)
+    n_compute, m = len(lay.task_slot), lay.send.shape[1]
+    n = n_compute + int(lay.stride[::2].sum()) * m
+    slot, res = np.empty(n, np.int64), np.empty(n, np.int64)
+    slot[:n_compute], res[:n_compute] = lay.task_slot, core.c.res
+    chained = np.ones(n_compute, bool)
+    chained[lay.row_ptr[1:][lay.row_ptr[1:] > lay.row_ptr[:-1]] - 1] = False   # each row's last
+    src, dst = [np.flatnonzero(chained)], [np.flatnonzero(chained) + 1]
+    j = np.arange(m)
+    for q in range(len(lay.first_hop)):
+        a, b = lay.hop_ptr[q], lay.hop_ptr[q + 1]
+        if a == b:   # no hops: the receiver waits for the sender
+            src.append(lay.send[q])
+            dst.append(lay.recv[q])
+            continue
+        first = lay.first_hop[q] + lay.stride[q] * j
+        hops = first[:, None] + np.arange(b - a)
+        slot[hops], res[hops] = lay.hop_slot[a:b], lay.hop_res[a:b]
+        posted = lay.post[q] >= 0
+        src += [lay.send[q], lay.post[q][posted], hops[:, :-1].ravel(), hops[:, -1]]
+        dst += [first, first[posted], hops[:, 1:].ravel(), lay.recv[q]]
+    src, dst = np.concatenate(src), np.concatenate(dst)
+    order = np.argsort(src, kind="stable")
+    ptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(src, minlength=n), out=ptr[1:])
+    return Graph(slot, res, ptr, dst[order].astype(np.int64), np.bincount(dst, minlength=n).astype(np.int64))
 
 
 def fits(core: ReplicaCore, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:

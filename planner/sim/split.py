@@ -42,7 +42,7 @@ import numpy as np
 from planner.sim import fastloop
 from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
-from planner.sim.pipeline import PipelineRun, fits as pipeline_fits
+from planner.sim.pipeline import PipelineRun, fits as pipeline_fits, graph as pipeline_graph
 from planner.sim.taskgraph import TaskGraph
 from planner.sim.template import replica_template
 
@@ -133,18 +133,13 @@ class Structure:
     def _result(self, start, end) -> "ReplicaRun":
         """The replica's times from its tasks' (start, end): lists, or arrays (compiled)."""
         if self.flat is not None:   # the same maxima and zero-length tasks, over arrays
-            ends = np.asarray(end)
-            at = np.zeros(self.n_res)
-            np.maximum.at(at, self.flat, ends)
-            last = at.tolist()
-            zeros = frozenset(np.flatnonzero(np.asarray(start) == ends).tolist())
-        else:
-            last = [0.0] * self.n_res   # per local resource, its last end
-            for r, e in zip(self.res, end):
-                for x in r:
-                    if e > last[x]:
-                        last[x] = e
-            zeros = frozenset(t for t, (s, e) in enumerate(zip(start, end)) if s == e)
+            return _flat_result(start, end, self.flat, self.n_res)
+        last = [0.0] * self.n_res   # per local resource, its last end
+        for r, e in zip(self.res, end):
+            for x in r:
+                if e > last[x]:
+                    last[x] = e
+        zeros = frozenset(t for t, (s, e) in enumerate(zip(start, end)) if s == e)
         last_zero = [False] * self.n_res
         for t in zeros:
             for x in self.res[t]:
@@ -152,6 +147,61 @@ class Structure:
         if isinstance(end, np.ndarray):
             return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last), tuple(last_zero), zeros)
         return ReplicaRun(max(end) if end else 0.0, array("d", end), tuple(last), tuple(last_zero), zeros)
+
+
+def _flat_result(start, end, flat: np.ndarray, n_res: int) -> "ReplicaRun":
+    """`Structure._result` where each task holds one resource (`flat`), over arrays."""
+    ends = np.asarray(end)
+    at = np.zeros(n_res)
+    np.maximum.at(at, flat, ends)
+    last = at.tolist()
+    zeros = frozenset(np.flatnonzero(np.asarray(start) == ends).tolist())
+    last_zero = [False] * n_res
+    for t in zeros:
+        x = int(flat[t])
+        last_zero[x] |= ends[t] == last[x]
+    end_s = float(ends.max()) if len(ends) else 0.0
+    return ReplicaRun(end_s, ends if isinstance(end, np.ndarray) else array("d", end), tuple(last),
+                      tuple(last_zero), zeros)
+
+
+class GraphRun:
+    """A replica's structure run by the event loop over its `planner.sim.pipeline.Graph` (the
+    template's tasks and dependencies, laid out without the template), where the pass does not
+    apply but every task holds one resource: link directions shared within the replica, several
+    stages on one device (interleaved)."""
+
+    __slots__ = ("core", "graph", "flat", "n_res", "fast", "lists")
+
+    def __init__(self, core, canon: tuple[tuple[int, ...], ...]):
+        self.core, self.graph = core, pipeline_graph(*core.args)
+        local = np.array([r[0] for r in canon], np.int64)
+        self.flat = local[self.graph.res_slot]
+        self.n_res = 1 + int(local.max(initial=-1))
+        self.fast = self.lists = None
+
+    @staticmethod
+    def fits(core, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:
+        _, _, _, _, _, stream, _ = core.args
+        return (stream is None and not core.holds and all(len(r) == 1 for r in res)
+                and not any(r in wake_at for r in res))
+
+    def run(self, values: tuple[float, ...]) -> "ReplicaRun":
+        g = self.graph
+        dur = np.asarray(values, np.float64)[g.task_slot]
+        n = len(dur)
+        if n >= fastloop.MIN_TASKS and fastloop.available():
+            if self.fast is None:
+                self.fast = fastloop.from_arrays(np.arange(n + 1, dtype=np.int64), self.flat, g.succ_ptr,
+                                                 g.succ_idx, g.ndeps, (), self.n_res, np.zeros(n))
+            start, end = fastloop.run(self.fast, dur)
+            return _flat_result(start, end, self.flat, self.n_res)
+        if self.lists is None:
+            ptr, idx = g.succ_ptr.tolist(), g.succ_idx.tolist()
+            self.lists = ([(x,) for x in self.flat.tolist()], [idx[ptr[t]:ptr[t + 1]] for t in range(n)])
+        res, succ = self.lists
+        start, end = run_tasks(dur.tolist(), res, succ, g.ndeps.tolist(), (), self.n_res)
+        return _flat_result(start, end, self.flat, self.n_res)
 
 
 class ReplicaRun(NamedTuple):
@@ -243,6 +293,7 @@ class Split:
             kept = structures.get(key)
             if kept is None or kept[0] is not t:   # t: the part's planner.sim.template.ReplicaCore
                 kept = structures[key] = (t, PipelineRun(t, canon) if pipeline_fits(t, res, wake_at) else
+                                          GraphRun(t, canon) if GraphRun.fits(t, res, wake_at) else
                                           Structure.of_template(replica_template(*t.args), canon, res, wake_at, links))
             parts.append(Part(-1, kept[1], vals, local))
             release += [(p, x) for x in ids]
@@ -348,4 +399,4 @@ def _dense(res: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
     dense = dict(zip(used, range(len(used))))
     return [tuple(map(dense.__getitem__, r)) for r in res], len(used)
 
-__all__ = ["Split", "Structure", "ReplicaRun", "RUN_CACHE_SIZE"]
+__all__ = ["Split", "Structure", "GraphRun", "ReplicaRun", "RUN_CACHE_SIZE"]
