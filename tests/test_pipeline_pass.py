@@ -148,7 +148,7 @@ def test_graph_runs_give_the_templates_times_where_links_are_shared(compiled, mo
         core = replica_core(*args)
         assert GraphRun.fits(core, res, {})
         shared += len(set(res)) < len(res)
-        run = GraphRun(core, canonical(res)).run(values)
+        run = GraphRun([core], [canonical(res)]).run(values)
         slow = event_loop_run(args, res, links, values)
         assert (run.end_s, run.last, run.last_zero, run.zeros) == (slow.end_s, slow.last, slow.last_zero, slow.zeros)
         assert np.asarray(run.ends).tolist() == np.asarray(slow.ends).tolist()

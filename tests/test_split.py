@@ -59,6 +59,7 @@ def paths(monkeypatch):
     def replica(self, values):
         counts["replica runs"] += 1
         counts["pipeline passes"] += isinstance(self, PipelineRun)
+        counts["group runs"] += isinstance(self, split.GraphRun) and len(self.cores) > 1   # replicas together
         return runs[type(self)](self, values)
     monkeypatch.setattr(Simulator, "simulate", counted_sim)
     monkeypatch.setattr(split.Split, "run", counted)
@@ -151,12 +152,12 @@ def test_delta_simulation_equals_the_whole_graph_on_rails_grid_plans(paths):
 
 def test_delta_simulation_equals_the_whole_graph_on_edge_cases(paths):
     # zero FLOPs, zero cut bytes, zero latencies (zero-length tasks), routes over two hops,
-    # all-reduces sharing links with transfers, twin replicas
+    # replicas sharing links (run together), all-reduces sharing links with transfers, twins
     rng = random.Random(4)
     cases = [random_case(rng) for _ in range(150)] + [random_twin_case(rng) for _ in range(60)]
     for g, t, pl in cases:
         same_results(g, t, [pl])
-    assert paths["split"] >= 20 and paths["whole"] >= 20, paths
+    assert paths["split"] >= 20 and paths["fallback"] + paths["whole"] >= 20 and paths["group runs"] >= 5, paths
 
 
 def test_delta_simulation_equals_the_whole_graph_with_held_sends(paths):
@@ -208,19 +209,20 @@ def test_each_distinct_replica_runs_once_and_a_changed_one_alone(paths):
     assert paths["split"] == 2 and paths["replica runs"] == 2, paths
 
 
-def test_replicas_sharing_a_link_direction_take_the_whole_graph(paths):
+def test_replicas_sharing_a_link_direction_run_together(paths):
     # a chain cuda:0 - cuda:1 - cuda:2 - cuda:3: both replicas' activations cross cuda:1 -> cuda:2
-    # and queue there (no parameters: no all-reduce that would also keep the plan whole)
+    # and queue there (no parameters: no all-reduce), so the two run as one group
     g = graph([layer(i) for i in range(4)], batch=4, cut_bytes=[10**6] * 5)
     names = [f"cuda:{i}" for i in range(4)]
     t = topology([device(d) for d in names], [link(a, b, 1e7) for a, b in zip(names, names[1:])])
     pl = plan([(0.5, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]), (0.5, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)])], 8)
     same_results(g, t, [pl])
-    assert paths["whole"] == 1 and not paths["split"], paths
-    # the same pipelines over direct links split
+    assert paths["split"] == 1 and paths["group runs"] == 1 and not paths["pipeline passes"], paths
+    # the same pipelines over direct links: by the pass, once (the replicas are alike)
+    paths.clear()
     t = topology([device(d) for d in names], [link(a, b, 1e7) for i, a in enumerate(names) for b in names[i + 1:]])
     same_results(g, t, [pl])
-    assert paths["split"] == 1, paths
+    assert paths["split"] == 1 and paths["pipeline passes"] == 1 and not paths["group runs"], paths
 
 
 def test_all_reduces_holding_a_saturated_hosts_compute_queues_take_the_whole_graph(paths):

@@ -339,17 +339,11 @@ class Simulator:
         return None if last is None else (g, values, last)
 
     def _coupled(self, plan: Plan) -> bool:
-        """Whether two replicas' stages or routes share a resource, or a gradient all-reduce's
-        ring holds a replica's device: a plan that Split.of_parts would refuse, seen before
-        building (conditions it checks on the graph; this only saves the build)."""
-        owner: dict[int, int] = {}
-        for r, rep in enumerate(plan.replicas):
-            used = {self._rid[st.device] for st in rep.stages}
-            for a, b in zip(rep.stages, rep.stages[1:]):
-                used.update(h.resource for h in self.hops(a.device, b.device) + self.hops(b.device, a.device))
-            for x in used:
-                if owner.setdefault(x, r) != r:
-                    return True
+        """Whether a gradient all-reduce's ring holds a replica's device: a plan that
+        Split.of_parts would refuse, seen before building (a condition it checks on the graph;
+        this only saves the build). Replicas that share a device or link direction run together
+        (planner.sim.split.GraphRun)."""
+        owner = {self._rid[st.device] for rep in plan.replicas for st in rep.stages}
         buckets, tied = self.exchanged(plan)
         rings = {b.devices for b in buckets + tied}
         return any(x in owner and (x,) not in self._links

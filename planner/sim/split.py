@@ -166,18 +166,30 @@ def _flat_result(start, end, flat: np.ndarray, n_res: int) -> "ReplicaRun":
 
 
 class GraphRun:
-    """A replica's structure run by the event loop over its `planner.sim.pipeline.Graph` (the
-    template's tasks and dependencies, laid out without the template), where the pass does not
-    apply but every task holds one resource: link directions shared within the replica, several
-    stages on one device (interleaved)."""
+    """Replicas run together by the event loop over their `planner.sim.pipeline.Graph`s (each
+    its template's tasks and dependencies, laid out without the template), one block after
+    another in replica order as in the whole graph: a replica the pass does not fit (link
+    directions shared within it, several stages on one device), or replicas that share devices
+    or link directions (a group). Each member's resource slots are numbered by `canons` (the
+    group's numbering), its value slots follow the previous members'."""
 
-    __slots__ = ("core", "graph", "flat", "n_res", "fast", "lists")
+    __slots__ = ("cores", "slots", "flat", "succ_ptr", "succ_idx", "ndeps", "n_res", "fast", "lists")
 
-    def __init__(self, core, canon: tuple[tuple[int, ...], ...]):
-        self.core, self.graph = core, pipeline_graph(*core.args)
-        local = np.array([r[0] for r in canon], np.int64)
-        self.flat = local[self.graph.res_slot]
-        self.n_res = 1 + int(local.max(initial=-1))
+    def __init__(self, cores, canons):
+        graphs = [pipeline_graph(*c.args) for c in cores]
+        sizes = [len(g.task_slot) for g in graphs]
+        firsts = np.cumsum([0] + sizes)[:-1]
+        values = np.cumsum([0] + [c.n_values for c in cores])[:-1]
+        self.cores = tuple(cores)
+        self.slots = np.concatenate([g.task_slot + v for g, v in zip(graphs, values)])
+        self.flat = np.concatenate([np.array([r[0] for r in canon], np.int64)[g.res_slot]
+                                    for g, canon in zip(graphs, canons)])
+        self.succ_idx = np.concatenate([g.succ_idx + f for g, f in zip(graphs, firsts)])
+        self.succ_ptr = np.append(np.concatenate([g.succ_ptr[:-1] + e for g, e in
+                                                  zip(graphs, np.cumsum([0] + [len(g.succ_idx) for g in graphs]))]),
+                                  len(self.succ_idx)).astype(np.int64)
+        self.ndeps = np.concatenate([g.ndeps for g in graphs])
+        self.n_res = 1 + max((r[0] for canon in canons for r in canon), default=-1)
         self.fast = self.lists = None
 
     @staticmethod
@@ -187,20 +199,19 @@ class GraphRun:
                 and not any(r in wake_at for r in res))
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
-        g = self.graph
-        dur = np.asarray(values, np.float64)[g.task_slot]
+        dur = np.asarray(values, np.float64)[self.slots]
         n = len(dur)
         if n >= fastloop.MIN_TASKS and fastloop.available():
             if self.fast is None:
-                self.fast = fastloop.from_arrays(np.arange(n + 1, dtype=np.int64), self.flat, g.succ_ptr,
-                                                 g.succ_idx, g.ndeps, (), self.n_res, np.zeros(n))
+                self.fast = fastloop.from_arrays(np.arange(n + 1, dtype=np.int64), self.flat, self.succ_ptr,
+                                                 self.succ_idx, self.ndeps, (), self.n_res, np.zeros(n))
             start, end = fastloop.run(self.fast, dur)
             return _flat_result(start, end, self.flat, self.n_res)
         if self.lists is None:
-            ptr, idx = g.succ_ptr.tolist(), g.succ_idx.tolist()
+            ptr, idx = self.succ_ptr.tolist(), self.succ_idx.tolist()
             self.lists = ([(x,) for x in self.flat.tolist()], [idx[ptr[t]:ptr[t + 1]] for t in range(n)])
         res, succ = self.lists
-        start, end = run_tasks(dur.tolist(), res, succ, g.ndeps.tolist(), (), self.n_res)
+        start, end = run_tasks(dur.tolist(), res, succ, self.ndeps.tolist(), (), self.n_res)
         return _flat_result(start, end, self.flat, self.n_res)
 
 
@@ -280,23 +291,32 @@ class Split:
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
         if not g.parts:
             return None   # not a delta build
+        groups = _groups([{x for r in res for x in r} for _, _, res, _ in g.parts])
         owner: dict[int, int] = {}
-        parts, release = [], []
-        for p, (t, vals, res, ids) in enumerate(g.parts):
-            for x in {x for r in res for x in r}:
-                if owner.setdefault(x, p) != p:
-                    return None   # two replicas share a device or link direction
-            used = sorted({x for r in res for x in r})
+        parts, at = [], {}   # at: replica -> (its group's part, its first task there)
+        for k, members in enumerate(groups):
+            used = sorted({x for p in members for r in g.parts[p][2] for x in r})
             local = dict(zip(used, range(len(used))))
-            canon = tuple(tuple(map(local.__getitem__, r)) for r in res)
-            key = (id(t), canon, tuple(wake_at.get(r) for r in res), tuple(r in links for r in res))
+            owner.update(dict.fromkeys(used, k))
+            cores = [g.parts[p][0] for p in members]   # each a planner.sim.template.ReplicaCore
+            canons = [tuple(tuple(map(local.__getitem__, r)) for r in g.parts[p][2]) for p in members]
+            res = [g.parts[p][2] for p in members]
+            key = (tuple(map(id, cores)), tuple(canons), tuple(wake_at.get(r) for rs in res for r in rs),
+                   tuple(r in links for rs in res for r in rs))
             kept = structures.get(key)
-            if kept is None or kept[0] is not t:   # t: the part's planner.sim.template.ReplicaCore
-                kept = structures[key] = (t, PipelineRun(t, canon) if pipeline_fits(t, res, wake_at) else
-                                          GraphRun(t, canon) if GraphRun.fits(t, res, wake_at) else
-                                          Structure.of_template(replica_template(*t.args), canon, res, wake_at, links))
-            parts.append(Part(-1, kept[1], vals, local))
-            release += [(p, x) for x in ids]
+            if kept is None or any(a is not b for a, b in zip(kept[0], cores)):
+                if len(members) > 1 and not all(GraphRun.fits(c, r, wake_at) for c, r in zip(cores, res)):
+                    return None   # replicas sharing a resource whose tasks are not all the graph's
+                t, canon = cores[0], canons[0]
+                kept = structures[key] = (cores, PipelineRun(t, canon) if len(members) == 1 and pipeline_fits(t, res[0], wake_at) else
+                                          GraphRun(cores, canons) if all(GraphRun.fits(c, r, wake_at) for c, r in zip(cores, res)) else
+                                          Structure.of_template(replica_template(*t.args), canon, res[0], wake_at, links))
+            first = 0
+            for p in members:   # a group's members one block after another (GraphRun)
+                at[p] = (k, first)
+                first += len(pipeline_graph(*g.parts[p][0].args).task_slot) if len(members) > 1 else 0
+            parts.append(Part(-1, kept[1], tuple(v for p in members for v in g.parts[p][1]), local))
+        release = [(at[p][0], at[p][1] + x) for p, (_, _, _, ids) in enumerate(g.parts) for x in ids]
         first = len(release)
         if [i for *_, ids in g.parts for i in ids.values()] != list(range(first)):
             return None   # not a delta build's layout
@@ -389,6 +409,29 @@ class Split:
                 return None
         last = max(end, default=0.0)
         return max(last, max((r.end_s for r in done), default=0.0))
+
+
+def _groups(used: list[set[int]]) -> list[list[int]]:
+    """The replicas (by their resources `used`) in groups that share a resource, transitively;
+    each group's replicas in order, the groups by their first."""
+    parent = list(range(len(used)))
+
+    def root(p: int) -> int:
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+    holder: dict[int, int] = {}
+    for p, xs in enumerate(used):
+        for x in xs:
+            q = holder.setdefault(x, p)
+            a, b = root(p), root(q)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    out: dict[int, list[int]] = {}
+    for p in range(len(used)):
+        out.setdefault(root(p), []).append(p)
+    return list(out.values())
 
 
 def _dense(res: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
