@@ -99,7 +99,7 @@ class Graph(NamedTuple):
     ndeps: np.ndarray
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1024)
 def graph(*args) -> Graph:
     """The `Graph` of the replica core of `replica_template`'s arguments."""
     core, lay = replica_core(*args), layout(*args)
@@ -110,19 +110,20 @@ def graph(*args) -> Graph:
     chained = np.ones(n_compute, bool)
     chained[lay.row_ptr[1:][lay.row_ptr[1:] > lay.row_ptr[:-1]] - 1] = False   # each row's last
     src, dst = [np.flatnonzero(chained)], [np.flatnonzero(chained) + 1]
-    j = np.arange(m)
-    for q in range(len(lay.first_hop)):
-        a, b = lay.hop_ptr[q], lay.hop_ptr[q + 1]
-        if a == b:   # no hops: the receiver waits for the sender
-            src.append(lay.send[q])
-            dst.append(lay.recv[q])
+    count = np.diff(lay.hop_ptr)
+    for k in np.unique(count).tolist():   # the queues with k hops at once: [queue, microbatch, hop]
+        qs = np.flatnonzero(count == k)
+        if k == 0:   # no hops: the receiver waits for the sender
+            src.append(lay.send[qs].ravel())
+            dst.append(lay.recv[qs].ravel())
             continue
-        first = lay.first_hop[q] + lay.stride[q] * j
-        hops = first[:, None] + np.arange(b - a)
-        slot[hops], res[hops] = lay.hop_slot[a:b], lay.hop_res[a:b]
-        posted = lay.post[q] >= 0
-        src += [lay.send[q], lay.post[q][posted], hops[:, :-1].ravel(), hops[:, -1]]
-        dst += [first, first[posted], hops[:, 1:].ravel(), lay.recv[q]]
+        first = lay.first_hop[qs, None] + lay.stride[qs, None] * np.arange(m)
+        hops = first[:, :, None] + np.arange(k)
+        at = lay.hop_ptr[qs, None, None] + np.arange(k)
+        slot[hops], res[hops] = lay.hop_slot[at], lay.hop_res[at]
+        posted = lay.post[qs] >= 0
+        src += [lay.send[qs].ravel(), lay.post[qs][posted], hops[:, :, :-1].ravel(), hops[:, :, -1].ravel()]
+        dst += [first.ravel(), first[posted], hops[:, :, 1:].ravel(), lay.recv[qs].ravel()]
     src, dst = np.concatenate(src), np.concatenate(dst)
     order = np.argsort(src, kind="stable")
     ptr = np.zeros(n + 1, np.int64)
