@@ -102,6 +102,7 @@ _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 
 STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
+PEAK_CACHE_SIZE = 64       # plans whose peak memory a simulator keeps (Simulator._peak)
 BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
 
 
@@ -155,6 +156,7 @@ class Simulator:
         self._ar: dict[tuple[tuple[str, ...], float, bool], tuple[tuple[int, ...], float]] = {}
         self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
         self._cache: dict[Any, SimResult] = {}
+        self._peaks: dict[ResultKey, dict[str, float]] = {}   # Simulator._peak
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
@@ -426,7 +428,21 @@ class Simulator:
     def peak_memory_bytes(self, plan: Plan) -> dict[str, float]:
         """The peak memory simulate(plan) reports, without simulating."""
         self._check_precision(plan)
-        return peak_memory(plan, self.graph, self.topology)
+        return self._peak(plan, self._key(plan))
+
+    def _peak(self, plan: Plan, key: "ResultKey") -> dict[str, float]:
+        """planner.cost.memory.peak_memory of the plan (a copy), kept for the last plans: a
+        search asks for a proposal's bound, then simulates it."""
+        out = self._peaks.get(key)
+        if out is None:
+            if len(self._peaks) >= PEAK_CACHE_SIZE:
+                self._peaks.pop(next(iter(self._peaks)))
+            out = self._peaks[key] = peak_memory(plan, self.graph, self.topology)
+        return dict(out)
+
+    @staticmethod
+    def _key(plan: Plan) -> "ResultKey":
+        return ResultKey(plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer, plan.recompute)
 
     def _check_precision(self, plan: Plan) -> None:
         if plan.precision != self.graph.precision:
@@ -435,8 +451,7 @@ class Simulator:
 
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
         self._check_precision(plan)
-        key = ResultKey(plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer,
-                        plan.recompute)
+        key = self._key(plan)
         if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
             return self._cache[key]
         delta = self._delta(plan) if self._split and not trace else None
@@ -464,7 +479,7 @@ class Simulator:
         iteration_s = last + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
-        peaks = peak_memory(plan, self.graph, self.topology)
+        peaks = self._peak(plan, key)
         stats: dict[str, dict[str, float]] = {}
         if g.stat_rows is None:
             g.stat_rows = StatRows.of(g)
