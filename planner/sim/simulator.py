@@ -57,8 +57,9 @@ Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each repl
 from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan;
 a shape simulated again takes the fixed-order pass (planner.sim.listsched) where every resource's
 order is fixed, and its duration values are kept per replica and microbatch size. A plan whose
-replicas are independent is simulated replica by replica, each distinct one once and kept across
-plans, then the coupling (planner.sim.split, delta simulation).
+replicas (or groups of replicas sharing links) are independent is simulated replica by replica,
+each distinct one once and kept across plans, a replica by one pass over its schedule where that
+is exact (planner.sim.pipeline), then the coupling (planner.sim.split, delta simulation).
 None of it changes a result. Contention between CPU workers: planner.sim.contention.
 """
 from __future__ import annotations

@@ -10,17 +10,22 @@ recipe pattern and wake-ups; and its duration values); then only the coupling ta
 replica task they wait for replaced by a *release* task that ends at that task's end.
 
 The simulator uses `Split.of_parts` on a *delta build* (planner.sim.build.Builder.releases): its
-replicas are parts (template, values, resources), never stamped as tasks, so a plan that
+replicas are parts (template core, values, resources), never stamped as tasks, so a plan that
 changes one replica builds and runs that replica's structure only; a one-replica plan (the
-search's solve_batches) takes the same path. `Split.of` splits a whole task graph whose replicas
-are blocks of ids (hand-made graphs).
+search's solve_batches) takes the same path. A replica runs by the pass over its schedule
+(planner.sim.pipeline.PipelineRun) where it applies, else by the event loop over its graph
+(`GraphRun`, or its template's `Structure` for held sends and wake-ups). Replicas that share a
+device or link direction form a group, run together (`GraphRun`: their tasks one block after
+another, in the whole graph's relative order). `Split.of` splits a whole task graph whose
+replicas are blocks of ids (hand-made graphs).
 
 The conditions (`Split.of` / `Split.of_parts`, per graph; `Split.run`, per plan), each needed
 for identity:
 - every replica's tasks form one block of ids; no dependency enters a replica from outside
   it (another replica or the coupling);
-- replicas' resources are pairwise disjoint; a coupling task holding several resources holds
-  no replica's device (gloo all-reduces holding the compute queues of a saturated host); a
+- groups' resources are pairwise disjoint (a group: the replicas sharing resources,
+  transitively; all their tasks from the graph, `GraphRun.fits`); a coupling task holding several
+  resources holds no replica's device (gloo all-reduces holding the compute queues of a saturated host); a
   coupling task on a replica's resource (an optimizer step on its device; in a delta build, an
   all-reduce over a link direction a pipeline uses) becomes ready no earlier than that
   replica's last task there ends (checked on each plan's times);
