@@ -210,14 +210,22 @@ def test_each_distinct_replica_runs_once_and_a_changed_one_alone(paths):
 
 
 def test_replicas_sharing_a_link_direction_run_together(paths):
-    # a chain cuda:0 - cuda:1 - cuda:2 - cuda:3: both replicas' activations cross cuda:1 -> cuda:2
-    # and queue there (no parameters: no all-reduce), so the two run as one group
-    g = graph([layer(i) for i in range(4)], batch=4, cut_bytes=[10**6] * 5)
-    names = [f"cuda:{i}" for i in range(4)]
-    t = topology([device(d) for d in names], [link(a, b, 1e7) for a, b in zip(names, names[1:])])
-    pl = plan([(0.5, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]), (0.5, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)])], 8)
+    # a chain cuda:0 - cuda:1 - cuda:2 - cuda:3: two replicas' activations cross cuda:1 -> cuda:2
+    # and queue there (no parameters: no all-reduce), so the two run as one group; a third on
+    # cuda:4 - cuda:5 alone, by the pass
+    g = graph([layer(i) for i in range(4)], batch=6, cut_bytes=[10**6] * 5)
+    names = [f"cuda:{i}" for i in range(6)]
+    chain = [link(a, b, 1e7) for a, b in zip(names[:4], names[1:4])] + [link("cuda:4", "cuda:5", 1e7)]
+    t = topology([device(d) for d in names], chain)
+    pl = plan([(1 / 3, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]), (1 / 3, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)]),
+               (1 / 3, 4, [("cuda:4", 0, 2), ("cuda:5", 2, 4)])], 12)
     same_results(g, t, [pl])
-    assert paths["split"] == 1 and paths["group runs"] == 1 and not paths["pipeline passes"], paths
+    assert paths["split"] == 1 and paths["group runs"] == 1 and paths["pipeline passes"] == 1, paths
+    # without the third, every replica is in the one group: the whole graph
+    paths.clear()
+    same_results(g, t, [plan([(0.5, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]),
+                              (0.5, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)])], 8)])
+    assert paths["whole"] == 1 and not paths["split"], paths
     # the same pipelines over direct links: by the pass, once (the replicas are alike)
     paths.clear()
     t = topology([device(d) for d in names], [link(a, b, 1e7) for i, a in enumerate(names) for b in names[i + 1:]])

@@ -77,7 +77,7 @@ from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
-from planner.sim.split import Split
+from planner.sim.split import Split, groups as split_groups
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
@@ -342,10 +342,19 @@ class Simulator:
         return None if last is None else (g, values, last)
 
     def _coupled(self, plan: Plan) -> bool:
-        """Whether a gradient all-reduce's ring holds a replica's device: a plan that
-        Split.of_parts would refuse, seen before building (a condition it checks on the graph;
-        this only saves the build). Replicas that share a device or link direction run together
-        (planner.sim.split.GraphRun)."""
+        """Whether a gradient all-reduce's ring holds a replica's device (a plan that
+        Split.of_parts would refuse, seen before building: this only saves the build), or
+        every replica of several shares a device or link direction with another, transitively
+        (they would run as one group, planner.sim.split.GraphRun: the whole graph costs less).
+        Replicas in several groups run group by group."""
+        used = []
+        for rep in plan.replicas:
+            xs = {self._rid[st.device] for st in rep.stages}
+            for a, b in zip(rep.stages, rep.stages[1:]):
+                xs.update(h.resource for h in self.hops(a.device, b.device) + self.hops(b.device, a.device))
+            used.append(xs)
+        if len(used) > 1 and len(split_groups(used)) == 1:
+            return True
         owner = {self._rid[st.device] for rep in plan.replicas for st in rep.stages}
         buckets, tied = self.exchanged(plan)
         rings = {b.devices for b in buckets + tied}

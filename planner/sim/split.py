@@ -296,10 +296,10 @@ class Split:
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
         if not g.parts:
             return None   # not a delta build
-        groups = _groups([{x for r in res for x in r} for _, _, res, _ in g.parts])
+        groups_ = groups([{x for r in res for x in r} for _, _, res, _ in g.parts])
         owner: dict[int, int] = {}
         parts, at = [], {}   # at: replica -> (its group's part, its first task there)
-        for k, members in enumerate(groups):
+        for k, members in enumerate(groups_):
             used = sorted({x for p in members for r in g.parts[p][2] for x in r})
             local = dict(zip(used, range(len(used))))
             owner.update(dict.fromkeys(used, k))
@@ -416,7 +416,7 @@ class Split:
         return max(last, max((r.end_s for r in done), default=0.0))
 
 
-def _groups(used: list[set[int]]) -> list[list[int]]:
+def groups(used: list[set[int]]) -> list[list[int]]:
     """The replicas (by their resources `used`) in groups that share a resource, transitively;
     each group's replicas in order, the groups by their first."""
     parent = list(range(len(used)))
@@ -447,4 +447,4 @@ def _dense(res: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
     dense = dict(zip(used, range(len(used))))
     return [tuple(map(dense.__getitem__, r)) for r in res], len(used)
 
-__all__ = ["Split", "Structure", "GraphRun", "ReplicaRun", "RUN_CACHE_SIZE"]
+__all__ = ["Split", "Structure", "GraphRun", "ReplicaRun", "RUN_CACHE_SIZE", "groups"]
