@@ -158,6 +158,7 @@ class Simulator:
         self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
         self._cache: dict[Any, SimResult] = {}
         self._peaks: dict[ResultKey, dict[str, float]] = {}   # Simulator._peak
+        self._coupled_plans: dict[tuple, bool] = {}            # Simulator._coupled
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
@@ -346,7 +347,16 @@ class Simulator:
         Split.of_parts would refuse, seen before building: this only saves the build), or
         every replica of several shares a device or link direction with another, transitively
         (they would run as one group, planner.sim.split.GraphRun: the whole graph costs less).
-        Replicas in several groups run group by group."""
+        Replicas in several groups run group by group. Kept per layout and sync."""
+        key = (tuple(rep.stages for rep in plan.replicas), plan.sync)
+        out = self._coupled_plans.get(key)
+        if out is None:
+            if len(self._coupled_plans) >= BUCKET_CACHE_SIZE:
+                self._coupled_plans.pop(next(iter(self._coupled_plans)))
+            out = self._coupled_plans[key] = self._couples(plan)
+        return out
+
+    def _couples(self, plan: Plan) -> bool:
         used = []
         for rep in plan.replicas:
             xs = {self._rid[st.device] for st in rep.stages}
