@@ -367,3 +367,21 @@ def test_an_all_reduce_over_a_pipelines_link_splits_only_when_it_comes_after_the
     assert sim.hops("cuda:0", "cuda:2")[0].resource == sim.hops("cuda:0", "cuda:1")[0].resource
     same_results(g, t, [pl])
     assert paths["split"] == 1, paths
+
+
+def test_a_coupling_graph_run_again_takes_the_fixed_order_pass(paths, monkeypatch):
+    # the same plan shapes with the batch moved between replicas (simulator_speed's small
+    # case): after two runs the coupling graph takes planner.sim.listsched's pass, the same
+    # results as the whole graph's event loop
+    from simulator_speed import plans as speed_plans, synthetic
+    g, topo = synthetic(2, 2, 8)
+    passes = []
+    run = split.Static.run
+
+    def counted(self, dur, wake):
+        out = run(self, dur, wake)
+        passes.append(out is not None)
+        return out
+    monkeypatch.setattr(split.Static, "run", counted)
+    same_results(g, topo, speed_plans(2, 2, 8, 8, 40) + speed_plans(2, 2, 8, 2, 20))
+    assert paths["split"] == 60 and sum(passes) >= 40, (paths, sum(passes))

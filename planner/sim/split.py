@@ -255,13 +255,16 @@ class Split:
     indices); `checks` are the coupling tasks on one replica resource: (coupling id, part,
     local resource)."""
 
-    __slots__ = ("parts", "release", "coupling", "res", "succ", "ndeps", "shared", "n_res", "checks", "preds")
+    __slots__ = ("parts", "release", "coupling", "res", "succ", "ndeps", "shared", "n_res", "checks", "preds",
+                 "static", "runs")
 
     def __init__(self, parts, release, coupling, res, n_res, succ, ndeps, checks, preds):
         self.parts, self.release, self.coupling = parts, release, coupling
         self.res, self.succ, self.ndeps, self.n_res = res, succ, ndeps, n_res
         self.shared = shared_resources(res)
         self.checks, self.preds = checks, preds
+        self.static: Static | None | bool = None   # the coupling graph's fixed-order pass, once run before
+        self.runs = 0
 
     @staticmethod
     def of(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict) -> "Split | None":
@@ -406,7 +409,11 @@ class Split:
             dur.append(float(done[p].ends[t]))
         first = len(self.release)
         dur += map(values.__getitem__, self.coupling)
-        start, end = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res)
+        if self.static is None and self.runs >= STATIC_AFTER:
+            self.static = Static.of(self) or False
+        self.runs += 1
+        out = self.static.run(dur, {}) if self.static else None
+        start, end = out or run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res)
         for c, p, x in self.checks:
             ready = max((end[q] for q in self.preds[c - first]), default=0.0)
             last = done[p].last[x]
