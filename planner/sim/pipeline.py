@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.sim import fastloop
-from planner.sim.template import ReplicaCore, replica_core
+from planner.sim.template import ReplicaCore, _message_ends, replica_core
 
 COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where numba is installed)
 
@@ -59,10 +59,7 @@ def layout(*args) -> Layout:
     core = replica_core(*args)
     sk, c, slots = core.sk, core.c, core.slots
     n, m = sk.fwd.shape
-    starts = c.start
-    fwd, first = starts[sk.fwd], starts[sk.bwd]
-    last = c.end[sk.bwd] - sk.update[sk.bwd]
-    posted = [np.where(x >= 0, c.end[np.maximum(x, 0)], -1) for x in (sk.posted_act, sk.posted_grad)]
+    fwd, first, last, posted = _message_ends(sk, c)
     q = max(n - 1, 0)
     take_q = np.full(len(c.value), -1, np.int64)
     take_i = np.zeros(len(c.value), np.int64)
@@ -131,13 +128,17 @@ def graph(*args) -> Graph:
     return Graph(slot, res, ptr, dst[order].astype(np.int64), np.bincount(dst, minlength=n).astype(np.int64))
 
 
+def graph_fits(core: ReplicaCore, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:
+    """Whether `graph` holds all of a replica of `core` on resources `res` (per resource slot):
+    no stream, no held sends, each task on one resource, nothing woken up."""
+    _, _, _, _, _, stream, _ = core.args
+    return stream is None and not core.holds and all(len(r) == 1 for r in res) and not any(r in wake_at for r in res)
+
+
 def fits(core: ReplicaCore, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:
-    """Whether the pass gives a replica of `core` on resources `res` (per resource slot) its
-    event-loop times (the module docstring's conditions)."""
-    _, _, _, _, devices, stream, _ = core.args
-    return (devices is None and stream is None and not core.holds
-            and all(len(r) == 1 for r in res) and len(set(res)) == len(res)
-            and not any(r in wake_at for r in res))
+    """Whether the pass gives such a replica its event-loop times (the module docstring's
+    conditions): `graph_fits`, a device per stage, each resource slot its own resource."""
+    return graph_fits(core, res, wake_at) and core.args[4] is None and len(set(res)) == len(res)
 
 
 def _times(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur):
@@ -242,4 +243,4 @@ class PipelineRun:
                           tuple(last_zero.tolist()), zeros)
 
 
-__all__ = ["Layout", "layout", "fits", "PipelineRun", "COMPILED_FROM"]
+__all__ = ["Layout", "Graph", "layout", "graph", "fits", "graph_fits", "PipelineRun", "COMPILED_FROM"]

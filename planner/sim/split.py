@@ -47,7 +47,7 @@ import numpy as np
 from planner.sim import fastloop
 from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
-from planner.sim.pipeline import PipelineRun, fits as pipeline_fits, graph as pipeline_graph
+from planner.sim.pipeline import PipelineRun, fits as pipeline_fits, graph as pipeline_graph, graph_fits
 from planner.sim.taskgraph import TaskGraph
 from planner.sim.template import replica_template
 
@@ -197,11 +197,7 @@ class GraphRun:
         self.n_res = 1 + max((r[0] for canon in canons for r in canon), default=-1)
         self.fast = self.lists = None
 
-    @staticmethod
-    def fits(core, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:
-        _, _, _, _, _, stream, _ = core.args
-        return (stream is None and not core.holds and all(len(r) == 1 for r in res)
-                and not any(r in wake_at for r in res))
+    fits = staticmethod(graph_fits)
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
         dur = np.asarray(values, np.float64)[self.slots]
