@@ -13,8 +13,8 @@ operations, so the same times bit for bit). In a replica built from a template
   the lower task id, the earlier microbatch; so each hop starts at the latest of its
   message's ready time and its link's previous end;
 - no task wakes up, no send is held, no stream (their durations or order depend on more).
-`fits` checks this per replica; the caller (planner.sim.split) uses the template's event loop
-elsewhere. The pass itself (`_times`) is plain Python over arrays, compiled with numba where
+`fits` checks this per replica; elsewhere planner.sim.split runs the event loop over the
+replica's `graph`, laid out from the same arrays. The pass itself (`_times`) is plain Python over arrays, compiled with numba where
 it is installed and the replica is large; tests/test_pipeline_pass.py compares it with the
 event loop on random replicas.
 """
@@ -33,7 +33,7 @@ COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where n
 
 class Layout(NamedTuple):
     """A replica core's pass arrays: device rows of compute tasks (row d is tasks
-    row_ptr[d]..row_ptr[d+1]-1, stage d's), each task's value slot and the message it takes
+    row_ptr[d]..row_ptr[d+1]-1: stage d's, one stage per device), each task's value slot and the message it takes
     (queue, microbatch; -1: none), per message queue (2p: pair p's activations, 2p+1 its
     gradients) and microbatch the task it leaves after, the task after which its receive
     is posted (-1: at the start) and the task that takes it, per queue its hops (hop_ptr) with
