@@ -55,11 +55,17 @@ def assert_same(fast, slow, n_compute):
     assert fast.zeros == frozenset(t for t in slow.zeros if t < n_compute)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_pass_gives_the_event_loops_times_on_random_replicas(compiled, monkeypatch):
+def compiled_from(monkeypatch, module, name: str, compiled: bool) -> None:
+    """module.name (the size from which a loop runs compiled) set so that every run is compiled
+    or none is; skips where numba is missing and compiled runs are asked for."""
     if compiled and not fastloop.available():
         pytest.skip("numba is not installed")
-    monkeypatch.setattr(pipeline, "COMPILED_FROM", 0 if compiled else 10**9)
+    monkeypatch.setattr(module, name, 0 if compiled else 10**9)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_pass_gives_the_event_loops_times_on_random_replicas(compiled, monkeypatch):
+    compiled_from(monkeypatch, pipeline, "COMPILED_FROM", compiled)
     rng = random.Random(7)
     for _ in range(300):
         args, res, links, values = random_replica(rng)
@@ -138,9 +144,7 @@ def test_a_graph_laid_out_without_its_template_is_the_templates():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_graph_runs_give_the_templates_times_where_links_are_shared(compiled, monkeypatch):
-    if compiled and not fastloop.available():
-        pytest.skip("numba is not installed")
-    monkeypatch.setattr(fastloop, "MIN_TASKS", 0 if compiled else 10**9)
+    compiled_from(monkeypatch, fastloop, "MIN_TASKS", compiled)
     rng = random.Random(11)
     shared = 0
     for _ in range(200):

@@ -14,9 +14,9 @@ operations, so the same times bit for bit). In a replica built from a template
   message's ready time and its link's previous end;
 - no task wakes up, no send is held, no stream (their durations or order depend on more).
 `fits` checks this per replica; elsewhere planner.sim.split runs the event loop over the
-replica's `graph`, laid out from the same arrays. The pass itself (`_times`) is plain Python over arrays, compiled with numba where
-it is installed and the replica is large; tests/test_pipeline_pass.py compares it with the
-event loop on random replicas.
+replica's `graph`, laid out from the same arrays. The pass itself (`_times`) is plain Python
+over arrays, compiled with numba where it is installed and the replica is large;
+tests/test_pipeline_pass.py compares it with the event loop on random replicas.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where n
 
 class Layout(NamedTuple):
     """A replica core's pass arrays: device rows of compute tasks (row d is tasks
-    row_ptr[d]..row_ptr[d+1]-1: stage d's, one stage per device), each task's value slot and the message it takes
-    (queue, microbatch; -1: none), per message queue (2p: pair p's activations, 2p+1 its
+    row_ptr[d]..row_ptr[d+1]-1: stage d's, one stage per device), each task's value slot and
+    the message it takes (queue, microbatch; -1: none), per message queue (2p: pair p's activations, 2p+1 its
     gradients) and microbatch the task it leaves after, the task after which its receive
     is posted (-1: at the start) and the task that takes it, per queue its hops (hop_ptr) with
     their value and resource slots and (`first_hop`) the template's id of its first hop of
@@ -210,13 +210,12 @@ class PipelineRun:
     """A replica's structure timed by the pass: its core's `Layout`, and per resource slot its
     local resource (the numbering planner.sim.split gives a part's resources)."""
 
-    __slots__ = ("core", "layout", "local", "n_res", "n_stages")
+    __slots__ = ("core", "layout", "local", "n_res")
 
     def __init__(self, core: ReplicaCore, canon: tuple[tuple[int, ...], ...]):
         self.core, self.layout = core, layout(*core.args)
         self.local = np.array([r[0] for r in canon], np.int64)
         self.n_res = 1 + int(self.local.max(initial=-1))
-        self.n_stages = len(self.layout.row_ptr) - 1
 
     def run(self, values: tuple[float, ...]):
         """The replica's `planner.sim.split.ReplicaRun` for its value slots' `values` (ends of

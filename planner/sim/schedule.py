@@ -190,7 +190,8 @@ def _row_arrays(name: str, n: int, m: int, s: int) -> tuple[np.ndarray, np.ndarr
     size = steady + 1 + late
     at = w + np.cumsum(size) - size   # where microbatch i's backward block starts
     owed = np.arange(max(m - s, 0), m) if name == "zb-h1" else np.zeros(0, np.int64)
-    kinds, mbs = np.empty(w + int(size.sum()) + len(owed), np.int64), np.empty(w + int(size.sum()) + len(owed), np.int64)
+    n_acts = w + int(size.sum()) + len(owed)
+    kinds, mbs = np.empty(n_acts, np.int64), np.empty(n_acts, np.int64)
     kinds[:w], mbs[:w] = F, np.arange(w)
     kinds[at[steady]], mbs[at[steady]] = F, w + i[steady]
     back = at + steady
@@ -223,7 +224,8 @@ def receives(schedule: list[list[Action]], window: int = POSTED_AHEAD
     Messages: ("act", s, i) from F(s-1, i) to F(s, i); ("grad", s, i) from B or I (s+1, i) to
     B or I (s, i). Returns message -> (receiving device, the index of the action that takes it,
     the index of the action after whose end its receive is posted; None: at the iteration's
-    start). Over gloo a message moves only once its receive is posted (planner.sim.template)."""
+    start). Over gloo a message moves only once its receive is posted (planner.sim.template,
+    whose skeletons apply this rule over arrays; tests/simreference.py builds from this one)."""
     last = max((a.stage for acts in schedule for a in acts), default=0)
     device = {a.stage: d for d, acts in enumerate(schedule) for a in acts}
     consumer: dict[tuple[str, int, int], int] = {}
@@ -313,6 +315,6 @@ def grid(schedule: list[list[Action]], names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Action", "KINDS", "schedule_arrays", "gpipe", "one_f_one_b", "hippie", "interleaved_1f1b", "zb_h1", "make_schedule", "split_backward",
-           "POSTED_AHEAD", "receives", "format_schedule",
+__all__ = ["Action", "KINDS", "schedule_arrays", "gpipe", "one_f_one_b", "hippie", "interleaved_1f1b", "zb_h1",
+           "make_schedule", "split_backward", "POSTED_AHEAD", "receives", "format_schedule",
            "parse_schedule", "dry_run", "grid"]

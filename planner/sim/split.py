@@ -178,14 +178,14 @@ class GraphRun:
     or link directions (a group). Each member's resource slots are numbered by `canons` (the
     group's numbering), its value slots follow the previous members'."""
 
-    __slots__ = ("cores", "slots", "flat", "succ_ptr", "succ_idx", "ndeps", "n_res", "fast", "lists")
+    __slots__ = ("cores", "firsts", "slots", "flat", "succ_ptr", "succ_idx", "ndeps", "n_res", "fast", "lists")
 
     def __init__(self, cores, canons):
         graphs = [pipeline_graph(*c.args) for c in cores]
-        sizes = [len(g.task_slot) for g in graphs]
-        firsts = np.cumsum([0] + sizes)[:-1]
+        firsts = np.cumsum([0] + [len(g.task_slot) for g in graphs])[:-1]
         values = np.cumsum([0] + [c.n_values for c in cores])[:-1]
         self.cores = tuple(cores)
+        self.firsts = tuple(firsts.tolist())   # each member's first task
         self.slots = np.concatenate([g.task_slot + v for g, v in zip(graphs, values)])
         self.flat = np.concatenate([np.array([r[0] for r in canon], np.int64)[g.res_slot]
                                     for g, canon in zip(graphs, canons)])
@@ -309,16 +309,12 @@ class Split:
                    tuple(r in links for rs in res for r in rs))
             kept = structures.get(key)
             if kept is None or any(a is not b for a, b in zip(kept[0], cores)):
-                if len(members) > 1 and not all(GraphRun.fits(c, r, wake_at) for c, r in zip(cores, res)):
+                made = _structure(cores, canons, res, wake_at, links)
+                if made is None:
                     return None   # replicas sharing a resource whose tasks are not all the graph's
-                t, canon = cores[0], canons[0]
-                kept = structures[key] = (cores, PipelineRun(t, canon) if len(members) == 1 and pipeline_fits(t, res[0], wake_at) else
-                                          GraphRun(cores, canons) if all(GraphRun.fits(c, r, wake_at) for c, r in zip(cores, res)) else
-                                          Structure.of_template(replica_template(*t.args), canon, res[0], wake_at, links))
-            first = 0
-            for p in members:   # a group's members one block after another (GraphRun)
-                at[p] = (k, first)
-                first += len(pipeline_graph(*g.parts[p][0].args).task_slot) if len(members) > 1 else 0
+                kept = structures[key] = (cores, made)
+            firsts = kept[1].firsts if len(members) > 1 else (0,)   # a group's members one block after another
+            at.update((p, (k, f)) for p, f in zip(members, firsts))
             parts.append(Part(-1, kept[1], tuple(v for p in members for v in g.parts[p][1]), local))
         release = [(at[p][0], at[p][1] + x) for p, (_, _, _, ids) in enumerate(g.parts) for x in ids]
         first = len(release)
@@ -417,6 +413,19 @@ class Split:
                 return None
         last = max(end, default=0.0)
         return max(last, max((r.end_s for r in done), default=0.0))
+
+
+def _structure(cores, canons, res, wake_at: dict, links: set) -> "PipelineRun | GraphRun | Structure | None":
+    """What runs a group's replicas (cores on resources `res`, numbered by `canons`): one
+    replica by the pass where it fits, else by the event loop over the graphs (`GraphRun`), one
+    replica over its template (held sends, wake-ups); None for several that GraphRun cannot."""
+    if len(cores) == 1 and pipeline_fits(cores[0], res[0], wake_at):
+        return PipelineRun(cores[0], canons[0])
+    if all(map(GraphRun.fits, cores, res, [wake_at] * len(cores))):
+        return GraphRun(cores, canons)
+    if len(cores) > 1:
+        return None
+    return Structure.of_template(replica_template(*cores[0].args), canons[0], res[0], wake_at, links)
 
 
 def groups(used: list[set[int]]) -> list[list[int]]:
