@@ -34,13 +34,15 @@ class Bucket:
 
 
 def layer_groups(plan: Plan, num_layers: int) -> list[tuple[str, ...]]:
-    """For each layer, the devices holding it, one per replica."""
-    groups: list[list[str]] = [[] for _ in range(num_layers)]
+    """For each layer, the devices holding it, one per replica (a replica's stages cover the
+    layers once each)."""
+    rows = []
     for rep in plan.replicas:
+        row = [""] * num_layers
         for st in rep.stages:
-            for i in range(st.start, st.end):
-                groups[i].append(st.device)
-    return [tuple(g) for g in groups]
+            row[st.start:st.end] = [st.device] * (st.end - st.start)
+        rows.append(row)
+    return list(zip(*rows)) if rows else [() for _ in range(num_layers)]
 
 
 def grad_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
@@ -51,8 +53,7 @@ def grad_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
     cur_layers: list[int] = []
     cur_group: tuple[str, ...] | None = None
     cur_bytes = 0
-    for i in range(graph.num_layers - 1, -1, -1):
-        n = graph.exchanged_param_bytes(i)
+    for i, n in reversed(list(enumerate(exchanged_bytes(graph)))):
         if n <= 0:
             continue
         if cur_layers and (groups[i] != cur_group or cur_bytes + n > cap):
@@ -63,6 +64,15 @@ def grad_buckets(plan: Plan, graph: ModelGraph) -> list[Bucket]:
         cur_bytes += n
     if cur_layers:
         out.append(Bucket(tuple(cur_layers), cur_group, cur_bytes))
+    return out
+
+
+def exchanged_bytes(graph: ModelGraph) -> tuple[int, ...]:
+    """Each layer's ModelGraph.exchanged_param_bytes, kept on the (frozen) graph."""
+    out = graph.__dict__.get("_exchanged_bytes")
+    if out is None:
+        out = tuple(graph.exchanged_param_bytes(i) for i in range(graph.num_layers))
+        object.__setattr__(graph, "_exchanged_bytes", out)   # a cache, not a field
     return out
 
 

@@ -3,7 +3,7 @@ FlexFlow lacked: batch fractions solved directly, and baselines that bound the r
 
 The search calls one narrow function, `evaluate(plan) -> result` with attributes
 `iteration_s`, `feasible` and `peak_memory_bytes` (planner.sim.simulator's SimResult), and takes a
-seeded `random.Random`: no global state. Results are cached by `plan_key`.
+seeded `random.Random`: no global state. Results are cached per plan (`strategy_key`).
 
 Determinism: the search stops after `iterations` proposals, or after `stall` proposals
 without improvement (twice the proposals its best took, at least 500, at most `patience`: about
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Hashable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
-from planner.files.plan import Plan, plan_key
+from planner.files.plan import Plan
 from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, global_neighbours, min_batch,
                                   propose, to_plan, with_split)
 
@@ -126,8 +126,9 @@ class Searcher:
     def __init__(self, problem: Problem, rng: random.Random, config: SearchConfig = SearchConfig(),
                  progress: Callable[[str], None] | None = None):
         self.p, self.rng, self.cfg, self.progress = problem, rng, config, progress
-        self.cache: dict[str, Candidate] = {}
+        self.cache: dict[Hashable, Candidate] = {}
         self.twins: dict[Hashable, float] = {}   # replica_time_s per twin_key
+        self.alone: dict[tuple, float] = {}      # replica_time_s per (pipeline, batch, the other choices)
         self.evaluations = 0
         self.bound_rejections = 0
         self.least_memory: Candidate | None = None
@@ -141,7 +142,7 @@ class Searcher:
     def evaluate(self, plan: Plan, name: str = "", bar: float = math.inf) -> Candidate | None:
         """The plan's candidate (simulated once, then cached); None without simulating when its
         lower bound costs more than a finite `bar` (`rejects`)."""
-        key = plan_key(plan)
+        key = strategy_key(plan)
         c = self.cache.get(key)
         if c is None:
             if bar < math.inf and self.rejects(plan, bar):
@@ -192,6 +193,10 @@ class Searcher:
         (`Problem.twin_key`) where one was timed. The bound costs a fraction of a simulation and
         orders replicas as their times do; the simulator then judges the split plan. Skipping a
         twin's timing changes no decision of the walk."""
+        alone = (pipe, batch, replace(s, pipelines=()))   # the plan below, unmade
+        t = self.alone.get(alone)
+        if t is not None:
+            return t
         space = replace(self.p.space, global_batch=batch)
         plan = to_plan(space, replace(s, pipelines=(pipe,)), (batch,))
         key = self.p.twin_key(plan) if self.p.twin_key else None
@@ -201,6 +206,7 @@ class Searcher:
             t = b[0] if b is not None else self.evaluate(plan).iteration_s
             if key is not None:
                 self.twins[key] = t
+        self.alone[alone] = t
         return t
 
     def solve_batches(self, s: Strategy) -> tuple[int, ...]:
@@ -457,6 +463,12 @@ class Searcher:
             return self.evaluate(to_plan(self.p.space, t, g.batches), bar=bar)
         except ValueError:   # a batch too small for the schedule's microbatches
             return None
+
+
+def strategy_key(plan: Plan) -> tuple:
+    """What tells a search's plans apart (they share one model and topology; no prediction)."""
+    return (plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer, plan.recompute,
+            plan.precision)
 
 
 def walk_cost(t: float, feasible: bool, ratio: float) -> float:
