@@ -110,6 +110,30 @@ def check_bounds(sim, plans, tight_median: float) -> dict[str, int]:
     return schedules
 
 
+def test_a_bound_past_its_limit_stops_short_above_it(gpt4):
+    # lower_bound_s(plan, above): the full bound where it stays at or below `above`, else a
+    # bound above `above` and at most the full one (the replicas' terms alone, all-reduces unpriced)
+    topo = load_topology(EXAMPLES / "dgx-2node-ib.json")
+    space = make_space(topo, gpt4.num_layers, 32, ModelRef("gpt"), "adam", 1e-3)
+    sim = Simulator(gpt4, topo)
+    short = 0
+    for pl in random_plans(space, random.Random(3), 120):
+        try:
+            full = sim.lower_bound_s(pl)
+        except ValueError:
+            continue
+        if full is None:
+            continue
+        assert sim.lower_bound_s(pl, math.inf) == full
+        for above in (0.0, 0.5 * full, full * (1 - 1e-6), full, 2 * full):
+            lb = sim.lower_bound_s(pl, above)
+            assert lb <= full and (lb == full or lb > above), (above, lb, full)
+            if above >= full:
+                assert lb == full
+            short += lb < full
+    assert short > 20   # the all-reduces' terms do decide some bounds
+
+
 @pytest.fixture(scope="module")
 def gpt4():
     from planner.workload.capture import capture_graph

@@ -57,11 +57,12 @@ def simulator_problem(simulator, space: Space) -> Problem:
         except ValueError:        # no path of links between two stages, no host CPU to offload to
             return _Rejected()
 
-    def bound(plan: Plan):
+    def bound(plan: Plan, above: float = math.inf):
         """(lower bound on the iteration, peak memory) for early rejection (planner.sim.bound);
-        None where the bound proves nothing or the plan is one the simulator refuses."""
+        None where the bound proves nothing or the plan is one the simulator refuses. Once the
+        bound passes `above`, it may stop short of its best."""
         try:
-            lb = simulator.lower_bound_s(plan)
+            lb = simulator.lower_bound_s(plan, above)
             return None if lb is None else (lb, simulator.peak_memory_bytes(plan))
         except ValueError:
             return None

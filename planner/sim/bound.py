@@ -33,7 +33,7 @@ the same sums taken in another order.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import networkx as nx
 
@@ -49,18 +49,20 @@ BOUND_MARGIN = 1e-9   # relative; sums of 1e5 task durations in another order di
 HEAD_SCHEDULES = ("gpipe", "1f1b", "hippie", "zb-h1")
 
 
-def lower_bound_s(sim: Any, plan: Plan) -> float | None:
+def lower_bound_s(sim: Any, plan: Plan, above: float = math.inf) -> float | None:
     """A lower bound on `sim.simulate(plan).iteration_s` (sim: a planner.sim.simulator.Simulator),
-    or None where none is proven (see the module docstring)."""
+    or None where none is proven (see the module docstring). Where the replicas' terms alone
+    give more than `above`, that bound (its all-reduce terms not added)."""
     if plan.sync.mode != "sync" or not _connected(sim.topology):
         return None
     if contention.contended(sim.topology, sim.cost, plan):
         return None
     b = _Bound(sim, plan)
-    lb = b.value()
+    overhead = sim.cost.iteration_overhead_s(len(plan.devices))
+    lb = b.value(lambda part: (part + overhead) * (1.0 - BOUND_MARGIN) > above)
     if b.negative or not math.isfinite(lb):
         return None
-    return (lb + sim.cost.iteration_overhead_s(len(plan.devices))) * (1.0 - BOUND_MARGIN)
+    return (lb + overhead) * (1.0 - BOUND_MARGIN)
 
 
 def trailing_w(stages: int, m: int) -> tuple[int, ...]:
@@ -96,27 +98,51 @@ class _Bound:
             self.negative = True
         self.work[resource] = self.work.get(resource, 0.0) + seconds
 
-    def value(self) -> float:
+    def value(self, enough: Callable[[float], bool] = lambda part: False) -> float:
+        """The bound before overhead; that of the replicas' terms where it is `enough` and the
+        all-reduces would flag nothing (their durations finite, none negative)."""
         best = 0.0
         for rep, b in zip(self.plan.replicas, self.plan.replica_batches()):
             best = max(best, self.replica(rep.stages, rep.microbatches, b / rep.microbatches))
-        best = max(best, self.allreduces())
+        priced = self.priced()
+        part = max(best, max(self.work.values(), default=0.0))
+        if priced.clean and enough(part):
+            return part
+        best = max(best, self.allreduces(priced))
         return max(best, max(self.work.values(), default=0.0))
 
     # --- gradient all-reduces (Builder.allreduces) --------------------------------------------------
-    def allreduces(self) -> float:
+    def priced(self) -> "Priced":
+        """The plan's all-reduces (Builder.allreduces), kept per layer layout and sync: per
+        bucket its devices, the resources it holds, its duration (fine buckets of saturated CPUs
+        may run queued: the cheaper price) and whether it is released by `last_start`."""
+        key = (self.plan.sync, tuple(rep.stages for rep in self.plan.replicas))
+        cache = self.sim._bound_allreduces
+        out = cache.get(key)
+        if out is None:
+            if len(cache) >= REPLICA_CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            shared, tied = self.sim.exchanged(self.plan)
+            fine = self.plan.sync.granularity == "fine"
+            items = []
+            for k, b in enumerate(shared + tied):
+                res, dur = self.sim._allreduce(b.devices, b.bytes)
+                early = fine and k < len(shared)
+                if early:
+                    dur = min(dur, self.sim._allreduce(b.devices, b.bytes, True)[1])
+                items.append((b.devices, res, dur, early))
+            clean = all(math.isfinite(dur) and dur >= 0.0 for *_, dur, _ in items)
+            out = cache[key] = Priced(tuple(items), clean)
+        return out
+
+    def allreduces(self, priced: "Priced") -> float:
         """Adds each all-reduce to the work of its resources; returns the best head-body-tail
         bound over the resources they hold."""
-        shared, tied = self.sim.exchanged(self.plan)
-        fine = self.plan.sync.granularity == "fine"
         on: dict[int, list[tuple[float, float, float]]] = {}   # resource -> (release, seconds, tail)
-        for k, b in enumerate(shared + tied):
-            # fine buckets of saturated CPUs may run queued (Builder.allreduces): the cheaper price
-            res, dur = self.sim._allreduce(b.devices, b.bytes)
-            if fine and k < len(shared):
-                dur = min(dur, self.sim._allreduce(b.devices, b.bytes, True)[1])
-            ready = self.last_start if fine and k < len(shared) else self.done
-            item = (max(ready.get(d, 0.0) for d in b.devices), dur, max(self.after.get(d, 0.0) for d in b.devices))
+        last_start, done, after = self.last_start, self.done, self.after
+        for devices, res, dur, early in priced.items:
+            ready = last_start if early else done
+            item = (max(ready.get(d, 0.0) for d in devices), dur, max(after.get(d, 0.0) for d in devices))
             for x in res:
                 self.add(x, dur)
                 on.setdefault(x, []).append(item)
@@ -124,9 +150,9 @@ class _Bound:
         for items in on.values():
             items.sort(reverse=True)
             body, tail = 0.0, math.inf
-            for release, dur, after in items:   # those released at or after `release`
+            for release, dur, after_ in items:   # those released at or after `release`
                 body += dur
-                tail = min(tail, after)
+                tail = min(tail, after_)
                 best = max(best, release + body + tail)
         return best
 
@@ -263,6 +289,13 @@ class _Bound:
                 head += f + sum(t for _, t in ahead[s])
                 chain += b + sum(t for _, t in back[s])
         return ReplicaTerms(adds, done, last_start, best)
+
+
+class Priced(NamedTuple):
+    """A plan's all-reduces as the bound prices them (`_Bound.priced`); `clean`: every duration
+    finite and none negative."""
+    items: tuple[tuple[tuple[str, ...], tuple[int, ...], float, bool], ...]
+    clean: bool
 
 
 class ReplicaTerms(NamedTuple):

@@ -64,6 +64,7 @@ None of it changes a result. Contention between CPU workers: planner.sim.content
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from typing import Any, NamedTuple
@@ -178,6 +179,7 @@ class Simulator:
         self._replica_runs: dict = {}
         self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
         self._bound_replicas: dict = {}   # planner.sim.bound._Bound.replica
+        self._bound_allreduces: dict = {}   # planner.sim.bound._Bound.priced
         self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
@@ -441,11 +443,12 @@ class Simulator:
         return values
 
     # --- entry point -------------------------------------------------------------------------
-    def lower_bound_s(self, plan: Plan) -> float | None:
+    def lower_bound_s(self, plan: Plan, above: float = math.inf) -> float | None:
         """A lower bound on simulate(plan).iteration_s without simulating (planner.sim.bound), or
-        None where none is proven; raises ValueError where simulate would (no host CPU)."""
+        None where none is proven; raises ValueError where simulate would (no host CPU). Once
+        the bound passes `above`, it may stop short of its best."""
         self._check_precision(plan)
-        return lower_bound_s(self, plan)
+        return lower_bound_s(self, plan, above)
 
     def peak_memory_bytes(self, plan: Plan) -> dict[str, float]:
         """The peak memory simulate(plan) reports, without simulating."""
@@ -593,8 +596,8 @@ class ByPrecision:
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
         return self.simulators[plan.precision].simulate(plan, trace=trace)
 
-    def lower_bound_s(self, plan: Plan) -> float | None:
-        return self.simulators[plan.precision].lower_bound_s(plan)
+    def lower_bound_s(self, plan: Plan, above: float = math.inf) -> float | None:
+        return self.simulators[plan.precision].lower_bound_s(plan, above)
 
     def peak_memory_bytes(self, plan: Plan) -> dict[str, float]:
         return self.simulators[plan.precision].peak_memory_bytes(plan)
