@@ -173,65 +173,44 @@ def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]
             for dev, rs in ranges.items()}
 
 
-def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology,
-                kept: dict | None = None) -> dict[str, float]:
-    """Peak bytes per device used by the plan (hosts of offloaded optimizers included);
-    `kept`: each replica's `replica_memory`, kept across plans by the caller."""
-    out: dict[str, float] = {}
-    if plan.sync.mode == "parameter-server":
-        state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
-        out[plan.sync.server] = (2 + state_ratio) * float(graph.stage_param_bytes(0, graph.num_layers))
-    batches = plan.replica_batches()
-    for r, rep in enumerate(plan.replicas):
-        key = (rep, batches[r], plan.schedule, plan.sync, plan.optimizer, plan.recompute)
-        adds = kept.get(key) if kept is not None else None
-        if adds is None:
-            adds = replica_memory(plan, graph, topology, r, batches)
-            if kept is not None:
-                kept[key] = adds
-        for d, terms in adds:   # in order: a device's sum is the same whatever the caching
-            v = out.get(d, 0.0)
-            for x in terms:
-                v += x
-            out[d] = v
-    return out
-
-
-def replica_memory(plan: Plan, graph: ModelGraph, topology: Topology, r: int,
-                   batches: list[int]) -> tuple[tuple[str, tuple[float, ...]], ...]:
-    """What replica r adds to devices' peaks: (device, the terms added to it, in order); it
-    depends on the replica, its batch and the plan's schedule, sync, optimizer and recompute."""
+def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
+    """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
-    if plan.sync.mode == "parameter-server":
-        state_ratio = 0.0            # the workers keep no optimizer state
     placement = plan.optimizer.placement
     f = 1.0 if placement == "cpu" else plan.optimizer.cpu_fraction or 0.0
+    out: dict[str, float] = {}
+    if plan.sync.mode == "parameter-server":
+        out[plan.sync.server] = (2 + state_ratio) * float(graph.stage_param_bytes(0, graph.num_layers))
+        state_ratio = 0.0            # the workers keep no optimizer state
     interleaved = plan.schedule == "interleaved-1f1b"
-    rep = plan.replicas[r]
-    out: list[tuple[str, tuple[float, ...]]] = []
-    if interleaved:      # activations per device (its virtual stages together)
-        out += [(d, (acts,)) for d, acts in device_activation_bytes(plan, graph, r).items()]
-    for s, st in enumerate(rep.stages):
-        acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s, batches)
-        if st.split:       # validated: optimizer on the devices, synchronous, no offload, not interleaved
-            out += [(dev, ((2 + state_ratio) * params, acts)) for dev, params in held_param_bytes(st, graph)]
-            continue
-        params = float(graph.stage_param_bytes(st.start, st.end))
-        if interleaved:   # what this stage adds to its device's earlier ones (one tied copy)
-            before = [x.layers for x in rep.stages[:s] if x.device == st.device]
-            params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
-        copies = stashed_versions(plan, len(rep.stages), s) * params
-        out.append((st.device, (2 * params, acts, copies)))
-        if st.offload_activations:
-            out.append((host_cpu(topology, st.device), (offloaded_bytes(plan, graph, r, s),)))
-        host = host_cpu(topology, st.device) if placement != "device" else st.device
-        if host == st.device:
-            out.append((host, (state_ratio * params,)))
-            continue
-        # the host's share: its optimizer state and its copy of those gradients
-        out.append((st.device, (state_ratio * (1 - f) * params,)))
-        out.append((host, ((state_ratio + 1) * f * params,)))
-    return tuple(out)
+    batches = plan.replica_batches()
+    for r, rep in enumerate(plan.replicas):
+        if interleaved:      # activations per device (its virtual stages together)
+            for d, acts in device_activation_bytes(plan, graph, r).items():
+                out[d] = out.get(d, 0.0) + acts
+        for s, st in enumerate(rep.stages):
+            acts = 0.0 if interleaved else activation_bytes(plan, graph, r, s, batches)
+            if st.split:       # validated: optimizer on the devices, synchronous, no offload, not interleaved
+                for dev, params in held_param_bytes(st, graph):
+                    out[dev] = out.get(dev, 0.0) + (2 + state_ratio) * params + acts
+                continue
+            params = float(graph.stage_param_bytes(st.start, st.end))
+            if interleaved:   # what this stage adds to its device's earlier ones (one tied copy)
+                before = [x.layers for x in rep.stages[:s] if x.device == st.device]
+                params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
+            copies = stashed_versions(plan, len(rep.stages), s) * params
+            out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
+            if st.offload_activations:
+                h = host_cpu(topology, st.device)
+                out[h] = out.get(h, 0.0) + offloaded_bytes(plan, graph, r, s)
+            host = host_cpu(topology, st.device) if placement != "device" else st.device
+            if host == st.device:
+                out[host] += state_ratio * params
+                continue
+            # the host's share: its optimizer state and its copy of those gradients
+            out[st.device] += state_ratio * (1 - f) * params
+            out[host] = out.get(host, 0.0) + (state_ratio + 1) * f * params
+    return out
 
 
 def feasible(peaks: dict[str, float], topology: Topology) -> bool:
@@ -239,4 +218,4 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
 
 
 __all__ = ["held_param_bytes", "stepped_params", "in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
-           "offloaded_bytes", "peak_memory", "replica_memory", "feasible"]
+           "offloaded_bytes", "peak_memory", "feasible"]

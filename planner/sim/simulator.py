@@ -105,7 +105,6 @@ _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 
 STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
 PEAK_CACHE_SIZE = 64       # plans whose peak memory a simulator keeps (Simulator._peak)
-REPLICA_PEAK_CACHE_SIZE = 8192   # replicas' memory terms it keeps across plans
 BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
 
 
@@ -160,7 +159,6 @@ class Simulator:
         self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
         self._cache: dict[Any, SimResult] = {}
         self._peaks: dict[ResultKey, dict[str, float]] = {}   # Simulator._peak
-        self._replica_peaks: dict = {}   # planner.cost.memory.replica_memory, across plans
         self._coupled_plans: dict[tuple, bool] = {}            # Simulator._coupled
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
@@ -462,9 +460,7 @@ class Simulator:
         if out is None:
             if len(self._peaks) >= PEAK_CACHE_SIZE:
                 self._peaks.pop(next(iter(self._peaks)))
-            if len(self._replica_peaks) >= REPLICA_PEAK_CACHE_SIZE:
-                self._replica_peaks.clear()
-            out = self._peaks[key] = peak_memory(plan, self.graph, self.topology, self._replica_peaks)
+            out = self._peaks[key] = peak_memory(plan, self.graph, self.topology)
         return dict(out)
 
     @staticmethod
