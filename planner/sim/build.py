@@ -71,6 +71,10 @@ class ReplicaValues(NamedTuple):
     hops: tuple[tuple[int, int], ...]
     bucketed: tuple[bool, ...]
     flat_res: np.ndarray | None   # each resource slot's one resource; None where one holds several
+    # its recipes as a delta build adds them (TaskGraph.block): the distinct ones in order, and
+    # each value slot's index among them
+    distinct: tuple
+    slot_of: np.ndarray
 
 
 class Chunk(NamedTuple):
@@ -163,21 +167,25 @@ class Builder:
             g.begin_replica((rep.microbatches * STREAM_ITERATIONS if stream else rep.microbatches,
                              tuple(st.layers for st in stages), made.hops),
                             g.replica_tasks[like[r]] if like and like[r] != r else None)
-        vals = list(map(g.value, made.recipes))
-        if self.delta:
-            ids = self.releases(t, vals, res)
+        devs = [st.device for st in stages]
+        if self.delta:   # (no tensor split: planner.sim.simulator.Simulator._delta)
+            base = g.block(made.distinct)
+            ids = self.releases(t, (made.slot_of + base).tolist(), res)
+            counted, blocks = made.slot_of[t.counted] + base, g.stat_blocks
+            for s, stat, a, b in t.count_cuts:   # per stage, in the template's order (deterministic)
+                blocks.setdefault((devs[s], stat), []).append(counted[a:b])
         else:
+            vals = list(map(g.value, made.recipes))
             flat = made.flat_res
             ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
                           t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None,
                           None if flat is None else (t, flat[t.res_array]))
-        devs = [st.device for st in stages]
-        seq = g.stat_seq
-        for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
-            if stages[s].split:
-                self.count_split(stages[s], stat, [vals[v] for v in vs])
-                continue
-            seq[(devs[s], stat)] += map(vals.__getitem__, vs)
+            seq = g.stat_seq
+            for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
+                if stages[s].split:
+                    self.count_split(stages[s], stat, [vals[v] for v in vs])
+                    continue
+                seq[(devs[s], stat)] += map(vals.__getitem__, vs)
         progress = self.progress
         for s, st in enumerate(stages):
             if made.bucketed[s]:   # piece j of the last backward makes the stage's j-th bucket final
@@ -211,7 +219,11 @@ class Builder:
         if made is None:
             if len(cache) >= REPLICA_VALUES_CACHE_SIZE:
                 cache.pop(next(iter(cache)))
-            made = cache[key] = self.make_replica_values(r, rep)
+            own, self.g = self.g, TaskGraph(False)   # its recipes interned apart: they outlive the graph
+            try:
+                made = cache[key] = self.make_replica_values(r, rep)
+            finally:
+                self.g = own
         return made
 
     def make_replica_values(self, r: int, rep: Replica) -> ReplicaValues:
@@ -254,9 +266,13 @@ class Builder:
         recipes = g.recipes
         vals += [g.value(HeldSend(r, stages[s].device, tuple(recipes[vals[k]] for k in window)))
                  for s, window in t.holds]
-        return ReplicaValues(args, tuple(map(g.recipes.__getitem__, vals)), tuple(res), tuple(lanes), counts,
+        distinct = dict.fromkeys(vals)
+        at = dict(zip(distinct, range(len(distinct))))
+        slot_of = np.array([at[k] for k in vals], np.int64)
+        return ReplicaValues(args, tuple(map(recipes.__getitem__, vals)), tuple(res), tuple(lanes), counts,
                              tuple(c[0].bucket is not None for c in chunks),
-                             np.array([x[0] for x in res], np.int64) if all(len(x) == 1 for x in res) else None)
+                             np.array([x[0] for x in res], np.int64) if all(len(x) == 1 for x in res) else None,
+                             tuple(map(recipes.__getitem__, distinct)), slot_of)
 
     def releases(self, t: ReplicaCore, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
         """A delta build (planner.sim.split; plans without offloaded activations, tensor splits
@@ -407,7 +423,7 @@ class Builder:
         """The exchanged buckets of stage st's layers on its device, in ready order (a device
         holding several interleaved stages holds others too)."""
         ex = self.exchange
-        return [k for k in ex.by_device.get(st.device, ()) if st.start <= min(ex.buckets[k].layers) < st.end]
+        return [k for k in ex.by_device.get(st.device, ()) if st.start <= ex.first[k] < st.end]
 
     def with_copies(self, st: Stage, pieces: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
         """The last microbatch's backward pieces of stage st, each with the copy of the gradients

@@ -544,11 +544,27 @@ class StatRows(NamedTuple):
 
     @staticmethod
     def of(g: TaskGraph) -> "StatRows":
-        seqs = [g.stat_seq.get((d, s), ()) for d in g.devices for s in _STATS]
-        sizes = np.array([len(x) for x in seqs], np.int64)
+        blocks, seqs = g.stat_blocks, g.stat_seq
+        if not blocks:
+            cells = [seqs.get((d, s), ()) for d in g.devices for s in _STATS]
+            sizes = np.array([len(x) for x in cells], np.int64)
+            index = np.fromiter(chain.from_iterable(cells), np.int64, int(sizes.sum()))
+        else:   # a cell's blocks, then its sequence
+            pieces, n_of = [], []
+            for d in g.devices:
+                for s in _STATS:
+                    n = 0
+                    if bl := blocks.get((d, s)):
+                        pieces += bl
+                        n = sum(map(len, bl))
+                    if sq := seqs.get((d, s)):
+                        pieces.append(sq)
+                        n += len(sq)
+                    n_of.append(n)
+            sizes = np.array(n_of, np.int64)
+            index = np.concatenate(pieces).astype(np.int64, copy=False) if pieces else np.zeros(0, np.int64)
         first = np.cumsum(sizes) - sizes
-        return StatRows(np.fromiter(chain.from_iterable(seqs), np.int64, int(sizes.sum())), first[sizes > 0],
-                        np.flatnonzero(sizes > 0), len(seqs))
+        return StatRows(index, first[sizes > 0], np.flatnonzero(sizes > 0), len(sizes))
 
     def sums(self, values: list[float], scale: float) -> list[list[float]]:
         """Per device, its statistics' sums times `scale` (a segment's sum is reproducible: the

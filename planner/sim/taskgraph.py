@@ -270,6 +270,9 @@ class TaskGraph:
         self.recipes: list[Recipe] = []
         self._recipe_id: dict[Recipe, int] = {}
         self.stat_seq: dict[tuple[str, str], list[int]] = {}
+        # a delta build's replicas' counts (`block`): per (device, statistic) arrays of value
+        # indices, counted before that statistic's `stat_seq`
+        self.stat_blocks: dict[tuple[str, str], list[np.ndarray]] = {}
         self.devices: tuple[str, ...] = ()
         self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
         # Per replica (see Simulator._like): its task ids; its structure (its recipes and
@@ -350,6 +353,13 @@ class TaskGraph:
             k = self._recipe_id[recipe] = len(self.recipes)
             self.recipes.append(recipe)
         return k
+
+    def block(self, recipes: tuple[Recipe, ...]) -> int:
+        """Adds `recipes` as values of their own (equal recipes elsewhere not shared: a delta
+        build's replica, whose values differ from every other's); returns the first's index."""
+        base = len(self.recipes)
+        self.recipes += recipes
+        return base
 
     def count(self, device: str, stat: str, k: int) -> None:
         self.stat_seq[(device, stat)].append(k)

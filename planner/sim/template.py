@@ -298,6 +298,8 @@ class ReplicaCore(NamedTuple):
     iteration_end: tuple[tuple[int, ...], ...]
     holds: tuple[tuple[int, tuple[int, ...]], ...]
     held: np.ndarray
+    counted: np.ndarray   # the value slots of `counts`, concatenated
+    count_cuts: tuple[tuple[int, str, int, int], ...]   # per count: stage, statistic, its slice of `counted`
 
 
 @lru_cache(maxsize=1024)
@@ -313,12 +315,15 @@ def replica_core(schedule: str, m: int, pieces: tuple[int, ...], hops: tuple[tup
     c = _compute_tasks(sk, slots, pieces)
     starts, ends = c.start.tolist(), c.end.tolist()
     held, hold_windows = _hold_slots(sk, c, hops, holds, n_values)
+    counts = _statistics(sk, c, slots, hops, m)
+    sizes = np.cumsum([0] + [len(vs) for *_, vs in counts])
     return ReplicaCore(
-        (schedule, m, pieces, hops, devices, stream, holds), slots, n_values, sk, c,
-        _statistics(sk, c, slots, hops, m),
+        (schedule, m, pieces, hops, devices, stream, holds), slots, n_values, sk, c, counts,
         tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
         tuple(ends[a] for a in sk.final.tolist()),
-        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows, held)
+        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows, held,
+        np.fromiter(chain.from_iterable(vs for *_, vs in counts), np.int64, int(sizes[-1])),
+        tuple((s, stat, a, b) for (s, stat, _), a, b in zip(counts, sizes[:-1].tolist(), sizes[1:].tolist())))
 
 
 @lru_cache(maxsize=256)
