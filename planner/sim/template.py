@@ -315,15 +315,12 @@ def replica_core(schedule: str, m: int, pieces: tuple[int, ...], hops: tuple[tup
     c = _compute_tasks(sk, slots, pieces)
     starts, ends = c.start.tolist(), c.end.tolist()
     held, hold_windows = _hold_slots(sk, c, hops, holds, n_values)
-    counts = _statistics(sk, c, slots, hops, m)
-    sizes = np.cumsum([0] + [len(vs) for *_, vs in counts])
+    counts, counted, cuts = _statistics(sk, c, slots, hops, m)
     return ReplicaCore(
         (schedule, m, pieces, hops, devices, stream, holds), slots, n_values, sk, c, counts,
         tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
         tuple(ends[a] for a in sk.final.tolist()),
-        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows, held,
-        np.fromiter(chain.from_iterable(vs for *_, vs in counts), np.int64, int(sizes[-1])),
-        tuple((s, stat, a, b) for (s, stat, _), a, b in zip(counts, sizes[:-1].tolist(), sizes[1:].tolist())))
+        tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows, held, counted, cuts)
 
 
 @lru_cache(maxsize=256)
@@ -512,28 +509,33 @@ def _chain_edges(block: np.ndarray, n_hops: int, after: np.ndarray, posted: np.n
 
 
 def _statistics(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, int], ...], m: int
-                ) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
+                ) -> tuple[tuple[tuple[int, str, tuple[int, ...]], ...], np.ndarray, tuple[tuple[int, str, int, int], ...]]:
     """(stage, statistic, value slots) in the order the one-at-a-time builder counted them:
-    the compute statistics as first counted, then the hops' (each counted for both stages)."""
+    the compute statistics as first counted, then the hops' (each counted for both stages);
+    the same value slots concatenated, and per count (stage, statistic, its slice of them)."""
     n = len(sk.n_fwd)
     ups = np.flatnonzero(sk.update)
     backward = sk.kind[c.of] != _F
     backward[c.end[ups]] = False
     on = c.res[backward]
-    flat = c.value[backward][np.argsort(on, kind="stable")].tolist()
+    flat = c.value[backward][np.argsort(on, kind="stable")]
     ends = np.cumsum(np.bincount(on, minlength=n)).tolist()
-    by_stage = [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
-    counts: dict[tuple[int, str], tuple[int, ...]] = {}
+    by_stage = [flat[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    counts: dict[tuple[int, str], np.ndarray] = {}
     for s, stat in sk.keys:
-        counts[(s, stat)] = ((slots.fwd[s],) * sk.n_fwd[s] if stat == "fwd_s" else by_stage[s] if stat == "bwd_s"
-                             else slots.update[s] * int(np.count_nonzero(sk.stage[ups] == s)))
-    comm: dict[int, list[int]] = {}
+        counts[(s, stat)] = (np.full(sk.n_fwd[s], slots.fwd[s], np.int64) if stat == "fwd_s" else by_stage[s]
+                             if stat == "bwd_s" else np.tile(np.asarray(slots.update[s], np.int64),
+                                                             int(np.count_nonzero(sk.stage[ups] == s))))
+    comm: dict[int, list[np.ndarray]] = {}
     for p, (na, nb) in enumerate(hops):
-        ks = list(slots.ahead[p] + slots.back[p]) * m
+        ks = np.tile(np.asarray(slots.ahead[p] + slots.back[p], np.int64), m)
         for s in ((p, p + 1) if na else (p + 1, p) if nb else ()):
-            comm.setdefault(s, []).extend(ks)
-    counts.update(((s, "comm_s"), tuple(ks)) for s, ks in comm.items())
-    return tuple((s, stat, v) for (s, stat), v in counts.items())
+            comm.setdefault(s, []).append(ks)
+    counts.update(((s, "comm_s"), np.concatenate(ks)) for s, ks in comm.items())
+    sizes = np.cumsum([0] + [len(v) for v in counts.values()]).tolist()
+    counted = np.concatenate([np.zeros(0, np.int64), *counts.values()]).astype(np.int64, copy=False)
+    return (tuple((s, stat, tuple(v.tolist())) for (s, stat), v in counts.items()), counted,
+            tuple((s, stat, a, b) for (s, stat), a, b in zip(counts, sizes[:-1], sizes[1:])))
 
 
 def _labels(rows: list[list[Action]], sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...],
