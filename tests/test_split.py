@@ -369,6 +369,28 @@ def test_an_all_reduce_over_a_pipelines_link_splits_only_when_it_comes_after_the
     assert paths["split"] == 1, paths
 
 
+@pytest.mark.skipif(not split.fastloop.available(), reason="numba is not installed")
+def test_coupling_graphs_run_compiled_give_the_whole_graphs_results(paths, monkeypatch):
+    # every coupling graph of two tasks or more through planner.sim.fastloop (the search's
+    # take it from COUPLING_COMPILED tasks): the same results, rails grid plans and edge cases
+    monkeypatch.setattr(split, "COUPLING_COMPILED", 2)
+    compiled = []
+    run = split.Split.run
+
+    def counted(self, values, runs):
+        out = run(self, values, runs)
+        compiled.append(self.fast is not None)
+        return out
+    monkeypatch.setattr(split.Split, "run", counted)
+    g, topo = synthetic_graph(24, 64), cluster_64(2)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    same_results(g, topo, grid_plans(g, topo, space, random.Random(7), 4))
+    rng = random.Random(8)
+    for g, t, pl in [random_case(rng) for _ in range(80)]:
+        same_results(g, t, [pl])
+    assert sum(compiled) >= 30, sum(compiled)
+
+
 def test_a_coupling_graph_run_again_takes_the_fixed_order_pass(paths, monkeypatch):
     # the same plan shapes with the batch moved between replicas (simulator_speed's small
     # case): after two runs the coupling graph takes planner.sim.listsched's pass, the same

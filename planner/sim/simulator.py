@@ -101,6 +101,7 @@ class SimResult:
 
 # per-device statistics of a result, in the order SimResult.per_device lists them
 _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
+_STAT_AT = {s: k for k, s in enumerate(_STATS)}
 
 
 STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
@@ -549,19 +550,17 @@ class StatRows(NamedTuple):
             cells = [seqs.get((d, s), ()) for d in g.devices for s in _STATS]
             sizes = np.array([len(x) for x in cells], np.int64)
             index = np.fromiter(chain.from_iterable(cells), np.int64, int(sizes.sum()))
-        else:   # a cell's blocks, then its sequence
-            pieces, n_of = [], []
-            for d in g.devices:
-                for s in _STATS:
-                    n = 0
-                    if bl := blocks.get((d, s)):
-                        pieces += bl
-                        n = sum(map(len, bl))
-                    if sq := seqs.get((d, s)):
-                        pieces.append(sq)
-                        n += len(sq)
-                    n_of.append(n)
-            sizes = np.array(n_of, np.int64)
+        else:   # a cell's blocks, then its sequence; only the cells that count something visited
+            device_at = {d: k * len(_STATS) for k, d in enumerate(g.devices)}
+            filled = sorted([(device_at[d] + _STAT_AT[s], 0, bl) for (d, s), bl in blocks.items()
+                             if d in device_at and s in _STAT_AT]
+                            + [(device_at[d] + _STAT_AT[s], 1, [sq]) for (d, s), sq in seqs.items()
+                               if sq and d in device_at and s in _STAT_AT], key=lambda x: x[:2])
+            sizes = np.zeros(len(device_at) * len(_STATS), np.int64)
+            pieces = []
+            for cell, _, bl in filled:
+                pieces += bl
+                sizes[cell] += sum(map(len, bl))
             index = np.concatenate(pieces).astype(np.int64, copy=False) if pieces else np.zeros(0, np.int64)
         first = np.cumsum(sizes) - sizes
         return StatRows(index, first[sizes > 0], np.flatnonzero(sizes > 0), len(sizes))

@@ -51,6 +51,9 @@ from planner.sim.pipeline import PipelineRun, fits as pipeline_fits, graph as pi
 from planner.sim.taskgraph import TaskGraph
 from planner.sim.template import replica_template
 
+# a coupling graph of at least this many tasks runs compiled (planner.sim.fastloop; the same
+# times): with its arrays made per graph, it costs less than the Python loop from ~50 tasks
+COUPLING_COMPILED = 64
 RUN_CACHE_SIZE = 4096   # replica runs kept (structure, duration values) -> times
 # the fixed-order pass (planner.sim.listsched) for a structure run this many times before: most
 # structures of a search run once, and preparing the pass costs about two event-loop runs
@@ -252,7 +255,7 @@ class Split:
     local resource)."""
 
     __slots__ = ("parts", "release", "coupling", "res", "succ", "ndeps", "shared", "n_res", "checks", "preds",
-                 "static", "runs")
+                 "static", "runs", "fast")
 
     def __init__(self, parts, release, coupling, res, n_res, succ, ndeps, checks, preds):
         self.parts, self.release, self.coupling = parts, release, coupling
@@ -261,6 +264,7 @@ class Split:
         self.checks, self.preds = checks, preds
         self.static: Static | None | bool = None   # the coupling graph's fixed-order pass, once run before
         self.runs = 0
+        self.fast = None   # planner.sim.fastloop.Prepared, once run compiled
 
     @staticmethod
     def of(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict) -> "Split | None":
@@ -405,7 +409,11 @@ class Split:
             self.static = Static.of(self) or False
         self.runs += 1
         out = self.static.run(dur, {}) if self.static else None
-        start, end = out or run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res)
+        if out is None and len(dur) >= COUPLING_COMPILED and fastloop.available():
+            if self.fast is None:
+                self.fast = fastloop.prepare(self.res, self.succ, self.ndeps, self.shared, self.n_res)
+            out = (None, fastloop.run(self.fast, np.asarray(dur, np.float64))[1].tolist())
+        end = (out or run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res))[1]
         for c, p, x in self.checks:
             ready = max((end[q] for q in self.preds[c - first]), default=0.0)
             last = done[p].last[x]
