@@ -667,6 +667,7 @@ def _stamped_and_built_one_by_one(g, t, pl, monkeypatch) -> list[tuple]:
     from simreference import build_one_by_one
     graphs = []
     for one_by_one in (False, True):
+        monkeypatch.setattr(Builder, "BLOCKS", False)   # recipes shared as the reference shares them
         if one_by_one:
             monkeypatch.setattr(Builder, "replica", build_one_by_one)
         sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
@@ -687,6 +688,29 @@ def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
         g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
         stamped, built = _stamped_and_built_one_by_one(g, t, pl, monkeypatch)
         assert stamped == built
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_replicas_as_value_blocks_give_the_same_tasks_and_results(seed, monkeypatch):
+    # Builder.BLOCKS: each replica's recipes added as one block, its statistics as arrays; every
+    # task the same recipe, resources and edges, every statistic and result the same bit for bit
+    from planner.sim.build import Builder
+    from planner.sim.taskgraph import TaskGraph
+    rng, blocked = random.Random(seed), 0
+    for _ in range(60):
+        g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
+        out = []
+        for blocks in (True, False):
+            monkeypatch.setattr(Builder, "BLOCKS", blocks)
+            sim = Simulator(g, t, cache_size=0, shape_cache_size=0)
+            tg = TaskGraph(False)
+            sim._build(pl, tg)
+            blocked += bool(tg.stat_blocks)
+            out.append(([tg.recipes[k] for k in tg.dkey], tg.res, tg.succ, tg.ndeps, tg.replica_shape,
+                        [tg.replica_recipes(r)[1] for r in range(len(tg.replica_tasks))],
+                        repr(sim.simulate(pl)), repr(Simulator(g, t, cache_size=0, split=False).simulate(pl))))
+        assert out[0] == out[1]
+    assert blocked >= 30, blocked
 
 
 def test_held_sends_stamp_the_graph_built_task_by_task(monkeypatch):

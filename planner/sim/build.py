@@ -102,10 +102,17 @@ class Builder:
     """Builds one plan shape's task graph for `sim` (a Simulator: its resource ids, routes and
     all-reduce cache); replica r is simulated by replica like[r] where that differs from r."""
 
+    BLOCKS = True   # replicas' values as blocks where that applies (False: one recipe at a time)
+
     def __init__(self, sim: SimulatorView, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None,
                  delta: bool = False):
         self.sim, self.plan, self.g, self.like = sim, plan, g, like
         self.delta = delta   # replicas as parts, not tasks (`releases`; planner.sim.split)
+        # each replica's values as one block and its statistics as arrays (TaskGraph.block,
+        # stat_blocks): where no replica counts anything one task at a time (tensor splits,
+        # offloaded activations), so each statistic's blocks come before what else it counts
+        self.blocks = self.BLOCKS and not any(st.split or st.offload_activations
+                                              for rep in plan.replicas for st in rep.stages)
         self.tracing = g.meta is not None   # labels are made only for a trace
         self.progress = Progress()
         self.exchange = Exchange(False, [], {})
@@ -168,18 +175,25 @@ class Builder:
                              tuple(st.layers for st in stages), made.hops),
                             g.replica_tasks[like[r]] if like and like[r] != r else None)
         devs = [st.device for st in stages]
-        if self.delta:   # (no tensor split: planner.sim.simulator.Simulator._delta)
+        if self.blocks:   # the replica's values as one block, its statistics as arrays
             base = g.block(made.distinct)
-            ids = self.releases(t, (made.slot_of + base).tolist(), res)
+            if self.delta:
+                ids = self.releases(t, (made.slot_of + base).tolist(), res)
+            else:
+                flat = made.flat_res
+                ids = g.stamp((made.slot_of[t.value_array] + base).tolist(), list(map(res.__getitem__, t.res)),
+                              t.succ_at, t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None,
+                              None if flat is None else (t, flat[t.res_array]))
             counted, blocks = made.slot_of[t.counted] + base, g.stat_blocks
             for s, stat, a, b in t.count_cuts:   # per stage, in the template's order (deterministic)
                 blocks.setdefault((devs[s], stat), []).append(counted[a:b])
         else:
             vals = list(map(g.value, made.recipes))
             flat = made.flat_res
-            ids = g.stamp(list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
-                          t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None,
-                          None if flat is None else (t, flat[t.res_array]))
+            ids = self.releases(t, vals, res) if self.delta else g.stamp(
+                list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at, t.ndeps,
+                self.labels(r, t, made.lanes) if self.tracing else None,
+                None if flat is None else (t, flat[t.res_array]))
             seq = g.stat_seq
             for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
                 if stages[s].split:

@@ -67,8 +67,10 @@ class ReplicaTemplate:
                  succ: tuple[np.ndarray, np.ndarray], ndeps: tuple[int, ...],
                  counts: tuple[tuple[int, str, tuple[int, ...]], ...], chunk_end: tuple[tuple[int, ...], ...],
                  last_backward: tuple[int, ...], label: Callable[[], tuple[tuple, ...]],
-                 iteration_end: tuple[tuple[int, ...], ...], holds: tuple[tuple[int, tuple[int, ...]], ...] = ()):
+                 iteration_end: tuple[tuple[int, ...], ...], holds: tuple[tuple[int, tuple[int, ...]], ...] = (),
+                 counted: np.ndarray | None = None, count_cuts: tuple[tuple[int, str, int, int], ...] = ()):
         self.slots, self.value, self.res, self.ndeps, self.counts = slots, value, res, ndeps, counts
+        self.counted, self.count_cuts = counted, count_cuts   # `counts` over arrays (ReplicaCore's)
         self.holds = holds
         self.chunk_end, self.last_backward, self.iteration_end = chunk_end, last_backward, iteration_end
         self._succ, self._label = succ, label   # (successor ids in task order, per task how many)
@@ -82,6 +84,11 @@ class ReplicaTemplate:
     def res_array(self) -> np.ndarray:
         """`res` as an array."""
         return np.array(self.res, np.int64)
+
+    @cached_property
+    def value_array(self) -> np.ndarray:
+        """`value` as an array."""
+        return np.array(self.value, np.int64)
 
     @property
     def edge_dst(self) -> np.ndarray:
@@ -352,7 +359,7 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
         (dst[order], np.bincount(src, minlength=base)), tuple(np.bincount(dst, minlength=base).tolist()),
         core.counts, core.chunk_end, core.last_backward,
         lambda: _labels(make_schedule(schedule, len(pieces), m, devices), sk, c, hops, m, held),
-        core.iteration_end, core.holds)
+        core.iteration_end, core.holds, core.counted, core.count_cuts)
 
 
 class _Compute(NamedTuple):
