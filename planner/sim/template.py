@@ -65,12 +65,12 @@ class ReplicaTemplate:
 
     def __init__(self, slots: Slots, value: tuple[int, ...], res: tuple[int, ...],
                  succ: tuple[np.ndarray, np.ndarray], ndeps: tuple[int, ...],
-                 counts: tuple[tuple[int, str, tuple[int, ...]], ...], chunk_end: tuple[tuple[int, ...], ...],
+                 counted: np.ndarray, count_cuts: tuple[tuple[int, str, int, int], ...],
+                 chunk_end: tuple[tuple[int, ...], ...],
                  last_backward: tuple[int, ...], label: Callable[[], tuple[tuple, ...]],
-                 iteration_end: tuple[tuple[int, ...], ...], holds: tuple[tuple[int, tuple[int, ...]], ...] = (),
-                 counted: np.ndarray | None = None, count_cuts: tuple[tuple[int, str, int, int], ...] = ()):
-        self.slots, self.value, self.res, self.ndeps, self.counts = slots, value, res, ndeps, counts
-        self.counted, self.count_cuts = counted, count_cuts   # `counts` over arrays (ReplicaCore's)
+                 iteration_end: tuple[tuple[int, ...], ...], holds: tuple[tuple[int, tuple[int, ...]], ...] = ()):
+        self.slots, self.value, self.res, self.ndeps = slots, value, res, ndeps
+        self.counted, self.count_cuts = counted, count_cuts   # `counts` concatenated, each one's slice
         self.holds = holds
         self.chunk_end, self.last_backward, self.iteration_end = chunk_end, last_backward, iteration_end
         self._succ, self._label = succ, label   # (successor ids in task order, per task how many)
@@ -79,6 +79,10 @@ class ReplicaTemplate:
     @cached_property
     def label(self) -> tuple[tuple, ...]:
         return self._label()
+
+    @cached_property
+    def counts(self) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
+        return _counts(self.counted, self.count_cuts)
 
     @cached_property
     def res_array(self) -> np.ndarray:
@@ -299,7 +303,6 @@ class ReplicaCore(NamedTuple):
     n_values: int
     sk: "_Skeleton"
     c: "_Compute"
-    counts: tuple[tuple[int, str, tuple[int, ...]], ...]
     chunk_end: tuple[tuple[int, ...], ...]
     last_backward: tuple[int, ...]
     iteration_end: tuple[tuple[int, ...], ...]
@@ -307,6 +310,11 @@ class ReplicaCore(NamedTuple):
     held: np.ndarray
     counted: np.ndarray   # the value slots of `counts`, concatenated
     count_cuts: tuple[tuple[int, str, int, int], ...]   # per count: stage, statistic, its slice of `counted`
+
+    @property
+    def counts(self) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
+        """(stage, statistic, value slots) in the order the one-at-a-time builder counted them."""
+        return _counts(self.counted, self.count_cuts)
 
 
 @lru_cache(maxsize=1024)
@@ -322,9 +330,9 @@ def replica_core(schedule: str, m: int, pieces: tuple[int, ...], hops: tuple[tup
     c = _compute_tasks(sk, slots, pieces)
     starts, ends = c.start.tolist(), c.end.tolist()
     held, hold_windows = _hold_slots(sk, c, hops, holds, n_values)
-    counts, counted, cuts = _statistics(sk, c, slots, hops, m)
+    counted, cuts = _statistics(sk, c, slots, hops, m)
     return ReplicaCore(
-        (schedule, m, pieces, hops, devices, stream, holds), slots, n_values, sk, c, counts,
+        (schedule, m, pieces, hops, devices, stream, holds), slots, n_values, sk, c,
         tuple(tuple(range(starts[a], starts[a] + pieces[s])) for s, a in enumerate(sk.last.tolist())),
         tuple(ends[a] for a in sk.final.tolist()),
         tuple(tuple(ends[a] for a in e) for e in sk.iteration_end), hold_windows, held, counted, cuts)
@@ -357,9 +365,9 @@ def replica_template(schedule: str, m: int, pieces: tuple[int, ...],
     return ReplicaTemplate(
         slots, tuple(np.concatenate([c.value, v]).tolist()), tuple(np.concatenate([c.res, r]).tolist()),
         (dst[order], np.bincount(src, minlength=base)), tuple(np.bincount(dst, minlength=base).tolist()),
-        core.counts, core.chunk_end, core.last_backward,
+        core.counted, core.count_cuts, core.chunk_end, core.last_backward,
         lambda: _labels(make_schedule(schedule, len(pieces), m, devices), sk, c, hops, m, held),
-        core.iteration_end, core.holds, core.counted, core.count_cuts)
+        core.iteration_end, core.holds)
 
 
 class _Compute(NamedTuple):
@@ -516,10 +524,10 @@ def _chain_edges(block: np.ndarray, n_hops: int, after: np.ndarray, posted: np.n
 
 
 def _statistics(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, int], ...], m: int
-                ) -> tuple[tuple[tuple[int, str, tuple[int, ...]], ...], np.ndarray, tuple[tuple[int, str, int, int], ...]]:
-    """(stage, statistic, value slots) in the order the one-at-a-time builder counted them:
-    the compute statistics as first counted, then the hops' (each counted for both stages);
-    the same value slots concatenated, and per count (stage, statistic, its slice of them)."""
+                ) -> tuple[np.ndarray, tuple[tuple[int, str, int, int], ...]]:
+    """The value slots counted per (stage, statistic), in the order the one-at-a-time builder
+    counted them (the compute statistics as first counted, then the hops', each counted for
+    both stages), concatenated; per count (stage, statistic, its slice of them)."""
     n = len(sk.n_fwd)
     ups = np.flatnonzero(sk.update)
     backward = sk.kind[c.of] != _F
@@ -541,8 +549,14 @@ def _statistics(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int,
     counts.update(((s, "comm_s"), np.concatenate(ks)) for s, ks in comm.items())
     sizes = np.cumsum([0] + [len(v) for v in counts.values()]).tolist()
     counted = np.concatenate([np.zeros(0, np.int64), *counts.values()]).astype(np.int64, copy=False)
-    return (tuple((s, stat, tuple(v.tolist())) for (s, stat), v in counts.items()), counted,
-            tuple((s, stat, a, b) for (s, stat), a, b in zip(counts, sizes[:-1], sizes[1:])))
+    return counted, tuple((s, stat, a, b) for (s, stat), a, b in zip(counts, sizes[:-1], sizes[1:]))
+
+
+def _counts(counted: np.ndarray, cuts: tuple[tuple[int, str, int, int], ...]
+            ) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
+    """(stage, statistic, value slots) per count, from `_statistics`' arrays."""
+    flat = counted.tolist()
+    return tuple((s, stat, tuple(flat[a:b])) for s, stat, a, b in cuts)
 
 
 def _labels(rows: list[list[Action]], sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...],
