@@ -59,10 +59,10 @@ class Problem:
     shares: dict[str, tuple[float, ...]]            # per device, each layer's share of model time
     cut_s: Callable[[str, str, int], float] | None = None  # activations at cut i between two devices
     cost: Any = None                                # the cost model (first precision's)
-    # (plan, above) -> (a lower bound on its iteration_s, the peak_memory_bytes `evaluate` reports
-    # for it), or None where no bound is known; a bound past `above` seconds may be less than the
-    # best known; bound None: no early rejection
-    bound: Callable[[Plan, float], tuple[float, dict[str, float]] | None] | None = None
+    # (plan, above, memory) -> (a lower bound on its iteration_s, the peak_memory_bytes `evaluate`
+    # reports for it, None without `memory`), or None where no bound is known; a bound past
+    # `above` seconds may be less than the best known; bound None: no early rejection
+    bound: Callable[[Plan, float, bool], tuple[float, dict[str, float] | None] | None] | None = None
     # one-replica plan -> a key equal for plans `evaluate` gives the same iteration_s, or None where
     # none is known (planner.search.problem.twin_keys): solve_batches times such twins once
     twin_key: Callable[[Plan], Hashable | None] | None = None
@@ -168,7 +168,7 @@ class Searcher:
         without the bound."""
         if not self.cfg.early_reject or self.p.bound is None:
             return False
-        b = self.p.bound(plan, bar)   # a bound past the bar rejects whatever the memory (walk_cost >= t)
+        b = self.p.bound(plan, bar, True)   # a bound past the bar rejects whatever the memory (walk_cost >= t)
         if b is None:
             return False
         lb, peak = b
@@ -203,7 +203,7 @@ class Searcher:
         key = self.p.twin_key(plan) if self.p.twin_key else None
         t = self.twins.get(key) if key is not None else None
         if t is None:
-            b = self.p.bound(plan, math.inf) if self.cfg.split_by_bound and self.p.bound else None
+            b = self.p.bound(plan, math.inf, False) if self.cfg.split_by_bound and self.p.bound else None
             t = b[0] if b is not None else self.evaluate(plan).iteration_s
             if key is not None:
                 self.twins[key] = t

@@ -57,13 +57,13 @@ def simulator_problem(simulator, space: Space) -> Problem:
         except ValueError:        # no path of links between two stages, no host CPU to offload to
             return _Rejected()
 
-    def bound(plan: Plan, above: float = math.inf):
-        """(lower bound on the iteration, peak memory) for early rejection (planner.sim.bound);
-        None where the bound proves nothing or the plan is one the simulator refuses. Once the
-        bound passes `above`, it may stop short of its best."""
+    def bound(plan: Plan, above: float = math.inf, memory: bool = True):
+        """(lower bound on the iteration, peak memory; None without `memory`) for early rejection
+        (planner.sim.bound); None where the bound proves nothing or the plan is one the simulator
+        refuses. Once the bound passes `above`, it may stop short of its best."""
         try:
             lb = simulator.lower_bound_s(plan, above)
-            return None if lb is None else (lb, simulator.peak_memory_bytes(plan))
+            return None if lb is None else (lb, simulator.peak_memory_bytes(plan) if memory else None)
         except ValueError:
             return None
 
