@@ -3,7 +3,7 @@ FlexFlow lacked: batch fractions solved directly, and baselines that bound the r
 
 The search calls one narrow function, `evaluate(plan) -> result` with attributes
 `iteration_s`, `feasible` and `peak_memory_bytes` (planner.sim.simulator's SimResult), and takes a
-seeded `random.Random`: no global state. Results are cached per plan (`strategy_key`).
+seeded `random.Random`: no global state. Results are cached per plan (`search_key`).
 
 Determinism: the search stops after `iterations` proposals, or after `stall` proposals
 without improvement (twice the proposals its best took, at least 500, at most `patience`: about
@@ -143,7 +143,7 @@ class Searcher:
     def evaluate(self, plan: Plan, name: str = "", bar: float = math.inf) -> Candidate | None:
         """The plan's candidate (simulated once, then cached); None without simulating when its
         lower bound costs more than a finite `bar` (`rejects`)."""
-        key = strategy_key(plan)
+        key = search_key(plan)
         c = self.cache.get(key)
         if c is None:
             if bar < math.inf and self.rejects(plan, bar):
@@ -466,7 +466,7 @@ class Searcher:
             return None
 
 
-def strategy_key(plan: Plan) -> tuple:
+def search_key(plan: Plan) -> tuple:
     """What tells a search's plans apart (they share one model and topology; no prediction)."""
     return (plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer, plan.recompute,
             plan.precision)

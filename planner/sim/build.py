@@ -71,8 +71,8 @@ class ReplicaValues(NamedTuple):
     hops: tuple[tuple[int, int], ...]
     bucketed: tuple[bool, ...]
     flat_res: np.ndarray | None   # each resource slot's one resource; None where one holds several
-    # its recipes as a delta build adds them (TaskGraph.block): the distinct ones in order, and
-    # each value slot's index among them
+    # its recipes as a block of values (TaskGraph.block): the distinct ones in order, and each
+    # value slot's index among them
     distinct: tuple
     slot_of: np.ndarray
 

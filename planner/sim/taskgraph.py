@@ -270,8 +270,8 @@ class TaskGraph:
         self.recipes: list[Recipe] = []
         self._recipe_id: dict[Recipe, int] = {}
         self.stat_seq: dict[tuple[str, str], list[int]] = {}
-        # a delta build's replicas' counts (`block`): per (device, statistic) arrays of value
-        # indices, counted before that statistic's `stat_seq`
+        # replicas' counts where their values came as blocks (`block`): per (device, statistic)
+        # arrays of value indices, counted before that statistic's `stat_seq`
         self.stat_blocks: dict[tuple[str, str], list[np.ndarray]] = {}
         self.devices: tuple[str, ...] = ()
         self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
@@ -355,8 +355,8 @@ class TaskGraph:
         return k
 
     def block(self, recipes: tuple[Recipe, ...]) -> int:
-        """Adds `recipes` as values of their own (equal recipes elsewhere not shared: a delta
-        build's replica, whose values differ from every other's); returns the first's index."""
+        """Adds `recipes` as values of their own, not shared with equal recipes elsewhere (a
+        replica's: planner.sim.build.Builder.blocks); returns the first's index."""
         base = len(self.recipes)
         self.recipes += recipes
         return base
