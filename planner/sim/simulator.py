@@ -309,14 +309,8 @@ class Simulator:
     def _run(self, g: TaskGraph, dur: list[float], wake: dict[int, float]) -> tuple[list[float], list[float]]:
         """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
         applies, else by the event loop; the same times either way."""
-        # a large graph compiled (planner.sim.fastloop: the same times), unless this simulator
-        # was asked for the Python event loop alone (static_after None)
-        if len(dur) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None:
-            if g.fast is None:
-                flat = g.arrays()
-                g.fast = fastloop.prepare(g.res, None if flat else g.succ, g.ndeps, g.shared_res, len(self._lanes),
-                                          wake, flat)
-            start, end = fastloop.run(g.fast, np.asarray(dur, np.float64))
+        if self._compiles(g):
+            start, end = self._run_compiled(g, np.asarray(dur, np.float64), wake)
             return start.tolist(), end.tolist()
         if g.static is None:
             after = self._static_after
@@ -326,6 +320,18 @@ class Simulator:
         if out is None:
             out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
         return out
+
+    def _compiles(self, g: TaskGraph) -> bool:
+        """Whether g runs compiled (planner.sim.fastloop: the same times): a large graph, unless
+        this simulator was asked for the Python event loop alone (static_after None)."""
+        return len(g.dkey) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None
+
+    def _run_compiled(self, g: TaskGraph, dur: np.ndarray, wake: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+        if g.fast is None:
+            flat = g.arrays()
+            g.fast = fastloop.prepare(g.res, None if flat else g.succ, g.ndeps, g.shared_res, len(self._lanes),
+                                      wake, flat)
+        return fastloop.run(g.fast, dur)
 
     def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float] | None:
         """(delta build, its values, the last end of the plan's tasks) by delta simulation
@@ -492,14 +498,20 @@ class Simulator:
                     g = self._shape(plan, trace, like)
                     values = self._evaluate(plan, g)
                     self._plan_facts(plan, g)   # its own graph: its iteration overhead too
-            base = list(map(values.__getitem__, g.dkey))
             wake = self._wakes(g)
-            start, end = self._run(g, base, wake)
-            dur = base
-            for _ in range(contention.CONTENTION_PASSES if contended else 0):
-                dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-                start, end = self._run(g, dur, wake)
-            last = _iteration_s(g, end)
+            if self._compiles(g) and not (contended or trace):   # arrays throughout, no list per task
+                if g.dkey_array is None:
+                    g.dkey_array = np.array(g.dkey, np.int64)
+                base = dur = np.asarray(values, np.float64)[g.dkey_array]
+                last = _iteration_s(g, self._run_compiled(g, base, wake)[1])
+            else:
+                base = list(map(values.__getitem__, g.dkey))
+                start, end = self._run(g, base, wake)
+                dur = base
+                for _ in range(contention.CONTENTION_PASSES if contended else 0):
+                    dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
+                    start, end = self._run(g, dur, wake)
+                last = _iteration_s(g, end)
         iteration_s = last + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
@@ -574,12 +586,12 @@ class StatRows(NamedTuple):
         return (out * scale).reshape(-1, len(_STATS)).tolist()
 
 
-def _iteration_s(g: TaskGraph, end: list[float]) -> float:
+def _iteration_s(g: TaskGraph, end: list[float] | np.ndarray) -> float:
     """The iteration: the last task's end; in a PipeDream / 2BW stream the steady state's, the
     time between the ends of the stream's first two iterations (the slowest stage's)."""
     if not g.iteration_ends:
-        return max(end) if end else 0.0
-    return max(end[ends[1]] - end[ends[0]] for ends in g.iteration_ends)
+        return (float(end.max()) if isinstance(end, np.ndarray) else max(end)) if len(end) else 0.0
+    return max(float(end[ends[1]] - end[ends[0]]) for ends in g.iteration_ends)
 
 
 def staleness(plan: Plan) -> dict[str, int]:

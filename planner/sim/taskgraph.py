@@ -302,6 +302,7 @@ class TaskGraph:
         self.stat_rows = None   # planner.sim.simulator.StatRows: stat_seq as arrays
         self.static = None
         self.fast = None    # planner.sim.fastloop.Prepared once run compiled
+        self.dkey_array: np.ndarray | None = None   # dkey as an array, once run compiled
         self.split = None   # planner.sim.split.Split, False where it does not apply, None: not built
         self.parts: list[tuple] = []   # a delta build's replicas (planner.sim.build.Builder.releases)
         self.runs = 0   # event-loop or fixed-order runs of this graph   # planner.sim.listsched.Static, False where it does not apply, None: not built
