@@ -105,7 +105,8 @@ def exchanged_buckets(plan: Plan, graph: ModelGraph) -> tuple[list[Bucket], list
     sync modes exchange no gradient: ([], [])."""
     if plan.sync.mode != "sync":
         return [], []
-    shared = [b for b in grad_buckets(plan, graph) if len(b.devices) > 1]
+    # a bucket's devices are one per replica: one replica shares none
+    shared = [b for b in grad_buckets(plan, graph) if len(b.devices) > 1] if len(plan.replicas) > 1 else []
     tied = tied_buckets(plan, graph)
     if plan.sync.granularity != "fine":
         return coarse_buckets(shared + tied), []
