@@ -174,26 +174,25 @@ class Builder:
             g.begin_replica((rep.microbatches * STREAM_ITERATIONS if stream else rep.microbatches,
                              tuple(st.layers for st in stages), made.hops),
                             g.replica_tasks[like[r]] if like and like[r] != r else None)
-        devs = [st.device for st in stages]
-        if self.blocks:   # the replica's values as one block, its statistics as arrays
+        if self.blocks:   # the replica's values as one block
             base = g.block(made.distinct)
-            if self.delta:
-                ids = self.releases(t, (made.slot_of + base).tolist(), res)
-            else:
-                flat = made.flat_res
-                ids = g.stamp((made.slot_of[t.value_array] + base).tolist(), list(map(res.__getitem__, t.res)),
-                              t.succ_at, t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None,
-                              None if flat is None else (t, flat[t.res_array]))
-            counted, blocks = made.slot_of[t.counted] + base, g.stat_blocks
-            for s, stat, a, b in t.count_cuts:   # per stage, in the template's order (deterministic)
-                blocks.setdefault((devs[s], stat), []).append(counted[a:b])
+            vals = (made.slot_of + base).tolist()
         else:
             vals = list(map(g.value, made.recipes))
+        if self.delta:
+            ids = self.releases(t, vals, res)
+        else:
             flat = made.flat_res
-            ids = self.releases(t, vals, res) if self.delta else g.stamp(
-                list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at, t.ndeps,
-                self.labels(r, t, made.lanes) if self.tracing else None,
-                None if flat is None else (t, flat[t.res_array]))
+            ids = g.stamp((made.slot_of[t.value_array] + base).tolist() if self.blocks
+                          else list(map(vals.__getitem__, t.value)), list(map(res.__getitem__, t.res)), t.succ_at,
+                          t.ndeps, self.labels(r, t, made.lanes) if self.tracing else None,
+                          None if flat is None else (t, flat[t.res_array]))
+        devs = [st.device for st in stages]
+        if self.blocks:   # its statistics as arrays, per stage in the template's order (deterministic)
+            counted, blocks = made.slot_of[t.counted] + base, g.stat_blocks
+            for s, stat, a, b in t.count_cuts:
+                blocks.setdefault((devs[s], stat), []).append(counted[a:b])
+        else:
             seq = g.stat_seq
             for s, stat, vs in t.counts:   # per stage, in the template's order (deterministic)
                 if stages[s].split:

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from itertools import chain, compress
+from itertools import compress
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -557,23 +557,19 @@ class StatRows(NamedTuple):
 
     @staticmethod
     def of(g: TaskGraph) -> "StatRows":
-        blocks, seqs = g.stat_blocks, g.stat_seq
-        if not blocks:
-            cells = [seqs.get((d, s), ()) for d in g.devices for s in _STATS]
-            sizes = np.array([len(x) for x in cells], np.int64)
-            index = np.fromiter(chain.from_iterable(cells), np.int64, int(sizes.sum()))
-        else:   # a cell's blocks, then its sequence; only the cells that count something visited
-            device_at = {d: k * len(_STATS) for k, d in enumerate(g.devices)}
-            filled = sorted([(device_at[d] + _STAT_AT[s], 0, bl) for (d, s), bl in blocks.items()
-                             if d in device_at and s in _STAT_AT]
-                            + [(device_at[d] + _STAT_AT[s], 1, [sq]) for (d, s), sq in seqs.items()
-                               if sq and d in device_at and s in _STAT_AT], key=lambda x: x[:2])
-            sizes = np.zeros(len(device_at) * len(_STATS), np.int64)
-            pieces = []
-            for cell, _, bl in filled:
-                pieces += bl
-                sizes[cell] += sum(map(len, bl))
-            index = np.concatenate(pieces).astype(np.int64, copy=False) if pieces else np.zeros(0, np.int64)
+        # a cell's blocks (TaskGraph.stat_blocks), then its sequence; only the cells that count
+        # something visited
+        device_at = {d: k * len(_STATS) for k, d in enumerate(g.devices)}
+        filled = sorted([(device_at[d] + _STAT_AT[s], 0, bl) for (d, s), bl in g.stat_blocks.items()
+                         if d in device_at and s in _STAT_AT]
+                        + [(device_at[d] + _STAT_AT[s], 1, [sq]) for (d, s), sq in g.stat_seq.items()
+                           if sq and d in device_at and s in _STAT_AT], key=lambda x: x[:2])
+        sizes = np.zeros(len(device_at) * len(_STATS), np.int64)
+        pieces = []
+        for cell, _, bl in filled:
+            pieces += bl
+            sizes[cell] += sum(map(len, bl))
+        index = np.concatenate(pieces).astype(np.int64, copy=False) if pieces else np.zeros(0, np.int64)
         first = np.cumsum(sizes) - sizes
         return StatRows(index, first[sizes > 0], np.flatnonzero(sizes > 0), len(sizes))
 
