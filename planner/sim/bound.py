@@ -44,6 +44,7 @@ from planner.sim import contention
 from planner.sim.build import stage_messages
 
 REPLICA_CACHE_SIZE = 8192   # replicas' terms a simulator keeps (_Bound.replica)
+LAYOUT_CACHE_SIZE = 4096    # layer layouts whose all-reduces it keeps priced (_Bound.priced)
 BOUND_MARGIN = 1e-9   # relative; sums of 1e5 task durations in another order differ by ~1e-12
 # every stage's first action is F0; under all but zb-h1 its last is B of the last microbatch
 HEAD_SCHEDULES = ("gpipe", "1f1b", "hippie", "zb-h1")
@@ -120,7 +121,7 @@ class _Bound:
         cache = self.sim._bound_allreduces
         out = cache.get(key)
         if out is None:
-            if len(cache) >= REPLICA_CACHE_SIZE:
+            if len(cache) >= LAYOUT_CACHE_SIZE:
                 cache.pop(next(iter(cache)))
             shared, tied = self.sim.exchanged(self.plan)
             fine = self.plan.sync.granularity == "fine"
