@@ -573,7 +573,8 @@ class Builder:
         g = self.g
         res, d = self.sim._allreduce(b.devices, b.bytes, queued)
         d_k = g.value(Const(d))
-        t = g.add(d_k, res, deps, TaskMeta(f"allreduce {name} {b.bytes}B", "+".join(b.devices), "allreduce"))
+        t = g.add(d_k, res, deps, TaskMeta(f"allreduce {name} {b.bytes}B", "+".join(b.devices), "allreduce")
+                  if self.tracing else None)
         g.sync_res.update(res)
         for dev in b.devices:
             g.count(dev, "comm_s", d_k)
@@ -686,7 +687,7 @@ class Builder:
         dev's optimizer time."""
         g = self.g
         d_k = g.value(Const(seconds))
-        t = g.add(d_k, (self.sim._rid[dev],), deps, TaskMeta(name, dev, "optimizer"))
+        t = g.add(d_k, (self.sim._rid[dev],), deps, TaskMeta(name, dev, "optimizer") if self.tracing else None)
         g.memory_bound.add(t)
         g.count(dev, "optimizer_s", d_k)
         return t
