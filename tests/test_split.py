@@ -187,6 +187,35 @@ def test_delta_simulation_equals_the_whole_graph_on_a_rails_search(paths):
     assert paths["split"] >= 10, paths
 
 
+def test_replica_values_kept_across_plans_are_those_evaluated_afresh(monkeypatch):
+    # Simulator._evaluate keeps a replica's block of values per microbatch size across plan
+    # shapes: the plans of a short rails search (replicas coming back at other batches) give
+    # every result bit for bit as with each recipe evaluated in its own graph (Builder.BLOCKS off)
+    from planner.sim.build import Builder
+    g, topo = synthetic_graph(48, 128), cluster_64(2)
+    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
+    seen = []
+
+    class Recording(Simulator):
+        def simulate(self, pl, trace=False):
+            seen.append(pl)
+            return super().simulate(pl, trace)
+    search(simulator_problem(Recording(g, topo), space), random.Random(1), SearchConfig(iterations=80))
+    for pl in list(seen):   # the same shapes with the batch moved: the same replicas at other microbatches
+        b = pl.replica_batches()
+        if len(b) > 1 and b[0] > pl.replicas[0].microbatches:
+            b[0], b[1] = b[0] - pl.replicas[0].microbatches, b[1] + pl.replicas[0].microbatches
+            seen.append(replace(pl, replicas=tuple(replace(rep, batch_fraction=x / pl.global_batch)
+                                                   for rep, x in zip(pl.replicas, b))))
+    kept = Simulator(g, topo, cache_size=0)
+    with_blocks = [outcome(kept, pl) for pl in seen]
+    evaluated = sum(len(pl.replicas) for pl in seen)
+    assert len(kept._block_values) < evaluated / 2, (len(kept._block_values), evaluated)   # most came back
+    monkeypatch.setattr(Builder, "BLOCKS", False)
+    afresh = Simulator(g, topo, cache_size=0)
+    assert [outcome(afresh, pl) for pl in seen] == with_blocks
+
+
 def _node_pipelines(microbatches=lambda r: 4):
     """Pipeline across 2 nodes x data parallel within a node on cluster_64(2): replica r holds
     GPU r of every node (rail r) with microbatches(r) microbatches."""

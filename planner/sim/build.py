@@ -175,7 +175,7 @@ class Builder:
                              tuple(st.layers for st in stages), made.hops),
                             g.replica_tasks[like[r]] if like and like[r] != r else None)
         if self.blocks:   # the replica's values as one block
-            base = g.block(made.distinct)
+            base = g.block(made.distinct, r)
             vals = (made.slot_of + base).tolist()
         else:
             vals = list(map(g.value, made.recipes))

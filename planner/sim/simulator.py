@@ -106,6 +106,7 @@ _STAT_AT = {s: k for k, s in enumerate(_STATS)}
 
 STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
 PEAK_CACHE_SIZE = 64       # plans whose peak memory a simulator keeps (Simulator._peak)
+BLOCK_VALUES_CACHE_SIZE = 8192   # replicas' values per microbatch size it keeps (Simulator._evaluate)
 BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
 
 
@@ -177,6 +178,7 @@ class Simulator:
         self._structures: dict = {}   # replica structures (planner.sim.split.Structure)
         self._replica_runs: dict = {}
         self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
+        self._block_values: dict = {}     # Simulator._evaluate: (id of a block's recipes, microbatch) -> (them, values)
         self._bound_replicas: dict = {}   # planner.sim.bound._Bound.replica
         self._bound_allreduces: dict = {}   # planner.sim.bound._Bound.priced
         self._wake_at: dict[tuple[int], float] | None = None
@@ -422,12 +424,17 @@ class Simulator:
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
         if g.by_replica is None:
             # a Const depends on no batch; a recipe with a `replica` on that replica's microbatch
-            # only; any other kind is evaluated for every plan
+            # only; any other kind is evaluated for every plan; blocks below
             g.by_replica = [([], {}) for _ in mbs]
             g.fixed = [None] * len(g.recipes)
             g.unkept = []
+            blocked = bytearray(len(g.recipes))
+            for base, recipes, _ in g.value_blocks:
+                blocked[base:base + len(recipes)] = b"\x01" * len(recipes)
             for k, rc in enumerate(g.recipes):
                 r = getattr(rc, "replica", None)
+                if blocked[k]:
+                    continue
                 if isinstance(rc, Const):
                     g.fixed[k] = rc.seconds(cost, graph, mbs)
                 elif isinstance(r, int):
@@ -445,6 +452,16 @@ class Simulator:
                 vs = seen[mb] = [g.recipes[k].seconds(cost, graph, mbs) for k in ks]
             for k, v in zip(ks, vs):
                 values[k] = v
+        # a replica's block, kept across plan shapes per microbatch size: the same recipes
+        # (planner.sim.build.ReplicaValues.distinct) come back in most plans of a search
+        kept = self._block_values
+        for base, recipes, r in g.value_blocks:
+            got = kept.get((id(recipes), mbs[r]))
+            if got is None or got[0] is not recipes:
+                if len(kept) >= BLOCK_VALUES_CACHE_SIZE:
+                    kept.pop(next(iter(kept)))
+                got = kept[(id(recipes), mbs[r])] = (recipes, [rc.seconds(cost, graph, mbs) for rc in recipes])
+            values[base:base + len(recipes)] = got[1]
         return values
 
     # --- entry point -------------------------------------------------------------------------

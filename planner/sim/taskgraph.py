@@ -273,6 +273,7 @@ class TaskGraph:
         # replicas' counts where their values came as blocks (`block`): per (device, statistic)
         # arrays of value indices, counted before that statistic's `stat_seq`
         self.stat_blocks: dict[tuple[str, str], list[np.ndarray]] = {}
+        self.value_blocks: list[tuple[int, tuple[Recipe, ...], int]] = []   # (first index, recipes, replica)
         self.devices: tuple[str, ...] = ()
         self.shared_res: tuple[int, ...] = ()   # resources of multi-resource tasks (all-reduces)
         # Per replica (see Simulator._like): its task ids; its structure (its recipes and
@@ -355,11 +356,13 @@ class TaskGraph:
             self.recipes.append(recipe)
         return k
 
-    def block(self, recipes: tuple[Recipe, ...]) -> int:
+    def block(self, recipes: tuple[Recipe, ...], replica: int) -> int:
         """Adds `recipes` as values of their own, not shared with equal recipes elsewhere (a
-        replica's: planner.sim.build.Builder.blocks); returns the first's index."""
+        replica's: planner.sim.build.Builder.blocks; each a Const or on that replica's
+        microbatch); returns the first's index."""
         base = len(self.recipes)
         self.recipes += recipes
+        self.value_blocks.append((base, recipes, replica))
         return base
 
     def count(self, device: str, stat: str, k: int) -> None:
