@@ -21,6 +21,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Iterator
 
 from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Share, Stage, Sync, min_microbatches
@@ -136,6 +137,17 @@ def realise_microbatches(desired: int, batch: int, stages: int, schedule: str, d
     return min(divs, key=lambda m: (abs(math.log(m / max(desired, 1))), m))
 
 
+@lru_cache(maxsize=8192)
+def _stages(devices: tuple[str, ...], cuts: tuple[int, ...], num_layers: int, offloads: tuple[bool, ...] | None,
+            tensor: tuple[tuple[str, float], ...], tensor_stage: int) -> tuple[Stage, ...]:
+    """A pipeline's stages (`to_plan`), made once: a search makes the same ones again and again."""
+    split = tuple(Share(d, x) for d, x in tensor)
+    bounds = (0, *cuts, num_layers)
+    return tuple(Stage(d, (bounds[k], bounds[k + 1]), bool(offloads and offloads[k]),
+                       split if k == tensor_stage else ())
+                 for k, d in enumerate(devices))
+
+
 def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> Plan:
     """The plan of strategy `s` with replica batches `batches` (summing to the global batch).
 
@@ -148,10 +160,8 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
     for p, b in zip(s.pipelines, batches, strict=True):
         m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule, len(p.distinct))
         offload = s.offload and not s.recompute and s.schedule != "zb-h1"
-        split = tuple(Share(d, x) for d, x in s.tensor)
-        stages = tuple(Stage(d, r, offload and space.kinds[d] != "cpu",
-                             split if k == s.tensor_stage else ())
-                       for k, (d, r) in enumerate(zip(p.devices, p.ranges(space.num_layers))))
+        offloads = tuple(space.kinds[d] != "cpu" for d in p.devices) if offload else None
+        stages = _stages(p.devices, p.cuts, space.num_layers, offloads, s.tensor, s.tensor_stage)
         replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
                 sync=Sync(s.granularity, s.bucket_bytes),
