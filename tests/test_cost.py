@@ -52,6 +52,28 @@ def test_cost_model_scales_to_the_microbatch_and_sums_ranges():
     assert c.layer_s("cuda:0", 2, 1) == pytest.approx((3.0, 2.0))
 
 
+def test_gpus_of_one_record_share_their_layer_tables():
+    # RooflineCost prices a layer from the device's record, not its name: devices alike share
+    # one table per batch, a device with another record gets its own; every price as if each
+    # device had its own table
+    g = graph([layer(i, fwd_flops=4e9 * (i + 1), bwd_flops=8e9 + i) for i in range(5)], batch=4)
+    t = topology([device(f"node{n}/cuda:{k}", flops=1e9) for n in range(2) for k in range(4)]
+                 + [device("node2/cuda:0", flops=2e9)])
+
+    class Own(RooflineCost):   # a subclass pricing layers its own way: no sharing
+        def layer_times(self, device, batch):
+            return super().layer_times(device, batch)
+    shared, own = RooflineCost(g, t), Own(g, t)
+    for d in t.devices:
+        for b in (1, 3, 4.5):
+            for lo, hi in ((0, 5), (1, 3), (4, 5)):
+                args = (d.name, lo, hi, b)
+                assert ([shared.fwd_s(*args), shared.bwd_s(*args), shared.bwd_input_s(*args), shared.bwd_weight_s(*args)]
+                        == [own.fwd_s(*args), own.bwd_s(*args), own.bwd_input_s(*args), own.bwd_weight_s(*args)])
+    assert len({k for k in shared._twins if k[0] != "split"}) == 2 * 3 and not own._twins   # two records, three batches
+    assert shared.fwd_s("node2/cuda:0", 0, 5, 1) == shared.fwd_s("node0/cuda:0", 0, 5, 1) / 2
+
+
 def test_host_cpu_is_a_linked_cpu_on_the_same_node():
     t = topology([device("cpu:0"), device("cpu:1"), device("cuda:0"), device("n1/cpu:0"), device("n1/cuda:0")],
                  [link("cpu:1", "cuda:0"), link("cpu:0", "cpu:1"), link("n1/cpu:0", "n1/cuda:0")])

@@ -22,6 +22,8 @@ of compute and communication on the same device (a transfer does not slow the co
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.hardware.calibration import topology_calibration
 from planner.workload.graph import Layer, ModelGraph
 from planner.hardware.topology import Device, Topology, parse_device_name
@@ -133,6 +135,8 @@ class CostModel:
         self._device_opt_fit: dict[tuple[str, str], object] = {}
         # a split backward's (I pass, W pass) prefix sums (bwd_input_s, bwd_weight_s)
         self._split: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
+        self._twins: dict[tuple, tuple] = {}   # (_twin, batch) -> the tables `_tables` made
+        self._records: dict[str, str] = {}     # RooflineCost._twin
         tied = {l for t in graph.tied for l in t.layers}
         self._wshare = [weight_grad_share(l, l.index in tied) for l in graph.layers]
 
@@ -164,18 +168,29 @@ class CostModel:
         loss), prefix counts of the layers with a backward, one call's seconds)."""
         key = (device, batch)
         if key not in self._prefix:
-            dev = self.topology.device(device)
-            fwd, bwd = self.layer_times(dev, batch)
-            call = self.backward_call_s(dev, batch)
-            pf, pb, pn = [0.0], [0.0], [0]
-            for i, (f, b) in enumerate(zip(fwd, bwd)):
-                calls = (b > 0) + (b > 0 and i == len(bwd) - 1)
-                pf.append(pf[-1] + f)
-                pb.append(pb[-1] + b - calls * call)
-                pn.append(pn[-1] + (b > 0))
-            self._layer[key] = (list(fwd), list(bwd))
-            self._prefix[key] = (pf, pb, pn, call)
+            twin = self._twin(device)
+            made = self._twins.get((twin, batch)) if twin is not None else None
+            if made is None:
+                dev = self.topology.device(device)
+                fwd, bwd = self.layer_times(dev, batch)
+                call = self.backward_call_s(dev, batch)
+                pf, pb, pn = [0.0], [0.0], [0]
+                for i, (f, b) in enumerate(zip(fwd, bwd)):
+                    calls = (b > 0) + (b > 0 and i == len(bwd) - 1)
+                    pf.append(pf[-1] + f)
+                    pb.append(pb[-1] + b - calls * call)
+                    pn.append(pn[-1] + (b > 0))
+                made = ((list(fwd), list(bwd)), (pf, pb, pn, call))
+                if twin is not None:
+                    self._twins[(twin, batch)] = made
+            self._layer[key], self._prefix[key] = made
         return self._prefix[key]
+
+    def _twin(self, device: str):
+        """What the layer tables of `device` depend on beside the batch, where devices share
+        them: RooflineCost's formulas read the device's record, not its name (a cluster's
+        GPUs of one kind share one table); None where each device has its own."""
+        return None
 
     def contention(self, device: str, busy: float) -> float:
         """Slowdown of `device`'s compute when `busy` CPU workers of its host (itself included)
@@ -214,17 +229,23 @@ class CostModel:
         and weight group); else the fused backward times weight_grad_share (W) and the rest (I)."""
         key = (device, batch)
         if key not in self._split:
-            measured = self.split_times(self.topology.device(device), batch)
-            if measured is None:
-                self._tables(device, batch)
-                bwd = self._layer[key][1]
-                measured = ([b * (1.0 - s) for b, s in zip(bwd, self._wshare)],
-                            [b * s for b, s in zip(bwd, self._wshare)])
-            pi, pw = [0.0], [0.0]
-            for i, w in zip(*measured):
-                pi.append(pi[-1] + i)
-                pw.append(pw[-1] + w)
-            self._split[key] = (pi, pw)
+            twin = self._twin(device)
+            made = self._twins.get(("split", twin, batch)) if twin is not None else None
+            if made is None:
+                measured = self.split_times(self.topology.device(device), batch)
+                if measured is None:
+                    self._tables(device, batch)
+                    bwd = self._layer[key][1]
+                    measured = ([b * (1.0 - s) for b, s in zip(bwd, self._wshare)],
+                                [b * s for b, s in zip(bwd, self._wshare)])
+                pi, pw = [0.0], [0.0]
+                for i, w in zip(*measured):
+                    pi.append(pi[-1] + i)
+                    pw.append(pw[-1] + w)
+                made = (pi, pw)
+                if twin is not None:
+                    self._twins[("split", twin, batch)] = made
+            self._split[key] = made
         return self._split[key]
 
     def bwd_input_s(self, device: str, start: int, end: int, batch: float) -> float:
@@ -445,6 +466,16 @@ class RooflineCost(CostModel):
         ratio, p = batch / self.graph.batch, self.precision
         scaled = [l.scaled(ratio) for l in self.graph.layers]
         return [layer_fwd_s(l, device, p) for l in scaled], [layer_bwd_s(l, device, p) for l in scaled]
+
+    def _twin(self, device: str):
+        cls = type(self)
+        if not (cls.layer_times is RooflineCost.layer_times and cls.backward_call_s is CostModel.backward_call_s
+                and cls.split_times is CostModel.split_times):
+            return None   # a subclass that prices layers otherwise
+        out = self._records.get(device)
+        if out is None:
+            out = self._records[device] = repr(replace(self.topology.device(device), name=""))
+        return out
 
 
 __all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "weight_grad_share", "optimizer_s", "tensor_part_s", "host_cpu", "split_host_count", "CostModel",
