@@ -170,9 +170,9 @@ def test_delta_simulation_equals_the_whole_graph_with_held_sends(paths):
     assert paths["split"] >= 20, paths
 
 
-def test_delta_simulation_equals_the_whole_graph_on_a_rails_search(paths):
-    # the plans a short search on 16 GPUs (2 nodes x 8, rails) simulates, solve_batches' lone
-    # replicas included, in the order it simulates them
+def rails_search_plans(seed: int, iterations: int):
+    """(graph, topology, the plans a short search on 16 GPUs (2 nodes x 8, rails) simulates,
+    solve_batches' lone replicas included, in the order it simulates them)."""
     g, topo = synthetic_graph(48, 128), cluster_64(2)
     space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
     seen = []
@@ -181,7 +181,13 @@ def test_delta_simulation_equals_the_whole_graph_on_a_rails_search(paths):
         def simulate(self, pl, trace=False):
             seen.append(pl)
             return super().simulate(pl, trace)
-    search(simulator_problem(Recording(g, topo), space), random.Random(0), SearchConfig(iterations=60))
+    search(simulator_problem(Recording(g, topo), space), random.Random(seed), SearchConfig(iterations=iterations))
+    return g, topo, seen
+
+
+def test_delta_simulation_equals_the_whole_graph_on_a_rails_search(paths):
+    # the plans a short rails search simulates, in its order
+    g, topo, seen = rails_search_plans(0, 60)
     paths.clear()
     same_results(g, topo, seen)
     assert paths["split"] >= 10, paths
@@ -192,15 +198,7 @@ def test_replica_values_kept_across_plans_are_those_evaluated_afresh(monkeypatch
     # shapes: the plans of a short rails search (replicas coming back at other batches) give
     # every result bit for bit as with each recipe evaluated in its own graph (Builder.BLOCKS off)
     from planner.sim.build import Builder
-    g, topo = synthetic_graph(48, 128), cluster_64(2)
-    space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
-    seen = []
-
-    class Recording(Simulator):
-        def simulate(self, pl, trace=False):
-            seen.append(pl)
-            return super().simulate(pl, trace)
-    search(simulator_problem(Recording(g, topo), space), random.Random(1), SearchConfig(iterations=80))
+    g, topo, seen = rails_search_plans(1, 80)
     for pl in list(seen):   # the same shapes with the batch moved: the same replicas at other microbatches
         b = pl.replica_batches()
         if len(b) > 1 and b[0] > pl.replicas[0].microbatches:
