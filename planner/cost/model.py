@@ -23,6 +23,7 @@ of compute and communication on the same device (a transfer does not slow the co
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Callable
 
 from planner.hardware.calibration import topology_calibration
 from planner.workload.graph import Layer, ModelGraph
@@ -135,7 +136,7 @@ class CostModel:
         self._device_opt_fit: dict[tuple[str, str], object] = {}
         # a split backward's (I pass, W pass) prefix sums (bwd_input_s, bwd_weight_s)
         self._split: dict[tuple[str, float], tuple[list[float], list[float]]] = {}
-        self._twins: dict[tuple, tuple] = {}   # (_twin, batch) -> the tables `_tables` made
+        self._twins: dict[tuple, Any] = {}     # (table, _twin, batch) -> a table devices share (_shared)
         self._records: dict[str, str] = {}     # RooflineCost._twin
         tied = {l for t in graph.tied for l in t.layers}
         self._wshare = [weight_grad_share(l, l.index in tied) for l in graph.layers]
@@ -168,23 +169,30 @@ class CostModel:
         loss), prefix counts of the layers with a backward, one call's seconds)."""
         key = (device, batch)
         if key not in self._prefix:
-            twin = self._twin(device)
-            made = self._twins.get((twin, batch)) if twin is not None else None
-            if made is None:
-                dev = self.topology.device(device)
-                fwd, bwd = self.layer_times(dev, batch)
-                call = self.backward_call_s(dev, batch)
-                pf, pb, pn = [0.0], [0.0], [0]
-                for i, (f, b) in enumerate(zip(fwd, bwd)):
-                    calls = (b > 0) + (b > 0 and i == len(bwd) - 1)
-                    pf.append(pf[-1] + f)
-                    pb.append(pb[-1] + b - calls * call)
-                    pn.append(pn[-1] + (b > 0))
-                made = ((list(fwd), list(bwd)), (pf, pb, pn, call))
-                if twin is not None:
-                    self._twins[(twin, batch)] = made
-            self._layer[key], self._prefix[key] = made
+            self._layer[key], self._prefix[key] = self._shared("layers", device, batch, self._make_tables)
         return self._prefix[key]
+
+    def _make_tables(self, device: str, batch: float) -> tuple[tuple[list[float], list[float]], tuple]:
+        dev = self.topology.device(device)
+        fwd, bwd = self.layer_times(dev, batch)
+        call = self.backward_call_s(dev, batch)
+        pf, pb, pn = [0.0], [0.0], [0]
+        for i, (f, b) in enumerate(zip(fwd, bwd)):
+            calls = (b > 0) + (b > 0 and i == len(bwd) - 1)
+            pf.append(pf[-1] + f)
+            pb.append(pb[-1] + b - calls * call)
+            pn.append(pn[-1] + (b > 0))
+        return (list(fwd), list(bwd)), (pf, pb, pn, call)
+
+    def _shared(self, table: str, device: str, batch: float, make: Callable[[str, float], Any]) -> Any:
+        """make(device, batch), kept per (table, `_twin`, batch) where devices share tables."""
+        twin = self._twin(device)
+        if twin is None:
+            return make(device, batch)
+        out = self._twins.get((table, twin, batch))
+        if out is None:
+            out = self._twins[(table, twin, batch)] = make(device, batch)
+        return out
 
     def _twin(self, device: str):
         """What the layer tables of `device` depend on beside the batch, where devices share
@@ -229,24 +237,21 @@ class CostModel:
         and weight group); else the fused backward times weight_grad_share (W) and the rest (I)."""
         key = (device, batch)
         if key not in self._split:
-            twin = self._twin(device)
-            made = self._twins.get(("split", twin, batch)) if twin is not None else None
-            if made is None:
-                measured = self.split_times(self.topology.device(device), batch)
-                if measured is None:
-                    self._tables(device, batch)
-                    bwd = self._layer[key][1]
-                    measured = ([b * (1.0 - s) for b, s in zip(bwd, self._wshare)],
-                                [b * s for b, s in zip(bwd, self._wshare)])
-                pi, pw = [0.0], [0.0]
-                for i, w in zip(*measured):
-                    pi.append(pi[-1] + i)
-                    pw.append(pw[-1] + w)
-                made = (pi, pw)
-                if twin is not None:
-                    self._twins[("split", twin, batch)] = made
-            self._split[key] = made
+            self._split[key] = self._shared("split", device, batch, self._make_split)
         return self._split[key]
+
+    def _make_split(self, device: str, batch: float) -> tuple[list[float], list[float]]:
+        measured = self.split_times(self.topology.device(device), batch)
+        if measured is None:
+            self._tables(device, batch)
+            bwd = self._layer[(device, batch)][1]
+            measured = ([b * (1.0 - s) for b, s in zip(bwd, self._wshare)],
+                        [b * s for b, s in zip(bwd, self._wshare)])
+        pi, pw = [0.0], [0.0]
+        for i, w in zip(*measured):
+            pi.append(pi[-1] + i)
+            pw.append(pw[-1] + w)
+        return pi, pw
 
     def bwd_input_s(self, device: str, start: int, end: int, batch: float) -> float:
         """The input-gradient pass (I) of a split backward over layers [start, end)."""
@@ -474,9 +479,14 @@ class RooflineCost(CostModel):
             return None   # a subclass that prices layers otherwise
         out = self._records.get(device)
         if out is None:
-            out = self._records[device] = repr(replace(self.topology.device(device), name=""))
+            out = self._records[device] = device_record(self.topology.device(device))
         return out
 
 
+def device_record(device: Device) -> str:
+    """A device's record without its name: what the roofline prices it by."""
+    return repr(replace(device, name=""))
+
+
 __all__ = ["roofline_s", "layer_fwd_s", "layer_bwd_s", "weight_grad_share", "optimizer_s", "tensor_part_s", "host_cpu", "split_host_count", "CostModel",
-           "RooflineCost", "OPTIMIZER_BYTES_PER_PARAM_BYTE", "OPTIMIZER_STATE_PER_PARAM_BYTE"]
+           "RooflineCost", "device_record", "OPTIMIZER_BYTES_PER_PARAM_BYTE", "OPTIMIZER_STATE_PER_PARAM_BYTE"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
-from planner.cost.model import RooflineCost
+from planner.cost.model import RooflineCost, device_record
 from planner.cost.timing import cost_model
 from planner.files.plan import Plan
 from planner.search.baselines import device_order
@@ -92,7 +92,7 @@ def twin_keys(simulator) -> Callable[[Plan], tuple | None]:
     def record(sim, name: str) -> str | None:
         if name not in records:
             d = sim.topology.device(name)
-            records[name] = None if d.kind == "cpu" else repr(replace(d, name=""))
+            records[name] = None if d.kind == "cpu" else device_record(d)
         return records[name]
 
     def key(plan: Plan) -> tuple | None:

@@ -138,14 +138,12 @@ def realise_microbatches(desired: int, batch: int, stages: int, schedule: str, d
 
 
 @lru_cache(maxsize=8192)
-def _stages(devices: tuple[str, ...], cuts: tuple[int, ...], num_layers: int, offloads: tuple[bool, ...] | None,
+def _stages(devices: tuple[str, ...], ranges: tuple[tuple[int, int], ...], offloads: tuple[bool, ...] | None,
             tensor: tuple[tuple[str, float], ...], tensor_stage: int) -> tuple[Stage, ...]:
     """A pipeline's stages (`to_plan`), made once: a search makes the same ones again and again."""
     split = tuple(Share(d, x) for d, x in tensor)
-    bounds = (0, *cuts, num_layers)
-    return tuple(Stage(d, (bounds[k], bounds[k + 1]), bool(offloads and offloads[k]),
-                       split if k == tensor_stage else ())
-                 for k, d in enumerate(devices))
+    return tuple(Stage(d, r, bool(offloads and offloads[k]), split if k == tensor_stage else ())
+                 for k, (d, r) in enumerate(zip(devices, ranges)))
 
 
 def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> Plan:
@@ -161,7 +159,7 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
         m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule, len(p.distinct))
         offload = s.offload and not s.recompute and s.schedule != "zb-h1"
         offloads = tuple(space.kinds[d] != "cpu" for d in p.devices) if offload else None
-        stages = _stages(p.devices, p.cuts, space.num_layers, offloads, s.tensor, s.tensor_stage)
+        stages = _stages(p.devices, tuple(p.ranges(space.num_layers)), offloads, s.tensor, s.tensor_stage)
         replicas.append(Replica(batch_fraction=b / B, microbatches=m, stages=stages))
     return Plan(model=space.model, global_batch=B, replicas=tuple(replicas), schedule=s.schedule,
                 sync=Sync(s.granularity, s.bucket_bytes),
