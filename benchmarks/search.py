@@ -108,7 +108,8 @@ def cluster_case(name: str, graph, topology, seeds: list[int], time_limit_s: flo
         hand = [c for c in r.baselines if c.feasible and c.name.startswith(HAND)]
         top = min(hand, key=lambda c: c.iteration_s)
         shape = sorted({(len(x.stages), x.microbatches) for x in r.best.plan.replicas})
-        print(f"  seed {s}: {r.iterations} proposals in {total:.1f} s ({r.iterations / total:.0f}/s), "
+        print(f"  seed {s}: {r.iterations} proposals in {r.chains} chain{'s' if r.chains > 1 else ''}, "
+              f"{total:.1f} s ({r.iterations / total:.0f}/s, {60 * r.iterations / total:,.0f} a minute), "
               f"{r.evaluations} simulations, {getattr(r, 'bound_rejections', 0)} rejected by their bound, "
               f"{100 * r.acceptance_rate:.0f}% accepted, stopped by "
               f"{r.stopped_by}; within 1% of the best at {time_to_within(r, best, 0.01):.1f} s; "

@@ -44,6 +44,9 @@ def test_plan_rejects_infinite_lr_and_unwritable_output(tmp_path):
             "--batch", "8", "--topology", WORKSTATION, "--iterations", "5"]
     one_error_line(_hetplan(*base, "--lr", "inf", "-o", tmp_path / "p.json"), "--lr")
     one_error_line(_hetplan(*base, "--time-limit", "nan", "-o", tmp_path / "p.json"), "--time-limit")
+    one_error_line(_hetplan(*base, "--chains", "0", "-o", tmp_path / "p.json"), "--chains")
+    one_error_line(_hetplan(*base, "--chains", "6", "-o", tmp_path / "p.json"), "--chains", "--iterations (5)")
+    one_error_line(_hetplan(*base, "--workers", "0", "-o", tmp_path / "p.json"), "--workers")
     one_error_line(_hetplan(*base, "-o", tmp_path), str(tmp_path), "cannot write")
     assert not list(tmp_path.glob("*"))
 

@@ -18,7 +18,7 @@ import pytest
 
 from planner.search.baselines import partition_min_max, proportional_batches
 from planner.files.plan import ModelRef, validate_plan
-from planner.search.mcmc import Problem, SearchConfig, Searcher, search
+from planner.search.mcmc import Problem, SearchConfig, Searcher, search, search_key
 from planner.search.space import (Pipeline, Space, Strategy, enumerate_plans, from_plan, global_neighbours,
                                   propose, realise_microbatches, to_plan, toggle_global)
 
@@ -172,6 +172,44 @@ def test_never_slower_than_the_best_baseline_and_same_seed_same_plan():
     names = {c.name for c in a.baselines}
     assert {"data parallel, equal shares", "data parallel, proportional shares", "balanced pipeline"} <= names
     assert a.best.iteration_s <= min(c.iteration_s for c in a.baselines if c.feasible)
+
+
+def test_chains_are_the_walks_of_their_seeds_and_the_best_of_them_wins():
+    # chain 0 goes on with the search's rng, chain i > 0 with the i-th 64 bits a copy of it draws;
+    # each is the single walk of its seed over its share of the budget, forked or here alike, and
+    # the result adds their counts (the start's simulations once) and keeps the best of them
+    problem = toy_problem({"cuda:0": 1.0, "cuda:1": 2.5, "cpu:0": 0.3},
+                          {"cuda:0": BIG, "cuda:1": BIG, "cpu:0": BIG}, batch=12)
+    cfg = SearchConfig(iterations=600, time_limit_s=600, chains=3, workers=2)
+    forked = search(problem, random.Random(7), cfg)
+    here = search(problem, random.Random(7), replace(cfg, workers=0))
+    draw = random.Random(7)
+    seeds = [draw.getrandbits(64) for _ in range(2)]
+    singles = [search(problem, r, replace(cfg, iterations=200, chains=1))
+               for r in (random.Random(7), *map(random.Random, seeds))]
+    assert len({(s.iterations, s.accepted, search_key(s.best.plan)) for s in singles}) == 3   # three walks
+    start = Searcher(problem, random.Random(0))
+    start.start()
+    assert forked.chains == here.chains == 3
+    for r in (forked, here):
+        assert r.iterations == sum(s.iterations for s in singles)
+        assert r.accepted == sum(s.accepted for s in singles)
+        assert r.best.plan == min((s.best for s in singles), key=lambda c: c.cost).plan
+        assert r.patience == max(s.patience for s in singles)
+    assert forked.evaluations == sum(s.evaluations for s in singles) - 2 * start.evaluations
+    assert here.evaluations < forked.evaluations   # here, each chain finds what those before simulated
+    assert forked.stopped_by == "no improvement" and len(forked.history) >= 1
+    assert [t for _, t in forked.history] == sorted((t for _, t in forked.history), reverse=True)
+
+
+def test_a_large_space_gets_one_chain_per_500_proposals_of_its_stop():
+    from planner.search.mcmc import chains
+    big = Space(devices=tuple(f"d{i}" for i in range(64)), kinds={}, num_layers=96, global_batch=256,
+                model=ModelRef("toy"))
+    mid = replace(big, devices=big.devices[:32])
+    small = replace(big, devices=big.devices[:16])
+    assert [chains(s) for s in (big, mid, small)] == [2416 // 500, 1, 1]
+    assert chains(replace(big, devices=tuple(f"d{i}" for i in range(128)))) == 8   # at most MAX_CHAINS
 
 
 def test_solve_batches_balances_replicas():
@@ -356,6 +394,15 @@ def test_cli_writes_a_plan_that_loads_back(tmp_path):
     assert "balanced pipeline" in names and "data parallel, equal shares" in names
     assert out["iteration_s"] <= min(b["iteration_s"] for b in out["baselines"] if b["feasible"])
     assert "search:" in r.stderr or "searching" in r.stderr
+    # two chains, forked from the process that captured the model: the same plan on one worker
+    runs = [_hetplan("plan", "--model", "mlp", "--model-arg", "hidden=256", "--batch", "16", "--topology", "t.json",
+                     "--iterations", "400", "--seed", "3", "--chains", "2", "--workers", w, "-o", f"c{w}.json",
+                     cwd=tmp_path) for w in ("1", "2")]
+    assert all(x.returncode == 0 for x in runs), runs[0].stderr + runs[1].stderr
+    one, two = (load_plan(tmp_path / f"c{w}.json") for w in ("1", "2"))
+    assert one.replicas == two.replicas and one.predicted.extra["search"] == two.predicted.extra["search"]
+    assert one.predicted.extra["search"]["chains"] == 2 and "in 2 chains" in runs[0].stdout
+    assert one.predicted.iteration_s <= plan.predicted.iteration_s   # chain 0 is the 200-proposal walk above
 
 
 def test_cli_too_small_topology_and_bad_flags_exit_2(tmp_path):

@@ -25,8 +25,15 @@ def add_arguments(p):
     p.add_argument("--iterations", type=int, default=20000,
                    help="most proposals to try; the deterministic budget (default 20000; the search "
                         "usually stops earlier, when the best has not improved for a while)")
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
-                   help="wall-clock cap in seconds (default 10); a safety net, not the usual stop")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
+                   help="wall-clock cap in seconds (default 60); a safety net, not the usual stop")
+    p.add_argument("--chains", type=int, default=None, metavar="N",
+                   help="independent walks sharing --iterations; the best of them wins (default: one "
+                        "per 500 proposals of the space's no-improvement stop: one up to about 40 "
+                        "devices, at most 8); part of what the seed decides")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="processes the chains run in at once (default: this process's cores); "
+                        "changes only the speed")
     p.add_argument("--optimizer", choices=("sgd", "adam"), help="default: the workload's optimizer")
     p.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
     p.add_argument("--precision", default="fp32", metavar="LIST",
@@ -51,6 +58,11 @@ def _check_flags(args) -> None:
         raise InputError(f"--time-limit: expected a positive number of seconds, got {args.time_limit}")
     if args.iterations < 1:
         raise InputError(f"--iterations: expected a positive integer, got {args.iterations}")
+    if args.chains is not None and not 1 <= args.chains <= args.iterations:
+        raise InputError(f"--chains: expected an integer from 1 to --iterations ({args.iterations}), "
+                         f"got {args.chains}")
+    if args.workers is not None and args.workers < 1:
+        raise InputError(f"--workers: expected a positive integer, got {args.workers}")
     if args.lr is not None and not 0 < args.lr < float("inf"):
         raise InputError(f"--lr: expected a positive number, got {args.lr}")
     parse_precisions(args.precision)
@@ -66,7 +78,8 @@ def _check_flags(args) -> None:
 
 def _why(result) -> str:
     if result.stopped_by == "no improvement":
-        return f": no better plan in the last {result.patience} proposals"
+        each = " of each chain" if result.chains > 1 else ""
+        return f": no better plan in the last {'<= ' if each else ''}{result.patience} proposals{each}"
     return ""
 
 
@@ -139,7 +152,7 @@ def main(args) -> int:
 
     from planner.files.io import InputError
     from planner.files.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
-    from planner.search.mcmc import SearchConfig, memory_error, search
+    from planner.search.mcmc import SearchConfig, chains, memory_error, search
     from planner.search.problem import CAPTURE_BATCH, plan_problem
     from planner.hardware.topology import load_topology
     from planner.workload.load import load_workload, parse_model_args
@@ -158,9 +171,11 @@ def main(args) -> int:
     except ValueError as e:       # the model could not be captured or grouped into layers
         raise InputError(f"--model: {args.model}: {e}") from None
     space = problem.space
-    config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit)
+    config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit,
+                          chains=args.chains if args.chains is not None else chains(space), workers=args.workers)
     print(f"hetplan plan: searching {len(space.devices)} devices x {graph.num_layers} layers "
-          f"(seed {args.seed}, {args.iterations} iterations, cap {args.time_limit:g} s)", file=sys.stderr)
+          f"(seed {args.seed}, {args.iterations} iterations in {config.chains} "
+          f"chain{'s' if config.chains > 1 else ''}, cap {args.time_limit:g} s)", file=sys.stderr)
     result = search(problem, random.Random(args.seed), config,
                     progress=lambda msg: print(f"hetplan plan: {msg}", file=sys.stderr))
     if result.best is None:
@@ -183,7 +198,7 @@ def main(args) -> int:
                        **objective,
                        "baselines": baselines,
                        "search": {"seed": args.seed, "precisions": list(precisions),
-                                  "iterations": result.iterations,
+                                  "iterations": result.iterations, "chains": result.chains,
                                   "simulations": result.evaluations,
                                   "bound_rejections": result.bound_rejections, "stopped_by": result.stopped_by,
                                   "acceptance_rate": result.acceptance_rate,
@@ -206,7 +221,8 @@ def main(args) -> int:
         print(_loss_table(ranked))
     else:
         print(_table(best, result.baselines))
-    print(f"searched {result.iterations} proposals ({result.bound_rejections} rejected by their bound), "
+    print(f"searched {result.iterations} proposals"
+          f"{f' in {result.chains} chains' if result.chains > 1 else ''} ({result.bound_rejections} rejected by their bound), "
           f"{result.evaluations} simulations in "
           f"{result.elapsed_s:.1f} s, {100 * result.acceptance_rate:.0f}% accepted (stopped by "
           f"{result.stopped_by}{_why(result)}); wrote {args.output}")

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import gc
 import math
+import multiprocessing as mp
+import os
 import random
 import time
 from contextlib import contextmanager
@@ -49,6 +51,9 @@ class SearchConfig:
     patience: int | None = None     # proposals without improvement before stopping; None: `stall`
     early_reject: bool = True       # reject by Problem.bound before simulating (the same walk)
     split_by_bound: bool = True     # solve_batches models replicas by Problem.bound, not simulations
+    chains: int | None = None       # independent walks sharing the budget; None: `chains(space)`
+    workers: int | None = None      # processes the chains run in (speed only); None: this process's
+                                    # cores; 0: one after another in this process
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,29 @@ class SearchResult:
     accepted: int = 0                       # proposals the walk moved to
     patience: int = 0                       # the no-improvement stop that applied
     bound_rejections: int = 0               # proposals rejected by their lower bound, not simulated
+    chains: int = 1                         # independent walks (SearchConfig.chains)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.iterations if self.iterations else 0.0
 
 
+@dataclass(frozen=True)
+class Walk:
+    """What one chain's walk found and counted (Searcher.walk)."""
+    best: Candidate
+    least_memory: Candidate | None
+    iterations: int
+    evaluations: int
+    stopped_by: str
+    history: tuple[tuple[float, float], ...]
+    accepted: int
+    patience: int
+    bound_rejections: int
+
+
 MIN_PATIENCE = 500   # proposals without improvement before a default walk may stop
+MAX_CHAINS = 8
 
 
 def patience(space: Space, iterations: int) -> int:
@@ -121,6 +142,14 @@ def stall(cap: int, found_at: int) -> int:
     whose cap is <= MIN_PATIENCE (a few devices) stops at cap; a large one stops sooner after an
     early best (measured: docs/tuning.md, "Search throughput at 64 GPUs")."""
     return min(cap, max(min(MIN_PATIENCE, cap), 2 * found_at))
+
+
+def chains(space: Space) -> int:
+    """Independent walks a default search makes: one per MIN_PATIENCE proposals of its cap
+    (`patience` at the default budget), at most MAX_CHAINS. A small space's single walk covers
+    its neighbourhood; a large one's walks end in different plans by seed (docs/tuning.md), and
+    the best of several is what the search returns."""
+    return max(1, min(MAX_CHAINS, patience(space, SearchConfig.iterations) // MIN_PATIENCE))
 
 
 class Searcher:
@@ -333,26 +362,69 @@ class Searcher:
 
     def run(self) -> SearchResult:
         with no_collections():
-            return self._walk()
+            t0 = time.monotonic()
+            bases, start = self.start()
+            counted = (self.evaluations, self.bound_rejections)   # the start's
+            n = self.cfg.chains if self.cfg.chains is not None else chains(self.p.space)
+            budgets = [self.cfg.iterations // n + (i < self.cfg.iterations % n) for i in range(n)]
+            if n == 1:
+                walks = [self.walk(start, t0, budgets[0])]
+            else:
+                draw = random.Random()
+                draw.setstate(self.rng.getstate())   # chain 0 goes on with the rng itself
+                seeds = [None] + [draw.getrandbits(64) for _ in range(n - 1)]
+                walks = run_chains(self, start, t0, list(zip(seeds, budgets)), self.cfg.workers)
+            return self.merged(walks, bases, t0, *counted)
 
-    def _walk(self) -> SearchResult:
-        t0 = time.monotonic()
-        space, cfg, rng = self.p.space, self.cfg, self.rng
+    def start(self) -> tuple[list[Candidate], Candidate]:
+        """The baselines, and where every walk starts: the best of them, the grids and the tensor
+        seeds (feasible first)."""
+        space = self.p.space
         bases = self.baselines()
         seeds = [self.evaluate(to_plan(space, g.strategy, g.batches)) for g in self._grid]
         seeds += [self.evaluate(to_plan(space, t, (space.global_batch,))) for t in self.tensor_seeds()]
-        start = min([*bases, *seeds], key=lambda c: (not c.feasible, c.cost))
+        return bases, min([*bases, *seeds], key=lambda c: (not c.feasible, c.cost))
+
+    def merged(self, walks: list[Walk], bases: list[Candidate], t0: float, evaluations: int,
+               rejections: int) -> SearchResult:
+        """One result from the chains' walks: the best of their bests (the first chain's on a tie),
+        their proposals, simulations and rejections added up (with the start's simulations), the
+        best so far over time across them."""
+        best = min((w.best for w in walks), key=lambda c: (not c.feasible, c.cost))
+        least = min((c for c in [self.least_memory, *(w.least_memory for w in walks)] if c is not None),
+                    key=lambda c: c.memory_ratio)
+        events, history, low = sorted(e for w in walks for e in w.history), [], math.inf
+        for elapsed, t in events:
+            if t < low:
+                low = t
+                history.append((elapsed, t))
+        stops = {w.stopped_by for w in walks}
+        stopped_by = next(s for s in ("time limit", "iterations", "no improvement") if s in stops)
+        return SearchResult(best=best if best.feasible else None, baselines=tuple(bases), least_memory=least,
+                            iterations=sum(w.iterations for w in walks),
+                            evaluations=evaluations + sum(w.evaluations for w in walks),
+                            stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
+                            accepted=sum(w.accepted for w in walks), patience=max(w.patience for w in walks),
+                            bound_rejections=rejections + sum(w.bound_rejections for w in walks),
+                            chains=len(walks))
+
+    def walk(self, start: Candidate, t0: float, iterations: int, label: str = "") -> Walk:
+        """One chain: the walk from `start` for at most `iterations` proposals (or its stall, or
+        the time limit counted from t0), then `descend` from its best. Counts only its own
+        simulations and rejections."""
+        space, cfg, rng = self.p.space, self.cfg, self.rng
+        evaluations, rejections = self.evaluations, self.bound_rejections
         cur = best = start
         history = [(time.monotonic() - t0, best.iteration_s)]
         last_gain = last_restart = accepted = 0
-        cap = cfg.patience if cfg.patience is not None else patience(space, cfg.iterations)
+        cap = cfg.patience if cfg.patience is not None else patience(space, iterations)
 
         def until(found_at: int) -> int:   # proposals without improvement before stopping
             return cap if cfg.patience is not None else stall(cap, found_at)
         stop_after = until(0)
         stopped_by, it = "iterations", 0
-        next_report = t0 + 1.0
-        for it in range(1, cfg.iterations + 1):
+        next_report = time.monotonic() + 1.0
+        for it in range(1, iterations + 1):
             now = time.monotonic()
             if now - t0 > cfg.time_limit_s:
                 stopped_by = "time limit"
@@ -361,8 +433,8 @@ class Searcher:
                 stopped_by = "no improvement"
                 break
             if self.progress and now >= next_report:
-                self.progress(f"search: {it} iterations, {self.evaluations} simulations, "
-                              f"{self.bound_rejections} rejected by their bound, "
+                self.progress(f"search{label}: {it} iterations, {self.evaluations - evaluations} simulations, "
+                              f"{self.bound_rejections - rejections} rejected by their bound, "
                               f"best {best.iteration_s * 1e3:.3f} ms{'' if best.feasible else ' (infeasible)'}")
                 next_report = now + 1.0
             if it - max(last_gain, last_restart) >= cfg.restart_every:
@@ -379,15 +451,13 @@ class Searcher:
                 stop_after = until(it)
                 history.append((time.monotonic() - t0, best.iteration_s))
         else:
-            it = cfg.iterations
+            it = iterations
         polished = self.descend(best, deadline=t0 + cfg.time_limit_s)
         if polished is not best:
             best = polished
             history.append((time.monotonic() - t0, best.iteration_s))
-        return SearchResult(best=best if best.feasible else None, baselines=tuple(bases),
-                            least_memory=self.least_memory, iterations=it, evaluations=self.evaluations,
-                            stopped_by=stopped_by, elapsed_s=time.monotonic() - t0, history=tuple(history),
-                            accepted=accepted, patience=stop_after, bound_rejections=self.bound_rejections)
+        return Walk(best, self.least_memory, it, self.evaluations - evaluations, stopped_by, tuple(history),
+                    accepted, stop_after, self.bound_rejections - rejections)
 
     def descend(self, best: Candidate, deadline: float) -> Candidate:
         """Steepest descent from the walk's best over its whole global neighbourhood
@@ -464,6 +534,42 @@ class Searcher:
             return self.evaluate(to_plan(self.p.space, t, g.batches), bar=bar)
         except ValueError:   # a batch too small for the schedule's microbatches
             return None
+
+
+_CHAIN: tuple | None = None   # (searcher, start, t0) where run_chains forks its workers
+
+
+def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tuple[int | None, int]],
+               workers: int | None) -> list[Walk]:
+    """Each (seed, budget) chain's walk from `start`, in chain order. A chain runs in a process
+    forked from this one for it alone (it starts from the searcher as it is now: its caches, its
+    baselines), `workers` at a time (None: this process's cores); the seed None goes on with the
+    searcher's rng. Without fork (or `workers` 0) they run here one after another, each from the
+    searcher's caches as the ones before left them: the same walks, fewer simulations."""
+    global _CHAIN
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(workers, len(chains))
+    if workers == 0 or "fork" not in mp.get_all_start_methods():
+        return [_chain((searcher, start, t0), i, seed, budget) for i, (seed, budget) in enumerate(chains)]
+    _CHAIN = (searcher, start, t0)
+    try:
+        with mp.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
+            return pool.starmap(_chain, [(None, i, seed, budget) for i, (seed, budget) in enumerate(chains)],
+                                chunksize=1)
+    finally:
+        _CHAIN = None
+
+
+def _chain(shared: tuple | None, index: int, seed: int | None, budget: int) -> Walk:
+    searcher, start, t0 = shared or _CHAIN
+    rng = searcher.rng
+    if seed is not None:
+        searcher.rng = random.Random(seed)
+    try:
+        return searcher.walk(start, t0, budget, label=f" (chain {index})")
+    finally:
+        searcher.rng = rng
 
 
 def search_key(plan: Plan) -> tuple:
