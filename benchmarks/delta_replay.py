@@ -49,7 +49,7 @@ def record(path: Path) -> None:
             plans.append(plan)
             return super().simulate(plan, trace)
     space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
-    config = SearchConfig(iterations=600, time_limit_s=1e9)   # no wall-clock stop: the same plans on any machine
+    config = SearchConfig(iterations=600, time_limit_s=1e9, chains=1)   # no wall-clock stop: the same plans anywhere
     search(simulator_problem(Recording(g, topo), space), random.Random(0), config)
     path.write_bytes(pickle.dumps(plans))
 

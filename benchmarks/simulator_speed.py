@@ -84,7 +84,7 @@ def search_plans_rate(runs: int) -> tuple[float, int]:
         return Simulator.simulate(sim, plan, trace)
     sim.simulate = recorded
     space = make_space(topo, graph.num_layers, graph.batch, ModelRef("bench"), "adam", 1e-3)
-    search(simulator_problem(sim, space), random.Random(0), SearchConfig(iterations=150, time_limit_s=1e9))
+    search(simulator_problem(sim, space), random.Random(0), SearchConfig(iterations=150, time_limit_s=1e9, chains=1))
     cpu = []
     for _ in range(runs):
         replica_template.cache_clear()

@@ -199,7 +199,7 @@ def test_bound_below_the_simulation_on_the_64_gpu_cluster():
 # --- the walk with early rejection -------------------------------------------------------------------
 def walk(problem, early: bool, iterations: int):
     s = Searcher(problem, random.Random(5), SearchConfig(iterations=iterations, time_limit_s=600,
-                                                         patience=10**9, early_reject=early))
+                                                         patience=10**9, early_reject=early, chains=1))
     seen, propose_ = [], s._propose
 
     def recorded(cur, bar=math.inf):

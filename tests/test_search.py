@@ -202,14 +202,11 @@ def test_chains_are_the_walks_of_their_seeds_and_the_best_of_them_wins():
     assert [t for _, t in forked.history] == sorted((t for _, t in forked.history), reverse=True)
 
 
-def test_a_large_space_gets_one_chain_per_500_proposals_of_its_stop():
+def test_a_space_beyond_one_node_gets_four_chains():
     from planner.search.mcmc import chains
     big = Space(devices=tuple(f"d{i}" for i in range(64)), kinds={}, num_layers=96, global_batch=256,
                 model=ModelRef("toy"))
-    mid = replace(big, devices=big.devices[:32])
-    small = replace(big, devices=big.devices[:16])
-    assert [chains(s) for s in (big, mid, small)] == [2416 // 500, 1, 1]
-    assert chains(replace(big, devices=tuple(f"d{i}" for i in range(128)))) == 8   # at most MAX_CHAINS
+    assert [chains(replace(big, devices=big.devices[:n])) for n in (64, 16, 9, 8, 2)] == [4, 4, 4, 1, 1]
 
 
 def test_solve_batches_balances_replicas():
@@ -536,7 +533,7 @@ def test_the_default_stop_is_twice_the_proposals_the_best_took_within_the_neighb
     g, topo = synthetic_graph(8, 32, d_model=256, seq=64), cluster_64(4)
     space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
     r = search(simulator_problem(Simulator(g, topo), space), random.Random(0),
-               SearchConfig(iterations=20000, time_limit_s=600))
+               SearchConfig(iterations=20000, time_limit_s=600, chains=1))
     cap = patience(space, 20000)
     found_at = r.iterations - r.patience - 1
     assert cap == 656 and r.stopped_by == "no improvement" and found_at == 246
@@ -585,7 +582,7 @@ def test_timing_twins_once_leaves_the_walk_as_it_was():
     for twins in (True, False):
         problem = simulator_problem(Simulator(g, topo), space)
         problem = problem if twins else replace(problem, twin_key=None)
-        cfg = SearchConfig(iterations=400, time_limit_s=600, split_by_bound=False)
+        cfg = SearchConfig(iterations=400, time_limit_s=600, split_by_bound=False, chains=1)
         r = search(problem, random.Random(3), cfg)
         runs.append(r)
     a, b = runs

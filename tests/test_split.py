@@ -181,7 +181,7 @@ def rails_search_plans(seed: int, iterations: int):
         def simulate(self, pl, trace=False):
             seen.append(pl)
             return super().simulate(pl, trace)
-    search(simulator_problem(Recording(g, topo), space), random.Random(seed), SearchConfig(iterations=iterations))
+    search(simulator_problem(Recording(g, topo), space), random.Random(seed), SearchConfig(iterations=iterations, chains=1))
     return g, topo, seen
 
 

@@ -28,9 +28,8 @@ def add_arguments(p):
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="wall-clock cap in seconds (default 60); a safety net, not the usual stop")
     p.add_argument("--chains", type=int, default=None, metavar="N",
-                   help="independent walks sharing --iterations; the best of them wins (default: one "
-                        "per 500 proposals of the space's no-improvement stop: one up to about 40 "
-                        "devices, at most 8); part of what the seed decides")
+                   help="independent walks sharing --iterations; the best of them wins (default: 1 "
+                        "up to 8 devices, else 4); part of what the seed decides")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes the chains run in at once (default: this process's cores); "
                         "changes only the speed")

@@ -5,10 +5,15 @@ The search calls one narrow function, `evaluate(plan) -> result` with attributes
 `iteration_s`, `feasible` and `peak_memory_bytes` (planner.sim.simulator's SimResult), and takes a
 seeded `random.Random`: no global state. Results are cached per plan (`search_key`).
 
-Determinism: the search stops after `iterations` proposals, or after `stall` proposals
+Determinism: a walk stops after its share of `iterations` proposals, or after `stall` proposals
 without improvement (twice the proposals its best took, at least 500, at most `patience`: about
 the number of one-choice neighbours of a plan); both depend only on the seed. `time_limit_s` is a safety cap only: when it stops
 the search, the result can depend on the machine's speed, and `SearchResult.stopped_by` says so.
+
+Chains: a large space gets several independent walks from the same start (`chains`), each with
+its own seed drawn from the search's rng, run in processes forked from this one
+(`run_chains`); the best of their bests is the result. It depends on the seed and the number of
+chains, not on how many run at once.
 
 Cost of a plan for the walk: its predicted iteration time when feasible; an infeasible plan
 costs its time times (2 + how far its worst device is over memory), so the walk can cross
@@ -124,7 +129,7 @@ class Walk:
 
 
 MIN_PATIENCE = 500   # proposals without improvement before a default walk may stop
-MAX_CHAINS = 8
+CHAINS = 4           # walks of a default search beyond 8 devices (`chains`)
 
 
 def patience(space: Space, iterations: int) -> int:
@@ -145,11 +150,10 @@ def stall(cap: int, found_at: int) -> int:
 
 
 def chains(space: Space) -> int:
-    """Independent walks a default search makes: one per MIN_PATIENCE proposals of its cap
-    (`patience` at the default budget), at most MAX_CHAINS. A small space's single walk covers
-    its neighbourhood; a large one's walks end in different plans by seed (docs/tuning.md), and
-    the best of several is what the search returns."""
-    return max(1, min(MAX_CHAINS, patience(space, SearchConfig.iterations) // MIN_PATIENCE))
+    """Independent walks a default search makes: one up to a node's worth of devices (8), where
+    a walk covers the space; else CHAINS, since there one walk's plan depends on its seed
+    (docs/tuning.md, "Chains") and the search returns the best of several."""
+    return 1 if len(space.devices) <= 8 else CHAINS
 
 
 class Searcher:
