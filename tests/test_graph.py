@@ -215,6 +215,46 @@ def test_bf16_capture_halves_activations_and_keeps_weight_casts_apart():
     assert activation_bytes(plan, g16, 0, 0) == 2 * (saved // 2 * 4 + params // 2) == 165736
 
 
+def _counted_in_real_tensors(monkeypatch, workload, batch, precision="fp32"):
+    from planner.workload import capture
+    with monkeypatch.context() as m:
+        m.setattr(capture, "FAKE_COUNTING", False)
+        return capture_graph(workload, batch, precision)
+
+
+@pytest.mark.parametrize("spec,args,precision", [
+    ("mlp", {"hidden": 16, "depth": 3}, "bf16"),   # autocast's weight copies made and freed as it goes
+    ("cnn", {}, "fp32"),
+    ("gpt", {"layers": 2}, "fp32"),
+    ("gpt", {"layers": 2}, "bf16"),
+    ("tests.factories:shape_dependent", {"n": 8}, "fp32"),
+])
+def test_the_counting_run_in_fake_tensors_counts_what_the_real_one_does(monkeypatch, spec, args, precision):
+    w = load_workload(spec, args)
+    fake = capture_graph(w, 4, precision)
+    real = _counted_in_real_tensors(monkeypatch, w, 4, precision)
+    assert (fake.info["counted"], real.info["counted"]) == ("fake tensors", "real tensors")
+    assert fake.layers == real.layers and fake.cut_bytes == real.cut_bytes
+    assert (fake.cut_tensors, fake.cut_grad_tensors, fake.pairs, fake.tied) == \
+        (real.cut_tensors, real.cut_grad_tensors, real.pairs, real.tied)
+    assert dict(fake.ops.nodes(data=True)) == dict(real.ops.nodes(data=True))
+    assert sorted(fake.ops.edges) == sorted(real.ops.edges)
+    assert all(p.grad is None for p in w.model.parameters())   # no fake gradient left behind
+
+
+def test_a_model_the_fake_run_cannot_count_is_counted_in_real_tensors(monkeypatch):
+    from planner.workload import capture
+    w = load_workload("mlp", {"hidden": 16, "depth": 2})
+
+    def no_fake(self, mode, params):
+        raise RuntimeError("no fake kernel")
+    monkeypatch.setattr(capture.Recorder, "fake", no_fake)
+    g = capture_graph(w, 4)
+    assert g.info["counted"] == "real tensors (RuntimeError in fake tensors)"
+    monkeypatch.undo()
+    assert g.layers == capture_graph(w, 4).layers
+
+
 def test_bad_batch():
     with pytest.raises(InputError):
         capture_graph(load_workload("mlp", {"hidden": 8, "depth": 1}), 0)

@@ -1,5 +1,7 @@
 """Graph capture: `capture_graph` runs the model once, layer by layer, and counts each
-operator's FLOPs and bytes (the counting run) into a `ModelGraph`.
+operator's FLOPs and bytes (the counting run) into a `ModelGraph`. The run is in fake tensors
+(torch's FakeTensorMode: shapes and dtypes, nothing computed), so a large model is captured in
+seconds; where that fails, in real tensors.
 
 `Recorder.run_stage` runs one stage (one layer) forward through an `fx.Interpreter` and then
 backward, under a `TorchDispatchMode` that sees every ATen call:
@@ -36,6 +38,15 @@ _FIELDS = ("fwd_flops", "bwd_flops", "output_bytes", "saved_bytes", "fwd_bytes_m
            "bwd_bytes_moved", "fwd_n_ops", "bwd_n_ops", "cast_param_bytes")
 
 
+def where(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's data starts, as data_ptr tells real tensors apart (its storage and
+    offset), for fake tensors too (whose data_ptr is 0)."""
+    return t.untyped_storage()._cdata, t.storage_offset()
+
+
+_DEVICE = torch.ops.prim.device.default
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, rec: "Recorder"):
         super().__init__()
@@ -44,14 +55,15 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.rec.charge(func, args, kwargs, out)
+        if func is not _DEVICE:    # what fake tensors ask of each other: no work
+            self.rec.charge(func, args, kwargs, out)
         return out
 
 
 class Recorder:
     def __init__(self, params: list[torch.Tensor], forward_context=contextlib.nullcontext):
         self.forward_context = forward_context  # () -> context each stage's forward runs in
-        self.param_ptrs = {p.data_ptr() for p in params}
+        self.param_ptrs = {where(p) for p in params}   # with their fake copies' (`fake`)
         # parameter-shaped tensors (weights, their transposes and gradients) are left out of
         # bytes moved so that it scales with the batch; an activation of exactly a parameter's
         # shape would be left out too (rare; not modelled)
@@ -64,6 +76,7 @@ class Recorder:
         self._phase = "fwd"
         self._stage = 0
         self._by_seq: dict[int, str] = {}     # autograd sequence number -> exported node
+        self._casts: list[torch.Tensor] = []  # autocast's copies of parameters (`_cast_of_param`)
 
     @staticmethod
     def empty() -> dict:
@@ -71,6 +84,11 @@ class Recorder:
 
     def bytes_of(self, tree) -> int:
         return F.tensor_bytes(tree)
+
+    def fake(self, mode, params: list[torch.Tensor]) -> None:
+        """A counting run in fake tensors (`mode`): the parameters' fake copies count as them."""
+        self._fakes = [mode.from_tensor(p) for p in params]   # alive: the mode converts to these
+        self.param_ptrs |= {where(f) for f in self._fakes}
 
     def _entry(self, name: str) -> dict:
         return self.ops.setdefault(name, self.empty())
@@ -106,9 +124,10 @@ class Recorder:
         """autocast's copy of a parameter (forward `_to_copy` of one): parameter-like, so its
         result joins param_ptrs and its bytes are charged as cast_param_bytes, not moved."""
         if (self._phase != "fwd" or func is not torch.ops.aten._to_copy.default or not args
-                or not isinstance(args[0], torch.Tensor) or args[0].data_ptr() not in self.param_ptrs):
+                or not isinstance(args[0], torch.Tensor) or where(args[0]) not in self.param_ptrs):
             return False
-        self.param_ptrs.add(out.data_ptr())
+        self.param_ptrs.add(where(out))
+        self._casts.append(out)   # alive to the end: no activation may take its place
         if self._current:
             self._entry(self._current)["cast_param_bytes"] += out.numel() * out.element_size()
         return True
@@ -135,8 +154,8 @@ class Recorder:
         rec = self
 
         def pack(t):
-            key = (t.data_ptr(), tuple(t.shape), t.dtype)
-            if rec._current and t.data_ptr() not in rec.param_ptrs and key not in seen_saved:
+            key = (where(t), tuple(t.shape), t.dtype)
+            if rec._current and key[0] not in rec.param_ptrs and key not in seen_saved:
                 seen_saved.add(key)
                 rec._entry(rec._current)["saved_bytes"] += t.numel() * t.element_size()
             return t
@@ -203,6 +222,11 @@ def preserved(model: torch.nn.Module):
 # batch): they are left out of saved bytes and bytes moved and counted in Layer.cast_param_bytes.
 
 _PRINTED_WARNINGS: set[str] = set()
+FAKE_COUNTING = True   # the counting run in fake tensors first (`_counting_run`)
+
+
+class _Off(Exception):
+    pass
 
 
 def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
@@ -217,8 +241,43 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     model = workload.model
     ex, stages = exported_stages(workload, None, batch)
     inputs = example_inputs(workload, batch)
-    rec = Recorder(list(model.parameters()), forward_context=lambda: autocast("cpu", precision))
-    with preserved(model), torch.random.fork_rng(devices=[]):
+    counted = "real tensors"
+    try:
+        if not FAKE_COUNTING:
+            raise _Off
+        rec, cuts = _counting_run(ex, stages, model, inputs, precision, fake=True)
+        counted = "fake tensors"
+    except Exception as e:   # an op without a fake kernel, or one whose shapes depend on data
+        rec, cuts = _counting_run(ex, stages, model, inputs, precision, fake=False)
+        if not isinstance(e, _Off):
+            counted += f" ({type(e).__name__} in fake tensors)"
+    cut_bytes, cut_tensors, cut_grad = cuts
+    layers = _layers(ex, stages, rec, dict(model.named_buffers()))
+    tied = _tied(stages)
+    g = _op_graph(ex, rec)
+    warnings = sorted(rec.warnings)
+    for w in warnings:
+        if w not in _PRINTED_WARNINGS:
+            _PRINTED_WARNINGS.add(w)
+            print(f"hetplan: warning: {w}", file=sys.stderr)
+    info = {"method": ex.method, "dynamic_batch": ex.dynamic_batch, "warnings": warnings, "counted": counted,
+            "unattributed_bwd_flops": rec.unattributed_bwd_flops}
+    return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info,
+                      precision=precision, tied=tied, pairs=_pairs(ex, model, rec),
+                      cut_tensors=tuple(cut_tensors), cut_grad_tensors=tuple(cut_grad))
+
+
+def _counting_run(ex, stages, model, inputs, precision: str, fake: bool):
+    """The counting run, layer by layer: (its Recorder, (bytes, tensors and tensors carrying a
+    gradient at each cut)). With `fake`, in fake tensors: shapes and dtypes without computing
+    anything, so a model too large to run here is captured in seconds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    params = list(model.parameters())
+    rec = Recorder(params, forward_context=lambda: autocast("cpu", precision))
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with preserved(model), torch.random.fork_rng(devices=[]), mode:
+        if fake:
+            rec.fake(mode, params)
         torch.manual_seed(0)
         cut_bytes = [rec.bytes_of(inputs)]
         h = ex.flat_inputs(inputs)
@@ -230,19 +289,7 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
             grad = carries_grad(stage, grad, model)
             cut_tensors.append(_tensor_count(h))
             cut_grad.append(sum(grad))
-    layers = _layers(ex, stages, rec, dict(model.named_buffers()))
-    tied = _tied(stages)
-    g = _op_graph(ex, rec)
-    warnings = sorted(rec.warnings)
-    for w in warnings:
-        if w not in _PRINTED_WARNINGS:
-            _PRINTED_WARNINGS.add(w)
-            print(f"hetplan: warning: {w}", file=sys.stderr)
-    info = {"method": ex.method, "dynamic_batch": ex.dynamic_batch, "warnings": warnings,
-            "unattributed_bwd_flops": rec.unattributed_bwd_flops}
-    return ModelGraph(layers=tuple(layers), batch=batch, cut_bytes=tuple(cut_bytes), ops=g, info=info,
-                      precision=precision, tied=tied, pairs=_pairs(ex, model, rec),
-                      cut_tensors=tuple(cut_tensors), cut_grad_tensors=tuple(cut_grad))
+    return rec, (cut_bytes, cut_tensors, cut_grad)
 
 
 def _tensor_count(tree) -> int:

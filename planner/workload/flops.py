@@ -126,11 +126,11 @@ def needs_warning(func) -> bool:
 
 def tensor_bytes(tree, exclude: set[int] | frozenset = frozenset(),
                  exclude_shapes: set[tuple] | frozenset = frozenset()) -> int:
-    """Bytes of the tensors in a pytree, skipping those whose data_ptr is in `exclude` or whose
-    shape is in `exclude_shapes`."""
+    """Bytes of the tensors in a pytree, skipping those whose data starts where one in `exclude`
+    does (planner.workload.capture.where) or whose shape is in `exclude_shapes`."""
     total = 0
     for x in pytree.tree_leaves(tree):
-        if (isinstance(x, torch.Tensor) and x.data_ptr() not in exclude
+        if (isinstance(x, torch.Tensor) and (not exclude or (x.untyped_storage()._cdata, x.storage_offset()) not in exclude)
                 and tuple(x.shape) not in exclude_shapes):
             total += x.numel() * x.element_size()
     return total
