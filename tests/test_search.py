@@ -202,6 +202,26 @@ def test_chains_are_the_walks_of_their_seeds_and_the_best_of_them_wins():
     assert [t for _, t in forked.history] == sorted((t for _, t in forked.history), reverse=True)
 
 
+@pytest.mark.parametrize("how,message", [("raise", r"search chain [01] failed: ValueError: no such plan"),
+                                         ("die", r"search chain [01]: its process ended without a result \(exit code 3\)")])
+def test_a_chain_that_fails_or_dies_fails_the_search(how, message):
+    import os
+    here = os.getpid()
+    problem = toy_problem({"cuda:0": 1.0, "cuda:1": 2.5, "cpu:0": 0.3},
+                          {"cuda:0": BIG, "cuda:1": BIG, "cpu:0": BIG}, batch=12)
+    evaluate = problem.evaluate
+
+    def in_chains_only(plan):   # the start is evaluated here; the chains fail in their processes
+        if os.getpid() != here:
+            if how == "die":
+                os._exit(3)
+            raise ValueError("no such plan")
+        return evaluate(plan)
+    with pytest.raises(RuntimeError, match=message):
+        search(replace(problem, evaluate=in_chains_only), random.Random(0),
+               SearchConfig(iterations=600, time_limit_s=600, chains=2, workers=2))
+
+
 def test_a_space_beyond_one_node_gets_four_chains():
     from planner.search.mcmc import chains
     big = Space(devices=tuple(f"d{i}" for i in range(64)), kinds={}, num_layers=96, global_batch=256,

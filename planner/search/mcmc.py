@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import math
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import random
 import time
@@ -540,33 +541,62 @@ class Searcher:
             return None
 
 
-_CHAIN: tuple | None = None   # (searcher, start, t0) where run_chains forks its workers
-
-
 def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tuple[int | None, int]],
                workers: int | None) -> list[Walk]:
     """Each (seed, budget) chain's walk from `start`, in chain order. A chain runs in a process
     forked from this one for it alone (it starts from the searcher as it is now: its caches, its
     baselines), `workers` at a time (None: this process's cores); the seed None goes on with the
     searcher's rng. Without fork (or `workers` 0) they run here one after another, each from the
-    searcher's caches as the ones before left them: the same walks, fewer simulations."""
-    global _CHAIN
+    searcher's caches as the ones before left them: the same walks, fewer simulations. A chain
+    that fails, or whose process dies, fails the search (RuntimeError naming it)."""
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, len(chains))
     if workers == 0 or "fork" not in mp.get_all_start_methods():
-        return [_chain((searcher, start, t0), i, seed, budget) for i, (seed, budget) in enumerate(chains)]
-    _CHAIN = (searcher, start, t0)
+        return [_chain(searcher, start, t0, i, seed, budget) for i, (seed, budget) in enumerate(chains)]
+    ctx = mp.get_context("fork")
+    walks: dict[int, Walk] = {}
+    running: dict[Any, tuple[int, Any]] = {}     # the parent's end of a chain's pipe -> (chain, process)
+    todo = list(enumerate(chains))
     try:
-        with mp.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-            return pool.starmap(_chain, [(None, i, seed, budget) for i, (seed, budget) in enumerate(chains)],
-                                chunksize=1)
+        while todo or running:
+            while todo and len(running) < workers:
+                i, (seed, budget) = todo.pop(0)
+                here, there = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_forked_chain, args=(there, searcher, start, t0, i, seed, budget),
+                                   daemon=True)
+                proc.start()
+                there.close()
+                running[here] = (i, proc)
+            for conn in mp.connection.wait(list(running)):
+                i, proc = running.pop(conn)
+                try:
+                    ok, out = conn.recv()
+                except EOFError:
+                    proc.join()
+                    raise RuntimeError(f"search chain {i}: its process ended without a result "
+                                       f"(exit code {proc.exitcode})") from None
+                proc.join()
+                if not ok:
+                    raise RuntimeError(f"search chain {i} failed: {out}")
+                walks[i] = out
     finally:
-        _CHAIN = None
+        for _, proc in running.values():
+            proc.terminate()
+    return [walks[i] for i in range(len(chains))]
 
 
-def _chain(shared: tuple | None, index: int, seed: int | None, budget: int) -> Walk:
-    searcher, start, t0 = shared or _CHAIN
+def _forked_chain(conn, searcher: Searcher, start: Candidate, t0: float, index: int, seed: int | None,
+                  budget: int) -> None:
+    try:
+        out = (True, _chain(searcher, start, t0, index, seed, budget))
+    except BaseException as e:   # noqa: BLE001 - the parent raises it, with the chain's name
+        out = (False, f"{type(e).__name__}: {e}")
+    conn.send(out)
+    conn.close()
+
+
+def _chain(searcher: Searcher, start: Candidate, t0: float, index: int, seed: int | None, budget: int) -> Walk:
     rng = searcher.rng
     if seed is not None:
         searcher.rng = random.Random(seed)
