@@ -127,6 +127,22 @@ def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
     assert again.layer_times(t.device("cpu:0"), 4) == (f, b)
 
 
+def test_a_measured_cost_model_asks_once_whether_a_device_is_here(tmp_path, monkeypatch):
+    # prepare() asks before a search; the search's forked chains then never ask CUDA, which a
+    # forked process cannot use once its parent has
+    import planner.cost.timing as timing
+    from planner.workload.capture import capture_graph
+    from planner.workload.load import load_workload
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    w = load_workload("mlp", {"hidden": 32, "depth": 1})
+    g, t = capture_graph(w, 4), _here()
+    m = timing.MeasuredCost(g, t, w, sizes=(2, 4), repeats=2)
+    m.prepare(["cpu:0"])
+    monkeypatch.setattr(timing, "_present", lambda d: pytest.fail("asked again whether a device is here"))
+    f, b = m.layer_times(t.device("cpu:0"), 3)
+    assert len(f) == g.num_layers and all(x > 0 for x in f + b)
+
+
 def test_the_split_backward_is_timed_per_layer_by_the_runtimes_passes_and_cached(tmp_path, monkeypatch):
     import json
 

@@ -312,7 +312,7 @@ class MeasuredCost(CostModel):
         return tuple(self._repeat(lambda: _layer_once(stage, x, sync, in_precision, fused, split)))
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
-        if not _present(device):
+        if not self.present(device):
             return self._roofline.layer_times(device, batch)
         if self.sizes is None:
             return self._measure(device, int(batch))
@@ -340,7 +340,7 @@ class MeasuredCost(CostModel):
     def split_times(self, device: Device, batch: float) -> tuple[list[float], list[float]] | None:
         """Per-layer (I pass, W pass) seconds measured on this machine (a curve over `sizes` as
         layer_times); None for a device priced by the roofline."""
-        if not _present(device):
+        if not self.present(device):
             return None
         if self.sizes is None:
             return self._split_at(device, int(batch))
@@ -363,13 +363,21 @@ class MeasuredCost(CostModel):
             inp[-1] += disk[keys[-1]][3]
         return inp, wgt
 
+    def present(self, device: Device) -> bool:
+        """`_present`, asked once per device (`prepare` asks before a search: its chains, forked
+        processes, never ask CUDA, which a forked process cannot use once its parent has)."""
+        here = self.__dict__.setdefault("_here", {})
+        if device.name not in here:
+            here[device.name] = _present(device)
+        return here[device.name]
+
     def prepare(self, devices, split: bool = False) -> None:
         """Time every layer at every size of the curve on each of `devices` (names) now, so that a
         search over them never times anything (devices of one kind and thread count share); with
         `split`, also each layer's split backward (what a zb-h1 plan runs)."""
         for name in devices:
             dev = self.topology.device(name)
-            if _present(dev):
+            if self.present(dev):
                 for b in self.sizes or ():
                     self._measure(dev, b, split)
 
@@ -378,7 +386,7 @@ class MeasuredCost(CostModel):
         line `fixed_s + per_sample_s * batch` and the largest relative distance of a measured
         size from it (`residual_pct`); None for a device priced by the roofline or no curve."""
         dev = self.topology.device(device)
-        if self.sizes is None or len(self.sizes) < 2 or not _present(dev):
+        if self.sizes is None or len(self.sizes) < 2 or not self.present(dev):
             return None
         xs = [float(b) for b in self.sizes]
         ys = [sum(f) + sum(b) for f, b in (self._measure(dev, int(x)) for x in xs)]
