@@ -146,3 +146,28 @@ class Gated(nn.Module):
 
 def data_dependent(n: int = 8) -> Workload:
     return Workload(model=Gated(n), make_batch=_batch((n,)), loss_fn=F.mse_loss)
+
+
+class _FromValues(nn.Module):
+    """Reads a value while built: the meta device has none to give."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        width = int(torch.ones(1).sum().item()) * n
+        self.fc = nn.Linear(n, width)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def built_from_values(n: int = 8) -> Workload:
+    return Workload(model=_FromValues(n), make_batch=_batch((n,), classes=n), loss_fn=F.cross_entropy)
+
+
+def data_made_in_the_factory(n: int = 8) -> Workload:
+    data = torch.randn(64, n)
+
+    def make_batch(batch_size: int, seed: int):
+        return data[:batch_size], torch.zeros(batch_size, dtype=torch.long)
+    return Workload(model=nn.Sequential(nn.Linear(n, n), nn.ReLU(), nn.Linear(n, 3)), make_batch=make_batch,
+                    loss_fn=F.cross_entropy)

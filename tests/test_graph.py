@@ -255,6 +255,54 @@ def test_a_model_the_fake_run_cannot_count_is_counted_in_real_tensors(monkeypatc
     assert g.layers == capture_graph(w, 4).layers
 
 
+def _same_graph(a, b):
+    assert a.layers == b.layers and a.cut_bytes == b.cut_bytes
+    assert (a.cut_tensors, a.cut_grad_tensors, a.pairs, a.tied) == (b.cut_tensors, b.cut_grad_tensors, b.pairs, b.tied)
+    assert dict(a.ops.nodes(data=True)) == dict(b.ops.nodes(data=True)) and sorted(a.ops.edges) == sorted(b.ops.edges)
+
+
+@pytest.mark.parametrize("spec,args", [("gpt", {"layers": 2}), ("cnn", {}),
+                                       ("tests.hf_models:gpt2", {}),      # tied embedding and head
+                                       ("tests.factories:shape_dependent", {"n": 8})])
+def test_a_model_built_for_its_shapes_only_is_captured_as_the_whole_one(spec, args):
+    from planner.workload.load import with_values
+    shapes = load_workload(spec, args, weights=False)
+    whole = load_workload(spec, args)
+    assert all(t.device.type == "cpu" for t in [*shapes.model.parameters(), *shapes.model.buffers()])
+    assert [n for n, _ in shapes.model.named_parameters()] == [n for n, _ in whole.model.named_parameters()]
+    assert with_values(whole) is whole and with_values(shapes) is not shapes
+    assert torch.equal(next(with_values(shapes).model.parameters()), next(whole.model.parameters()))
+    for precision in ("fp32", "bf16"):
+        _same_graph(capture_graph(shapes, 4, precision), capture_graph(whole, 4, precision))
+
+
+def test_a_factory_that_needs_values_is_built_whole():
+    from planner.workload.load import with_values
+    # its gate reads a tensor's value while being built; its data made in the factory
+    for spec in ("tests.factories:built_from_values", "tests.factories:data_made_in_the_factory"):
+        w = load_workload(spec, weights=False)
+        assert with_values(w) is w and not any(t.is_meta for t in w.model.parameters())
+        assert capture_graph(w, 4).layers == capture_graph(load_workload(spec), 4).layers
+
+
+def test_a_shapes_only_model_the_fake_run_cannot_count_is_counted_built_whole(monkeypatch):
+    from planner.workload import capture
+    shapes = load_workload("mlp", {"hidden": 16, "depth": 2}, weights=False)
+    whole = capture_graph(load_workload("mlp", {"hidden": 16, "depth": 2}), 4)
+    seen = []
+    real = capture._counting_run
+
+    def spy(ex, stages, model, inputs, precision, fake):
+        seen.append((fake, model is shapes.model))
+        if fake:
+            raise RuntimeError("no fake kernel")
+        return real(ex, stages, model, inputs, precision, fake=fake)
+    monkeypatch.setattr(capture, "_counting_run", spy)
+    g = capture_graph(shapes, 4)
+    assert seen == [(True, True), (False, False)]   # the real run on the model built whole
+    assert g.info["counted"] == "real tensors (RuntimeError in fake tensors)" and g.layers == whole.layers
+
+
 def test_bad_batch():
     with pytest.raises(InputError):
         capture_graph(load_workload("mlp", {"hidden": 8, "depth": 1}), 0)

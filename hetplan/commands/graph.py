@@ -45,7 +45,7 @@ def main(args) -> int:
 
     if args.batch < 1:
         raise InputError(f"--batch: expected a positive integer, got {args.batch}")
-    workload = load_workload(args.model, parse_model_args(args.model_arg), args.layers)
+    workload = load_workload(args.model, parse_model_args(args.model_arg), args.layers, weights=False)
     print(f"capturing {args.model} at batch {args.batch} ...", file=sys.stderr)
     try:
         graph = capture_graph(workload, args.batch)

@@ -153,13 +153,17 @@ def main(args) -> int:
     from planner.files.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
     from planner.search.mcmc import SearchConfig, chains, memory_error, search
     from planner.search.problem import CAPTURE_BATCH, plan_problem
+    from planner.hardware.lookup import measured_here
     from planner.hardware.topology import load_topology
     from planner.workload.load import load_workload, parse_model_args
 
     _check_flags(args)
     model_args = parse_model_args(args.model_arg)
     topology = load_topology(args.topology)
-    workload = load_workload(args.model, model_args, args.layers)
+    # the weights' values only where something runs the model: layers timed on this machine,
+    # convergence emulated
+    workload = load_workload(args.model, model_args, args.layers,
+                             weights=measured_here(topology) or args.objective == "time-to-loss")
     print(f"hetplan plan: capturing {args.model} at batch {min(args.batch, CAPTURE_BATCH)} "
           f"in {args.precision}", file=sys.stderr)
     precisions = parse_precisions(args.precision)

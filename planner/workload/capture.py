@@ -31,6 +31,7 @@ from planner.files.io import InputError
 from planner.workload import flops as F
 from planner.workload.graph import Layer, ModelGraph, SplitPair, TiedParam
 from planner.workload.layers import example_inputs
+from planner.workload.load import with_values
 from planner.workload.partition import exported_stages
 from planner.workload.precision import autocast
 
@@ -248,6 +249,11 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
         rec, cuts = _counting_run(ex, stages, model, inputs, precision, fake=True)
         counted = "fake tensors"
     except Exception as e:   # an op without a fake kernel, or one whose shapes depend on data
+        whole = with_values(workload)   # a model built for its shapes only: built whole
+        if whole is not workload:
+            model = whole.model
+            ex, stages = exported_stages(whole, None, batch)
+            inputs = example_inputs(whole, batch)
         rec, cuts = _counting_run(ex, stages, model, inputs, precision, fake=False)
         if not isinstance(e, _Off):
             counted += f" ({type(e).__name__} in fake tensors)"

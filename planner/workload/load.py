@@ -10,6 +10,7 @@ import importlib
 import inspect
 import os
 import sys
+import weakref
 from typing import Any, Callable
 
 from planner.files.io import InputError
@@ -61,10 +62,12 @@ def _resolve(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | None = None) -> Workload:
+def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | None = None,
+                  weights: bool = True) -> Workload:
     """Build the workload: torch.manual_seed(0), then the factory with the converted args.
     `layers` (`--layers`): the layer pattern, overriding the factory's `layers`; it must match
-    a module of the model."""
+    a module of the model. Without `weights` (for a capture, whose counting run reads no
+    value), `shapes_only` first."""
     import torch
 
     args = {k: convert_arg(v) for k, v in (args or {}).items()}
@@ -79,9 +82,10 @@ def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | N
                                  f"{', '.join(sig.parameters) or '(none)'}")
     except (TypeError, ValueError):
         pass
+    shaped = shapes_only(fn, args) if not weights else None
     torch.manual_seed(0)
     try:
-        w = fn(**args)
+        w = shaped if shaped is not None else fn(**args)
     except InputError:
         raise
     except (TypeError, ValueError) as e:
@@ -99,6 +103,47 @@ def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | N
     if layers is not None:
         w.layers = layers
     _check_layers(w, spec, flag="--layers" if layers is not None else "--model")
+    if shaped is not None:
+        _WHOLE[w.model] = lambda: load_workload(spec, args, layers)
+    return w
+
+
+_WHOLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # a shapes-only model -> its whole workload
+
+
+def with_values(w: Workload) -> Workload:
+    """`w` where its model holds the factory's values; else (`shapes_only`) the workload built
+    whole, for what reads them."""
+    whole = _WHOLE.get(w.model)
+    return whole() if whole is not None else w
+
+
+def shapes_only(fn: Callable[..., Any], args: dict[str, Any]) -> Any | None:
+    """The factory's workload with its model built on the meta device, then given uninitialized
+    CPU memory (`to_empty`, tied parameters kept tied): its shapes without the time and memory
+    of its values; None where the factory fails on the meta device, leaves a tensor of the model
+    off it, or makes its data there."""
+    import torch
+    from torch import __future__ as future
+    torch.manual_seed(0)
+    try:
+        with torch.device("meta"):
+            w = fn(**args)
+        model = w.model
+        if not isinstance(model, torch.nn.Module) or not all(
+                t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            return None
+        from torch.utils._pytree import tree_leaves
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(w.make_batch(1, 0))):
+            return None   # its data was made in the factory, on the meta device too
+        swap = future.get_swap_module_params_on_conversion()
+        future.set_swap_module_params_on_conversion(True)   # in place: shared parameters stay shared
+        try:
+            model.to_empty(device="cpu")
+        finally:
+            future.set_swap_module_params_on_conversion(swap)
+    except Exception:   # noqa: BLE001 - a factory that needs values (a checkpoint, .item()): build it whole
+        return None
     return w
 
 
