@@ -222,6 +222,27 @@ def test_a_chain_that_fails_or_dies_fails_the_search(how, message):
                SearchConfig(iterations=600, time_limit_s=600, chains=2, workers=2))
 
 
+def test_chains_that_cannot_be_forked_run_here(monkeypatch):
+    from multiprocessing.context import ForkProcess
+    problem = toy_problem({"cuda:0": 1.0, "cuda:1": 2.5, "cpu:0": 0.3},
+                          {"cuda:0": BIG, "cuda:1": BIG, "cpu:0": BIG}, batch=12)
+    cfg = SearchConfig(iterations=600, time_limit_s=600, chains=3, workers=2)
+    forked = search(problem, random.Random(7), cfg)
+    started = []
+
+    def no_memory(self):   # the second fork fails, as for a parent holding a large model
+        if started:
+            raise OSError(12, "Cannot allocate memory")
+        started.append(self)
+        return real(self)
+    real = ForkProcess.start
+    monkeypatch.setattr(ForkProcess, "start", no_memory)
+    mixed = search(problem, random.Random(7), cfg)
+    assert len(started) == 1
+    assert (mixed.iterations, mixed.accepted, search_key(mixed.best.plan)) == \
+        (forked.iterations, forked.accepted, search_key(forked.best.plan))
+
+
 def test_a_space_beyond_one_node_gets_four_chains():
     from planner.search.mcmc import chains
     big = Space(devices=tuple(f"d{i}" for i in range(64)), kinds={}, num_layers=96, global_batch=256,

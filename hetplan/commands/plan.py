@@ -146,6 +146,7 @@ def _cost_fit(cost, devices) -> dict:
 
 
 def main(args) -> int:
+    import gc
     import random
     from dataclasses import replace
 
@@ -173,6 +174,9 @@ def main(args) -> int:
                                       args.lr if args.lr is not None else workload.lr, precisions)
     except ValueError as e:       # the model could not be captured or grouped into layers
         raise InputError(f"--model: {args.model}: {e}") from None
+    if args.objective != "time-to-loss":
+        del workload   # the search never runs the model: its memory is not copied into the chains
+        gc.collect()
     space = problem.space
     config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit,
                           chains=args.chains if args.chains is not None else chains(space), workers=args.workers)

@@ -547,8 +547,9 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
     forked from this one for it alone (it starts from the searcher as it is now: its caches, its
     baselines), `workers` at a time (None: this process's cores); the seed None goes on with the
     searcher's rng. Without fork (or `workers` 0) they run here one after another, each from the
-    searcher's caches as the ones before left them: the same walks, fewer simulations. A chain
-    that fails, or whose process dies, fails the search (RuntimeError naming it)."""
+    searcher's caches as the ones before left them: the same walks, fewer simulations; so do the
+    chains left when a fork fails (no memory). A chain that fails, or whose process dies, fails
+    the search (RuntimeError naming it)."""
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, len(chains))
@@ -558,16 +559,28 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
     walks: dict[int, Walk] = {}
     running: dict[Any, tuple[int, Any]] = {}     # the parent's end of a chain's pipe -> (chain, process)
     todo = list(enumerate(chains))
+    forking = True
     try:
         while todo or running:
-            while todo and len(running) < workers:
-                i, (seed, budget) = todo.pop(0)
+            while forking and todo and len(running) < workers:
+                i, (seed, budget) = todo[0]
                 here, there = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_forked_chain, args=(there, searcher, start, t0, i, seed, budget),
                                    daemon=True)
-                proc.start()
-                there.close()
+                try:
+                    proc.start()
+                except OSError:   # no memory for another process: the rest run here
+                    here.close()
+                    forking = False
+                    break
+                finally:
+                    there.close()
+                todo.pop(0)
                 running[here] = (i, proc)
+            if not forking and todo:
+                i, (seed, budget) = todo.pop(0)
+                walks[i] = _chain(searcher, start, t0, i, seed, budget)
+                continue
             for conn in mp.connection.wait(list(running)):
                 i, proc = running.pop(conn)
                 try:
