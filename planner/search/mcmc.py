@@ -413,10 +413,10 @@ class Searcher:
                             bound_rejections=rejections + sum(w.bound_rejections for w in walks),
                             chains=len(walks))
 
-    def walk(self, start: Candidate, t0: float, iterations: int, label: str = "") -> Walk:
+    def walk(self, start: Candidate, t0: float, iterations: int, label: str = "", every_s: float = 1.0) -> Walk:
         """One chain: the walk from `start` for at most `iterations` proposals (or its stall, or
         the time limit counted from t0), then `descend` from its best. Counts only its own
-        simulations and rejections."""
+        simulations and rejections; reports progress every `every_s`, its lines marked `label`."""
         space, cfg, rng = self.p.space, self.cfg, self.rng
         evaluations, rejections = self.evaluations, self.bound_rejections
         cur = best = start
@@ -428,7 +428,7 @@ class Searcher:
             return cap if cfg.patience is not None else stall(cap, found_at)
         stop_after = until(0)
         stopped_by, it = "iterations", 0
-        next_report = time.monotonic() + 1.0
+        next_report = time.monotonic() + every_s
         for it in range(1, iterations + 1):
             now = time.monotonic()
             if now - t0 > cfg.time_limit_s:
@@ -441,7 +441,7 @@ class Searcher:
                 self.progress(f"search{label}: {it} iterations, {self.evaluations - evaluations} simulations, "
                               f"{self.bound_rejections - rejections} rejected by their bound, "
                               f"best {best.iteration_s * 1e3:.3f} ms{'' if best.feasible else ' (infeasible)'}")
-                next_report = now + 1.0
+                next_report = now + every_s
             if it - max(last_gain, last_restart) >= cfg.restart_every:
                 cur, last_restart = best, it
             u = rng.random()   # the acceptance test's draw, before proposing (see `bar`)
@@ -554,7 +554,7 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, len(chains))
     if workers == 0 or "fork" not in mp.get_all_start_methods():
-        return [_chain(searcher, start, t0, i, seed, budget) for i, (seed, budget) in enumerate(chains)]
+        return [_chain(searcher, start, t0, i, seed, budget, len(chains)) for i, (seed, budget) in enumerate(chains)]
     ctx = mp.get_context("fork")
     walks: dict[int, Walk] = {}
     running: dict[Any, tuple[int, Any]] = {}     # the parent's end of a chain's pipe -> (chain, process)
@@ -565,8 +565,8 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
             while forking and todo and len(running) < workers:
                 i, (seed, budget) = todo[0]
                 here, there = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_forked_chain, args=(there, searcher, start, t0, i, seed, budget),
-                                   daemon=True)
+                proc = ctx.Process(target=_forked_chain, daemon=True,
+                                   args=(there, searcher, start, t0, i, seed, budget, len(chains)))
                 try:
                     proc.start()
                 except OSError:   # no memory for another process: the rest run here
@@ -579,7 +579,7 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
                 running[here] = (i, proc)
             if not forking and todo:
                 i, (seed, budget) = todo.pop(0)
-                walks[i] = _chain(searcher, start, t0, i, seed, budget)
+                walks[i] = _chain(searcher, start, t0, i, seed, budget, len(chains))
                 continue
             for conn in mp.connection.wait(list(running)):
                 i, proc = running.pop(conn)
@@ -600,21 +600,23 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
 
 
 def _forked_chain(conn, searcher: Searcher, start: Candidate, t0: float, index: int, seed: int | None,
-                  budget: int) -> None:
+                  budget: int, chains: int) -> None:
     try:
-        out = (True, _chain(searcher, start, t0, index, seed, budget))
+        out = (True, _chain(searcher, start, t0, index, seed, budget, chains))
     except BaseException as e:   # noqa: BLE001 - the parent raises it, with the chain's name
         out = (False, f"{type(e).__name__}: {e}")
     conn.send(out)
     conn.close()
 
 
-def _chain(searcher: Searcher, start: Candidate, t0: float, index: int, seed: int | None, budget: int) -> Walk:
+def _chain(searcher: Searcher, start: Candidate, t0: float, index: int, seed: int | None, budget: int,
+           chains: int) -> Walk:
+    """Chain `index` of `chains`: its walk, its progress every `chains` seconds (a line a second in all)."""
     rng = searcher.rng
     if seed is not None:
         searcher.rng = random.Random(seed)
     try:
-        return searcher.walk(start, t0, budget, label=f" (chain {index})")
+        return searcher.walk(start, t0, budget, label=f" (chain {index})", every_s=float(chains))
     finally:
         searcher.rng = rng
 
