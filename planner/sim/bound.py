@@ -117,9 +117,11 @@ class _Bound:
         """The plan's all-reduces (Builder.allreduces), kept per layer layout and sync: per
         bucket its devices, the resources it holds, its duration (fine buckets of saturated CPUs
         may run queued: the cheaper price) and whether it is released by `last_start`."""
-        key = (self.plan.sync, tuple(rep.stages for rep in self.plan.replicas))
+        layout = tuple(rep.stages for rep in self.plan.replicas)
+        key = (self.plan.sync, tuple(map(id, layout)))   # identities, held by the entry (`replica`)
         cache = self.sim._bound_allreduces
-        out = cache.get(key)
+        kept = cache.get(key)
+        out = kept[1] if kept is not None else None
         if out is None:
             if len(cache) >= LAYOUT_CACHE_SIZE:
                 cache.pop(next(iter(cache)))
@@ -133,7 +135,8 @@ class _Bound:
                     dur = min(dur, self.sim._allreduce(b.devices, b.bytes, True)[1])
                 items.append((b.devices, res, dur, early))
             clean = all(math.isfinite(dur) and dur >= 0.0 for *_, dur, _ in items)
-            out = cache[key] = Priced(tuple(items), clean)
+            out = Priced(tuple(items), clean)
+            cache[key] = (layout, out)
         return out
 
     def allreduces(self, priced: "Priced") -> float:
@@ -233,13 +236,16 @@ class _Bound:
         head + work + tail over stages (0 where the schedule or a split allows none). Its
         terms are kept by the simulator across plans (`ReplicaTerms`)."""
         after = tuple(self.after.get(st.device, 0.0) for st in stages)
-        key = (stages, m, mb, self.plan.schedule, self.plan.recompute, after)
+        # keyed by the stages' identity (a search's plans share them: planner.search.space.to_plan),
+        # which the entry holding them keeps from being reused
+        key = (id(stages), m, mb, self.plan.schedule, self.plan.recompute, after)
         cache = self.sim._bound_replicas
-        terms = cache.get(key)
-        if terms is None:
+        kept = cache.get(key)
+        if kept is None:
             if len(cache) >= REPLICA_CACHE_SIZE:
                 cache.pop(next(iter(cache)))
-            terms = cache[key] = self.replica_terms(stages, m, mb)
+            kept = cache[key] = (stages, self.replica_terms(stages, m, mb))
+        terms = kept[1]
         for x, seconds in terms.work:
             self.add(x, seconds)
         self.done.update(terms.done)
