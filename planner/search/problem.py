@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from planner.cost.model import RooflineCost, device_record
-from planner.cost.timing import cost_model
+from planner.cost.timing import cost_model, measured_here
 from planner.files.plan import Plan
 from planner.search.baselines import device_order
 from planner.search.mcmc import Candidate, Problem, Searcher
@@ -161,7 +161,7 @@ def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate
     if not (isinstance(allowed, list) and allowed and all(a in PRECISIONS for a in allowed)):
         raise InputError(f"{file}: predicted.search.precisions: expected a non-empty list of "
                          f"{', '.join(PRECISIONS)}, got {str(allowed)[:60]}")
-    workload = load_plan_workload(plan.model, file)
+    workload = load_plan_workload(plan.model, file, weights=measured_here(topology))
     _, problem = plan_problem(workload, plan.model, plan.global_batch, topology,
                               plan.optimizer.name, plan.optimizer.lr, (allowed[0],))
     return Searcher(problem, random.Random(0)).baselines()

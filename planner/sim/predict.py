@@ -23,11 +23,12 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     from planner.files.plan import validate_plan
     from planner.cost.timing import cost_model
     from planner.sim.simulator import Simulator
+    from planner.hardware.lookup import measured_here
     from planner.workload.load import load_plan_workload
 
     names = {d.name for d in topology.devices}
     validate_plan(plan, str(plan_path), None, names)   # before the (slower) capture
-    workload = load_plan_workload(plan.model, str(plan_path))
+    workload = load_plan_workload(plan.model, str(plan_path), weights=measured_here(topology))   # else priced by shapes
     batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
     graph = capture_graph(workload, batch, plan.precision)
     validate_plan(plan, str(plan_path), graph.num_layers, names)

@@ -161,11 +161,11 @@ def _check_layers(w: Workload, spec: str, flag: str) -> None:
         raise InputError(f"{flag}: {what}{e}") from None
 
 
-def load_plan_workload(model, file: str) -> Workload:
+def load_plan_workload(model, file: str, weights: bool = True) -> Workload:
     """`load_workload` for a plan file's `model` (a planner.files.plan.ModelRef): errors name the
     file and its model.spec / model.args / model.layers fields instead of the flags."""
     try:
-        return load_workload(model.spec, model.args, model.layers)
+        return load_workload(model.spec, model.args, model.layers, weights)
     except InputError as e:
         msg = (str(e).replace("--model-arg", "model.args", 1).replace("--model:", "model.spec:", 1)
                .replace("--layers:", "model.layers:", 1))
