@@ -34,6 +34,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import random
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -546,14 +547,14 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
     """Each (seed, budget) chain's walk from `start`, in chain order. A chain runs in a process
     forked from this one for it alone (it starts from the searcher as it is now: its caches, its
     baselines), `workers` at a time (None: this process's cores); the seed None goes on with the
-    searcher's rng. Without fork (or `workers` 0) they run here one after another, each from the
+    searcher's rng. Off Linux (or with `workers` 0) they run here one after another, each from the
     searcher's caches as the ones before left them: the same walks, fewer simulations; so do the
     chains left when a fork fails (no memory). A chain that fails, or whose process dies, fails
     the search (RuntimeError naming it)."""
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, len(chains))
-    if workers == 0 or "fork" not in mp.get_all_start_methods():
+    if workers == 0 or not sys.platform.startswith("linux"):   # fork elsewhere: unsafe (macOS) or none
         return [_chain(searcher, start, t0, i, seed, budget, len(chains)) for i, (seed, budget) in enumerate(chains)]
     ctx = mp.get_context("fork")
     walks: dict[int, Walk] = {}
