@@ -372,6 +372,8 @@ class Searcher:
             bases, start = self.start()
             counted = (self.evaluations, self.bound_rejections)   # the start's
             n = self.cfg.chains if self.cfg.chains is not None else chains(self.p.space)
+            if n < 1:
+                raise ValueError(f"SearchConfig.chains: expected at least 1, got {n}")
             budgets = [self.cfg.iterations // n + (i < self.cfg.iterations % n) for i in range(n)]
             if n == 1:
                 walks = [self.walk(start, t0, budgets[0])]
