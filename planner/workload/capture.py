@@ -226,10 +226,6 @@ _PRINTED_WARNINGS: set[str] = set()
 FAKE_COUNTING = True   # the counting run in fake tensors first (`_counting_run`)
 
 
-class _Off(Exception):
-    pass
-
-
 def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     """Capture `workload.model` at `batch` samples (inputs from `make_batch(batch, 0)`), its
     forward run in `precision` (planner.workload.precision.autocast on the CPU).
@@ -242,21 +238,21 @@ def capture_graph(workload, batch: int, precision: str = "fp32") -> ModelGraph:
     model = workload.model
     ex, stages = exported_stages(workload, None, batch)
     inputs = example_inputs(workload, batch)
-    counted = "real tensors"
-    try:
-        if not FAKE_COUNTING:
-            raise _Off
-        rec, cuts = _counting_run(ex, stages, model, inputs, precision, fake=True)
-        counted = "fake tensors"
-    except Exception as e:   # an op without a fake kernel, or one whose shapes depend on data
+    counted = None
+    if FAKE_COUNTING:
+        try:
+            rec, cuts = _counting_run(ex, stages, model, inputs, precision, fake=True)
+            counted = "fake tensors"
+        except Exception as e:   # an op without a fake kernel, or one whose shapes depend on data
+            failed = f" ({type(e).__name__} in fake tensors)"
+    if counted is None:
         whole = with_values(workload)   # a model built for its shapes only: built whole
         if whole is not workload:
             model = whole.model
             ex, stages = exported_stages(whole, None, batch)
             inputs = example_inputs(whole, batch)
         rec, cuts = _counting_run(ex, stages, model, inputs, precision, fake=False)
-        if not isinstance(e, _Off):
-            counted += f" ({type(e).__name__} in fake tensors)"
+        counted = "real tensors" + (failed if FAKE_COUNTING else "")
     cut_bytes, cut_tensors, cut_grad = cuts
     layers = _layers(ex, stages, rec, dict(model.named_buffers()))
     tied = _tied(stages)
