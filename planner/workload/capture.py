@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.files.io import InputError
 from planner.workload import flops as F
+from planner.workload.flops import where
 from planner.workload.graph import Layer, ModelGraph, SplitPair, TiedParam
 from planner.workload.layers import example_inputs
 from planner.workload.load import with_values
@@ -37,12 +38,6 @@ from planner.workload.precision import autocast
 
 _FIELDS = ("fwd_flops", "bwd_flops", "output_bytes", "saved_bytes", "fwd_bytes_moved",
            "bwd_bytes_moved", "fwd_n_ops", "bwd_n_ops", "cast_param_bytes")
-
-
-def where(t: torch.Tensor) -> tuple[int, int]:
-    """Where a tensor's data starts, as data_ptr tells real tensors apart (its storage and
-    offset), for fake tensors too (whose data_ptr is 0)."""
-    return t.untyped_storage()._cdata, t.storage_offset()
 
 
 _DEVICE = torch.ops.prim.device.default

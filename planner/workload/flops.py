@@ -124,13 +124,19 @@ def needs_warning(func) -> bool:
     return torch.Tag.pointwise not in tags
 
 
-def tensor_bytes(tree, exclude: set[int] | frozenset = frozenset(),
+def where(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's data starts, as data_ptr tells real tensors apart (its storage and
+    offset), for fake tensors too (whose data_ptr is 0)."""
+    return t.untyped_storage()._cdata, t.storage_offset()
+
+
+def tensor_bytes(tree, exclude: set[tuple[int, int]] | frozenset = frozenset(),
                  exclude_shapes: set[tuple] | frozenset = frozenset()) -> int:
     """Bytes of the tensors in a pytree, skipping those whose data starts where one in `exclude`
-    does (planner.workload.capture.where) or whose shape is in `exclude_shapes`."""
+    does (`where`) or whose shape is in `exclude_shapes`."""
     total = 0
     for x in pytree.tree_leaves(tree):
-        if (isinstance(x, torch.Tensor) and (not exclude or (x.untyped_storage()._cdata, x.storage_offset()) not in exclude)
+        if (isinstance(x, torch.Tensor) and (not exclude or where(x) not in exclude)
                 and tuple(x.shape) not in exclude_shapes):
             total += x.numel() * x.element_size()
     return total
