@@ -5,9 +5,9 @@ The search calls one narrow function, `evaluate(plan) -> result` with attributes
 `iteration_s`, `feasible` and `peak_memory_bytes` (planner.sim.simulator's SimResult), and takes a
 seeded `random.Random`: no global state. Results are cached per plan (`search_key`).
 
-Determinism: a walk stops after its share of `iterations` proposals, or after `stall` proposals
-without improvement (twice the proposals its best took, at least 500, at most `patience`: about
-the number of one-choice neighbours of a plan); both depend only on the seed. `time_limit_s` is a safety cap only: when it stops
+Determinism: a walk stops after its share of `iterations` proposals, or after `patience`
+proposals without improvement (about the number of one-choice neighbours of a plan); both
+depend only on the seed. `time_limit_s` is a safety cap only: when it stops
 the search, the result can depend on the machine's speed, and `SearchResult.stopped_by` says so.
 
 Chains: a large space gets several independent walks from the same start (`chains`), each with
@@ -55,7 +55,7 @@ class SearchConfig:
     restart_every: int = 150        # proposals without improvement before returning to the best
     batch_move_prob: float = 0.2    # share of proposals that shift samples between replicas
     grid_move_prob: float = 0.05    # share of proposals that jump to a pipeline x DP grid
-    patience: int | None = None     # proposals without improvement before stopping; None: `stall`
+    patience: int | None = None     # proposals without improvement before stopping; None: `patience`
     early_reject: bool = True       # reject by Problem.bound before simulating (the same walk)
     split_by_bound: bool = True     # solve_batches models replicas by Problem.bound, not simulations
     chains: int | None = None       # independent walks sharing the budget; None: `chains(space)`
@@ -130,25 +130,17 @@ class Walk:
     bound_rejections: int
 
 
-MIN_PATIENCE = 500   # proposals without improvement before a default walk may stop
+MIN_PATIENCE = 500   # proposals without improvement before a default walk stops, at least
 CHAINS = 4           # walks of a default search beyond 8 devices (`chains`)
 
 
 def patience(space: Space, iterations: int) -> int:
-    """Proposals without improvement before the walk stops, at most: about the number of
+    """Proposals without improvement before a default walk stops: about the number of
     one-choice neighbours of a plan (device swaps n(n-1)/2, two shifts per cut and per device,
-    the global choices), at least MIN_PATIENCE, at most half the budget (see `stall`)."""
+    the global choices), at least MIN_PATIENCE, at most half the budget."""
     n = len(space.devices)
     neighbours = n * (n - 1) // 2 + 4 * n + 2 * min(n, space.num_layers) + 16
     return max(1, min(max(MIN_PATIENCE, neighbours), iterations // 2))
-
-
-def stall(cap: int, found_at: int) -> int:
-    """The default walk's no-improvement stop when its best was found at proposal `found_at`:
-    twice the proposals that took, at least MIN_PATIENCE, at most `cap` (`patience`). A space
-    whose cap is <= MIN_PATIENCE (a few devices) stops at cap; a large one stops sooner after an
-    early best (measured: docs/tuning.md, "Search throughput at 64 GPUs")."""
-    return min(cap, max(min(MIN_PATIENCE, cap), 2 * found_at))
 
 
 def chains(space: Space) -> int:
@@ -417,7 +409,7 @@ class Searcher:
                             chains=len(walks))
 
     def walk(self, start: Candidate, t0: float, iterations: int, label: str = "", every_s: float = 1.0) -> Walk:
-        """One chain: the walk from `start` for at most `iterations` proposals (or its stall, or
+        """One chain: the walk from `start` for at most `iterations` proposals (or its patience, or
         the time limit counted from t0), then `descend` from its best. Counts only its own
         simulations and rejections; reports progress every `every_s`, its lines marked `label`."""
         space, cfg, rng = self.p.space, self.cfg, self.rng
@@ -425,11 +417,7 @@ class Searcher:
         cur = best = start
         history = [(time.monotonic() - t0, best.iteration_s)]
         last_gain = last_restart = accepted = 0
-        cap = cfg.patience if cfg.patience is not None else patience(space, iterations)
-
-        def until(found_at: int) -> int:   # proposals without improvement before stopping
-            return cap if cfg.patience is not None else stall(cap, found_at)
-        stop_after = until(0)
+        stop_after = cfg.patience if cfg.patience is not None else patience(space, iterations)
         stopped_by, it = "iterations", 0
         next_report = time.monotonic() + every_s
         for it in range(1, iterations + 1):
@@ -456,7 +444,6 @@ class Searcher:
                 cur, accepted = cand, accepted + 1
             if cand.cost < best.cost * (1 - 1e-9) and (cand.feasible or not best.feasible):
                 best, last_gain = cand, it
-                stop_after = until(it)
                 history.append((time.monotonic() - t0, best.iteration_s))
         else:
             it = iterations
