@@ -1,13 +1,14 @@
 """Delta simulation (planner.sim.split) against the whole graph on a search's own plans.
 
-Records every plan a 64 x 96 rails search simulates (benchmarks/search.py's case, seed 0, 600
-proposals), checks that both paths give identical results (repr), then replays the plans in
+Records every plan a 64 x 96 rails search simulates (benchmarks/search.py's case, seed 0, one
+walk: its first 600 proposals, or `--proposals`; 20000 lets the walk stop by itself, as each of
+`plan`'s chains does, after ~2,600), checks that both paths give identical results (repr), then replays the plans in
 order in fresh processes (cold template cache, as the search has it), delta on and off
 alternating: CPU time per side, medians and spread. Sides: delta simulation ("on"), whole
 graphs with what the simulator keeps across plans ("off": templates, replica values, identical
 replicas once), whole graphs from scratch per plan ("scratch").
 
-    python benchmarks/delta_replay.py [--pairs 5] [--plans PATH] [--sides on,off,scratch]
+    python benchmarks/delta_replay.py [--pairs 5] [--proposals 600] [--plans PATH] [--sides on,off,scratch]
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def case():
     return synthetic_graph(96, 256), cluster_64(8)
 
 
-def record(path: Path) -> None:
+def record(path: Path, proposals: int) -> None:
     g, topo = case()
     plans = []
 
@@ -49,17 +50,18 @@ def record(path: Path) -> None:
             plans.append(plan)
             return super().simulate(plan, trace)
     space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
-    config = SearchConfig(iterations=600, time_limit_s=1e9, chains=1)   # no wall-clock stop: the same plans anywhere
+    config = SearchConfig(iterations=proposals, time_limit_s=1e9, chains=1)   # no wall-clock stop: the same plans anywhere
     search(simulator_problem(Recording(g, topo), space), random.Random(0), config)
     path.write_bytes(pickle.dumps(plans))
 
 
-def outcomes(sim: Simulator, plans) -> list[str]:
+def outcomes(sim: Simulator, plans) -> list:
+    """Each plan's result, or the error of a plan the simulator refuses (no host CPU)."""
     out = []
     for p in plans:
         try:
-            out.append(repr(sim.simulate(p)))
-        except ValueError as e:   # refused alike (no host CPU)
+            out.append(sim.simulate(p))
+        except ValueError as e:   # refused alike
             out.append(str(e))
     return out
 
@@ -121,18 +123,24 @@ def replay(path: Path, side: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=5, help="replays per side, alternating (default 5)")
-    ap.add_argument("--plans", type=Path, default=Path("/tmp/delta_replay_plans.pkl"), help="recorded plans")
+    ap.add_argument("--proposals", type=int, default=600, help="the recorded walk's budget (default 600)")
+    ap.add_argument("--plans", type=Path, help="recorded plans (default /tmp/delta_replay_plans_<proposals>.pkl)")
     ap.add_argument("--sides", default="on,off,scratch", help="replays to time (default on,off,scratch)")
     ap.add_argument("--replay", choices=SIDES, help=argparse.SUPPRESS)   # one replay (a child)
     args = ap.parse_args()
     if args.replay:
         print(replay(args.plans, args.replay))
         return 0
+    if args.proposals < 1:
+        print(f"--proposals: expected at least 1; got {args.proposals}", file=sys.stderr)
+        return 2
+    args.plans = args.plans or Path(f"/tmp/delta_replay_plans_{args.proposals}.pkl")
     if not args.plans.exists():
-        record(args.plans)
+        record(args.plans, args.proposals)
     plans = pickle.loads(args.plans.read_bytes())
     g, topo = case()
-    same = outcomes(Simulator(g, topo), plans) == outcomes(Simulator(g, topo, split=False), plans)
+    same = (list(map(repr, outcomes(Simulator(g, topo), plans)))
+            == list(map(repr, outcomes(Simulator(g, topo, split=False), plans))))
     print(f"{len(plans)} plans; delta and whole results identical: {same}", file=sys.stderr)
     sides = [x for x in args.sides.split(",") if x]
     if not set(sides) <= set(SIDES):
