@@ -2,7 +2,8 @@
 times bit for bit (each compute task's end, each resource's last end and whether a task taking
 no time ends there, the iteration's end), compiled and in Python; `fits` refuses what the pass
 does not model; a replica's graph laid out without its template (`graph`, run by
-planner.sim.split.GraphRun where links are shared) is the template's."""
+planner.sim.split.GraphRun where links are shared) is the template's; where routes share links,
+the linked pass (`LinkedRun`) gives the event loop's times or declines."""
 from __future__ import annotations
 
 import random
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 from planner.sim import fastloop, pipeline
-from planner.sim.pipeline import PipelineRun, fits, graph
-from planner.sim.split import GraphRun, Structure
+from planner.sim.pipeline import LinkedRun, PipelineRun, fits, graph, linked_fits
+from planner.sim.split import GraphRun, Linked, Structure
 from planner.sim.template import Stream, replica_core, replica_template
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "hippie")
@@ -157,3 +158,58 @@ def test_graph_runs_give_the_templates_times_where_links_are_shared(compiled, mo
         assert (run.end_s, run.last, run.last_zero, run.zeros) == (slow.end_s, slow.last, slow.last_zero, slow.zeros)
         assert np.asarray(run.ends).tolist() == np.asarray(slow.ends).tolist()
     assert shared >= 100
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_linked_pass_gives_the_event_loops_times_where_routes_share_links(compiled, monkeypatch):
+    # where LinkedRun times a replica it is the event loop's timing; where it declines (a tie of
+    # hops made ready by a task taking no time, or no hop that can safely go), the split's
+    # Linked runs the graph, with the same times
+    compiled_from(monkeypatch, pipeline, "COMPILED_FROM", compiled)
+    rng = random.Random(5)
+    timed = shared = declined = 0
+    for _ in range(300):
+        args, res, links, values = random_linked_replica(rng)
+        core = replica_core(*args)
+        if not linked_fits(core, res, {}):
+            assert args[4] is not None   # interleaved: stages share devices
+            continue
+        slow = event_loop_run(args, res, links, values)
+        run = LinkedRun(core, canonical(res)).run(values)
+        if run is None:
+            declined += 1
+        else:
+            timed += 1
+            shared += len(set(res)) < len(res)
+            assert_same(run, slow, len(core.c.value))
+        both = Linked(core, canonical(res)).run(values)
+        assert (both.end_s, both.last, both.last_zero) == (slow.end_s, slow.last, slow.last_zero)
+        assert np.asarray(both.ends)[:len(core.c.value)].tolist() == np.asarray(slow.ends)[:len(core.c.value)].tolist()
+    assert timed >= 120 and shared >= 60 and declined >= 20
+
+
+def test_a_shared_link_serves_the_hop_ready_first_not_the_stream_met_first():
+    # GPipe, 3 stages, 2 microbatches; both pairs' activations cross link 10. Stage 0's
+    # forwards take 5 (end 5, 10), stage 1's and 2's take 1, a hop 0.5: activation 0 of pair 0
+    # crosses at 5-5.5, stage 1's F0 runs 5.5-6.5, its activation leaves at 6.5 and crosses
+    # before pair 0's activation 1 (ready at 10): stage 2's F0 ends at 8, not at 12
+    args = ("gpipe", 2, (1, 1, 1), ((1, 0), (1, 0)), None, None, None)
+    core = replica_core(*args)
+    res, links = ((0,), (1,), (2,), (10,), (10,)), {(10,)}
+    values = [1.0] * core.n_values
+    values[core.slots.fwd[0]] = 5.0
+    values[core.slots.ahead[0][0]] = values[core.slots.ahead[1][0]] = 0.5
+    assert linked_fits(core, res, {}) and not fits(core, res, {})
+    run = LinkedRun(core, canonical(res)).run(tuple(values))
+    assert run is not None
+    assert_same(run, event_loop_run(args, res, links, tuple(values)), len(core.c.value))
+    assert [run.ends[t] for t in core.c.start[core.sk.fwd[2]]] == [8.0, 13.0]
+
+
+def test_linked_fits_refuses_stages_that_share_a_device_or_sit_on_a_link():
+    core = replica_core("1f1b", 4, (1, 1, 1), ((1, 1), (1, 1)), None, None, None)
+    shared_link = ((0,), (1,), (2,), (5,), (6,), (5,), (7,))
+    assert linked_fits(core, shared_link, {}) and not fits(core, shared_link, {})
+    assert not linked_fits(core, ((0,), (0,), (2,), (5,), (6,), (8,), (7,)), {})   # two stages, one device
+    assert not linked_fits(core, ((0,), (1,), (5,), (5,), (6,), (8,), (7,)), {})   # a stage on a link
+    assert not linked_fits(core, shared_link, {(1,): 1e-5})                        # a device that wakes up

@@ -13,8 +13,11 @@ operations, so the same times bit for bit). In a replica built from a template
   the lower task id, the earlier microbatch; so each hop starts at the latest of its
   message's ready time and its link's previous end;
 - no task wakes up, no send is held, no stream (their durations or order depend on more).
-`fits` checks this per replica; elsewhere planner.sim.split runs the event loop over the
-replica's `graph`, laid out from the same arrays. The pass itself (`_times`) is plain Python
+`fits` checks this per replica. Where routes share link directions (`linked_fits`), a link
+serves its hops by (ready time, task id), an order the times decide: `LinkedRun`'s pass
+serves a hop there once no other can come before it, and declines where it cannot tell.
+Elsewhere planner.sim.split runs the event loop over the replica's `graph`, laid out from the
+same arrays. The passes (`_times`, `_times_linked`) are plain Python
 over arrays, compiled with numba where it is installed and the replica is large;
 tests/test_pipeline_pass.py compares it with the event loop on random replicas.
 """
@@ -196,6 +199,159 @@ def _times(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur):
     return start, end, link, link_zero, True
 
 
+def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, hop_link, n_links, link_ptr,
+                  link_hop, hop_q, q_src, first_hop, stride):
+    """`_times` where hop slots share links (`hop_link`: each slot's link; a link's slots
+    link_hop[link_ptr[k]:link_ptr[k + 1]], each slot's queue `hop_q`, each queue's sending row
+    `q_src`): a shared link serves a hop only once no other hop can come to it with a lower
+    (ready time, task id): each other slot's next hop there is ready at a known time or at
+    the earliest when its message is, its send task ends or its sender's row is free. Messages
+    move as soon as they can. ok False where nothing can move (a bound too weak, or a
+    deadlock). Also returns each hop's ready time, whether it became ready in a later round of
+    that instant than the loop's first (a task taking no time made it ready), and its place on
+    its link."""
+    n_tasks, n_rows, n_q = len(dur), len(row_ptr) - 1, send.shape[0]
+    m = send.shape[1]
+    n_hops = len(hop_dur)
+    start, end = np.zeros(n_tasks), np.zeros(n_tasks)
+    done = np.zeros(n_tasks, np.bool_)
+    free_at = np.zeros(n_rows)
+    pos = row_ptr[:-1].copy()
+    last, last_zero = np.zeros(n_links), np.zeros(n_links, np.bool_)
+    served = np.zeros(n_links, np.int64)
+    ready = np.zeros((n_hops, m))
+    late = np.zeros((n_hops, m), np.bool_)
+    place = np.zeros((n_hops, m), np.int64)
+    arrive = np.zeros(send.shape)
+    nxt = np.zeros(n_q, np.int64)       # per queue: its message under way
+    hk = np.full(n_q, -1, np.int64)     # and that message's next hop (-1: not left yet)
+    rq = np.zeros(n_q)                  # and when it is ready for that hop
+    lq = np.zeros(n_q, np.bool_)        # and whether in a later round of that instant
+    lb_row = np.zeros(n_rows)   # per row, the earliest its next task can start (made when asked)
+    left = n_tasks
+    while left > 0:
+        moved = False
+        lb_made = False
+        for step in range(n_rows + 1):   # every queue, then each row and the queues it sends on
+            lo, hi = 0, n_q
+            if step > 0:
+                d = step - 1
+                lo, hi = max(2 * d - 1, 0), min(2 * d + 1, n_q)
+                while pos[d] < row_ptr[d + 1]:
+                    t = pos[d]
+                    r = free_at[d]
+                    q = take_q[t]
+                    if q >= 0:
+                        i = take_i[t]
+                        if nxt[q] <= i:
+                            break
+                        if arrive[q, i] > r:
+                            r = arrive[q, i]
+                    start[t] = r
+                    end[t] = r + dur[t]
+                    done[t] = True
+                    free_at[d] = end[t]
+                    pos[d] += 1
+                    left -= 1
+                    moved = True
+            for q in range(lo, hi):
+                while nxt[q] < m:
+                    j = nxt[q]
+                    if hk[q] < 0:
+                        s, after = send[q, j], post[q, j]
+                        if not done[s] or (after >= 0 and not done[after]):
+                            break
+                        r = end[s]
+                        if hop_ptr[q + 1] > hop_ptr[q] and after >= 0 and end[after] > r:
+                            r = end[after]
+                        lq[q] = (end[s] == r and start[s] == r) or (
+                            hop_ptr[q + 1] > hop_ptr[q] and after >= 0 and end[after] == r and start[after] == r)
+                        hk[q], rq[q] = hop_ptr[q], r
+                        moved = True
+                    h, r = hk[q], rq[q]
+                    while h < hop_ptr[q + 1]:
+                        k = hop_link[h]
+                        go = True
+                        mine = first_hop[q] + stride[q] * j + h - hop_ptr[q]
+                        for a in range(link_ptr[k], link_ptr[k + 1]):
+                            h2 = link_hop[a]
+                            q2 = hop_q[h2]
+                            if h2 == h:
+                                continue
+                            j2 = nxt[q2] + (1 if hk[q2] > h2 else 0)   # its next message through h2
+                            if j2 >= m:
+                                continue
+                            if j2 == nxt[q2] and hk[q2] == h2:         # waiting there: known exactly
+                                lb = rq[q2]
+                                if lb < r or (lb == r and first_hop[q2] + stride[q2] * j2 + h2 - hop_ptr[q2] < mine):
+                                    go = False
+                                    break
+                                continue
+                            if j2 == nxt[q2] and hk[q2] >= 0:          # on its way, before h2
+                                lb = rq[q2] + hop_dur[hk[q2]]
+                            elif done[send[q2, j2]]:
+                                lb = end[send[q2, j2]]
+                            else:                                       # not sent: its row's next task first
+                                if not lb_made:   # a row waiting for a message: not before it can come
+                                    lb_made = True
+                                    lb_row[:] = free_at
+                                    for _ in range(n_rows):
+                                        changed = False
+                                        for d2 in range(n_rows):
+                                            if pos[d2] >= row_ptr[d2 + 1] or take_q[pos[d2]] < 0:
+                                                continue
+                                            q3, i3 = take_q[pos[d2]], take_i[pos[d2]]
+                                            if nxt[q3] > i3:
+                                                continue
+                                            if i3 == nxt[q3] and hk[q3] >= 0:
+                                                b = rq[q3] + hop_dur[hk[q3]]
+                                            elif done[send[q3, i3]]:
+                                                b = end[send[q3, i3]]
+                                            else:
+                                                b = lb_row[q_src[q3]] + dur[pos[q_src[q3]]]
+                                            if b > lb_row[d2]:
+                                                lb_row[d2] = b
+                                                changed = True
+                                        if not changed:
+                                            break
+                                c = q_src[q2]
+                                lb = lb_row[c] + dur[pos[c]]
+                            if lb <= r:
+                                go = False
+                                break
+                        if not go:
+                            break
+                        ready[h, j], late[h, j], place[h, j] = r, lq[q], served[k]
+                        if last[k] > r:
+                            r = last[k]
+                        e = r + hop_dur[h]
+                        last_zero[k] = e == r
+                        lq[q] = e == r
+                        last[k] = e
+                        served[k] += 1
+                        r = e
+                        h += 1
+                        moved = True
+                    if h < hop_ptr[q + 1]:
+                        hk[q], rq[q] = h, r
+                        break
+                    arrive[q, j] = r
+                    nxt[q], hk[q] = j + 1, -1
+        if not moved:
+            return start, end, last, last_zero, ready, late, place, False
+    return start, end, last, last_zero, ready, late, place, True
+
+
+_compiled_linked = None
+
+
+def _pass_linked():
+    global _compiled_linked
+    if _compiled_linked is None:
+        _compiled_linked = fastloop._numba.njit(cache=True)(_times_linked)
+    return _compiled_linked
+
+
 _compiled = None
 
 
@@ -220,7 +376,6 @@ class PipelineRun:
     def run(self, values: tuple[float, ...]):
         """The replica's `planner.sim.split.ReplicaRun` for its value slots' `values` (ends of
         its compute tasks only: the coupling waits for no hop)."""
-        from planner.sim.split import ReplicaRun
         lay = self.layout
         v = np.asarray(values, np.float64)
         dur, hop_dur = v[lay.task_slot], v[lay.hop_slot]
@@ -229,17 +384,91 @@ class PipelineRun:
                                             lay.hop_ptr, hop_dur)
         if not ok:
             raise ValueError(f"schedule {self.core.args[0]!r} deadlocks")
-        last, last_zero = np.zeros(self.n_res), np.zeros(self.n_res, bool)
-        rows = lay.row_ptr
-        tail = rows[1:][rows[1:] > rows[:-1]] - 1          # each non-empty row's last task
-        stages = np.flatnonzero(rows[1:] > rows[:-1])
-        last[self.local[stages]] = end[tail]
-        last_zero[self.local[stages]] = start[tail] == end[tail]
-        at = self.local[lay.hop_res]
-        last[at], last_zero[at] = link, link_zero
-        zeros = frozenset(np.flatnonzero(start == end).tolist())
-        return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last.tolist()),
-                          tuple(last_zero.tolist()), zeros)
+        return _replica_run(self, start, end, self.local[lay.hop_res], link, link_zero)
 
 
-__all__ = ["Layout", "Graph", "layout", "graph", "fits", "graph_fits", "PipelineRun", "COMPILED_FROM"]
+def _replica_run(run, start, end, at, link, link_zero):
+    """The `planner.sim.split.ReplicaRun` of a pass's times: its rows' and its links' (local
+    resources `at`) last ends."""
+    from planner.sim.split import ReplicaRun
+    last, last_zero = np.zeros(run.n_res), np.zeros(run.n_res, bool)
+    rows = run.layout.row_ptr
+    tail = rows[1:][rows[1:] > rows[:-1]] - 1          # each non-empty row's last task
+    stages = np.flatnonzero(rows[1:] > rows[:-1])
+    last[run.local[stages]] = end[tail]
+    last_zero[run.local[stages]] = start[tail] == end[tail]
+    last[at], last_zero[at] = link, link_zero
+    zeros = frozenset(np.flatnonzero(start == end).tolist())
+    return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last.tolist()),
+                      tuple(last_zero.tolist()), zeros)
+
+
+def linked_fits(core: ReplicaCore, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:
+    """Whether `LinkedRun` may time such a replica: `graph_fits`, a device per stage, none of
+    them a link; link directions may carry several message streams."""
+    if not graph_fits(core, res, wake_at) or core.args[4] is not None:
+        return False
+    devices = [res[x] for x in np.unique(core.c.res).tolist()]
+    return len(set(devices)) == len(devices) and not set(devices) & {res[x] for x in
+                                                                     layout(*core.args).hop_res.tolist()}
+
+
+class LinkedRun:
+    """A replica whose routes share link directions, timed by the pass where that is exact
+    (`_times_linked`): a shared link serves its hops by (ready time, task id) in the event
+    loop, so the pass serves a hop there only once no other can come before it. `run` returns
+    None where the pass cannot move on, or hops on a shared link ready at the same instant
+    include one made ready by a task taking no time (the loop then serves them by the round
+    of that instant they became ready in): the caller runs the event loop."""
+
+    __slots__ = ("core", "layout", "local", "n_res", "links", "hop_link", "link_ptr", "link_hop", "hop_q", "q_src",
+                 "shared", "ids")
+
+    def __init__(self, core: ReplicaCore, canon: tuple[tuple[int, ...], ...]):
+        self.core, self.layout = core, layout(*core.args)
+        lay, m = self.layout, self.layout.send.shape[1]
+        self.local = np.array([r[0] for r in canon], np.int64)
+        self.n_res = 1 + int(self.local.max(initial=-1))
+        self.links, hop_link = np.unique(self.local[lay.hop_res], return_inverse=True)
+        self.hop_link = hop_link.astype(np.int64)
+        count = np.bincount(self.hop_link, minlength=len(self.links))
+        self.link_ptr = np.append(0, np.cumsum(count)).astype(np.int64)
+        self.link_hop = np.argsort(self.hop_link, kind="stable").astype(np.int64)
+        self.hop_q = np.repeat(np.arange(len(lay.hop_ptr) - 1), np.diff(lay.hop_ptr)).astype(np.int64)
+        q = np.arange(len(lay.hop_ptr) - 1)
+        self.q_src = (q // 2 + q % 2).astype(np.int64)   # queue 2p: stage p's activations; 2p + 1: p + 1's gradients
+        self.shared = np.flatnonzero(count[self.hop_link] > 1)
+        queue = self.hop_q[self.shared]
+        # the template's task id of each shared hop per microbatch (`graph`'s numbering)
+        self.ids = ((lay.first_hop[queue] + self.shared - lay.hop_ptr[queue])[:, None]
+                    + lay.stride[queue][:, None] * np.arange(m)).ravel()
+
+    def run(self, values: tuple[float, ...]):
+        lay = self.layout
+        v = np.asarray(values, np.float64)
+        dur, hop_dur = v[lay.task_slot], v[lay.hop_slot]
+        f = (_pass_linked() if len(dur) >= COMPILED_FROM and fastloop.available() else _times_linked)
+        start, end, link, link_zero, ready, late, place, ok = f(
+            lay.row_ptr, dur, lay.take_q, lay.take_i, lay.send, lay.post, lay.hop_ptr, hop_dur, self.hop_link,
+            len(self.links), self.link_ptr, self.link_hop, self.hop_q, self.q_src, lay.first_hop, lay.stride)
+        if not ok or not self._served_in_order(ready, late, place):
+            return None
+        return _replica_run(self, start, end, self.links, link, link_zero)
+
+    def _served_in_order(self, ready: np.ndarray, late: np.ndarray, place: np.ndarray) -> bool:
+        """Whether each shared link served its hops by (ready time, task id), none of a tie
+        made ready late."""
+        h = self.shared
+        if not len(h):
+            return True
+        m = ready.shape[1]
+        link = np.repeat(self.hop_link[h], m)
+        order = np.lexsort((self.ids, ready[h].ravel(), link))
+        sl, sr, sz, sp = link[order], ready[h].ravel()[order], late[h].ravel()[order], place[h].ravel()[order]
+        same = sl[1:] == sl[:-1]
+        tie = same & (sr[1:] == sr[:-1])
+        return not np.any(tie & (sz[1:] | sz[:-1])) and bool(np.all(sp[1:][same] > sp[:-1][same]))
+
+
+__all__ = ["Layout", "Graph", "layout", "graph", "fits", "graph_fits", "linked_fits", "PipelineRun", "LinkedRun",
+           "COMPILED_FROM"]

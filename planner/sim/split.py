@@ -13,7 +13,8 @@ The simulator uses `Split.of_parts` on a *delta build* (planner.sim.build.Builde
 replicas are parts (template core, values, resources), never stamped as tasks, so a plan that
 changes one replica builds and runs that replica's structure only; a one-replica plan (the
 search's solve_batches) takes the same path. A replica runs by the pass over its schedule
-(planner.sim.pipeline.PipelineRun) where it applies, else by the event loop over its graph
+(planner.sim.pipeline.PipelineRun; `Linked` where its routes share link directions) where it
+applies, else by the event loop over its graph
 (`GraphRun`, or its template's `Structure` for held sends and wake-ups). Replicas that share a
 device or link direction form a group, run together (`GraphRun`: their tasks one block after
 another, in the whole graph's relative order). `Split.of` splits a whole task graph whose
@@ -47,7 +48,8 @@ import numpy as np
 from planner.sim import fastloop
 from planner.sim.eventloop import run as run_tasks, shared_resources
 from planner.sim.listsched import Static
-from planner.sim.pipeline import PipelineRun, fits as pipeline_fits, graph as pipeline_graph, graph_fits
+from planner.sim.pipeline import (LinkedRun, PipelineRun, fits as pipeline_fits, graph as pipeline_graph, graph_fits,
+                                  linked_fits)
 from planner.sim.taskgraph import TaskGraph
 from planner.sim.template import replica_template
 
@@ -242,6 +244,24 @@ class GraphRun:
         res, succ = self.lists
         start, end = run_tasks(dur.tolist(), res, succ, self.ndeps.tolist(), (), self.n_res)
         return _flat_result(start, end, self.flat, self.by_res)
+
+
+class Linked:
+    """A replica whose routes share link directions: by the pass where its links' order settles
+    (planner.sim.pipeline.LinkedRun), else by the event loop over its graph (`GraphRun`)."""
+
+    __slots__ = ("by_pass", "canon", "by_loop")
+
+    def __init__(self, core, canon):
+        self.by_pass, self.canon, self.by_loop = LinkedRun(core, canon), canon, None
+
+    def run(self, values: tuple[float, ...]) -> "ReplicaRun":
+        out = self.by_pass.run(values)
+        if out is None:
+            if self.by_loop is None:
+                self.by_loop = GraphRun([self.by_pass.core], [self.canon])
+            out = self.by_loop.run(values)
+        return out
 
 
 class ReplicaRun(NamedTuple):
@@ -448,12 +468,14 @@ class Split:
         return max(last, max((r.end_s for r in done), default=0.0))
 
 
-def _structure(cores, canons, res, wake_at: dict, links: set) -> "PipelineRun | GraphRun | Structure | None":
+def _structure(cores, canons, res, wake_at: dict, links: set) -> "PipelineRun | Linked | GraphRun | Structure | None":
     """What runs a group's replicas (cores on resources `res`, numbered by `canons`): one
-    replica by the pass where it fits, else by the event loop over the graphs (`GraphRun`), one
+    replica by the pass where it fits (`Linked` where its routes share links), else by the event loop over the graphs (`GraphRun`), one
     replica over its template (held sends, wake-ups); None for several that GraphRun cannot."""
     if len(cores) == 1 and pipeline_fits(cores[0], res[0], wake_at):
         return PipelineRun(cores[0], canons[0])
+    if len(cores) == 1 and linked_fits(cores[0], res[0], wake_at):
+        return Linked(cores[0], canons[0])
     if all(map(GraphRun.fits, cores, res, [wake_at] * len(cores))):
         return GraphRun(cores, canons)
     if len(cores) > 1:
