@@ -171,18 +171,18 @@ def test_the_linked_pass_gives_the_event_loops_times_where_routes_share_links(co
     for _ in range(300):
         args, res, links, values = random_linked_replica(rng)
         core = replica_core(*args)
-        if not linked_fits(core, res, {}):
+        if not linked_fits([core], [res], {}):
             assert args[4] is not None   # interleaved: stages share devices
             continue
         slow = event_loop_run(args, res, links, values)
-        run = LinkedRun(core, canonical(res)).run(values)
+        run = LinkedRun([core], [canonical(res)]).run(values)
         if run is None:
             declined += 1
         else:
             timed += 1
             shared += len(set(res)) < len(res)
             assert_same(run, slow, len(core.c.value))
-        both = Linked(core, canonical(res)).run(values)
+        both = Linked([core], [canonical(res)]).run(values)
         assert (both.end_s, both.last, both.last_zero) == (slow.end_s, slow.last, slow.last_zero)
         assert np.asarray(both.ends)[:len(core.c.value)].tolist() == np.asarray(slow.ends)[:len(core.c.value)].tolist()
     assert timed >= 120 and shared >= 60 and declined >= 20
@@ -199,8 +199,8 @@ def test_a_shared_link_serves_the_hop_ready_first_not_the_stream_met_first():
     values = [1.0] * core.n_values
     values[core.slots.fwd[0]] = 5.0
     values[core.slots.ahead[0][0]] = values[core.slots.ahead[1][0]] = 0.5
-    assert linked_fits(core, res, {}) and not fits(core, res, {})
-    run = LinkedRun(core, canonical(res)).run(tuple(values))
+    assert linked_fits([core], [res], {}) and not fits(core, res, {})
+    run = LinkedRun([core], [canonical(res)]).run(tuple(values))
     assert run is not None
     assert_same(run, event_loop_run(args, res, links, tuple(values)), len(core.c.value))
     assert [run.ends[t] for t in core.c.start[core.sk.fwd[2]]] == [8.0, 13.0]
@@ -209,7 +209,55 @@ def test_a_shared_link_serves_the_hop_ready_first_not_the_stream_met_first():
 def test_linked_fits_refuses_stages_that_share_a_device_or_sit_on_a_link():
     core = replica_core("1f1b", 4, (1, 1, 1), ((1, 1), (1, 1)), None, None, None)
     shared_link = ((0,), (1,), (2,), (5,), (6,), (5,), (7,))
-    assert linked_fits(core, shared_link, {}) and not fits(core, shared_link, {})
-    assert not linked_fits(core, ((0,), (0,), (2,), (5,), (6,), (8,), (7,)), {})   # two stages, one device
-    assert not linked_fits(core, ((0,), (1,), (5,), (5,), (6,), (8,), (7,)), {})   # a stage on a link
-    assert not linked_fits(core, shared_link, {(1,): 1e-5})                        # a device that wakes up
+    assert linked_fits([core], [shared_link], {}) and not fits(core, shared_link, {})
+    assert not linked_fits([core], [((0,), (0,), (2,), (5,), (6,), (8,), (7,))], {})   # two stages, one device
+    assert not linked_fits([core], [((0,), (1,), (5,), (5,), (6,), (8,), (7,))], {})   # a stage on a link
+    assert not linked_fits([core], [shared_link], {(1,): 1e-5})                        # a device that wakes up
+    other = ((3,), (4,), (9,), (5,), (10,), (11,), (12,))
+    assert linked_fits([core, core], [shared_link, other], {})                         # two replicas, one link
+    assert not linked_fits([core, core], [shared_link, ((3,), (1,)) + other[2:]], {})  # and one device
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_linked_pass_times_a_group_of_replicas_as_their_graphs_run_together(compiled, monkeypatch):
+    # 2-3 replicas on devices of their own whose routes draw on one pool of links: where the
+    # pass times them, each member's compute tasks end as in GraphRun (the group's graphs one
+    # block after another, tested against whole graphs in test_split); Linked always does
+    compiled_from(monkeypatch, pipeline, "COMPILED_FROM", compiled)
+    rng = random.Random(9)
+    timed = 0
+    for _ in range(150):
+        cores, res, values = [], [], []
+        pool = rng.randint(1, 4)
+        for r in range(rng.randint(2, 3)):
+            n, m = rng.randint(1, 4), rng.randint(1, 6)
+            hops = tuple((rng.randint(0, 2), rng.randint(0, 2)) for _ in range(n - 1))
+            args = (rng.choice(SCHEDULES), m, tuple(rng.randint(1, 2) for _ in range(n)), hops, None, None, None)
+            core = replica_core(*args)
+            cores.append(core)
+            res.append(tuple((10 * r + s,) for s in range(n))
+                       + tuple((100 + rng.randint(0, pool),) for _ in range(sum(a + b for a, b in hops))))
+            values += [rng.choice([0.0, 1.0, 2.0, 0.5, 3.0, 1e-9, 7.25]) for _ in range(core.n_values)]
+        assert linked_fits(cores, res, {})
+        used = sorted({x for rs in res for r in rs for x in r})
+        local = dict(zip(used, range(len(used))))
+        canons = [tuple((local[r[0]],) for r in rs) for rs in res]
+        ref = GraphRun(cores, canons).run(tuple(values))
+        ends = np.asarray(ref.ends)
+        n = [len(c.c.value) for c in cores]
+        want = [ends[f:f + k].tolist() for f, k in zip(GraphRun(cores, canons).firsts, n)]
+        fast = LinkedRun(cores, canons)
+        got = fast.run(tuple(values))
+        for out in ([got] if got is not None else []) + [Linked(cores, canons).run(tuple(values))]:
+            assert (out.end_s, out.last, out.last_zero) == (ref.end_s, ref.last, ref.last_zero)
+            assert [np.asarray(out.ends)[f:f + k].tolist() for f, k in zip(fast.firsts, n)] == want
+        timed += got is not None
+    assert timed >= 60
+
+
+def test_warm_compiles_the_passes_and_the_event_loop():
+    # a search calls it before forking its chains (planner.search.mcmc.Problem.before_fork)
+    if not fastloop.available():
+        pytest.skip("numba is not installed")
+    pipeline.warm()
+    assert pipeline._pass().signatures and pipeline._pass_linked().signatures and fastloop._compiled().signatures

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -198,6 +199,12 @@ def test_chains_are_the_walks_of_their_seeds_and_the_best_of_them_wins():
         assert r.patience == max(s.patience for s in singles)
     assert forked.evaluations == sum(s.evaluations for s in singles) - 2 * start.evaluations
     assert here.evaluations < forked.evaluations   # here, each chain finds what those before simulated
+    # what the evaluation makes once (compiled loops) is made before forking, not in each chain
+    made = []
+    hooked = replace(problem, before_fork=lambda: made.append(os.getpid()))
+    search(hooked, random.Random(7), cfg)
+    search(hooked, random.Random(7), replace(cfg, workers=0))
+    assert made == [os.getpid()]
     assert forked.stopped_by == "no improvement" and len(forked.history) >= 1
     assert [t for _, t in forked.history] == sorted((t for _, t in forked.history), reverse=True)
 

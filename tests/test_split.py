@@ -33,7 +33,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
 
 class Paths(Counter):
     """Plans simulated with delta simulation on that took it ("split"), fell back on their
-    times ("fallback") or did not split ("whole"); replicas run alone ("replica runs")."""
+    times ("fallback") or did not split ("whole"); replicas run alone ("replica runs"), by the
+    pass ("pipeline passes"), by the pass over shared links ("linked runs"), together ("group
+    runs")."""
 
     def __getitem__(self, k):
         if k == "whole":
@@ -45,7 +47,8 @@ class Paths(Counter):
 def paths(monkeypatch):
     counts = Paths()
     simulate, delta = Simulator.simulate, split.Split.run
-    runs = {cls: cls.run for cls in (split.Structure, split.GraphRun, PipelineRun)}   # event loops, the pass
+    runs = {cls: cls.run for cls in (split.Structure, split.GraphRun, PipelineRun, split.Linked)}   # loops, passes
+    depth = [0]   # Linked's own GraphRun (where its pass declines) is not counted again
 
     def counted_sim(self, pl, trace=False):
         counts["sims"] += self._split
@@ -57,10 +60,17 @@ def paths(monkeypatch):
         return out
 
     def replica(self, values):
-        counts["replica runs"] += 1
-        counts["pipeline passes"] += isinstance(self, PipelineRun)
-        counts["group runs"] += isinstance(self, split.GraphRun) and len(self.cores) > 1   # replicas together
-        return runs[type(self)](self, values)
+        if not depth[0]:
+            counts["replica runs"] += 1
+            counts["pipeline passes"] += isinstance(self, PipelineRun)
+            counts["linked runs"] += isinstance(self, split.Linked)
+            members = self.by_pass.cores if isinstance(self, split.Linked) else getattr(self, "cores", ())
+            counts["group runs"] += len(members) > 1   # replicas together
+        depth[0] += 1
+        try:
+            return runs[type(self)](self, values)
+        finally:
+            depth[0] -= 1
     monkeypatch.setattr(Simulator, "simulate", counted_sim)
     monkeypatch.setattr(split.Split, "run", counted)
     for cls in runs:
@@ -248,6 +258,7 @@ def test_replicas_sharing_a_link_direction_run_together(paths):
                (1 / 3, 4, [("cuda:4", 0, 2), ("cuda:5", 2, 4)])], 12)
     same_results(g, t, [pl])
     assert paths["split"] == 1 and paths["group runs"] == 1 and paths["pipeline passes"] == 1, paths
+    assert paths["linked runs"] == 1, paths   # the two on their own devices: the pass over the shared link
     # without the third, every replica is in the one group: the whole graph
     paths.clear()
     same_results(g, t, [plan([(0.5, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]),

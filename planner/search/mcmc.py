@@ -78,6 +78,9 @@ class Problem:
     # one-replica plan -> a key equal for plans `evaluate` gives the same iteration_s, or None where
     # none is known (planner.search.problem.twin_keys): solve_batches times such twins once
     twin_key: Callable[[Plan], Hashable | None] | None = None
+    # what `evaluate` makes once and keeps (compiled loops), made before chains are forked so
+    # that each does not make its own
+    before_fork: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -545,6 +548,8 @@ def run_chains(searcher: Searcher, start: Candidate, t0: float, chains: list[tup
     workers = min(workers, len(chains))
     if workers == 0 or not sys.platform.startswith("linux"):   # fork elsewhere: unsafe (macOS) or none
         return [_chain(searcher, start, t0, i, seed, budget, len(chains)) for i, (seed, budget) in enumerate(chains)]
+    if searcher.p.before_fork is not None:
+        searcher.p.before_fork()
     ctx = mp.get_context("fork")
     walks: dict[int, Walk] = {}
     running: dict[Any, tuple[int, Any]] = {}     # the parent's end of a chain's pipe -> (chain, process)

@@ -73,8 +73,9 @@ def simulator_problem(simulator, space: Space) -> Problem:
             return 2 * topology.transfer_s(a, b, graph.cut_bytes_at(i, B))
         except ValueError:
             return math.inf
+    from planner.sim.pipeline import warm
     return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s,
-                   cost, bound, twin_keys(simulator))
+                   cost, bound, twin_keys(simulator), warm)
 
 
 def twin_keys(simulator) -> Callable[[Plan], tuple | None]:

@@ -200,10 +200,10 @@ def _times(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur):
 
 
 def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, hop_link, n_links, link_ptr,
-                  link_hop, hop_q, q_src, first_hop, stride):
+                  link_hop, hop_q, q_src, q_m, first_hop, stride):
     """`_times` where hop slots share links (`hop_link`: each slot's link; a link's slots
     link_hop[link_ptr[k]:link_ptr[k + 1]], each slot's queue `hop_q`, each queue's sending row
-    `q_src`): a shared link serves a hop only once no other hop can come to it with a lower
+    `q_src` and its messages `q_m`, for several replicas' rows and queues): a shared link serves a hop only once no other hop can come to it with a lower
     (ready time, task id): each other slot's next hop there is ready at a known time or at
     the earliest when its message is, its send task ends or its sender's row is free. Messages
     move as soon as they can. ok False where nothing can move (a bound too weak, or a
@@ -255,7 +255,7 @@ def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, ho
                     left -= 1
                     moved = True
             for q in range(lo, hi):
-                while nxt[q] < m:
+                while nxt[q] < q_m[q]:
                     j = nxt[q]
                     if hk[q] < 0:
                         s, after = send[q, j], post[q, j]
@@ -279,7 +279,7 @@ def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, ho
                             if h2 == h:
                                 continue
                             j2 = nxt[q2] + (1 if hk[q2] > h2 else 0)   # its next message through h2
-                            if j2 >= m:
+                            if j2 >= q_m[q2]:
                                 continue
                             if j2 == nxt[q2] and hk[q2] == h2:         # waiting there: known exactly
                                 lb = rq[q2]
@@ -362,6 +362,26 @@ def _pass():
     return _compiled
 
 
+def warm() -> None:
+    """The compiled passes and event loop made now (numba, where installed; from its cache when
+    compiled before), on a two-stage replica whose hops share one link: processes forked later
+    (a search's chains) find them made instead of each compiling its own."""
+    if not fastloop.available():
+        return
+    core = replica_core("1f1b", 2, (1, 1), ((1, 1),), None, None, None)
+    canon = ((0,), (1,), (2,), (2,))
+    values = tuple(np.linspace(1.0, 2.0, core.n_values).tolist())
+    lay, linked = layout(*core.args), LinkedRun([core], [canon]).lay
+    v = np.asarray(values)
+    _pass()(lay.row_ptr, v[lay.task_slot], lay.take_q, lay.take_i, lay.send, lay.post, lay.hop_ptr, v[lay.hop_slot])
+    _pass_linked()(linked.row_ptr, v[linked.task_slot], linked.take_q, linked.take_i, linked.send, linked.post,
+                   linked.hop_ptr, v[linked.hop_slot], *linked[8:])
+    g = graph(*core.args)
+    fastloop.run(fastloop.from_arrays(np.arange(len(g.res_slot) + 1, dtype=np.int64), g.res_slot, g.succ_ptr,
+                                      g.succ_idx, g.ndeps, (), int(g.res_slot.max()) + 1, np.zeros(len(g.res_slot))),
+                 v[g.task_slot])
+
+
 class PipelineRun:
     """A replica's structure timed by the pass: its core's `Layout`, and per resource slot its
     local resource (the numbering planner.sim.split gives a part's resources)."""
@@ -384,76 +404,135 @@ class PipelineRun:
                                             lay.hop_ptr, hop_dur)
         if not ok:
             raise ValueError(f"schedule {self.core.args[0]!r} deadlocks")
-        return _replica_run(self, start, end, self.local[lay.hop_res], link, link_zero)
+        return _replica_run(self.n_res, lay.row_ptr, self.local, start, end, self.local[lay.hop_res], link, link_zero)
 
 
-def _replica_run(run, start, end, at, link, link_zero):
-    """The `planner.sim.split.ReplicaRun` of a pass's times: its rows' and its links' (local
-    resources `at`) last ends."""
+def _replica_run(n_res, rows, row_res, start, end, at, link, link_zero):
+    """The `planner.sim.split.ReplicaRun` of a pass's times: its rows' (row_ptr `rows`, local
+    resources `row_res`) and its links' (local resources `at`) last ends."""
     from planner.sim.split import ReplicaRun
-    last, last_zero = np.zeros(run.n_res), np.zeros(run.n_res, bool)
-    rows = run.layout.row_ptr
+    last, last_zero = np.zeros(n_res), np.zeros(n_res, bool)
     tail = rows[1:][rows[1:] > rows[:-1]] - 1          # each non-empty row's last task
     stages = np.flatnonzero(rows[1:] > rows[:-1])
-    last[run.local[stages]] = end[tail]
-    last_zero[run.local[stages]] = start[tail] == end[tail]
+    last[row_res[stages]] = end[tail]
+    last_zero[row_res[stages]] = start[tail] == end[tail]
     last[at], last_zero[at] = link, link_zero
     zeros = frozenset(np.flatnonzero(start == end).tolist())
     return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last.tolist()),
                       tuple(last_zero.tolist()), zeros)
 
 
-def linked_fits(core: ReplicaCore, res: tuple[tuple[int, ...], ...], wake_at: dict) -> bool:
-    """Whether `LinkedRun` may time such a replica: `graph_fits`, a device per stage, none of
-    them a link; link directions may carry several message streams."""
-    if not graph_fits(core, res, wake_at) or core.args[4] is not None:
-        return False
-    devices = [res[x] for x in np.unique(core.c.res).tolist()]
-    return len(set(devices)) == len(devices) and not set(devices) & {res[x] for x in
-                                                                     layout(*core.args).hop_res.tolist()}
+def linked_fits(cores: list[ReplicaCore], res: list[tuple[tuple[int, ...], ...]], wake_at: dict) -> bool:
+    """Whether `LinkedRun` may time replicas of `cores` on resources `res` together: each
+    `graph_fits`, a device per stage and none shared or a link; link directions may carry
+    several message streams, of one replica or of several."""
+    devices = []
+    for core, r in zip(cores, res):
+        if not graph_fits(core, r, wake_at) or core.args[4] is not None:
+            return False
+        devices += [r[x] for x in np.unique(core.c.res).tolist()]
+    hops = {r[x] for core, r in zip(cores, res) for x in layout(*core.args).hop_res.tolist()}
+    return len(set(devices)) == len(devices) and not set(devices) & hops
+
+
+class LinkedLayout(NamedTuple):
+    """Several replica cores' pass arrays, one after another (`Layout`'s, shifted), as
+    `_times_linked` takes them: rows, tasks' value slots and messages, queues' sends and posts,
+    hops; each hop slot's link (links numbered 0..n_links-1), each link's slots
+    (link_hop[link_ptr[k]:link_ptr[k + 1]]), each slot's queue, each queue's sending row and
+    microbatches, each queue's first hop id and stride in the members' graphs' numbering."""
+    row_ptr: np.ndarray
+    task_slot: np.ndarray
+    take_q: np.ndarray
+    take_i: np.ndarray
+    send: np.ndarray
+    post: np.ndarray
+    hop_ptr: np.ndarray
+    hop_slot: np.ndarray
+    hop_link: np.ndarray
+    n_links: int
+    link_ptr: np.ndarray
+    link_hop: np.ndarray
+    hop_q: np.ndarray
+    q_src: np.ndarray
+    q_m: np.ndarray
+    first_hop: np.ndarray
+    stride: np.ndarray
 
 
 class LinkedRun:
-    """A replica whose routes share link directions, timed by the pass where that is exact
-    (`_times_linked`): a shared link serves its hops by (ready time, task id) in the event
-    loop, so the pass serves a hop there only once no other can come before it. `run` returns
-    None where the pass cannot move on, or hops on a shared link ready at the same instant
-    include one made ready by a task taking no time (the loop then serves them by the round
-    of that instant they became ready in): the caller runs the event loop."""
+    """Replicas whose routes share link directions (one replica's, or a group's: their tasks
+    one block after another), timed by the pass where that is exact (`_times_linked`): a
+    shared link serves its hops by (ready time, task id) in the event loop, so the pass serves
+    a hop there only once no other can come before it. `run` returns None where the pass
+    cannot move on, or hops on a shared link ready at the same instant include one made ready
+    by a task taking no time (the loop then serves them by the round of that instant they
+    became ready in): the caller runs the event loop. Its results number the members' compute
+    tasks one block after another (`firsts`); `graph_firsts` are where each member's tasks
+    begin in their graphs' (`graph`) numbering."""
 
-    __slots__ = ("core", "layout", "local", "n_res", "links", "hop_link", "link_ptr", "link_hop", "hop_q", "q_src",
-                 "shared", "ids")
+    __slots__ = ("cores", "n_res", "firsts", "graph_firsts", "lay", "row_res", "links", "shared", "ids")
 
-    def __init__(self, core: ReplicaCore, canon: tuple[tuple[int, ...], ...]):
-        self.core, self.layout = core, layout(*core.args)
-        lay, m = self.layout, self.layout.send.shape[1]
-        self.local = np.array([r[0] for r in canon], np.int64)
-        self.n_res = 1 + int(self.local.max(initial=-1))
-        self.links, hop_link = np.unique(self.local[lay.hop_res], return_inverse=True)
-        self.hop_link = hop_link.astype(np.int64)
-        count = np.bincount(self.hop_link, minlength=len(self.links))
-        self.link_ptr = np.append(0, np.cumsum(count)).astype(np.int64)
-        self.link_hop = np.argsort(self.hop_link, kind="stable").astype(np.int64)
-        self.hop_q = np.repeat(np.arange(len(lay.hop_ptr) - 1), np.diff(lay.hop_ptr)).astype(np.int64)
-        q = np.arange(len(lay.hop_ptr) - 1)
-        self.q_src = (q // 2 + q % 2).astype(np.int64)   # queue 2p: stage p's activations; 2p + 1: p + 1's gradients
-        self.shared = np.flatnonzero(count[self.hop_link] > 1)
-        queue = self.hop_q[self.shared]
-        # the template's task id of each shared hop per microbatch (`graph`'s numbering)
-        self.ids = ((lay.first_hop[queue] + self.shared - lay.hop_ptr[queue])[:, None]
-                    + lay.stride[queue][:, None] * np.arange(m)).ravel()
+    def __init__(self, cores: list[ReplicaCore], canons: list[tuple[tuple[int, ...], ...]]):
+        lays = [layout(*c.args) for c in cores]
+        self.cores = tuple(cores)
+        locals_ = [np.array([r[0] for r in canon], np.int64) for canon in canons]
+        self.n_res = 1 + int(max(x.max(initial=-1) for x in locals_))
+        n = [len(lay.task_slot) for lay in lays]
+        rows = [len(lay.row_ptr) - 1 for lay in lays]
+        qs = [lay.send.shape[0] for lay in lays]
+        ms = [lay.send.shape[1] for lay in lays]
+        hops = [len(lay.hop_slot) for lay in lays]
+        graph_n = [k + int(lay.stride[::2].sum()) * m for k, lay, m in zip(n, lays, ms)]   # `graph`'s tasks
+        off = lambda xs: np.cumsum([0] + xs)[:-1].tolist()   # noqa: E731
+        toff, voff, roff, qoff, hoff, goff = (off(xs) for xs in (n, [c.n_values for c in cores], rows, qs, hops,
+                                                                  graph_n))
+        self.firsts, self.graph_firsts = tuple(toff), tuple(goff)
+        big_m = max(ms, default=0)
+
+        def pad(x, t):   # a member's [queue, microbatch] task ids, shifted, as wide as the widest
+            out = np.full((x.shape[0], big_m), -1, np.int64)
+            out[:, :x.shape[1]] = np.where(x >= 0, x + t, -1)
+            return out
+        self.row_res = np.concatenate([loc[:r] for loc, r in zip(locals_, rows)]) if cores else np.zeros(0, np.int64)
+        row_ptr = np.append(np.concatenate([lay.row_ptr[:-1] + t for lay, t in zip(lays, toff)]), sum(n))
+        hop_res = np.concatenate([loc[lay.hop_res] for loc, lay in zip(locals_, lays)])
+        self.links, hop_link = np.unique(hop_res, return_inverse=True)
+        hop_link = hop_link.astype(np.int64)
+        count = np.bincount(hop_link, minlength=len(self.links))
+        hop_ptr = np.append(np.concatenate([lay.hop_ptr[:-1] + h for lay, h in zip(lays, hoff)]), sum(hops))
+        q = [np.arange(k) for k in qs]   # a replica's queue 2p: stage p's activations, 2p + 1: p + 1's gradients
+        first_hop = np.concatenate([lay.first_hop + g for lay, g in zip(lays, goff)]).astype(np.int64)
+        stride = np.concatenate([lay.stride for lay in lays]).astype(np.int64)
+        hop_q = np.repeat(np.arange(len(hop_ptr) - 1), np.diff(hop_ptr)).astype(np.int64)
+        self.lay = LinkedLayout(
+            row_ptr.astype(np.int64), np.concatenate([lay.task_slot + v for lay, v in zip(lays, voff)]),
+            np.concatenate([np.where(lay.take_q >= 0, lay.take_q + k, -1) for lay, k in zip(lays, qoff)]),
+            np.concatenate([lay.take_i for lay in lays]),
+            np.concatenate([pad(lay.send, t) for lay, t in zip(lays, toff)]),
+            np.concatenate([pad(lay.post, t) for lay, t in zip(lays, toff)]),
+            hop_ptr.astype(np.int64), np.concatenate([lay.hop_slot + v for lay, v in zip(lays, voff)]),
+            hop_link, len(self.links), np.append(0, np.cumsum(count)).astype(np.int64),
+            np.argsort(hop_link, kind="stable").astype(np.int64), hop_q,
+            np.concatenate([x // 2 + x % 2 + r for x, r in zip(q, roff)]).astype(np.int64),
+            np.concatenate([np.full(k, m, np.int64) for k, m in zip(qs, ms)]), first_hop, stride)
+        self.shared = np.flatnonzero(count[hop_link] > 1)
+        queue = hop_q[self.shared]
+        # the event loop's task id of each shared hop per microbatch (`graph`'s numbering, members in turn)
+        self.ids = ((first_hop[queue] + self.shared - hop_ptr[queue])[:, None]
+                    + stride[queue][:, None] * np.arange(big_m)).ravel()
 
     def run(self, values: tuple[float, ...]):
-        lay = self.layout
+        lay = self.lay
         v = np.asarray(values, np.float64)
         dur, hop_dur = v[lay.task_slot], v[lay.hop_slot]
         f = (_pass_linked() if len(dur) >= COMPILED_FROM and fastloop.available() else _times_linked)
         start, end, link, link_zero, ready, late, place, ok = f(
-            lay.row_ptr, dur, lay.take_q, lay.take_i, lay.send, lay.post, lay.hop_ptr, hop_dur, self.hop_link,
-            len(self.links), self.link_ptr, self.link_hop, self.hop_q, self.q_src, lay.first_hop, lay.stride)
+            lay.row_ptr, dur, lay.take_q, lay.take_i, lay.send, lay.post, lay.hop_ptr, hop_dur, lay.hop_link,
+            lay.n_links, lay.link_ptr, lay.link_hop, lay.hop_q, lay.q_src, lay.q_m, lay.first_hop, lay.stride)
         if not ok or not self._served_in_order(ready, late, place):
             return None
-        return _replica_run(self, start, end, self.links, link, link_zero)
+        return _replica_run(self.n_res, lay.row_ptr, self.row_res, start, end, self.links, link, link_zero)
 
     def _served_in_order(self, ready: np.ndarray, late: np.ndarray, place: np.ndarray) -> bool:
         """Whether each shared link served its hops by (ready time, task id), none of a tie
@@ -461,14 +540,16 @@ class LinkedRun:
         h = self.shared
         if not len(h):
             return True
-        m = ready.shape[1]
-        link = np.repeat(self.hop_link[h], m)
-        order = np.lexsort((self.ids, ready[h].ravel(), link))
-        sl, sr, sz, sp = link[order], ready[h].ravel()[order], late[h].ravel()[order], place[h].ravel()[order]
+        m, lay = ready.shape[1], self.lay
+        real = (np.arange(m) < lay.q_m[lay.hop_q[h]][:, None]).ravel()   # the microbatches each hop has
+        link = np.repeat(lay.hop_link[h], m)[real]
+        r = ready[h].ravel()[real]
+        order = np.lexsort((self.ids[real], r, link))
+        sl, sr, sz, sp = link[order], r[order], late[h].ravel()[real][order], place[h].ravel()[real][order]
         same = sl[1:] == sl[:-1]
         tie = same & (sr[1:] == sr[:-1])
         return not np.any(tie & (sz[1:] | sz[:-1])) and bool(np.all(sp[1:][same] > sp[:-1][same]))
 
 
-__all__ = ["Layout", "Graph", "layout", "graph", "fits", "graph_fits", "linked_fits", "PipelineRun", "LinkedRun",
-           "COMPILED_FROM"]
+__all__ = ["Layout", "Graph", "LinkedLayout", "layout", "graph", "fits", "graph_fits", "linked_fits", "PipelineRun",
+           "LinkedRun", "COMPILED_FROM", "warm"]

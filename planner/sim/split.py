@@ -247,21 +247,33 @@ class GraphRun:
 
 
 class Linked:
-    """A replica whose routes share link directions: by the pass where its links' order settles
-    (planner.sim.pipeline.LinkedRun), else by the event loop over its graph (`GraphRun`)."""
+    """Replicas whose routes share link directions, devices apart (one, or a group): by the
+    pass where it settles (planner.sim.pipeline.LinkedRun), else by the event loop over their
+    graphs (`GraphRun`), its results renumbered as the pass numbers them (compute tasks only,
+    members in turn: `firsts`)."""
 
-    __slots__ = ("by_pass", "canon", "by_loop")
+    __slots__ = ("by_pass", "canons", "by_loop")
 
-    def __init__(self, core, canon):
-        self.by_pass, self.canon, self.by_loop = LinkedRun(core, canon), canon, None
+    def __init__(self, cores, canons):
+        self.by_pass, self.canons, self.by_loop = LinkedRun(cores, canons), canons, None
+
+    @property
+    def firsts(self) -> tuple[int, ...]:
+        return self.by_pass.firsts
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
         out = self.by_pass.run(values)
-        if out is None:
-            if self.by_loop is None:
-                self.by_loop = GraphRun([self.by_pass.core], [self.canon])
-            out = self.by_loop.run(values)
-        return out
+        if out is not None:
+            return out
+        if self.by_loop is None:
+            self.by_loop = GraphRun(self.by_pass.cores, self.canons)
+        out = self.by_loop.run(values)
+        p = self.by_pass
+        n = np.diff(np.append(p.firsts, len(p.lay.task_slot)))   # each member's compute tasks
+        ends = np.asarray(out.ends)
+        keep = np.concatenate([np.arange(g, g + k) for g, k in zip(p.graph_firsts, n)]).astype(np.int64)
+        moved = {g + x: f + x for g, f, k in zip(p.graph_firsts, p.firsts, n.tolist()) for x in range(k)}
+        return out._replace(ends=ends[keep], zeros=frozenset(moved[t] for t in out.zeros if t in moved))
 
 
 class ReplicaRun(NamedTuple):
@@ -474,8 +486,8 @@ def _structure(cores, canons, res, wake_at: dict, links: set) -> "PipelineRun | 
     replica over its template (held sends, wake-ups); None for several that GraphRun cannot."""
     if len(cores) == 1 and pipeline_fits(cores[0], res[0], wake_at):
         return PipelineRun(cores[0], canons[0])
-    if len(cores) == 1 and linked_fits(cores[0], res[0], wake_at):
-        return Linked(cores[0], canons[0])
+    if linked_fits(cores, res, wake_at):
+        return Linked(cores, canons)
     if all(map(GraphRun.fits, cores, res, [wake_at] * len(cores))):
         return GraphRun(cores, canons)
     if len(cores) > 1:
