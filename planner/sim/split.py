@@ -16,8 +16,9 @@ search's solve_batches) takes the same path. A replica runs by the pass over its
 (planner.sim.pipeline.PipelineRun; `Linked` where its routes share link directions) where it
 applies, else by the event loop over its graph
 (`GraphRun`, or its template's `Structure` for held sends and wake-ups). Replicas that share a
-device or link direction form a group, run together (`GraphRun`: their tasks one block after
-another, in the whole graph's relative order). `Split.of` splits a whole task graph whose
+device or link direction form a group, run together (their tasks one block after another, in
+the whole graph's relative order: `Linked` where they share link directions only, else
+`GraphRun`). `Split.of` splits a whole task graph whose
 replicas are blocks of ids (hand-made graphs).
 
 The conditions (`Split.of` / `Split.of_parts`, per graph; `Split.run`, per plan), each needed
@@ -252,7 +253,7 @@ class Linked:
     graphs (`GraphRun`), its results renumbered as the pass numbers them (compute tasks only,
     members in turn: `firsts`)."""
 
-    __slots__ = ("by_pass", "canons", "by_loop")
+    __slots__ = ("by_pass", "canons", "by_loop", "keep", "to_pass")
 
     def __init__(self, cores, canons):
         self.by_pass, self.canons, self.by_loop = LinkedRun(cores, canons), canons, None
@@ -265,15 +266,16 @@ class Linked:
         out = self.by_pass.run(values)
         if out is not None:
             return out
-        if self.by_loop is None:
-            self.by_loop = GraphRun(self.by_pass.cores, self.canons)
+        if self.by_loop is None:   # the graphs' compute tasks, and each graph task's id in the pass's numbering
+            p = self.by_pass
+            self.by_loop = GraphRun(p.cores, self.canons)
+            n = np.diff(np.append(p.firsts, len(p.lay.task_slot)))
+            self.keep = np.concatenate([np.arange(g, g + k) for g, k in zip(p.graph_firsts, n)]).astype(np.int64)
+            self.to_pass = np.full(len(self.by_loop.slots), -1, np.int64)
+            self.to_pass[self.keep] = np.arange(len(self.keep))
         out = self.by_loop.run(values)
-        p = self.by_pass
-        n = np.diff(np.append(p.firsts, len(p.lay.task_slot)))   # each member's compute tasks
-        ends = np.asarray(out.ends)
-        keep = np.concatenate([np.arange(g, g + k) for g, k in zip(p.graph_firsts, n)]).astype(np.int64)
-        moved = {g + x: f + x for g, f, k in zip(p.graph_firsts, p.firsts, n.tolist()) for x in range(k)}
-        return out._replace(ends=ends[keep], zeros=frozenset(moved[t] for t in out.zeros if t in moved))
+        moved = self.to_pass[sorted(out.zeros)] if out.zeros else np.zeros(0, np.int64)
+        return out._replace(ends=np.asarray(out.ends)[self.keep], zeros=frozenset(moved[moved >= 0].tolist()))
 
 
 class ReplicaRun(NamedTuple):
@@ -482,8 +484,9 @@ class Split:
 
 def _structure(cores, canons, res, wake_at: dict, links: set) -> "PipelineRun | Linked | GraphRun | Structure | None":
     """What runs a group's replicas (cores on resources `res`, numbered by `canons`): one
-    replica by the pass where it fits (`Linked` where its routes share links), else by the event loop over the graphs (`GraphRun`), one
-    replica over its template (held sends, wake-ups); None for several that GraphRun cannot."""
+    replica by the pass where it fits, replicas whose routes share links by the linked pass
+    (`Linked`), else by the event loop over the graphs (`GraphRun`), one replica over its
+    template (held sends, wake-ups); None for several that GraphRun cannot."""
     if len(cores) == 1 and pipeline_fits(cores[0], res[0], wake_at):
         return PipelineRun(cores[0], canons[0])
     if linked_fits(cores, res, wake_at):
