@@ -3,10 +3,10 @@
 Records every plan a 64 x 96 rails search simulates (benchmarks/search.py's case, seed 0, one
 walk: its first 600 proposals, or `--proposals`; 20000 lets the walk stop by itself, as each of
 `plan`'s chains does, after ~2,600), checks that both paths give identical results (repr),
-then replays the plans in order in fresh processes (cold template cache, as the search has it), delta on and off
-alternating: CPU time per side, medians and spread. Sides: delta simulation ("on"), whole
-graphs with what the simulator keeps across plans ("off": templates, replica values, identical
-replicas once), whole graphs from scratch per plan ("scratch").
+then replays the plans in order in fresh processes (cold template cache, as the search has
+it), delta on and off alternating: CPU time per side, medians and spread. Sides: delta
+simulation ("on"), whole graphs with what the simulator keeps across plans ("off": templates,
+replica values, identical replicas once), whole graphs from scratch per plan ("scratch").
 
     python benchmarks/delta_replay.py [--pairs 5] [--proposals 600] [--plans PATH] [--sides on,off,scratch]
 """
