@@ -370,12 +370,12 @@ def warm() -> None:
         return
     core = replica_core("1f1b", 2, (1, 1), ((1, 1),), None, None, None)
     canon = ((0,), (1,), (2,), (2,))
-    values = tuple(np.linspace(1.0, 2.0, core.n_values).tolist())
-    lay, linked = layout(*core.args), LinkedRun([core], [canon]).lay
-    v = np.asarray(values)
+    v = np.linspace(1.0, 2.0, core.n_values)
+    lay, ln = layout(*core.args), LinkedRun([core], [canon]).lay
     _pass()(lay.row_ptr, v[lay.task_slot], lay.take_q, lay.take_i, lay.send, lay.post, lay.hop_ptr, v[lay.hop_slot])
-    _pass_linked()(linked.row_ptr, v[linked.task_slot], linked.take_q, linked.take_i, linked.send, linked.post,
-                   linked.hop_ptr, v[linked.hop_slot], *linked[8:])
+    _pass_linked()(ln.row_ptr, v[ln.task_slot], ln.take_q, ln.take_i, ln.send, ln.post, ln.hop_ptr, v[ln.hop_slot],
+                   ln.hop_link, ln.n_links, ln.link_ptr, ln.link_hop, ln.hop_q, ln.q_src, ln.q_m, ln.first_hop,
+                   ln.stride)
     g = graph(*core.args)
     fastloop.run(fastloop.from_arrays(np.arange(len(g.res_slot) + 1, dtype=np.int64), g.res_slot, g.succ_ptr,
                                       g.succ_idx, g.ndeps, (), int(g.res_slot.max()) + 1, np.zeros(len(g.res_slot))),
