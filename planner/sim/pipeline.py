@@ -471,7 +471,8 @@ class LinkedRun:
     tasks one block after another (`firsts`); `graph_firsts` are where each member's tasks
     begin in their graphs' (`graph`) numbering."""
 
-    __slots__ = ("cores", "n_res", "firsts", "graph_firsts", "lay", "row_res", "links", "shared", "ids")
+    __slots__ = ("cores", "n_res", "firsts", "graph_firsts", "lay", "row_res", "links", "shared", "real", "shared_link",
+                 "ids")
 
     def __init__(self, cores: list[ReplicaCore], canons: list[tuple[tuple[int, ...], ...]]):
         lays = [layout(*c.args) for c in cores]
@@ -518,9 +519,12 @@ class LinkedRun:
             np.concatenate([np.full(k, m, np.int64) for k, m in zip(qs, ms)]), first_hop, stride)
         self.shared = np.flatnonzero(count[hop_link] > 1)
         queue = hop_q[self.shared]
-        # the event loop's task id of each shared hop per microbatch (`graph`'s numbering, members in turn)
+        # per shared hop slot and microbatch it has (`real`, of the slots x big_m it is laid out
+        # in): its link and its task id in the event loop (`graph`'s numbering, members in turn)
+        self.real = (np.arange(big_m) < self.lay.q_m[queue][:, None]).ravel()
+        self.shared_link = np.repeat(hop_link[self.shared], big_m)[self.real]
         self.ids = ((first_hop[queue] + self.shared - hop_ptr[queue])[:, None]
-                    + stride[queue][:, None] * np.arange(big_m)).ravel()
+                    + stride[queue][:, None] * np.arange(big_m)).ravel()[self.real]
 
     def run(self, values: tuple[float, ...]):
         lay = self.lay
@@ -537,15 +541,12 @@ class LinkedRun:
     def _served_in_order(self, ready: np.ndarray, late: np.ndarray, place: np.ndarray) -> bool:
         """Whether each shared link served its hops by (ready time, task id), none of a tie
         made ready late."""
-        h = self.shared
+        h, real = self.shared, self.real
         if not len(h):
             return True
-        m, lay = ready.shape[1], self.lay
-        real = (np.arange(m) < lay.q_m[lay.hop_q[h]][:, None]).ravel()   # the microbatches each hop has
-        link = np.repeat(lay.hop_link[h], m)[real]
         r = ready[h].ravel()[real]
-        order = np.lexsort((self.ids[real], r, link))
-        sl, sr, sz, sp = link[order], r[order], late[h].ravel()[real][order], place[h].ravel()[real][order]
+        order = np.lexsort((self.ids, r, self.shared_link))
+        sl, sr, sz, sp = self.shared_link[order], r[order], late[h].ravel()[real][order], place[h].ravel()[real][order]
         same = sl[1:] == sl[:-1]
         tie = same & (sr[1:] == sr[:-1])
         return not np.any(tie & (sz[1:] | sz[:-1])) and bool(np.all(sp[1:][same] > sp[:-1][same]))
