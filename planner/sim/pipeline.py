@@ -203,9 +203,10 @@ def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, ho
                   link_hop, hop_q, q_src, q_m, first_hop, stride):
     """`_times` where hop slots share links (`hop_link`: each slot's link; a link's slots
     link_hop[link_ptr[k]:link_ptr[k + 1]], each slot's queue `hop_q`, each queue's sending row
-    `q_src` and its messages `q_m`, for several replicas' rows and queues): a shared link serves a hop only once no other hop can come to it with a lower
-    (ready time, task id): each other slot's next hop there is ready at a known time or at
-    the earliest when its message is, its send task ends or its sender's row is free. Messages
+    `q_src` and its messages `q_m`, for several replicas' rows and queues): a shared link
+    serves a hop only once no other hop can come to it with a lower (ready time, task id):
+    each other slot's next hop there is ready at a known time or at the earliest when its
+    message is, its send task ends or its sender's row can run its next task. Messages
     move as soon as they can. ok False where nothing can move (a bound too weak, or a
     deadlock). Also returns each hop's ready time, whether it became ready in a later round of
     that instant than the loop's first (a task taking no time made it ready), and its place on
