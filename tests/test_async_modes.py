@@ -100,13 +100,12 @@ def _runtime_plan(sync: dict, fractions=(0.25, 0.75), opt="sgd", microbatches=(1
 
 
 def test_local_sgd_with_period_1_is_synchronous_data_parallel(tmp_path):
+    from equivalence import assert_params_match
     from test_runtime import ITERS, reference, run_plan
     r, params = run_plan(tmp_path, _runtime_plan({"mode": "local-sgd", "period": 1}))
-    ref_losses, ref_params = reference(_runtime_plan({})["model"], 12, ITERS, "sgd", 0.1)
-    assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
-    for name, ref in ref_params.items():
-        import torch
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    ref = reference(_runtime_plan({})["model"], 12, ITERS, "sgd", 0.1)
+    assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
+    assert_params_match(params, ref, rtol=1e-5, atol=1e-6)
 
 
 def _alone(p: dict, samples: int, iters: int) -> dict:
@@ -151,7 +150,7 @@ def test_a_local_mode_lowers_the_loss_and_differs_from_synchronous_training(tmp_
     p = _runtime_plan(sync)
     p["model"], p["optimizer"]["lr"] = LEARNABLE, 0.3
     r, _ = run_plan(tmp_path, p, iters=12)
-    ref_losses, _ = reference(LEARNABLE, 12, 12, "sgd", 0.3)
+    ref_losses = reference(LEARNABLE, 12, 12, "sgd", 0.3).losses
     losses = r["losses"]
     if sync["mode"] != "hogwild":   # a Hogwild worker may step before the other's first forward
         assert losses[0] == pytest.approx(ref_losses[0], rel=1e-5)     # the same start
@@ -320,16 +319,16 @@ def test_a_parameter_server_is_a_device_no_replica_uses():
 
 def test_a_parameter_server_with_one_worker_trains_as_one_device(tmp_path):
     # the worker's gradients, stepped by the server's Adam, come back as its parameters
+    from equivalence import assert_params_match
     from test_runtime import ITERS, reference, run_plan
     import torch
     from test_runtime import plan as runtime_plan
     p = runtime_plan([(1.0, 2, [("cpu:0", (0, 4))])])
     p["sync"].update({"mode": "parameter-server", "server": "cpu:1"})
     r, params = run_plan(tmp_path, p)
-    ref_losses, ref_params = reference(p["model"], p["global_batch"], ITERS, "adam", 0.01)
-    assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    ref = reference(p["model"], p["global_batch"], ITERS, "adam", 0.01)
+    assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
+    assert_params_match(params, ref, rtol=1e-5, atol=1e-6)
     assert set(r["per_device"]) == {"cpu:0", "cpu:1"}
     assert r["per_device"]["cpu:1"]["optimizer_state_bytes"] > 0 == r["per_device"]["cpu:0"]["optimizer_state_bytes"]
 
@@ -339,7 +338,7 @@ def test_a_parameter_server_with_two_workers_learns(tmp_path):
     p = _runtime_plan({"mode": "parameter-server", "server": "cpu:2"})
     p["model"], p["optimizer"]["lr"] = LEARNABLE, 0.3
     r, _ = run_plan(tmp_path, p, iters=12)
-    ref_losses, _ = reference(LEARNABLE, 12, 12, "sgd", 0.3)
+    ref_losses = reference(LEARNABLE, 12, 12, "sgd", 0.3).losses
     losses = r["losses"]
     assert losses[-1] != pytest.approx(ref_losses[-1], rel=1e-3)
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3])

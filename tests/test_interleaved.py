@@ -352,8 +352,8 @@ def test_bf16_interleaved_matches_single_process_bf16_training(tmp_path):
     stages = [("cpu:0", (0, 1)), ("cpu:1", (1, 2)), ("cpu:0", (2, 3)), ("cpu:1", (3, 4))]
     p = runtime_plan([(1.0, 2, stages)], schedule="interleaved-1f1b", precision="bf16")
     result, params = run_plan(tmp_path, p)
-    bf16_losses, bf16_params = reference(p["model"], 12, ITERS, precision="bf16")
-    fp32_losses, _ = reference(p["model"], 12, ITERS, precision="fp32")
+    bf16 = reference(p["model"], 12, ITERS, precision="bf16")
+    bf16_losses, bf16_params, fp32_losses = bf16.losses, bf16.params, reference(p["model"], 12, ITERS).losses
     assert result["losses"] == pytest.approx(bf16_losses, rel=2e-2)
     for name, ref in bf16_params.items():
         assert params[name].dtype == torch.float32

@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 from planner.workload.capture import capture_graph  # noqa: E402
 from planner.workload.inputs import call_model, slice_inputs  # noqa: E402
 from planner.workload.load import load_workload  # noqa: E402
+from tests.equivalence import AdamSlack, Trained, assert_params_match  # noqa: E402
 from tests.test_cli_inputs import one_error_line  # noqa: E402
 from tests.test_runtime import plan, run_plan  # noqa: E402
 
@@ -50,19 +51,21 @@ def model_ref(name: str) -> dict:
     return {"spec": f"tests.hf_models:{name}", "args": {}}
 
 
-def reference(p: dict, iters: int = ITERS):
-    """One process training the plan's slices (see the module docstring): losses, parameters."""
+def reference(p: dict, iters: int = ITERS) -> Trained:
+    """One process training the plan's slices (see the module docstring)."""
     m = p["model"]
     w = load_workload(m["spec"], m["args"], m.get("layers"))
     opt = p["optimizer"]
     o = (torch.optim.Adam if opt["name"] == "adam" else torch.optim.SGD)(w.model.parameters(), lr=opt["lr"])
+    slack = AdamSlack(o, dict(w.model.named_parameters()))
     G, losses = p["global_batch"], []
     for i in range(iters):
         x, y = w.make_batch(G, i)
         o.zero_grad()
         losses.append(_one_iteration(w, p["replicas"], x, y, G))
         o.step()
-    return losses, {n: t.detach().clone() for n, t in w.model.named_parameters()}
+        slack.after_step()
+    return Trained(losses, {n: t.detach().clone() for n, t in w.model.named_parameters()}, slack.slack)
 
 
 def _one_iteration(w, replicas, x, y, G) -> float:
@@ -90,14 +93,11 @@ def _load_buffers(model, values: dict) -> None:
 
 def check(tmp_path, p: dict, rtol: float = 1e-5):
     result, params = run_plan(tmp_path, p, iters=ITERS)
-    ref_losses, ref_params = reference(p)
-    assert result["losses"] == pytest.approx(ref_losses, rel=1e-4)
-    assert set(params) == set(ref_params)
-    worst = 0.0
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=rtol, atol=rtol, msg=name)
-        worst = max(worst, float((params[name] - ref).abs().max()))
-    rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
+    ref = reference(p)
+    assert result["losses"] == pytest.approx(ref.losses, rel=1e-4)
+    assert_params_match(params, ref, rtol=rtol, atol=rtol)
+    worst = max(float((params[n] - t).abs().max()) for n, t in ref.params.items())
+    rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref.losses))
     print(f"losses rel {rel:.2e}, parameters max abs {worst:.2e}")
     return result
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from planner.hardware.device import STANDIN_ENV
+from equivalence import assert_params_match
 from test_runtime import ITERS, SKIP, plan, reference, run_plan
 
 
@@ -25,12 +26,10 @@ def gpus(request, monkeypatch):
 
 def check_close(tmp_path, p, gpus):
     result, params = run_plan(tmp_path, p)
-    ref_losses, ref_params = reference(p["model"], p["global_batch"], ITERS,
-                                       p["optimizer"]["name"], p["optimizer"]["lr"])
+    ref = reference(p["model"], p["global_batch"], ITERS, p["optimizer"]["name"], p["optimizer"]["lr"])
     rel, atol = (1e-4, 1e-5) if gpus == "standin" else (1e-3, 1e-4)
-    assert result["losses"] == pytest.approx(ref_losses, rel=rel)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=rel, atol=atol, msg=name)
+    assert result["losses"] == pytest.approx(ref.losses, rel=rel)
+    assert_params_match(params, ref, rtol=rel, atol=atol)
     return result
 
 

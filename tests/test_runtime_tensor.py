@@ -1,8 +1,9 @@
 """A tensor-split stage trains exactly like one device: two CPU gloo workers, each holding its
 share of every linear pair (runtime.tensor); losses within rel 1e-4 over 4 iterations and the
-final parameters, the slices joined, to 1e-5 under SGD. Under Adam to 1e-4: the split sums a
-pair's output in another order, and Adam's m / sqrt(v) turns that rounding on a near-zero
-gradient into an update difference of up to ~4e-5 after 4 steps at lr 0.01."""
+final parameters, the slices joined, to 1e-5 under SGD. The split sums a pair's output in another
+order; under Adam that rounding, on an element whose gradient is near zero, moves it by up to ~lr
+a step on some CPUs (4.5e-4 seen), which tests/equivalence.py allows there and only there; the
+elements downstream of it see the moved activation, hence 1e-4 elsewhere (2e-5 seen)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import torch
 from planner.files.plan import load_plan
 from runtime.launch import launch
 from runtime.worker import RunConfig
+from equivalence import assert_params_match
 from test_runtime import reference
 
 ITERS = 4
@@ -33,18 +35,18 @@ def run_and_compare(tmp_path, p: dict, tol: float = 1e-5):
     cfg = RunConfig(plan=str(path), iters=ITERS, warmup=1, save_params=str(params_path), timeout_s=30)
     result = launch(cfg, load_plan(path).devices)
     params = torch.load(params_path)
-    ref_losses, ref_params = reference(p["model"], p["global_batch"], ITERS, p["optimizer"]["name"], 0.01)
-    assert result["losses"] == pytest.approx(ref_losses, rel=max(1e-4, tol))
-    assert set(params) == set(ref_params)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=tol, atol=tol, msg=name)
+    ref = reference(p["model"], p["global_batch"], ITERS, p["optimizer"]["name"], 0.01)
+    assert result["losses"] == pytest.approx(ref.losses, rel=max(1e-4, tol))
+    assert_params_match(params, ref, rtol=tol, atol=tol)
     return result
 
 
-def test_mlp_split_unequally_between_two_workers_trains_like_one_device(tmp_path):
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_mlp_split_unequally_between_two_workers_trains_like_one_device(tmp_path, opt):
     # mlp depth 3: pairs (layers.0, layers.1) and (layers.2, out)
     r = run_and_compare(tmp_path, split_plan({"spec": "mlp", "args": {"hidden": 20, "depth": 3},
-                                              "num_layers": 4}, microbatches=2), tol=1e-4)
+                                              "num_layers": 4}, microbatches=2, opt=opt),
+                        tol=1e-5 if opt == "sgd" else 1e-4)
     d0, d1 = r["per_device"]["cpu:0"], r["per_device"]["cpu:1"]
     # hidden 20 at shares 0.3 / 0.7: 6 and 14 features of each pair; the first worker also
     # holds the row linears' biases. (784 -> 20) x (20 -> 20) and (20 -> 20) x (20 -> 10)

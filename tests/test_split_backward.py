@@ -16,6 +16,7 @@ from planner.cost.memory import in_flight
 from planner.workload.load import load_workload
 from planner.workload.partition import build_stages
 from planner.workload.split_backward import input_pass
+from equivalence import assert_params_match
 from test_runtime import GPT, SKIP, plan, reference, run_plan
 
 ITERS = 4
@@ -150,11 +151,9 @@ def test_weight_groups_run_last_layer_first():
 
 def _check(tmp_path, p):
     result, params = run_plan(tmp_path, p, iters=ITERS)
-    ref_losses, ref_params = reference(p["model"], p["global_batch"], ITERS, p["optimizer"]["name"],
-                                       p["optimizer"]["lr"])
-    assert result["losses"] == pytest.approx(ref_losses, rel=1e-4)
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+    ref = reference(p["model"], p["global_batch"], ITERS, p["optimizer"]["name"], p["optimizer"]["lr"])
+    assert result["losses"] == pytest.approx(ref.losses, rel=1e-4)
+    assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
     return result
 
 
@@ -191,8 +190,8 @@ def test_zb_h1_bf16_trains_like_bf16_on_one_device(tmp_path):
     # through them into the fp32 master weights (tolerances of test_runtime's bf16 test)
     p = plan([(1.0, 2, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))])], schedule="zb-h1", precision="bf16")
     result, params = run_plan(tmp_path, p, iters=ITERS)
-    bf16_losses, bf16_params = reference(p["model"], 12, ITERS, precision="bf16")
-    fp32_losses, _ = reference(p["model"], 12, ITERS, precision="fp32")
+    bf16 = reference(p["model"], 12, ITERS, precision="bf16")
+    bf16_losses, bf16_params, fp32_losses = bf16.losses, bf16.params, reference(p["model"], 12, ITERS).losses
     assert result["losses"] == pytest.approx(bf16_losses, rel=2e-2)
     for name, ref in bf16_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-2, atol=2e-2, msg=name)
