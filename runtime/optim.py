@@ -21,7 +21,7 @@ from planner.workload.optimizer import make_optimizer
 
 
 def _make(params, spec: Optimizer) -> torch.optim.Optimizer | None:
-    return make_optimizer(params, spec.name, spec.lr) if params else None
+    return make_optimizer(params, spec.name, spec.lr, spec.torch_class, spec.kwargs) if params else None
 
 
 def host_count(params: list[torch.Tensor], spec: Optimizer, device: TorchDevice) -> int:

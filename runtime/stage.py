@@ -47,6 +47,8 @@ class Built:
     exchange: ParameterExchange | None = None   # sync.mode local-sgd / easgd
     loss_weight: float = 1.0                    # the recorded loss's weight: the batch fraction
                                                 # where a replica's loss is its own mean
+    before_optimizer: Any = None                # called between the gradient sync and the step
+                                                # (runtime.train: clipping by the global norm)
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -62,9 +64,15 @@ class Built:
         first, last = self.stage == 0, self.stage == self.n_stages - 1
         if not (first or last):
             return None, None
-        x, y = self.workload.make_batch(global_batch, iteration)
         m = self.plan.replicas[self.replica].microbatches
-        bounds = [(self.offset + k * self.micro, self.offset + (k + 1) * self.micro) for k in range(m)]
+        read = getattr(self.workload.make_batch, "read", None)
+        if read is not None:          # a runtime.data.DataFeed: only this replica's samples
+            x, y = read(iteration, self.offset, self.offset + m * self.micro)
+            base = 0
+        else:
+            x, y = self.workload.make_batch(global_batch, iteration)
+            base = self.offset
+        bounds = [(base + k * self.micro, base + (k + 1) * self.micro) for k in range(m)]
         ins = [self._call_args(slice_inputs(x, a, b)) for a, b in bounds] if first else None
         tgts = [slice_inputs(y, a, b) for a, b in bounds] if last else None
         return ins, tgts
@@ -91,6 +99,8 @@ class Built:
         loss = self.runner.run(self.actions, *batch)
         with self.timer.timer("grad sync wait", "allreduce", busy=False):
             self.sync.finish()
+        if self.before_optimizer is not None:
+            self.before_optimizer()
         with self.timer.timer("optimizer", "optimizer"):
             self.optimizer.step()
         if self.exchange is not None:
@@ -199,22 +209,28 @@ def _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer) -> lis
     return [(r, next(x for x in r if x in first), bufs) for r, bufs in sorted(out.items())]
 
 
-def check_model(plan: Plan, file: str):
+def check_model(plan: Plan, file: str, given=None):
     """(the plan's workload, built; its layer map): the model must load and have the layers the
     plan's stages cover, else InputError naming `file` (the launcher turns it into exit 2). The
     layer map comes from the layer-map cache (planner.workload.layer_cache); a miss costs one
-    export."""
+    export. `given`: the workload itself (hetplan.train), a Workload or a factory of one, instead
+    of the plan's model.spec."""
     from planner.files.plan import validate_plan
     from planner.workload.layer_cache import layer_map, plan_batch
     from planner.workload.load import load_plan_workload
-    workload = load_plan_workload(plan.model, file)     # torch.manual_seed(0) inside
+    if given is None:
+        workload = load_plan_workload(plan.model, file)     # torch.manual_seed(0) inside
+    else:
+        from planner.workload.load import as_workload
+        torch.manual_seed(0)
+        workload = as_workload(given(**plan.model.args) if callable(given) else given, plan.model.spec)
     found = layer_map(workload, plan.model.spec, plan.model.args, plan_batch(plan))
     validate_plan(plan, file, num_layers=found.num_layers)
     return workload, found
 
 
 def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None,
-          marks=None, file: str = "<plan>", iterations: int = 1) -> Built:
+          marks=None, file: str = "<plan>", iterations: int = 1, given=None) -> Built:
     """What rank `rank` runs; `device` is its planner.hardware.device.TorchDevice; `marks`
     (runtime.startup.Marks) gets "model" once the workload is built and checked; `iterations`:
     how many the run trains (a PipeDream stream's length)."""
@@ -222,7 +238,7 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     rank_of = {d: r for r, d in enumerate(names)}
     kinds = [parse_device_name(d)[1] for d in names]
     if plan.sync.mode == "parameter-server" and names[rank] == plan.sync.server:
-        return _server(plan, kinds, device, timeout, marks, file)
+        return _server(plan, kinds, device, timeout, marks, file, given)
     where: dict[str, tuple[int, int]] = {}   # device -> (replica, its first stage)
     for i, r in enumerate(plan.replicas):
         for j, st in enumerate(r.stages):
@@ -232,10 +248,10 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     rep = plan.replicas[rep_i]
     if any(st.split for st in rep.stages):      # validated: the plan's only replica
         from runtime.tensor import build_rank
-        return build_rank(plan, names, rank, device, timeout, marks, file)
+        return build_rank(plan, names, rank, device, timeout, marks, file, given)
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
-    workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
+    workload, found = check_model(plan, file, given)     # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
     from planner.workload.layer_cache import plan_batch
@@ -372,8 +388,9 @@ class ServerBuilt(Built):
         return None
 
 
-def _server(plan: Plan, kinds: list[str], device: TorchDevice, timeout, marks, file: str) -> ServerBuilt:
-    workload, _ = check_model(plan, file)         # torch.manual_seed(0) inside: the same weights
+def _server(plan: Plan, kinds: list[str], device: TorchDevice, timeout, marks, file: str,
+            given=None) -> ServerBuilt:
+    workload, _ = check_model(plan, file, given)         # torch.manual_seed(0) inside: the same weights
     if marks is not None:
         marks.mark("model")
     module = WholeModel(workload.model).to(device.device)

@@ -165,7 +165,7 @@ class SplitBuilt(Built):
 
 
 def build_rank(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout, marks,
-               file: str) -> SplitBuilt:
+               file: str, given=None) -> SplitBuilt:
     """Rank `rank` of a plan with tensor-split stages (validated: one replica): its stage, on a
     split stage with its slices of the linear pairs (runtime.tensor); links to the neighbouring
     stages' ranks (pipeline.FanLink); no gradient exchange (one replica; a split stage's
@@ -178,7 +178,7 @@ def build_rank(plan: Plan, names: list[str], rank: int, device: TorchDevice, tim
     st_j = next(j for j, rs in enumerate(stage_ranks) if rank in rs)
     st = rep.stages[st_j]
     micro = plan.global_batch // rep.microbatches
-    workload, found = check_model(plan, file)     # torch.manual_seed(0) inside
+    workload, found = check_model(plan, file, given)     # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
     tied = tied_layers(found.params)

@@ -35,6 +35,8 @@ class RunConfig:
     timeout_s: float = 60.0                   # collective timeout (a dead peer ends a wait)
     error_dir: str | None = None              # each failing rank writes rank<R>.txt here
     extra: dict = field(default_factory=dict)  # copied into the measured file (e.g. topology)
+    train: dict | None = None                 # runtime.train.TrainConfig as a dict: train on the
+                                              # workload's data instead of timing `iters` batches
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -44,10 +46,11 @@ class RunConfig:
         return RunConfig(**json.loads(text))
 
 
-def run_worker(cfg: RunConfig, marks=None) -> None:
+def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
     """Train the plan on this rank (env:// rendezvous) and, on rank 0, write the results.
     `marks` (runtime.startup.Marks) collects the start-up marks; saved as startup-rank<R>.json
-    in `cfg.error_dir` when the run ends well."""
+    in `cfg.error_dir` when the run ends well. `given`: the workload (hetplan.train) instead of
+    the plan's model.spec. Training (cfg.train) returns the logged rows."""
     import torch
     import torch.distributed as dist
 
@@ -84,9 +87,12 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         if sorted(names) != sorted(plan.devices):
             raise ValueError(f"ranks map to devices {names}; expected each plan device once")
         marks.mark("rendezvous")
-        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=cfg.iters)
+        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=cfg.iters,
+                            given=given)
         lower_gloo_loop_priority()    # after every group exists (runtime.gloo_threads)
         marks.mark("stages")
+        if cfg.train is not None:
+            return _train_with_data(cfg, plan, built, rank, world, device, cores_line)
         if rank == 0:      # after the model check: bad input stays one line on stderr
             print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations; "
                   f"{cores_line}", file=sys.stderr, flush=True)
@@ -114,6 +120,34 @@ def run_worker(cfg: RunConfig, marks=None) -> None:
         dist.destroy_process_group()
     if cfg.error_dir:
         marks.save(Path(cfg.error_dir, f"startup-rank{rank}.json"))
+
+
+def _train_with_data(cfg, plan, built, rank, world, device, cores_line) -> list:
+    """runtime.train's loop; rank 0 writes {"rows", "steps", "iteration_s"} to cfg.out and the
+    final parameters to cfg.save_params."""
+    import statistics
+
+    import torch.distributed as dist
+
+    from planner.files.io import file_sha256, write_json_atomic
+    from runtime.train import TrainConfig, train
+    tcfg = TrainConfig(**cfg.train)
+    if rank == 0:
+        print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; training; {cores_line}",
+              file=sys.stderr, flush=True)
+    out = train(tcfg, plan, file_sha256(cfg.plan), built, rank, world, device)
+    params = _gather_params(cfg, built, rank, world)
+    if rank == 0:
+        if params is not None:
+            import torch
+            from planner.files.io import replace_atomically
+            replace_atomically(cfg.save_params, lambda tmp: torch.save(params, tmp))
+        kept = out["iter_s"][min(cfg.warmup, max(len(out["iter_s"]) - 1, 0)):]
+        if cfg.out:
+            write_json_atomic(cfg.out, {"rows": out["rows"], "steps": out["steps"],
+                                        "iteration_s": statistics.median(kept) if kept else None})
+    dist.barrier()
+    return out["rows"]
 
 
 def _train(cfg, plan, built, rank, device, name, marks) -> dict:

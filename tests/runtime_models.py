@@ -143,3 +143,35 @@ def pooled(width: int = 16) -> Workload:
         g = torch.Generator().manual_seed(int(seed))
         return torch.randn(batch_size, 8, generator=g), torch.randint(0, 3, (batch_size,), generator=g)
     return Workload(model=Pooled(width), make_batch=make_batch, loss_fn=F.cross_entropy)
+
+
+class Samples(torch.utils.data.Dataset):
+    """`n` samples of 784 features and a class in 0..9 (the built-in mlp's shape), item i fixed by i;
+    `reads` counts each index read (tests: every sample once an epoch)."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g)
+        self.log = None            # a file to append each read index to (set by a test)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{i}\n")
+        return self.x[i], self.y[i]
+
+
+def accuracy(output, target) -> dict:
+    return {"accuracy": float((output.argmax(-1) == target).float().mean())}
+
+
+def mlp_data(hidden: int = 16, depth: int = 3, n: int = 60, n_eval: int = 25, log: str = "") -> Workload:
+    """The built-in mlp (4 layers at depth 3) on a dataset of `n` samples, `n_eval` to evaluate."""
+    from planner.workload.builtin import mlp
+    w = mlp(hidden=hidden, depth=depth)
+    w.train_data, w.eval_data, w.metrics = Samples(n), Samples(n_eval, seed=1), accuracy
+    w.train_data.log = log or None
+    return w

@@ -33,7 +33,12 @@ def add_arguments(p):
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes the chains run in at once (default: this process's cores); "
                         "changes only the speed")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), help="default: the workload's optimizer")
+    p.add_argument("--optimizer", help="sgd, adam or any torch.optim class (AdamW, SGD, ...); priced as SGD "
+                                       "or Adam (default: the workload's optimizer)")
+    p.add_argument("--optimizer-arg", action="append", metavar="KEY=VALUE",
+                   help="a keyword argument of the optimizer (repeatable), e.g. weight_decay=0.1")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the gradients' global norm (over every stage and replica) to MAX when training")
     p.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
     p.add_argument("--precision", default="fp32", metavar="LIST",
                    help="comma-separated precisions the search may choose from, among fp32, tf32, "
@@ -64,6 +69,7 @@ def _check_flags(args) -> None:
         raise InputError(f"--workers: expected a positive integer, got {args.workers}")
     if args.lr is not None and not 0 < args.lr < float("inf"):
         raise InputError(f"--lr: expected a positive number, got {args.lr}")
+    optimizer = _optimizer_flags(args)
     parse_precisions(args.precision)
     if args.objective == "time-to-loss":
         if args.target_loss is None or not 0 < args.target_loss < float("inf"):
@@ -170,7 +176,7 @@ def main(args) -> int:
     precisions = parse_precisions(args.precision)
     try:
         graph, problem = plan_problem(workload, ModelRef(args.model, model_args, args.layers), args.batch,
-                                      topology, args.optimizer or workload.optimizer,
+                                      topology, optimizer.name if optimizer else workload.optimizer,
                                       args.lr if args.lr is not None else workload.lr, precisions)
     except ValueError as e:       # the model could not be captured or grouped into layers
         raise InputError(f"--model: {args.model}: {e}") from None
@@ -200,6 +206,10 @@ def main(args) -> int:
         objective = {"time_to_loss": {"target_loss": args.target_loss, "horizon": args.horizon,
                                       "iterations": best.iterations, "time_s": best.time_s,
                                       "candidates": [c.to_json() for c in ranked]}}
+    if optimizer is not None:     # the class and its arguments as asked; priced by its family
+        best = replace(best, plan=replace(best.plan, optimizer=replace(
+            best.plan.optimizer, torch_class=optimizer.torch_class, args=optimizer.args,
+            clip_grad_norm=optimizer.clip_grad_norm)))
     plan = replace(best.plan, topology=TopologyRef(topology.name, topology.sha256),
                    predicted=Predicted(best.iteration_s, best.peak_memory_bytes, extra={
                        **objective,
@@ -234,3 +244,26 @@ def main(args) -> int:
           f"{result.elapsed_s:.1f} s, {100 * result.acceptance_rate:.0f}% accepted (stopped by "
           f"{result.stopped_by}{_why(result)}); wrote {args.output}")
     return 0
+
+
+def _optimizer_flags(args):
+    """--optimizer, --optimizer-arg and --clip-grad-norm as a plan Optimizer (None: none given)."""
+    from planner.files.io import InputError
+    from planner.files.plan import Optimizer, frozen_args
+    from planner.workload.load import parse_model_args
+    from planner.workload.optimizer import DEFAULT_CLASS, OptimizerSpecError, check_spec, priced_as, torch_class
+    if args.optimizer is None and not args.optimizer_arg and args.clip_grad_norm is None:
+        return None
+    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
+        raise InputError(f"--clip-grad-norm: expected a positive number, got {args.clip_grad_norm}")
+    name = args.optimizer or "adam"
+    cls = DEFAULT_CLASS.get(name) or (torch_class(name).__name__ if torch_class(name) else None)
+    if cls is None:
+        raise InputError(f"--optimizer: expected sgd, adam or a torch.optim class such as AdamW, got {name!r}")
+    kwargs = parse_model_args(args.optimizer_arg, "--optimizer-arg")
+    try:
+        check_spec(priced_as(cls), cls, kwargs)
+    except OptimizerSpecError as e:
+        raise InputError(f"--optimizer-arg: {e}" if e.field == "args" else f"--optimizer: {e}") from None
+    return Optimizer(name=priced_as(cls), torch_class=None if name in DEFAULT_CLASS else cls,
+                     args=frozen_args(kwargs), clip_grad_norm=args.clip_grad_norm)

@@ -95,11 +95,25 @@ class Sync:
 
 @dataclass(frozen=True)
 class Optimizer:
-    name: str = "adam"                 # "sgd" or "adam"
+    name: str = "adam"                 # how it is priced: "sgd" or "adam" (planner.workload.optimizer)
     lr: float = 1e-3
     placement: str = "device"          # "device", "cpu" (ZeRO-Offload style) or "split" (CoTrain)
     cpu_fraction: float | None = None  # "split" only: the share of each stage's parameter bytes
                                        # updated on the host CPU (planner.cost.split)
+    torch_class: str | None = None     # the torch.optim class that runs ("AdamW"); None: SGD / Adam
+    args: tuple[tuple[str, Any], ...] = ()   # its keyword arguments besides lr (hashable: see kwargs)
+    clip_grad_norm: float | None = None   # clip the global gradient norm (every stage and replica)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.args)
+
+
+def frozen_args(args: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Keyword arguments as sorted (key, value) pairs, lists as tuples (betas=[0.9, 0.95])."""
+    def freeze(v):
+        return tuple(freeze(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return tuple(sorted((str(k), freeze(v)) for k, v in args.items()))
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,18 @@ class Plan:
 
 
 # --- validation -----------------------------------------------------------------------------
+def _validate_torch_optimizer(o: Optimizer, err) -> None:
+    """torch_class names a torch.optim optimizer priced as `name`; clip_grad_norm is positive."""
+    from planner.workload.optimizer import OptimizerSpecError, check_spec
+    try:
+        check_spec(o.name, o.torch_class, o.kwargs)
+    except OptimizerSpecError as e:
+        raise err(f"optimizer.{e.field}", str(e)) from None
+    c = o.clip_grad_norm
+    if c is not None and not (isinstance(c, (int, float)) and 0 < c < float("inf")):
+        raise err("optimizer.clip_grad_norm", f"expected a positive number, got {c!r}")
+
+
 def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = None,
                   device_names: set[str] | None = None) -> None:
     """Check every rule of the contract; raise InputError with one line naming the field."""
@@ -198,6 +224,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                                "backward is not supported)")
     if not plan.optimizer.lr > 0:
         raise err("optimizer.lr", f"expected a positive number, got {plan.optimizer.lr}")
+    _validate_torch_optimizer(plan.optimizer, err)
     L = num_layers if num_layers is not None else plan.num_layers
     seen: dict[str, str] = {}
     total = 0.0
@@ -421,7 +448,10 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
         o = r.sub("optimizer")
         opt = Optimizer(name=o.get("name", str, default=opt.name), lr=o.get("lr", float, default=opt.lr),
                         placement=o.get("placement", str, default=opt.placement),
-                        cpu_fraction=o.get("cpu_fraction", float, default=None))
+                        cpu_fraction=o.get("cpu_fraction", float, default=None),
+                        torch_class=o.get("torch_class", str, default=None),
+                        args=frozen_args(o.get("args", dict, default={})),
+                        clip_grad_norm=o.get("clip_grad_norm", float, default=None))
     topo = None
     if r.has("topology"):
         t = r.sub("topology")
@@ -479,8 +509,11 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                 out["sync"][name] = getattr(plan.sync, name)
     out["optimizer"] = {"name": plan.optimizer.name, "lr": plan.optimizer.lr,
                         "placement": plan.optimizer.placement}
-    if plan.optimizer.cpu_fraction is not None:
-        out["optimizer"]["cpu_fraction"] = plan.optimizer.cpu_fraction
+    for key in ("cpu_fraction", "torch_class", "clip_grad_norm"):
+        if getattr(plan.optimizer, key) is not None:
+            out["optimizer"][key] = getattr(plan.optimizer, key)
+    if plan.optimizer.args:
+        out["optimizer"]["args"] = {k: list(v) if isinstance(v, tuple) else v for k, v in plan.optimizer.args}
     out["recompute"] = plan.recompute
     out["precision"] = plan.precision
     if plan.predicted is not None:

@@ -21,3 +21,9 @@ class Workload:
     lr: float = 1e-3                             # and its learning rate
     layers: str | None = None                    # layer pattern, e.g. "llm.model.layers.*" (None:
                                                  # the automatic rule of planner.workload.layers)
+    # training on data (`hetplan run --steps`, hetplan.train): map-style datasets whose item i is
+    # one sample's (inputs, target); None: make_batch's synthetic batches
+    train_data: Any = None
+    eval_data: Any = None
+    collate_fn: Callable[[list], tuple] | None = None   # samples -> (inputs, target); None: default_collate
+    metrics: Callable[[Any, Any], dict] | None = None   # (output, target) -> {name: mean over the batch}

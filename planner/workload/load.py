@@ -90,22 +90,31 @@ def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | N
         raise
     except (TypeError, ValueError) as e:
         raise InputError(f"--model-arg: {spec} rejected its arguments {args}: {e}") from None
-    for attr in ("model", "make_batch", "loss_fn"):
-        if not hasattr(w, attr):
-            raise InputError(f"--model: {spec} returned an object without {attr!r}; expected "
-                             "model, make_batch and loss_fn")
-    if not isinstance(w.model, torch.nn.Module):
-        raise InputError(f"--model: {spec} returned a model that is not a torch.nn.Module")
-    if not isinstance(w, Workload):
-        w = Workload(model=w.model, make_batch=w.make_batch, loss_fn=w.loss_fn,
-                     optimizer=getattr(w, "optimizer", "adam"), lr=getattr(w, "lr", 1e-3),
-                     layers=getattr(w, "layers", None))
+    w = as_workload(w, spec)
     if layers is not None:
         w.layers = layers
     _check_layers(w, spec, flag="--layers" if layers is not None else "--model")
     if shaped is not None:
         _WHOLE[w.model] = lambda: load_workload(spec, args, layers)
     return w
+
+
+def as_workload(w: Any, spec: str) -> Workload:
+    """`w` as a Workload: any object with model, make_batch and loss_fn (InputError otherwise)."""
+    import torch
+    for attr in ("model", "make_batch", "loss_fn"):
+        if not hasattr(w, attr):
+            raise InputError(f"--model: {spec} returned an object without {attr!r}; expected "
+                             "model, make_batch and loss_fn")
+    if not isinstance(w.model, torch.nn.Module):
+        raise InputError(f"--model: {spec} returned a model that is not a torch.nn.Module")
+    if isinstance(w, Workload):
+        return w
+    return Workload(model=w.model, make_batch=w.make_batch, loss_fn=w.loss_fn,
+                    optimizer=getattr(w, "optimizer", "adam"), lr=getattr(w, "lr", 1e-3),
+                    layers=getattr(w, "layers", None), train_data=getattr(w, "train_data", None),
+                    eval_data=getattr(w, "eval_data", None), collate_fn=getattr(w, "collate_fn", None),
+                    metrics=getattr(w, "metrics", None))
 
 
 _WHOLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # a shapes-only model -> its whole workload
