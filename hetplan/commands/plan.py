@@ -69,7 +69,7 @@ def _check_flags(args) -> None:
         raise InputError(f"--workers: expected a positive integer, got {args.workers}")
     if args.lr is not None and not 0 < args.lr < float("inf"):
         raise InputError(f"--lr: expected a positive number, got {args.lr}")
-    optimizer = _optimizer_flags(args)
+    _optimizer_flags(args)
     parse_precisions(args.precision)
     if args.objective == "time-to-loss":
         if args.target_loss is None or not 0 < args.target_loss < float("inf"):
@@ -169,6 +169,7 @@ def main(args) -> int:
     topology = load_topology(args.topology)
     # the weights' values only where something runs the model: layers timed on this machine,
     # convergence emulated
+    optimizer = _optimizer_flags(args)
     workload = load_workload(args.model, model_args, args.layers,
                              weights=measured_here(topology) or args.objective == "time-to-loss")
     print(f"hetplan plan: capturing {args.model} at batch {min(args.batch, CAPTURE_BATCH)} "

@@ -142,7 +142,7 @@ def _trained(args, result: dict) -> int:
     return 0
 
 
-def train_config(args, plan):
+def train_config(args, plan, given=None):
     """The TrainConfig --steps or --epochs asks for (None: a measuring run), every flag checked here,
     before any process starts: bad input is one line and exit 2, with nothing written."""
     from planner.files.io import InputError
@@ -180,11 +180,11 @@ def train_config(args, plan):
                       checkpoint_every=args.checkpoint_every, resume=args.resume, lr_schedule=args.lr_schedule,
                       lr_schedule_args=sched_args, warmup_steps=args.warmup_steps,
                       min_lr_ratio=args.min_lr_ratio, tensorboard=args.tensorboard)
-    check_data(cfg, plan, args.plan)
+    check_data(cfg, plan, args.plan, given)
     return cfg
 
 
-def check_data(cfg, plan, file: str) -> None:
+def check_data(cfg, plan, file: str, given=None) -> None:
     """The resume point, and the workload's datasets against the plan, checked in this process."""
     from planner.files.io import InputError
     from runtime import checkpoint
@@ -194,9 +194,14 @@ def check_data(cfg, plan, file: str) -> None:
         if cfg.steps is not None and meta["step"] >= cfg.steps:
             raise InputError(f"--steps: the latest checkpoint ({meta['path']}) is at step {meta['step']}; "
                              f"expected more steps than that, got {cfg.steps}")
-    from planner.workload.load import load_plan_workload
+    from planner.workload.load import as_workload, load_plan_workload
     from runtime.data import DataFeed, check_dataset
-    w = load_plan_workload(plan.model, file)
+    if given is None:
+        w = load_plan_workload(plan.model, file)
+    else:
+        import torch
+        torch.manual_seed(0)
+        w = as_workload(given(**plan.model.args) if callable(given) else given, plan.model.spec)
     if w.train_data is None:
         if cfg.epochs is not None:
             raise InputError(f"--epochs: {plan.model.spec} has no train_data; expected --steps (synthetic batches)")

@@ -60,6 +60,12 @@ def check_spec(name: str, cls_name: str | None, args: dict[str, Any]) -> None:
             allowed = [k for k in params if k not in ("self", "params", "lr")]
             raise OptimizerSpecError("args", f"{cls.__name__} takes no argument {key!r} here; expected one "
                                              f"of {', '.join(allowed)} (lr is optimizer.lr)")
+    import torch
+    try:                           # the values too: torch checks them when the optimizer is made
+        cls([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, **args)
+    except (TypeError, ValueError, RuntimeError) as e:
+        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OptimizerSpecError("args", f"{cls.__name__} refused {args}: {line}") from None
 
 
 def make_optimizer(params, name: str, lr: float, cls_name: str | None = None,
