@@ -112,8 +112,10 @@ def state_dict(built) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(root: str | Path, step: int, built, rank: int, meta: dict[str, Any], group=None) -> Path:
-    """Write step `step` (collective over the world group); returns the complete directory."""
+def save(root: str | Path, step: int, built, rank: int, meta: dict[str, Any], group=None,
+         written=None) -> Path:
+    """Write step `step` (collective over `group`); returns the complete directory. `written()`
+    is called once this rank's files are written, before the rename (tests kill a rank there)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     final = step_dir(root, step)
@@ -124,6 +126,8 @@ def save(root: str | Path, step: int, built, rank: int, meta: dict[str, Any], gr
     dist.barrier(group)
     dcp.save(state_dict(built), checkpoint_id=str(partial), process_group=group)
     torch.save(rng_states(), partial / f"rng-rank{rank}.pt")
+    if written is not None:
+        written()
     dist.barrier(group)
     if rank == 0:
         (partial / META).write_text(json.dumps({"schema": SCHEMA, "step": step, **meta}, indent=1))

@@ -33,10 +33,10 @@ class DataFeed:
     stands in for make_batch (the whole global batch), `read(step, a, b)` reads samples [a, b)."""
 
     def __init__(self, dataset: Any, global_batch: int, seed: int = 0, collate_fn: Callable | None = None,
-                 name: str = "train_data"):
+                 name: str = "train_data", check_items: bool = True):
         self.dataset, self.global_batch, self.seed, self.collate_fn = dataset, global_batch, seed, collate_fn
         self.name = name
-        n = check_dataset(dataset, name)
+        n = check_dataset(dataset, name) if check_items else len(dataset)
         if global_batch > n:
             raise InputError(f"{name}: holds {n} samples, fewer than the plan's global_batch {global_batch}; "
                              "expected at least one global batch")

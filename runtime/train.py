@@ -9,6 +9,8 @@ otherwise take their messages.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -96,7 +98,7 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
 
     w = built.workload
     group = dist.new_group(backend="gloo")      # collective: every rank, in the same order
-    feed = (DataFeed(w.train_data, plan.global_batch, tcfg.seed, w.collate_fn)
+    feed = (DataFeed(w.train_data, plan.global_batch, tcfg.seed, w.collate_fn, check_items=False)
             if w.train_data is not None else None)
     total = total_steps(tcfg, feed.steps_per_epoch if feed is not None else None)
     if feed is not None:
@@ -126,6 +128,7 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
             built.begin()
             loss = built.step(batch)
             local = float(loss) if loss is not None else 0.0
+            _fault(rank, step + 1, "kill")
             iter_s.append(time.perf_counter() - t)
             n_window += 1
             done = step + 1
@@ -152,12 +155,22 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
                     "model": _model_ref(plan), "params": _full_shapes(built, world, group),
                     "world_size": world, "plan_sha256": plan_sha256,
                     "data": {"global_batch": plan.global_batch,
-                             "steps_per_epoch": feed.steps_per_epoch if feed else None}}, group)
+                             "steps_per_epoch": feed.steps_per_epoch if feed else None}}, group,
+                    written=lambda: _fault(rank, done, "kill-in-save"))
     finally:
         prefetch.close()
         if log is not None:
             log.close()
     return {"rows": rows, "steps": [start, total], "iter_s": iter_s}
+
+
+def _fault(rank: int, step: int, where: str) -> None:
+    """Test only (runtime.worker.FAULT_ENV = "RANK:STEP:kill|kill-in-save"): SIGKILL this rank
+    after step STEP, or inside the checkpoint save of step STEP once its files are written."""
+    from runtime.worker import FAULT_ENV
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec and spec.split(":")[2] == where and (int(spec.split(":")[0]), int(spec.split(":")[1])) == (rank, step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _same(x):

@@ -149,9 +149,9 @@ class Samples(torch.utils.data.Dataset):
     """`n` samples of 784 features and a class in 0..9 (the built-in mlp's shape), item i fixed by i;
     `reads` counts each index read (tests: every sample once an epoch)."""
 
-    def __init__(self, n: int, seed: int = 0):
+    def __init__(self, n: int, seed: int = 0, features: int = 784):
         g = torch.Generator().manual_seed(seed)
-        self.x, self.y = torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g)
+        self.x, self.y = torch.randn(n, features, generator=g), torch.randint(0, 10, (n,), generator=g)
         self.log = None            # a file to append each read index to (set by a test)
 
     def __len__(self):
@@ -159,8 +159,9 @@ class Samples(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if self.log:
+            import os
             with open(self.log, "a") as f:
-                f.write(f"{i}\n")
+                f.write(f"{os.environ.get('RANK', '-')} {i}\n")
         return self.x[i], self.y[i]
 
 
@@ -168,10 +169,12 @@ def accuracy(output, target) -> dict:
     return {"accuracy": float((output.argmax(-1) == target).float().mean())}
 
 
-def mlp_data(hidden: int = 16, depth: int = 3, n: int = 60, n_eval: int = 25, log: str = "") -> Workload:
-    """The built-in mlp (4 layers at depth 3) on a dataset of `n` samples, `n_eval` to evaluate."""
+def mlp_data(hidden: int = 16, depth: int = 3, n: int = 60, n_eval: int = 25, log: str = "",
+             features: int = 784) -> Workload:
+    """The built-in mlp (4 layers at depth 3) on a dataset of `n` samples, `n_eval` to evaluate
+    (`features` other than 784: items that do not fit the model)."""
     from planner.workload.builtin import mlp
     w = mlp(hidden=hidden, depth=depth)
-    w.train_data, w.eval_data, w.metrics = Samples(n), Samples(n_eval, seed=1), accuracy
+    w.train_data, w.eval_data, w.metrics = Samples(n, features=features), Samples(n_eval, seed=1), accuracy
     w.train_data.log = log or None
     return w
