@@ -90,12 +90,24 @@ def check_devices(plan: Plan, file: str) -> None:
 
 def thread_shares(plan: Plan, topology: Topology | None) -> dict[str, int]:
     """Intra-op threads of each worker: the topology's `threads` of the device when it has one,
-    else placement.default_threads (cores // CPU workers; GPU workers 1 beside CPU workers)."""
+    else those the plan was priced at (its topology.threads), else placement.default_threads
+    (cores // CPU workers; GPU workers 1 beside CPU workers)."""
+    priced = dict(plan.topology.threads) if plan.topology is not None else {}
     out = {}
     for d in plan.devices:
         t = topology.device(d).threads if topology is not None and topology.has_device(d) else None
-        out[d] = t or default_threads(plan.devices, d)
+        out[d] = t or priced.get(d) or default_threads(plan.devices, d)
     return out
+
+
+def priced_conditions(plan: Plan, topology: Topology) -> dict:
+    """TopologyRef's fields besides name and sha256: what `run` needs to reproduce the pricing."""
+    host = topology.measured.get("host") if isinstance(topology.measured.get("host"), dict) else {}
+    cpu = [d for d in plan.devices if topology.has_device(d) and topology.device(d).kind == "cpu"]
+    shares = thread_shares(plan, topology)
+    cores = host.get("cores")
+    return {"threads": tuple(sorted((d, shares[d]) for d in cpu)), "host": host.get("hostname"),
+            "cpu_cores": cores if isinstance(cores, int) else None}
 
 
 def _child(rank: int, world: int, addr: str, port: int, cfg_json: str, env: dict,

@@ -22,8 +22,10 @@ import torch
 
 
 def host_info() -> dict[str, Any]:
+    from planner.hardware.cores import usable_cores
     return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "usable_cores": len(usable_cores())}
 
 
 def iteration_times(iter_s: list[list[float]]) -> list[float]:

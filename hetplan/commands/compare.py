@@ -40,6 +40,10 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
     if not matches:
         print(f"{command}: warning: {measured_path} was measured for another plan file "
               f"(sha256 {measured.plan_sha256[:12]}...), not {plan_path}", file=sys.stderr)
+    differs = conditions_differ(plan, measured)
+    if differs:
+        print(f"{command}: note: the run differs from the conditions the plan was priced in: "
+              f"{'; '.join(differs)}", file=sys.stderr)
     topology = plan_topology(plan, plan_path, topology_path, command)
     result = simulate_plan_file(plan, plan_path, topology, trace=plot_path is not None)
     recorded = plan.predicted.iteration_s if plan.predicted is not None else None
@@ -55,6 +59,25 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
                                                f"{plan_path}")
         print(f"{command}: wrote {plot_path}", file=sys.stderr)
     return comparison
+
+
+def conditions_differ(plan, measured) -> list[str]:
+    """How the measured run's threads, host and cores differ from those the plan records."""
+    t = plan.topology
+    if t is None:
+        return []
+    out = []
+    for d, n in t.threads:
+        got = measured.per_device.get(d, {}).get("threads")
+        if isinstance(got, int) and got != n:
+            out.append(f"{d} ran {got} threads, priced at {n}")
+    host = measured.host.get("hostname")
+    if t.host is not None and host is not None and host != t.host:
+        out.append(f"measured on host {host}, priced on {t.host}")
+    cores = measured.host.get("usable_cores")
+    if t.cpu_cores is not None and isinstance(cores, int) and cores != t.cpu_cores:
+        out.append(f"{cores} CPU cores here, {t.cpu_cores} where priced")
+    return out
 
 
 def format_table(comparison) -> str:

@@ -211,7 +211,9 @@ def main(args) -> int:
         best = replace(best, plan=replace(best.plan, optimizer=replace(
             best.plan.optimizer, torch_class=optimizer.torch_class, args=optimizer.args,
             clip_grad_norm=optimizer.clip_grad_norm)))
-    plan = replace(best.plan, topology=TopologyRef(topology.name, topology.sha256),
+    from runtime.launch import priced_conditions
+    plan = replace(best.plan, topology=TopologyRef(topology.name, topology.sha256,
+                                                   **priced_conditions(best.plan, topology)),
                    predicted=Predicted(best.iteration_s, best.peak_memory_bytes, extra={
                        **objective,
                        "baselines": baselines,

@@ -125,8 +125,12 @@ class ModelRef:
 
 @dataclass(frozen=True)
 class TopologyRef:
+    """The topology a plan was priced on, and the conditions `run` reproduces without it."""
     name: str
     sha256: str
+    threads: tuple[tuple[str, int], ...] = ()   # each CPU worker's intra-op threads as priced
+    host: str | None = None                     # the profiled host's name (None: a what-if topology)
+    cpu_cores: int | None = None                # its cores
 
 
 @dataclass(frozen=True)
@@ -455,7 +459,13 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     topo = None
     if r.has("topology"):
         t = r.sub("topology")
-        topo = TopologyRef(name=t.get("name", str), sha256=t.get("sha256", str))
+        threads = t.get("threads", dict, default={})
+        for d, n in threads.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise t.error(f"threads.{d}", f"expected a positive integer, got {json.dumps(n)}")
+        topo = TopologyRef(name=t.get("name", str), sha256=t.get("sha256", str),
+                           threads=tuple(sorted(threads.items())), host=t.get("host", str, default=None),
+                           cpu_cores=t.get("cpu_cores", int, default=None))
     pred = None
     if r.has("predicted"):
         p = r.sub("predicted")
@@ -495,7 +505,11 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     if plan.model.layers is not None:
         out["model"]["layers"] = plan.model.layers
     if plan.topology is not None:
-        out["topology"] = {"name": plan.topology.name, "sha256": plan.topology.sha256}
+        t = plan.topology
+        out["topology"] = {"name": t.name, "sha256": t.sha256,
+                           **({"threads": dict(t.threads)} if t.threads else {}),
+                           **({"host": t.host} if t.host is not None else {}),
+                           **({"cpu_cores": t.cpu_cores} if t.cpu_cores is not None else {})}
     out["replicas"] = [
         {"batch_fraction": r.batch_fraction, "microbatches": r.microbatches,
          "stages": [_stage_dict(s) for s in r.stages]}
