@@ -91,7 +91,8 @@ class GlobalNormClip:
 
 # --- the loop ---------------------------------------------------------------------------------------
 def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: int, device) -> dict[str, Any]:
-    """Train rank `rank`; returns {"rows": logged rows, "steps": (first, last), "iter_s": [...]}."""
+    """Train rank `rank`; returns {"rows": logged rows, "steps": [first, total], "iter_s": each
+    step's seconds, "checkpoint_save_s": [...], "checkpoint_load_s": seconds or None}."""
     from runtime import checkpoint
     from runtime.data import DataFeed, Prefetcher, pin
     from runtime.lr_schedule import LRSchedule
@@ -103,10 +104,12 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
     total = total_steps(tcfg, feed.steps_per_epoch if feed is not None else None)
     if feed is not None:
         w.make_batch = feed        # every kind of stage reads the data (a plain stage: its slice only)
-    start = 0
+    start, load_s, save_s = 0, None, []
     if tcfg.resume:
         meta = checkpoint.check_resumable(tcfg.checkpoint_dir, _model_ref(plan))
+        t = time.perf_counter()
         checkpoint.load(meta["path"], built, rank, world, meta, plan_sha256, group)
+        load_s = time.perf_counter() - t
         start = meta["step"]
     opt = built.optimizer
     schedule = LRSchedule([opt.device_opt, opt.host_opt], plan.optimizer.lr, total, tcfg.lr_schedule,
@@ -150,6 +153,7 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
                 if log is not None:
                     log.write(row)
             if tcfg.checkpoint_every and (done % tcfg.checkpoint_every == 0 or last):
+                t = time.perf_counter()
                 checkpoint.save(tcfg.checkpoint_dir, done, built, rank, {
                     "epoch": feed.position(step)[0] if feed else 0, "seed": tcfg.seed,
                     "model": _model_ref(plan), "params": _full_shapes(built, world, group),
@@ -157,11 +161,13 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
                     "data": {"global_batch": plan.global_batch,
                              "steps_per_epoch": feed.steps_per_epoch if feed else None}}, group,
                     written=lambda: _fault(rank, done, "kill-in-save"))
+                save_s.append(time.perf_counter() - t)
     finally:
         prefetch.close()
         if log is not None:
             log.close()
-    return {"rows": rows, "steps": [start, total], "iter_s": iter_s}
+    return {"rows": rows, "steps": [start, total], "iter_s": iter_s, "checkpoint_save_s": save_s,
+            "checkpoint_load_s": load_s}
 
 
 def _fault(rank: int, step: int, where: str) -> None:

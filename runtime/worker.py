@@ -145,7 +145,10 @@ def _train_with_data(cfg, plan, built, rank, world, device, cores_line) -> list:
         kept = out["iter_s"][min(cfg.warmup, max(len(out["iter_s"]) - 1, 0)):]
         if cfg.out:
             write_json_atomic(cfg.out, {"rows": out["rows"], "steps": out["steps"],
-                                        "iteration_s": statistics.median(kept) if kept else None})
+                                        "iteration_s": statistics.median(kept) if kept else None,
+                                        "iterations_s": out["iter_s"],
+                                        "checkpoint_save_s": out["checkpoint_save_s"],
+                                        "checkpoint_load_s": out["checkpoint_load_s"]})
     dist.barrier()
     return out["rows"]
 
