@@ -116,8 +116,8 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
                           tcfg.lr_schedule_args, tcfg.warmup_steps, tcfg.min_lr_ratio)
     clip = GlobalNormClip(built, plan.optimizer.clip_grad_norm, group) if plan.optimizer.clip_grad_norm else None
     built.before_optimizer = clip
-    accel = device.accelerator
-    prefetch = Prefetcher(lambda s: (pin if accel else _same)(built.microbatches(plan.global_batch, s)),
+    pinned = device.native           # a real accelerator: its copies from pinned memory do not block
+    prefetch = Prefetcher(lambda s: (pin if pinned else _same)(built.microbatches(plan.global_batch, s)),
                           range(start, total))
     log = _Log(tcfg, rank, total) if rank == 0 else None
     rows, iter_s = [], []

@@ -190,3 +190,25 @@ def test_a_script_trains_with_hetplan_train_under_torchrun(tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
     from train_digits import digits
     digits().model.load_state_dict(params)        # the model's own state_dict keys
+
+
+@pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.cuda)])
+def gpu(request, monkeypatch):
+    """'standin': the CPU standing in for cuda:0 (planner.hardware.device); 'real': this GPU."""
+    if request.param == "standin":
+        from planner.hardware.device import STANDIN_ENV
+        monkeypatch.setenv(STANDIN_ENV, "1")
+    return request.param
+
+
+def test_a_cpu_and_gpu_pipeline_trains_on_data_and_resumes(tmp_path, gpu):
+    # the GPU stage takes the targets (pinned on a real GPU), clips and checkpoints through the host
+    opt = {"name": "adam", "lr": 0.01, "clip_grad_norm": 0.5}
+    p = plan([(1.0, 2, [("cpu:0", (0, 2)), ("cuda:0", (2, 4))])], opt)
+    ck = str(tmp_path / "ck")
+    train(tmp_path, p, "a", steps=3, checkpoint_dir=ck, checkpoint_every=3, eval_every=3)
+    rows, params = train(tmp_path, p, "b", steps=5, checkpoint_dir=ck, resume=True)
+    ref = reference(5, opt, clip=0.5)
+    tol = 1e-5 if gpu == "standin" else 1e-3
+    assert [r["loss"] for r in rows] == pytest.approx(ref.losses[3:], rel=tol)
+    assert_params_match(params, ref, rtol=tol, atol=tol)
