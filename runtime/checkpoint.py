@@ -161,10 +161,11 @@ def load(path: str | Path, built, rank: int, world: int, meta: dict[str, Any], p
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"{path}: cannot be read as this plan's state ({line[:200]}); expected a checkpoint "
                          "of this model and optimizer") from None
+    named = dict(built.named_params)
     with torch.no_grad():
-        for n, (torch_opt, t) in _optimizer_slots(built).items():
-            if t is not dict(built.named_params)[n]:      # a host master copy: the parameter too
-                dict(built.named_params)[n].copy_(t)
+        for n, (_, t) in _optimizer_slots(built).items():
+            if t is not named[n]:          # a host master copy (placement cpu / split): the loaded value
+                t.copy_(named[n])
     rng = path / f"rng-rank{rank}.pt"
     if meta.get("world_size") == world and meta.get("plan_sha256") == plan_sha256 and rng.is_file():
         set_rng_states(torch.load(rng, weights_only=False))

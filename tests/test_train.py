@@ -202,8 +202,9 @@ def gpu(request, monkeypatch):
 
 
 def test_a_cpu_and_gpu_pipeline_trains_on_data_and_resumes(tmp_path, gpu):
-    # the GPU stage takes the targets (pinned on a real GPU), clips and checkpoints through the host
-    opt = {"name": "adam", "lr": 0.01, "clip_grad_norm": 0.5}
+    # the GPU stage takes the targets (pinned on a real GPU), clips, steps its optimizer on the host
+    # (placement cpu: master copies) and checkpoints through the host
+    opt = {"name": "adam", "lr": 0.01, "clip_grad_norm": 0.5, "placement": "cpu"}
     p = plan([(1.0, 2, [("cpu:0", (0, 2)), ("cuda:0", (2, 4))])], opt)
     ck = str(tmp_path / "ck")
     train(tmp_path, p, "a", steps=3, checkpoint_dir=ck, checkpoint_every=3, eval_every=3)
