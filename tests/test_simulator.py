@@ -121,6 +121,22 @@ def test_coarse_data_parallel_is_compute_plus_ring_allreduce_plus_optimizer():
     assert r.per_device["cuda:1"]["optimizer_s"] == approx(0.03)
 
 
+def test_clipping_adds_its_gradient_passes_and_the_norms_all_reduce_before_each_step():
+    # the case above with clip_grad_norm: each device reads its 1e6 B of gradients for the norm
+    # and reads and writes them to scale, 3e6 / 1e8 = 0.03 s, then the all-reduce of one float64
+    # over both devices, 2 * 1 * 0.01 + 2 * 1/2 * 8 / 1e6 = 0.020008 s, before its SGD step
+    import dataclasses
+    g = graph([layer(0, param_bytes=10**6)], batch=2)
+    t = topology([device("cuda:0", mem_bw=1e8), device("cuda:1", mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    pl = plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 2, granularity="coarse")
+    clipped = dataclasses.replace(pl, optimizer=dataclasses.replace(pl.optimizer, clip_grad_norm=1.0))
+    r = simulate(clipped, g, t)
+    assert r.iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03 + 0.020008 + 0.03)
+    assert r.per_device["cuda:1"]["optimizer_s"] == approx(0.03 + 0.020008 + 0.03)
+    assert simulate(pl, g, t).iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03)   # cached values not shared
+
+
 def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_set_and_dtype():
     # the coarse case above with buffers (BatchNorm statistics): the runtime broadcasts them from
     # the first replica before each iteration, per device set and dtype (runtime.sync.BufferSync):

@@ -333,6 +333,14 @@ class CostModel:
                 self._opt[key] = optimizer_s(param_bytes, optimizer, dev)
         return self._opt[key]
 
+    def clip_s(self, device: str, grad_bytes: float, devices: tuple[str, ...]) -> float:
+        """Clipping by the global norm (runtime.train.GlobalNormClip) on `device`: its gradients
+        read for the squares and read and written for the scale, 3 * grad_bytes / memory
+        bandwidth, plus the norm's all-reduce of one number over every device of the plan. Not
+        modelled: that all-reduce is a barrier (each device's step waits for the slowest)."""
+        dev = self.topology.device(device)
+        return 3.0 * grad_bytes / dev.memory_bytes_per_s + self.allreduce_s(tuple(devices), 8.0)
+
     def optimizer_launch_s(self, device: str, optimizer: str, n_tensors: int) -> float:
         """The host's share of an accelerator's step whose profile timed it: its fixed and
         per-tensor cost (the launches; the per-byte rest runs on the device). 0 otherwise."""

@@ -118,7 +118,8 @@ class Builder:
         self.exchange = Exchange(False, [], {})
         self.ddp = runs_on_ddp(plan)        # else GradSync, which also copies the sums back
         # what a replica's values depend on beside the replica and its buckets (replica_values)
-        self.values_key = (plan.schedule, plan.sync.mode, plan.recompute, plan.optimizer.name, self.ddp)
+        self.values_key = (plan.schedule, plan.sync.mode, plan.recompute, plan.optimizer.name, self.ddp,
+                           plan.optimizer.clip_grad_norm is not None)
 
     def build(self) -> None:
         self.plan_devices()
@@ -596,6 +597,8 @@ class Builder:
             deps = synced.get(dev) or [self.progress.last_backward[dev]]
             if synced.get(dev) and not self.ddp:
                 deps = self.copy_back(dev, deps)
+            if self.plan.optimizer.clip_grad_norm is not None:
+                deps = [self.optimizer_task(dev, "gradient clip", sim.cost.clip_s(dev, n, self.plan.devices), deps)]
             host = host_cpu(sim.topology, dev) if placement != "device" else dev
             if host != dev and f is None:
                 steps.append(self.offloaded_step(dev, host, n, n_t, deps))
