@@ -286,13 +286,24 @@ def _cli(argv=None) -> int:
     p.add_argument("--save-params", default=None)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads of every worker (default: see default_threads)")
     p.add_argument("--timeout", type=float, default=60.0)
+    from hetplan.commands.run import add_training_arguments
+    add_training_arguments(p)                     # --steps / --epochs: train on the workload's data
     a = p.parse_args(argv)
     threads = {}
+    from planner.files.io import InputError
+    from planner.files.plan import load_plan
+    try:
+        plan = load_plan(a.plan)
+        from hetplan.commands.run import train_config
+        training = train_config(a, plan)
+    except InputError as e:
+        print(f"hetplan run: error: {e}", file=sys.stderr)
+        return 2
     if a.threads:
-        from planner.files.plan import load_plan
-        threads = {d: a.threads for d in load_plan(a.plan).devices}
+        threads = {d: a.threads for d in plan.devices}
     cfg = RunConfig(plan=a.plan, iters=a.iters, warmup=a.warmup, out=a.output, trace_dir=a.trace,
-                    save_params=a.save_params, threads=threads, timeout_s=a.timeout)
+                    save_params=a.save_params, threads=threads, timeout_s=a.timeout,
+                    train=training.to_dict() if training is not None else None)
     try:
         run_worker(cfg)
     except Exception as e:

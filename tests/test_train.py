@@ -213,3 +213,20 @@ def test_a_cpu_and_gpu_pipeline_trains_on_data_and_resumes(tmp_path, gpu):
     tol = 1e-5 if gpu == "standin" else 1e-3
     assert [r["loss"] for r in rows] == pytest.approx(ref.losses[3:], rel=tol)
     assert_params_match(params, ref, rtol=tol, atol=tol)
+
+
+def test_torchrun_workers_take_the_training_flags(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(plan(PLANS["dp-unequal"])))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                        "runtime.worker", str(p), "-o", str(tmp_path / "out.json"), "--steps", "4",
+                        "--log-every", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [row["step"] for row in out["rows"]] == [2, 4]
+    assert out["rows"][-1]["loss"] == pytest.approx(reference(4, {"name": "adam", "lr": 0.01}).losses[3], rel=1e-5)
+    assert (tmp_path / "ck" / "step-00000004" / "hetplan.json").is_file()
+    bad = subprocess.run([sys.executable, "-m", "runtime.worker", str(p), "--steps", "2", "--epochs", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--steps, --epochs" in bad.stderr

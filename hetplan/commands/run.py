@@ -33,6 +33,15 @@ def add_arguments(p):
                    help="save the final parameters (torch.save of name -> tensor)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a collective may wait for a peer (default 60)")
+    add_training_arguments(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="print where the start-up went (per process: imports, rendezvous, model "
+                        "and stage build, first iteration, teardown; also under startup_s in the "
+                        "measured file)")
+
+
+def add_training_arguments(p) -> None:
+    """The training flags, shared with `torchrun ... -m runtime.worker` (several nodes)."""
     t = p.add_argument_group("training on the workload's data (runtime.train; docs/guide.md 'Training with a plan')")
     t.add_argument("--steps", type=int, default=None, help="train this many steps in all (a resumed run continues to it)")
     t.add_argument("--epochs", type=int, default=None, help="or this many passes over train_data")
@@ -49,10 +58,6 @@ def add_arguments(p):
     t.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default 0)")
     t.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine/linear: the final lr / lr (default 0)")
     t.add_argument("--tensorboard", metavar="DIR", default=None, help="TensorBoard scalars (tensorboard package)")
-    p.add_argument("--verbose", action="store_true",
-                   help="print where the start-up went (per process: imports, rendezvous, model "
-                        "and stage build, first iteration, teardown; also under startup_s in the "
-                        "measured file)")
 
 
 def default_output(plan_path: str) -> str:
