@@ -93,81 +93,103 @@ class GlobalNormClip:
 def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: int, device) -> dict[str, Any]:
     """Train rank `rank`; returns {"rows": logged rows, "steps": [first, total], "iter_s": each
     step's seconds, "checkpoint_save_s": [...], "checkpoint_load_s": seconds or None}."""
-    from runtime import checkpoint
-    from runtime.data import DataFeed, Prefetcher, pin
-    from runtime.lr_schedule import LRSchedule
-
-    w = built.workload
-    group = dist.new_group(backend="gloo")      # collective: every rank, in the same order
-    feed = (DataFeed(w.train_data, plan.global_batch, tcfg.seed, w.collate_fn, check_items=False)
-            if w.train_data is not None else None)
-    total = total_steps(tcfg, feed.steps_per_epoch if feed is not None else None)
-    if feed is not None:
-        w.make_batch = feed        # every kind of stage reads the data (a plain stage: its slice only)
-    start, load_s, save_s = 0, None, []
-    if tcfg.resume:
-        meta = checkpoint.check_resumable(tcfg.checkpoint_dir, _model_ref(plan))
-        t = time.perf_counter()
-        checkpoint.load(meta["path"], built, rank, world, meta, plan_sha256, group)
-        load_s = time.perf_counter() - t
-        start = meta["step"]
-    opt = built.optimizer
-    schedule = LRSchedule([opt.device_opt, opt.host_opt], plan.optimizer.lr, total, tcfg.lr_schedule,
-                          tcfg.lr_schedule_args, tcfg.warmup_steps, tcfg.min_lr_ratio)
-    clip = GlobalNormClip(built, plan.optimizer.clip_grad_norm, group) if plan.optimizer.clip_grad_norm else None
-    built.before_optimizer = clip
+    from runtime.data import Prefetcher, pin
+    run = _Run(tcfg, plan, plan_sha256, built, rank, world)
     pinned = device.native           # a real accelerator: its copies from pinned memory do not block
     prefetch = Prefetcher(lambda s: (pin if pinned else _same)(built.microbatches(plan.global_batch, s)),
-                          range(start, total))
-    log = _Log(tcfg, rank, total) if rank == 0 else None
-    rows, iter_s = [], []
-    dist.barrier(group)
-    t_window, n_window, t0 = time.perf_counter(), 0, time.perf_counter()
+                          range(run.start, run.total))
+    log = _Log(tcfg, rank, run.total) if rank == 0 else None
+    dist.barrier(run.group)
+    run.t_window = run.t0 = time.perf_counter()
     try:
-        for step in range(start, total):
-            lr = schedule.apply(step)
+        for step in range(run.start, run.total):
+            lr = run.schedule.apply(step)
             t = time.perf_counter()
             batch = prefetch.get()
             built.begin()
             loss = built.step(batch)
             local = float(loss) if loss is not None else 0.0
             _fault(rank, step + 1, "kill")
-            iter_s.append(time.perf_counter() - t)
-            n_window += 1
-            done = step + 1
-            last = done == total
-            row = None
-            if done % tcfg.log_every == 0 or last:
-                now = time.perf_counter()
-                row = {"step": done, "epoch": feed.position(step)[0] if feed else 0,
-                       "loss": _sum(local, group), "lr": lr,
-                       "samples_per_s": plan.global_batch * n_window / max(now - t_window, 1e-9),
-                       "eta_s": (now - t0) / (done - start) * (total - done)}
-                if clip is not None:
-                    row["grad_norm"] = clip.norm
-                t_window, n_window = now, 0
-            if tcfg.eval_every and (done % tcfg.eval_every == 0 or last):
-                row = {**(row or {"step": done}), **evaluate(built, plan, group)}
+            run.iter_s.append(time.perf_counter() - t)
+            row = run.after_step(step, local, lr)
             if row is not None:
-                rows.append(row)
+                run.rows.append(row)
                 if log is not None:
                     log.write(row)
-            if tcfg.checkpoint_every and (done % tcfg.checkpoint_every == 0 or last):
-                t = time.perf_counter()
-                checkpoint.save(tcfg.checkpoint_dir, done, built, rank, {
-                    "epoch": feed.position(step)[0] if feed else 0, "seed": tcfg.seed,
-                    "model": _model_ref(plan), "params": _full_shapes(built, world, group),
-                    "world_size": world, "plan_sha256": plan_sha256,
-                    "data": {"global_batch": plan.global_batch,
-                             "steps_per_epoch": feed.steps_per_epoch if feed else None}}, group,
-                    written=lambda: _fault(rank, done, "kill-in-save"))
-                save_s.append(time.perf_counter() - t)
+            run.maybe_save(step + 1)
     finally:
         prefetch.close()
         if log is not None:
             log.close()
-    return {"rows": rows, "steps": [start, total], "iter_s": iter_s, "checkpoint_save_s": save_s,
-            "checkpoint_load_s": load_s}
+    return {"rows": run.rows, "steps": [run.start, run.total], "iter_s": run.iter_s,
+            "checkpoint_save_s": run.save_s, "checkpoint_load_s": run.load_s}
+
+
+class _Run:
+    """One rank's training state besides the model: the data, the step range, the schedule, the
+    clipping, what was logged and timed."""
+
+    def __init__(self, tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: int):
+        from runtime import checkpoint
+        from runtime.data import DataFeed
+        from runtime.lr_schedule import LRSchedule
+        self.tcfg, self.plan, self.sha, self.built, self.rank, self.world = tcfg, plan, plan_sha256, built, rank, world
+        w = built.workload
+        self.group = dist.new_group(backend="gloo")      # collective: every rank, in the same order
+        self.feed = (DataFeed(w.train_data, plan.global_batch, tcfg.seed, w.collate_fn, check_items=False)
+                     if w.train_data is not None else None)
+        self.total = total_steps(tcfg, self.feed.steps_per_epoch if self.feed is not None else None)
+        if self.feed is not None:
+            w.make_batch = self.feed   # every kind of stage reads the data (a plain stage: its slice only)
+        self.start, self.load_s, self.save_s = 0, None, []
+        if tcfg.resume:
+            meta = checkpoint.check_resumable(tcfg.checkpoint_dir, _model_ref(plan))
+            t = time.perf_counter()
+            checkpoint.load(meta["path"], built, rank, world, meta, plan_sha256, self.group)
+            self.load_s, self.start = time.perf_counter() - t, meta["step"]
+        opt = built.optimizer
+        self.schedule = LRSchedule([opt.device_opt, opt.host_opt], plan.optimizer.lr, self.total,
+                                   tcfg.lr_schedule, tcfg.lr_schedule_args, tcfg.warmup_steps, tcfg.min_lr_ratio)
+        c = plan.optimizer.clip_grad_norm
+        self.clip = GlobalNormClip(built, c, self.group) if c else None
+        built.before_optimizer = self.clip
+        self.rows, self.iter_s, self.n_window = [], [], 0
+        self.t0 = self.t_window = 0.0
+
+    def epoch(self, step: int) -> int:
+        return self.feed.position(step)[0] if self.feed else 0
+
+    def after_step(self, step: int, local_loss: float, lr: float) -> dict | None:
+        """The row of 0-based `step` where it is logged or evaluated (collectives on every rank)."""
+        done, tcfg = step + 1, self.tcfg
+        last, row = done == self.total, None
+        self.n_window += 1
+        if done % tcfg.log_every == 0 or last:
+            now = time.perf_counter()
+            row = {"step": done, "epoch": self.epoch(step), "loss": _sum(local_loss, self.group), "lr": lr,
+                   "samples_per_s": self.plan.global_batch * self.n_window / max(now - self.t_window, 1e-9),
+                   "eta_s": (now - self.t0) / (done - self.start) * (self.total - done)}
+            if self.clip is not None:
+                row["grad_norm"] = self.clip.norm
+            self.t_window, self.n_window = now, 0
+        if tcfg.eval_every and (done % tcfg.eval_every == 0 or last):
+            row = {**(row or {"step": done}), **evaluate(self.built, self.plan, self.group)}
+        return row
+
+    def maybe_save(self, done: int) -> None:
+        from runtime import checkpoint
+        tcfg = self.tcfg
+        if not tcfg.checkpoint_every or not (done % tcfg.checkpoint_every == 0 or done == self.total):
+            return
+        t = time.perf_counter()
+        feed = self.feed
+        checkpoint.save(tcfg.checkpoint_dir, done, self.built, self.rank, {
+            "epoch": self.epoch(done - 1), "seed": tcfg.seed, "model": _model_ref(self.plan),
+            "params": _full_shapes(self.built, self.world, self.group), "world_size": self.world,
+            "plan_sha256": self.sha, "data": {"global_batch": self.plan.global_batch,
+                                              "steps_per_epoch": feed.steps_per_epoch if feed else None}},
+            self.group, written=lambda: _fault(self.rank, done, "kill-in-save"))
+        self.save_s.append(time.perf_counter() - t)
 
 
 def _fault(rank: int, step: int, where: str) -> None:
