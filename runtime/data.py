@@ -42,21 +42,24 @@ class DataFeed:
                              "expected at least one global batch")
         self.size = n
         self.steps_per_epoch = n // global_batch
-        self._perm: tuple[int, torch.Tensor] | None = None
+        self._perm: tuple[int, list[int]] | None = None
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, batch within the epoch) of global step `step`."""
         return divmod(step, self.steps_per_epoch)
 
-    def indices(self, step: int) -> torch.Tensor:
+    def indices(self, step: int) -> list[int]:
         epoch, k = self.position(step)
         if self._perm is None or self._perm[0] != epoch:
             g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = (epoch, torch.randperm(self.size, generator=g))
+            self._perm = (epoch, torch.randperm(self.size, generator=g).tolist())
         return self._perm[1][k * self.global_batch:(k + 1) * self.global_batch]
 
     def read(self, step: int, a: int, b: int) -> tuple:
-        return collate([self.dataset[int(i)] for i in self.indices(step)[a:b]], self.collate_fn)
+        idx = self.indices(step)[a:b]
+        getitems = getattr(self.dataset, "__getitems__", None)    # torch's batched fetch, where defined
+        samples = getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
+        return collate(samples, self.collate_fn)
 
     def __call__(self, global_batch: int, step: int) -> tuple:
         return self.read(step, 0, global_batch)
