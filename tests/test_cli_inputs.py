@@ -77,3 +77,18 @@ def test_user_factory_in_the_working_directory(tmp_path):
     assert r.returncode == 0, r.stderr
     layers = json.loads(r.stdout)["layers"]
     assert [l["fwd_flops"] for l in layers] == [2 * 2 * 8 * 8, 2 * 2 * 8 * 2]   # 2·B·in·out; bias adds not counted
+
+
+def test_fifo_huge_batch_and_typo_are_one_line(tmp_path):
+    """A FIFO as the plan (must not block), `--batch 10**30` and a typo'd plan field: exit 2 and
+    one line each. Broken by: opening before the regular-file check, no batch bound, or a plan
+    loader that drops unknown keys (the typo'd plan would simulate with exit 0)."""
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    one_error_line(_hetplan("simulate", fifo, "--topology", WORKSTATION), str(fifo), "not a regular file")
+    one_error_line(_hetplan("graph", "--model", "mlp", "--batch", 10**30), "--batch", "expected an integer in [1, ")
+    plan = {"model": {"spec": "mlp"}, "global_batch": 4, "schedul": "gpipe",
+            "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:0", "layers": [0, 3]}]}]}
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(plan))
+    one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "did you mean `schedule`?")
