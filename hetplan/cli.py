@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._main(args) or 0)
     except InputError as e:
-        print(f"hetplan {args.command}: error: {e}", file=sys.stderr)
+        line = " ".join(str(e).split())   # one line even where a value or key held a newline
+        print(f"hetplan {args.command}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hetplan {args.command}: interrupted", file=sys.stderr)

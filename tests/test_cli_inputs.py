@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from planner.files.io import InputError, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,3 +79,49 @@ def test_user_factory_in_the_working_directory(tmp_path):
     assert r.returncode == 0, r.stderr
     layers = json.loads(r.stdout)["layers"]
     assert [l["fwd_flops"] for l in layers] == [2 * 2 * 8 * 8, 2 * 2 * 8 * 2]   # 2·B·in·out; bias adds not counted
+
+
+def test_fifo_huge_batch_and_typo_are_one_line(tmp_path):
+    """A FIFO as the plan (must not block), `--batch 10**30` and a typo'd plan field: exit 2 and
+    one line each. Broken by: opening before the regular-file check, no batch bound, or a plan
+    loader that drops unknown keys (the typo'd plan would simulate with exit 0)."""
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    one_error_line(_hetplan("simulate", fifo, "--topology", WORKSTATION), str(fifo), "not a regular file")
+    one_error_line(_hetplan("graph", "--model", "mlp", "--batch", 10**30), "--batch", "expected an integer in [1, ")
+    plan = {"model": {"spec": "mlp"}, "global_batch": 4, "schedul": "gpipe",
+            "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:0", "layers": [0, 3]}]}]}
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(plan))
+    one_error_line(_hetplan("simulate", path, "--topology", WORKSTATION), str(path), "did you mean `schedule`?")
+
+
+GOOD_FACTORY = (
+    "import torch\n"
+    "from planner.workload import Workload\n"
+    "def f():\n"
+    "    def make_batch(b, seed):\n"
+    "        return MAKE\n"
+    "    return Workload(torch.nn.Linear(4, 2), make_batch, torch.nn.functional.cross_entropy)\n")
+
+
+@pytest.mark.parametrize("source,spec,needle", [
+    ("raise RuntimeError('no GPU here')\n", "M:f", "importing module 'M' of 'M:f' failed: RuntimeError: no GPU here"),
+    ("def f(:\n", "M:f", "importing module 'M' of 'M:f' failed: SyntaxError"),
+    ("", ":f", "expected package.module:function"),
+    ("def f():\n    raise KeyError('weights')\n", "M:f", "the factory M:f failed: KeyError"),
+    (GOOD_FACTORY.replace("MAKE", "1 / 0"), "M:f", "M:f's make_batch(2, 0) failed: ZeroDivisionError"),
+    (GOOD_FACTORY.replace("MAKE", "None"), "M:f", "M:f's make_batch(2, 0) returned NoneType; expected (inputs, target)"),
+])
+def test_user_code_that_fails_is_one_line(tmp_path, monkeypatch, source, spec, needle):
+    """A model module or factory that fails names which part failed. Broken by: load.py letting
+    the user's exception through (a traceback, exit 1)."""
+    from planner.workload.load import load_workload
+    name = f"usermod_{abs(hash((source, spec))) % 10**8}"     # a fresh module each case
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec, needle = spec.replace("M", name), needle.replace("M", name)
+    with pytest.raises(InputError) as e:
+        w = load_workload(spec)
+        w.make_batch(2, 0)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

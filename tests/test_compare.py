@@ -144,7 +144,7 @@ def test_compare_warns_when_measured_for_another_plan(run_files, tmp_path, capsy
      "iteration_s: expected a positive number"),
     ({"schema": "hetplan.plan/1"}, "schema: expected 'hetplan.measured/1'"),
     ({"schema": "hetplan.measured/1", "plan_sha256": "x", "iterations_s": ["a"], "iteration_s": 1},
-     "iterations_s: expected a list of non-negative numbers"),
+     "iterations_s[0]: expected a non-negative number"),
 ])
 def test_bad_measured_file_one_line_exit_2(run_files, tmp_path, capsys, measured, expect):
     d, plan, _, topo = run_files

@@ -39,7 +39,7 @@ def test_demo_quick_end_to_end(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--batch", "0"], "--batch: expected a positive integer"),
+    (["--batch", "0"], "--batch: expected an integer in [1, "),
     (["--iters", "1"], "--iters: expected an integer >= 2"),
     (["--iters", "3", "--warmup", "3"], "--warmup: expected an integer in [0, --iters)"),
 ])

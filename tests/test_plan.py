@@ -140,7 +140,7 @@ def _set(d, path, value):
 _DEL = object()
 R1 = "replicas.1"
 CASES = [
-    ("global_batch", 0, "global_batch: expected a positive integer"),
+    ("global_batch", 0, "global_batch: expected an integer in [1, "),
     ("replicas", [], "replicas: expected a non-empty list"),
     ("schedule", "zb", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, hippie, got 'zb'"),
     ("schedule", "Hippie", "schedule: expected one of gpipe, 1f1b, interleaved-1f1b, zb-h1, hippie, got 'Hippie'"),
@@ -233,7 +233,7 @@ def test_load_errors_name_the_file(tmp_path):
 @pytest.mark.parametrize("content,message", [
     ("{", "not valid JSON"),
     (json.dumps({**BASE, "schedule": "zb"}), "schedule: expected one of gpipe, 1f1b"),
-    (json.dumps({**BASE, "global_batch": -3}), "global_batch: expected a positive integer"),
+    (json.dumps({**BASE, "global_batch": -3}), "global_batch: expected an integer in [1, "),
     (json.dumps({**BASE, "precision": "fp64"}), "precision: expected one of fp32, tf32, bf16, got 'fp64'"),
 ])
 def test_cli_exits_2_with_one_line_on_malformed_plan(tmp_path, content, message):

@@ -42,6 +42,10 @@ def hetplan(*args, env=None, timeout=60):
     (lambda d: ["run", str(write(d, plan([(1.0, 1, [("cpu:0", (0, 4))])], model={"spec": "nope"})))],
      "plan.json: model.spec: unknown model 'nope'"),
     (lambda d: ["run", str(write(d, DP2)), "--iters", "2", "--warmup", "2"], "--warmup"),
+    # refused before any worker starts (they used to fail as "worker failed", the last two at the end)
+    (lambda d: ["run", str(write(d, DP2)), "--master-port", "70000"], "--master-port: expected a port in [1, 65535]"),
+    (lambda d: ["run", str(write(d, DP2)), "--save-params", str(d)], "is a folder; expected a file path"),
+    (lambda d: ["run", str(write(d, DP2)), "--trace", str(write(d, {}, "t.json"))], "t.json is not a folder"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, make, expect):
     assert cli_main(make(tmp_path)) == 2
@@ -81,6 +85,16 @@ def test_stuck_worker_times_out(tmp_path):
     assert time.monotonic() - t0 < 30
     assert r.returncode == 1 and "worker failed: rank 0 (cpu:0)" in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_two_iterations_with_the_default_warmup(tmp_path):
+    """`run --iters 2` keeps one measured iteration (the default warm-up of 2 clamped to 1).
+    Broken by: a fixed default --warmup 2, refused as not below --iters."""
+    p = write(tmp_path, plan([(1.0, 1, [("cpu:0", (0, 4))])]))
+    r = hetplan("run", str(p), "--iters", "2", "-o", str(tmp_path / "m.json"))
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["warmup"] == 1 and m["iteration_s"] == m["iterations_s"][1]
 
 
 def test_cli_writes_measured_file(tmp_path):

@@ -86,8 +86,8 @@ def main(args) -> int:
     from hetplan.commands.profile import default_path
     from planner.files.io import InputError
 
-    if args.batch <= 0:
-        raise InputError(f"--batch: expected a positive integer, got {args.batch}")
+    from planner.files.plan import check_batch
+    check_batch(args.batch, "--batch")
     if args.iters < 2:
         raise InputError(f"--iters: expected an integer >= 2 (one warm-up, one measured), got {args.iters}")
     warmup = args.warmup if args.warmup is not None else min(2, args.iters // 2)

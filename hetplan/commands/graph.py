@@ -43,8 +43,8 @@ def main(args) -> int:
     from planner.files.io import InputError
     from planner.workload.load import load_workload, parse_model_args
 
-    if args.batch < 1:
-        raise InputError(f"--batch: expected a positive integer, got {args.batch}")
+    from planner.files.plan import check_batch
+    check_batch(args.batch, "--batch")
     workload = load_workload(args.model, parse_model_args(args.model_arg), args.layers, weights=False)
     print(f"capturing {args.model} at batch {args.batch} ...", file=sys.stderr)
     try:

@@ -56,8 +56,8 @@ def add_arguments(p):
 
 def _check_flags(args) -> None:
     from planner.files.io import InputError
-    if args.batch <= 0:
-        raise InputError(f"--batch: expected a positive integer, got {args.batch}")
+    from planner.files.plan import check_batch
+    check_batch(args.batch, "--batch")
     if not 0 < args.time_limit < float("inf"):
         raise InputError(f"--time-limit: expected a positive number of seconds, got {args.time_limit}")
     if args.iterations < 1:

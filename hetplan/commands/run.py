@@ -18,8 +18,8 @@ HELP = "execute a plan with torch.distributed on this machine and write the meas
 def add_arguments(p):
     p.add_argument("plan", help="plan file (hetplan.plan/1)")
     p.add_argument("--iters", type=int, default=10, help="iterations to run (default 10)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="iterations left out of the median iteration time (default 2)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="iterations left out of the median iteration time (default 2, at most --iters - 1)")
     p.add_argument("-o", "--output", default=None,
                    help="measured file (default: <plan name>.measured.json next to the plan)")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -89,8 +89,11 @@ def _run(args) -> int:
     marks.mark("main")
     if args.iters < 1:
         raise InputError(f"--iters: expected a positive integer, got {args.iters}")
+    if args.warmup is None:
+        args.warmup = min(2, args.iters - 1)    # `--iters 2` keeps one measured iteration
     if not 0 <= args.warmup < args.iters:
         raise InputError(f"--warmup: expected an integer in [0, --iters), got {args.warmup}")
+    check_paths(args)
     if not args.timeout > 0 or args.timeout == float("inf"):
         raise InputError(f"--timeout: expected a positive number, got {args.timeout}")
     from planner.hardware.cores import binding_enabled
@@ -145,6 +148,22 @@ def _trained(args, result: dict) -> int:
             if k.startswith("eval_"):
                 print(f"  {k}: {v:.6g}")
     return 0
+
+
+def check_paths(args) -> None:
+    """The port and the output paths, before any worker starts: a run must not fail at its end
+    because `--save-params` names a folder or `--trace` a file."""
+    from planner.files.io import InputError
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise InputError(f"--master-port: expected a port in [1, 65535], got {args.master_port}")
+    for flag, path, want_dir in (("--save-params", args.save_params, False), ("--trace", args.trace, True),
+                                 ("--output", args.output, False), ("--metrics", args.metrics, False)):
+        if path is None or not Path(path).exists():
+            continue
+        if want_dir and not Path(path).is_dir():
+            raise InputError(f"--trace: {path} is not a folder; expected a folder for the per-rank traces")
+        if not want_dir and Path(path).is_dir():
+            raise InputError(f"{flag}: {path} is a folder; expected a file path")
 
 
 def train_config(args, plan, given=None):

@@ -7,10 +7,12 @@ failure never leaves a half-written file behind.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -22,18 +24,69 @@ class InputError(Exception):
     """Bad input from outside (file, flag, spec). The message is one line for the user."""
 
 
+MAX_INT = 2**63 - 1   # the largest integer a file may hold (int64: what torch and numpy index with)
+
+
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """The JSON value in `path`: a regular file of UTF-8 JSON whose numbers are finite and whose
+    integers fit in int64. Anything else (a FIFO, bad bytes, deep nesting, `NaN`, `1e400`, a
+    4,301-digit integer) is one InputError line naming the file and, where known, the field."""
     p = Path(path)
     try:
-        text = p.read_text()
+        if not stat.S_ISREG(os.stat(p).st_mode):   # a FIFO would block open(), a folder fail late
+            raise InputError(f"{p}: {what} is not a regular file; expected a JSON file")
+        raw = p.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{p}: {what} not found") from None
     except OSError as e:
         raise InputError(f"{p}: cannot read {what}: {e.strerror}") from None
     try:
-        return json.loads(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{p}: not UTF-8 text (byte {e.start}); expected a UTF-8 JSON {what}") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError(f"{p}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise InputError(f"{p}: not valid JSON: nested too deeply") from None
+    except ValueError:          # an integer over sys.int_max_str_digits (4,300)
+        raise InputError(f"{p}: not valid JSON: an integer of over 4,300 digits; expected a finite number") from None
+    bad = _first_bad_number(data)
+    if bad is not None:
+        field_, v = bad
+        raise InputError(f"{p}: {field_ or 'top level'}: expected a finite number"
+                         f"{' within ±2**63' if isinstance(v, int) else ''}, got {_short(v)}")
+    return data
+
+
+def _first_bad_number(data: Any) -> tuple[str, Any] | None:
+    """(dotted field, value) of the first NaN, infinity or integer beyond MAX_INT, depth first;
+    None when every number is fine. Iterative: a deep file cannot exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, float) and not math.isfinite(v):
+            return where, v
+        elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT:
+            return where, v
+    return None
+
+
+def _short(v: Any) -> str:
+    """A value for an error line: at most 60 characters (a 4,000-digit integer is not printed)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 10**40:
+        return f"an integer of {len(str(abs(v)))} digits"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)    # json.dumps would refuse or write NaN/Infinity; "nan", "inf" say it
+    try:
+        return json.dumps(v)[:60]
+    except (TypeError, ValueError):
+        return repr(v)[:60]
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
@@ -131,15 +184,25 @@ class Reader:
                 v, ok = float(v), math.isfinite(float(v))
             elif k is int and isinstance(v, int) and not isinstance(v, bool):
                 ok = True
-            elif k is int and isinstance(v, float) and v.is_integer() and float not in kinds:
-                v, ok = int(v), True
+            elif k is int and isinstance(v, float) and v.is_integer() and abs(v) <= 2**53 and float not in kinds:
+                v, ok = int(v), True     # 4.0 is 4; 1e308 is not an exact integer
             elif k not in (int, float) and isinstance(v, k):
                 ok = True
             if ok:
                 break
         if not ok or (check is not None and not check(v)):
-            raise self.error(key, f"expected {expected or _type_name(kind)}, got {json.dumps(v)[:60]}")
+            raise self.error(key, f"expected {expected or _type_name(kind)}, got {_short(v)}")
         return v
+
+    def only(self, known: Any, free: Any = ()) -> None:
+        """Refuse a key outside `known` (and `free`, the documented free-form keys) with the
+        closest known name: a typo must not be dropped silently for a default."""
+        names = set(known) | set(free)
+        for key in self.data:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+                hint = f"did you mean `{close[0]}`?" if close else f"expected one of {', '.join(sorted(known))}"
+                raise self.error(str(key), f"unknown field; {hint}")
 
     def sub(self, key: str) -> "Reader":
         return Reader(self.get(key, dict), self.file, self.where(key))

@@ -25,6 +25,15 @@ OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu", "split")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (planner.workload.precision)
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
+MAX_THREADS = 65536                # a CPU worker's intra-op threads (plan and topology files; torch takes a C int)
+MAX_GLOBAL_BATCH = 2**20           # samples per iteration (plan files and --batch): a larger batch
+                                   # is a typo, and enumerating or allocating it would not end
+
+
+def check_batch(batch: int, where: str) -> None:
+    """A global batch in [1, MAX_GLOBAL_BATCH]; InputError naming `where` otherwise."""
+    if not 1 <= batch <= MAX_GLOBAL_BATCH:
+        raise InputError(f"{where}: expected an integer in [1, {MAX_GLOBAL_BATCH}], got {batch}")
 
 
 def min_microbatches(stages: int, schedule: str, devices: int | None = None) -> int:
@@ -200,8 +209,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
     def err(field_: str, msg: str) -> InputError:
         return InputError(f"{file}: {field_}: {msg}")
 
-    if plan.global_batch < 1:
-        raise err("global_batch", f"expected a positive integer, got {plan.global_batch}")
+    check_batch(plan.global_batch, f"{file}: global_batch")
     if not plan.replicas:
         raise err("replicas", "expected at least one replica")
     if plan.schedule not in SCHEDULES:
@@ -415,17 +423,21 @@ def _validate_pipedream(plan: Plan, err) -> None:
 # --- file format ---------------------------------------------------------------------------
 def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     r = Reader(data, file)
+    r.only(_FIELDS[""])
     schema = r.get("schema", str, default=SCHEMA)
     if schema != SCHEMA:
         raise r.error("schema", f"expected {SCHEMA!r}, got {schema!r}")
     m = r.sub("model")
+    m.only(_FIELDS["model"])
     model = ModelRef(spec=m.get("spec", str), args=dict(m.get("args", dict, default={})),
                      layers=m.get("layers", str, default=None, check=lambda v: bool(v.strip()),
                                   expected="a module name pattern such as \"model.layers.*\""))
     replicas = []
     for rr in r.readers("replicas"):
+        rr.only(_FIELDS["replica"])
         stages = []
         for s in rr.readers("stages"):
+            s.only(_FIELDS["stage"])
             lay = s.get("layers", list, check=lambda v: len(v) == 2 and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
                 expected="[start, end] with non-negative integers")
@@ -440,6 +452,7 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     sync = Sync()
     if r.has("sync"):
         s = r.sub("sync")
+        s.only(_FIELDS["sync"])
         sync = Sync(granularity=s.get("granularity", str, default=sync.granularity),
                     bucket_bytes=s.get("bucket_bytes", int, default=sync.bucket_bytes),
                     mode=s.get("mode", str, default=sync.mode),
@@ -450,6 +463,7 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     opt = Optimizer()
     if r.has("optimizer"):
         o = r.sub("optimizer")
+        o.only(_FIELDS["optimizer"])
         opt = Optimizer(name=o.get("name", str, default=opt.name), lr=o.get("lr", float, default=opt.lr),
                         placement=o.get("placement", str, default=opt.placement),
                         cpu_fraction=o.get("cpu_fraction", float, default=None),
@@ -459,20 +473,16 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     topo = None
     if r.has("topology"):
         t = r.sub("topology")
+        t.only(_FIELDS["topology"])
         threads = t.get("threads", dict, default={})
         for d, n in threads.items():
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise t.error(f"threads.{d}", f"expected a positive integer, got {json.dumps(n)}")
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_THREADS:
+                raise t.error(f"threads.{d}", f"expected an integer in [1, {MAX_THREADS}], got {json.dumps(n)}")
         topo = TopologyRef(name=t.get("name", str), sha256=t.get("sha256", str),
                            threads=tuple(sorted(threads.items())), host=t.get("host", str, default=None),
-                           cpu_cores=t.get("cpu_cores", int, default=None))
-    pred = None
-    if r.has("predicted"):
-        p = r.sub("predicted")
-        peak = p.get("peak_memory_bytes", dict, default={})
-        pred = Predicted(iteration_s=p.get("iteration_s", float),
-                         peak_memory_bytes={str(k): float(v) for k, v in peak.items()},
-                         extra={k: v for k, v in p.data.items() if k not in ("iteration_s", "peak_memory_bytes")})
+                           cpu_cores=t.get("cpu_cores", int, default=None, check=lambda v: v >= 1,
+                                           expected="a positive integer"))
+    pred = _read_predicted(r.sub("predicted")) if r.has("predicted") else None
     plan = Plan(model=model, global_batch=r.get("global_batch", int), replicas=tuple(replicas),
                 schedule=r.get("schedule", str, default="1f1b"), sync=sync, optimizer=opt,
                 recompute=r.get("recompute", bool, default=False),
@@ -481,13 +491,47 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
     return plan
 
 
+# each object's fields (Reader.only); `model.args`, `optimizer.args`, `topology.threads` and
+# `predicted`'s extras (baselines, search, time_to_loss, ...) are free-form
+_FIELDS = {
+    "": ("schema", "model", "global_batch", "topology", "replicas", "schedule", "sync", "optimizer",
+         "recompute", "precision", "predicted"),
+    "model": ("spec", "args", "layers"),
+    "replica": ("batch_fraction", "microbatches", "stages"),
+    "stage": ("device", "devices", "layers", "offload_activations"),
+    "share": ("device", "share"),
+    "sync": ("granularity", "bucket_bytes", "mode", "period", "alpha", "server", "average"),
+    "optimizer": ("name", "lr", "placement", "cpu_fraction", "torch_class", "args", "clip_grad_norm"),
+    "topology": ("name", "sha256", "threads", "host", "cpu_cores"),
+}
+
+
+def _read_predicted(p: Reader) -> Predicted:
+    """`predicted`: a positive iteration time, non-negative finite memory figures per device and,
+    when the plan was chosen by time to loss, its target, iterations and seconds as numbers."""
+    peak = p.sub("peak_memory_bytes") if p.has("peak_memory_bytes") else None
+    memory = {str(k): peak.get(k, float, check=lambda v: v >= 0, expected="a non-negative number of bytes")
+              for k in peak.data} if peak is not None else {}
+    if p.has("time_to_loss"):
+        t = p.sub("time_to_loss")
+        t.get("target_loss", float)
+        for key in ("iterations", "time_s"):
+            t.get(key, float, check=lambda v: v >= 0, expected="a non-negative number")
+    return Predicted(iteration_s=p.get("iteration_s", float, check=lambda v: v > 0, expected="a positive number"),
+                     peak_memory_bytes=memory,
+                     extra={k: v for k, v in p.data.items() if k not in ("iteration_s", "peak_memory_bytes")})
+
+
 def _read_split(s: Reader) -> tuple[Share, ...]:
     """A stage's "devices" ([{"device", "share"}, ...]), or () when it has "device" instead."""
     if not s.has("devices"):
         return ()
     if s.has("device"):
         raise s.error("devices", "expected either \"device\" or \"devices\", not both")
-    return tuple(Share(e.get("device", str), e.get("share", float)) for e in s.readers("devices"))
+    shares = s.readers("devices")
+    for e in shares:
+        e.only(_FIELDS["share"])
+    return tuple(Share(e.get("device", str), e.get("share", float)) for e in shares)
 
 
 def _stage_dict(s: Stage) -> dict[str, Any]:
@@ -553,5 +597,5 @@ def plan_key(plan: Plan) -> str:
 
 
 __all__ = ["Plan", "Replica", "Stage", "Share", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
-           "validate_plan", "min_microbatches", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan",
+           "validate_plan", "check_batch", "MAX_GLOBAL_BATCH", "min_microbatches", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan",
            "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "SYNC_MODES", "PIPEDREAM_MODES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]

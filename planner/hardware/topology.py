@@ -156,16 +156,29 @@ class Topology:
 _DEVICE_FIELDS = {"name", "kind", "threads", "memory_bytes", "matmul_flops_per_s",
                   "memory_bytes_per_s", "op_overhead_s", "matmul_flops_per_s_by_precision"}
 _LINK_FIELDS = {"a", "b", "bandwidth_bytes_per_s", "latency_s"}
+# what `hetplan profile` adds beside the contract's fields (runtime.profile): known by name, their
+# contents free-form (only what the cost model reads is checked); any other key is refused
+_TOP_MEASURED = {"host", "collectives", "calibration", "settings", "notes"}
+_DEVICE_MEASURED = {"matmul_table", "matmul_tf32_table", "matmul_bf16_table", "memory_copy", "op_overhead",
+                    "host_copy_table", "host_copy", "optimizer_table", "model", "measured_concurrently_with"}
+_LINK_MEASURED = {"p2p_table", "method"}
+# a device's or link's rates below these are typos (1e-300 FLOP/s), not hardware; the times they
+# give would overflow. In SI: FLOP/s, bytes/s, bytes.
+_MIN_RATE = 1.0
 
 
 def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
+    from planner.files.plan import MAX_THREADS
     r = Reader(data, file)
+    r.only({"schema", "name", "devices", "links"}, free=_TOP_MEASURED)
     schema = r.get("schema", str, default=SCHEMA)
     if schema != SCHEMA:
         raise r.error("schema", f"expected {SCHEMA!r}, got {schema!r}")
     positive = lambda v: v > 0  # noqa: E731
+    rate = dict(check=lambda v: v >= _MIN_RATE, expected=f"a number >= {_MIN_RATE:g}")
     devices = []
     for d in r.readers("devices"):
+        d.only(_DEVICE_FIELDS, free=_DEVICE_MEASURED)
         name = d.get("name", str)
         try:
             _, kind_from_name, _ = parse_device_name(name)
@@ -175,12 +188,13 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
                      check=lambda k: k == kind_from_name, expected=f"{kind_from_name!r} (as in its name)")
         devices.append(Device(
             name=name, kind=kind,
-            memory_bytes=d.get("memory_bytes", float, check=positive, expected="a positive number"),
-            matmul_flops_per_s=d.get("matmul_flops_per_s", float, check=positive, expected="a positive number"),
-            memory_bytes_per_s=d.get("memory_bytes_per_s", float, check=positive, expected="a positive number"),
+            memory_bytes=d.get("memory_bytes", float, **rate),
+            matmul_flops_per_s=d.get("matmul_flops_per_s", float, **rate),
+            memory_bytes_per_s=d.get("memory_bytes_per_s", float, **rate),
             op_overhead_s=d.get("op_overhead_s", float, default=0.0, check=lambda v: v >= 0,
                                 expected="a non-negative number"),
-            threads=d.get("threads", int, default=None, check=positive, expected="a positive integer"),
+            threads=d.get("threads", int, default=None, check=lambda v: 1 <= v <= MAX_THREADS,
+                          expected=f"an integer in [1, {MAX_THREADS}]"),
             matmul_flops_per_s_by_precision=_by_precision(d),
             measured=_checked_measured(d),
         ))
@@ -189,22 +203,39 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
         if dev.name in names:
             raise r.error(f"devices[{i}].name", f"duplicate device name {dev.name!r}")
         names.add(dev.name)
-    links = []
-    for l in r.readers("links", allow_empty=True) if r.has("links") else []:
+    links, pairs = [], {}
+    for i, l in enumerate(r.readers("links", allow_empty=True) if r.has("links") else []):
+        l.only(_LINK_FIELDS, free=_LINK_MEASURED)
         a = l.get("a", str, check=lambda v: v in names, expected="the name of a device in 'devices'")
         b = l.get("b", str, check=lambda v: v in names and v != a,
                   expected="the name of another device in 'devices'")
+        if frozenset((a, b)) in pairs:
+            raise l.error("", f"a second link between {a} and {b} (the first is links[{pairs[frozenset((a, b))]}]); "
+                              "expected one link per pair of devices")
+        pairs[frozenset((a, b))] = i
         links.append(Link(
             a=a, b=b,
-            bandwidth_bytes_per_s=l.get("bandwidth_bytes_per_s", float, check=positive,
-                                        expected="a positive number"),
+            bandwidth_bytes_per_s=l.get("bandwidth_bytes_per_s", float, **rate),
             latency_s=l.get("latency_s", float, default=0.0, check=lambda v: v >= 0,
                             expected="a non-negative number"),
             measured={k: v for k, v in l.data.items() if k not in _LINK_FIELDS},
         ))
     extra = {k: v for k, v in r.data.items() if k not in {"schema", "name", "devices", "links"}}
+    _check_host(r)
+    if "calibration" in extra:     # read lazily by the cost model: its errors would name no file
+        from planner.hardware.calibration import calibration_from_dict
+        calibration_from_dict(extra["calibration"], file)
     return Topology(name=r.get("name", str, default=Path(file).stem), devices=tuple(devices),
                     links=tuple(links), measured=extra)
+
+
+def _check_host(r: Reader) -> None:
+    """`host` (a profiled topology's machine): an object whose `cores` and `hostname`, read by the
+    planner and `run`, are a positive integer and a string."""
+    if r.has("host"):
+        h = r.sub("host")
+        h.get("cores", int, default=None, check=lambda v: v >= 1, expected="a positive integer")
+        h.get("hostname", str, default=None)
 
 
 def _checked_measured(d: Reader) -> dict[str, Any]:

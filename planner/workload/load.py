@@ -50,12 +50,16 @@ def _resolve(spec: str) -> Callable[..., Any]:
         raise InputError(f"--model: unknown model {spec!r}; expected one of "
                          f"{', '.join(sorted(models.BUILTINS))} or package.module:function")
     modname, _, fname = spec.partition(":")
+    if not modname.strip() or not fname.strip():
+        raise InputError(f"--model: {spec!r}: expected package.module:function, both named")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())   # `pkg.mod:fn` from the working directory, as `python -m` finds it
     try:
         mod = importlib.import_module(modname)
     except ImportError as e:
         raise InputError(f"--model: cannot import module {modname!r} of {spec!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module: a SyntaxError, or raising on import
+        raise InputError(f"--model: importing module {modname!r} of {spec!r} failed: {_why(e)}") from None
     fn = getattr(mod, fname, None)
     if not callable(fn):
         raise InputError(f"--model: {modname!r} has no function {fname!r}")
@@ -90,6 +94,8 @@ def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | N
         raise
     except (TypeError, ValueError) as e:
         raise InputError(f"--model-arg: {spec} rejected its arguments {args}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's factory
+        raise InputError(f"--model: the factory {spec} failed: {_why(e)}") from None
     w = as_workload(w, spec)
     if layers is not None:
         w.layers = layers
@@ -108,13 +114,43 @@ def as_workload(w: Any, spec: str) -> Workload:
                              "model, make_batch and loss_fn")
     if not isinstance(w.model, torch.nn.Module):
         raise InputError(f"--model: {spec} returned a model that is not a torch.nn.Module")
+    if not callable(w.make_batch) or not callable(w.loss_fn):
+        raise InputError(f"--model: {spec} returned a make_batch or loss_fn that is not callable")
     if isinstance(w, Workload):
+        if not isinstance(w.make_batch, GuardedBatch):
+            w.make_batch = GuardedBatch(w.make_batch, spec)
         return w
-    return Workload(model=w.model, make_batch=w.make_batch, loss_fn=w.loss_fn,
+    return Workload(model=w.model, make_batch=GuardedBatch(w.make_batch, spec), loss_fn=w.loss_fn,
                     optimizer=getattr(w, "optimizer", "adam"), lr=getattr(w, "lr", 1e-3),
                     layers=getattr(w, "layers", None), train_data=getattr(w, "train_data", None),
                     eval_data=getattr(w, "eval_data", None), collate_fn=getattr(w, "collate_fn", None),
                     metrics=getattr(w, "metrics", None))
+
+
+def _why(e: BaseException) -> str:
+    """`Type: first line of the message` (at most 160 characters) for an error of user code."""
+    line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {line[:160]}" if line else type(e).__name__
+
+
+class GuardedBatch:
+    """A workload's make_batch whose failure is one InputError line naming it: it raised, or it
+    returned something other than (inputs, target). A class, not a closure, so it pickles."""
+
+    def __init__(self, fn: Callable[[int, int], Any], spec: str):
+        self.fn, self.spec = fn, spec
+
+    def __call__(self, batch_size: int, seed: int) -> Any:
+        try:
+            out = self.fn(batch_size, seed)
+        except InputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's make_batch
+            raise InputError(f"--model: {self.spec}'s make_batch({batch_size}, {seed}) failed: {_why(e)}") from None
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise InputError(f"--model: {self.spec}'s make_batch({batch_size}, {seed}) returned "
+                             f"{type(out).__name__}; expected (inputs, target)")
+        return out
 
 
 _WHOLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # a shapes-only model -> its whole workload
