@@ -22,3 +22,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.cuda)])
+def gpu(request, monkeypatch):
+    """One GPU for a test: 'standin': the CPU standing in for cuda:0 (planner.hardware.device); 'real': this GPU."""
+    if request.param == "standin":
+        from planner.hardware.device import STANDIN_ENV
+        monkeypatch.setenv(STANDIN_ENV, "1")
+    return request.param

@@ -60,15 +60,6 @@ def test_gpt_mlp_blocks_split_with_sgd(tmp_path):
     run_and_compare(tmp_path, split_plan(model, shares=(0.5, 0.5), global_batch=4, opt="sgd"))
 
 
-@pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.cuda)])
-def gpu(request, monkeypatch):
-    """'standin': the CPU standing in for cuda:0 (planner.hardware.device); 'real': this GPU."""
-    if request.param == "standin":
-        from planner.hardware.device import STANDIN_ENV
-        monkeypatch.setenv(STANDIN_ENV, "1")
-    return request.param
-
-
 def test_split_between_a_gpu_and_the_cpu_goes_through_host_memory(tmp_path, gpu):
     # the pair's all-reduces run on gloo, the GPU rank's tensors staged through host memory
     # (real GPU kernels round differently from the CPU reference, hence the looser bound there)

@@ -192,15 +192,6 @@ def test_a_script_trains_with_hetplan_train_under_torchrun(tmp_path):
     digits().model.load_state_dict(params)        # the model's own state_dict keys
 
 
-@pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.cuda)])
-def gpu(request, monkeypatch):
-    """'standin': the CPU standing in for cuda:0 (planner.hardware.device); 'real': this GPU."""
-    if request.param == "standin":
-        from planner.hardware.device import STANDIN_ENV
-        monkeypatch.setenv(STANDIN_ENV, "1")
-    return request.param
-
-
 def test_a_cpu_and_gpu_pipeline_trains_on_data_and_resumes(tmp_path, gpu):
     # the GPU stage takes the targets (pinned on a real GPU), clips, steps its optimizer on the host
     # (placement cpu: master copies) and checkpoints through the host
