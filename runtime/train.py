@@ -39,6 +39,8 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     tensorboard: str | None = None      # a SummaryWriter directory (needs the tensorboard package)
+    runs: int | None = None             # the steps this run makes (set by the launcher's checks): the
+                                        # pipeline runners post receives ahead for exactly these
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,6 +135,7 @@ class _Run:
         from runtime import checkpoint
         from runtime.data import DataFeed
         from runtime.lr_schedule import LRSchedule
+        from runtime.pipeline import StageRunner
         self.tcfg, self.plan, self.sha, self.built, self.rank, self.world = tcfg, plan, plan_sha256, built, rank, world
         w = built.workload
         self.group = dist.new_group(backend="gloo")      # collective: every rank, in the same order
@@ -147,6 +150,8 @@ class _Run:
             t = time.perf_counter()
             checkpoint.load(meta["path"], built, rank, world, meta, plan_sha256, self.group)
             self.load_s, self.start = time.perf_counter() - t, meta["step"]
+        if type(built.runner) is StageRunner:        # its receives posted ahead: for these steps only
+            built.runner.runs_left = self.total - self.start
         opt = built.optimizer
         self.schedule = LRSchedule([opt.device_opt, opt.host_opt], plan.optimizer.lr, self.total,
                                    tcfg.lr_schedule, tcfg.lr_schedule_args, tcfg.warmup_steps, tcfg.min_lr_ratio)

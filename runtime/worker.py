@@ -87,7 +87,8 @@ def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
         if sorted(names) != sorted(plan.devices):
             raise ValueError(f"ranks map to devices {names}; expected each plan device once")
         marks.mark("rendezvous")
-        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=cfg.iters,
+        runs = (cfg.train or {}).get("runs") or cfg.iters     # training: the steps to make
+        built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=runs,
                             given=given)
         lower_gloo_loop_priority()    # after every group exists (runtime.gloo_threads)
         marks.mark("stages")

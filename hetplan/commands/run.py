@@ -7,6 +7,7 @@ The measured file defaults to `<plan name>.measured.json` next to the plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -204,17 +205,20 @@ def train_config(args, plan, given=None):
                       checkpoint_every=args.checkpoint_every, resume=args.resume, lr_schedule=args.lr_schedule,
                       lr_schedule_args=sched_args, warmup_steps=args.warmup_steps,
                       min_lr_ratio=args.min_lr_ratio, tensorboard=args.tensorboard)
-    check_data(cfg, plan, args.plan, given)
-    return cfg
+    runs = check_data(cfg, plan, args.plan, given)
+    return dataclasses.replace(cfg, runs=runs)
 
 
-def check_data(cfg, plan, file: str, given=None) -> None:
-    """The resume point, and the workload's datasets against the plan, checked in this process."""
+def check_data(cfg, plan, file: str, given=None) -> int:
+    """The resume point, and the workload's datasets against the plan, checked in this process;
+    returns the steps this run will make."""
     from planner.files.io import InputError
     from runtime import checkpoint
     from runtime.train import _model_ref
+    start = 0
     if cfg.resume:
         meta = checkpoint.check_resumable(cfg.checkpoint_dir, _model_ref(plan))
+        start = meta["step"]
         if cfg.steps is not None and meta["step"] >= cfg.steps:
             raise InputError(f"--steps: the latest checkpoint ({meta['path']}) is at step {meta['step']}; "
                              f"expected more steps than that, got {cfg.steps}")
@@ -230,12 +234,18 @@ def check_data(cfg, plan, file: str, given=None) -> None:
         if cfg.epochs is not None:
             raise InputError(f"--epochs: {plan.model.spec} has no train_data; expected --steps (synthetic batches)")
     else:
-        DataFeed(w.train_data, plan.global_batch, cfg.seed, w.collate_fn)
+        feed = DataFeed(w.train_data, plan.global_batch, cfg.seed, w.collate_fn)
         _check_fits(w, plan)
     if cfg.eval_every:
         if w.eval_data is None:
             raise InputError(f"--eval-every: {plan.model.spec} has no eval_data; expected a workload with eval_data")
         check_dataset(w.eval_data, "eval_data")
+    from runtime.train import total_steps
+    total = total_steps(cfg, feed.steps_per_epoch if w.train_data is not None else None)
+    if total <= start:
+        raise InputError(f"--epochs: the latest checkpoint is at step {start}; expected more than "
+                         f"{cfg.epochs} epoch(s) of {total // cfg.epochs} steps")
+    return total - start
 
 
 def _check_fits(w, plan) -> None:
