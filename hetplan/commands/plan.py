@@ -254,7 +254,7 @@ def _optimizer_flags(args):
     from planner.files.io import InputError
     from planner.files.plan import Optimizer, frozen_args
     from planner.workload.load import parse_model_args
-    from planner.workload.optimizer import DEFAULT_CLASS, OptimizerSpecError, check_spec, priced_as, torch_class
+    from planner.files.optimizer_spec import DEFAULT_CLASS, OptimizerSpecError, check_spec, priced_as, torch_class
     if args.optimizer is None and not args.optimizer_arg and args.clip_grad_norm is None:
         return None
     if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):

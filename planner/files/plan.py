@@ -193,7 +193,7 @@ class Plan:
 # --- validation -----------------------------------------------------------------------------
 def _validate_torch_optimizer(o: Optimizer, err) -> None:
     """torch_class names a torch.optim optimizer priced as `name`; clip_grad_norm is positive."""
-    from planner.workload.optimizer import OptimizerSpecError, check_spec
+    from planner.files.optimizer_spec import OptimizerSpecError, check_spec
     try:
         check_spec(o.name, o.torch_class, o.kwargs)
     except OptimizerSpecError as e:
