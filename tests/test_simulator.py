@@ -475,7 +475,8 @@ def test_cli_json_and_trace(tmp_path):
     out = _cli(p, "--topology", WORKSTATION, "--json", "--trace", tmp_path / "trace.json")
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
-    assert set(res) == {"iteration_s", "peak_memory_bytes", "feasible", "per_device"}
+    assert set(res) == {"iteration_s", "peak_memory_bytes", "feasible", "per_device", "engine"}
+    assert res["engine"] in ("event-loop", "fixed-order", "compiled")   # traced: the whole graph
     assert set(res["per_device"]) == {"cpu:0", "cuda:0"} and res["feasible"] is True
     assert res["iteration_s"] > 0 and all(v["busy_s"] > 0 for v in res["per_device"].values())
     trace = json.loads((tmp_path / "trace.json").read_text())
@@ -522,7 +523,8 @@ import random  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 from planner.sim.eventloop import run as run_tasks  # noqa: E402
-from simreference import random_case, random_twin_case, reference_run  # noqa: E402
+from planner.sim.reference import run as reference_run  # noqa: E402
+from simreference import random_case, random_twin_case  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -537,7 +539,7 @@ def test_event_loop_starts_tasks_exactly_as_the_reference_loop(seed):
         dur = [values[k] for k in shape.dkey]
         fast = run_tasks(dur, shape.res, shape.succ, list(shape.ndeps), shape.shared_res,
                          len(sim._lanes))
-        assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim._lanes))
+        assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim._lanes))   # no wake-ups here
 
 
 def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(monkeypatch):

@@ -321,7 +321,7 @@ def test_a_zero_length_task_before_the_coupling_takes_the_whole_graph():
     g, values = _two_replicas_and_coupling(0.5)
     dur = [values[k] for k in g.dkey]
     assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
-    assert split.Split.of(g, {}, 4, {}).run(values, {}) == 8.0
+    assert split.Split.of(g, {}, 4, {}).run(values, {}) == (8.0, "delta/event-loop/event-loop")
 
 
 def test_a_step_ready_as_a_zero_length_task_ends_on_its_device_takes_the_whole_graph():
@@ -410,14 +410,15 @@ def test_an_all_reduce_over_a_pipelines_link_splits_only_when_it_comes_after_the
 @pytest.mark.skipif(not split.fastloop.available(), reason="numba is not installed")
 def test_coupling_graphs_run_compiled_give_the_whole_graphs_results(paths, monkeypatch):
     # every coupling graph of two tasks or more through planner.sim.fastloop (the search's
-    # take it from COUPLING_COMPILED tasks): the same results, rails grid plans and edge cases
-    monkeypatch.setattr(split, "COUPLING_COMPILED", 2)
+    # take it from engines.COUPLING_COMPILED tasks): the same results, rails grid plans and edge cases
+    from planner.sim import engines
+    monkeypatch.setattr(engines, "COUPLING_COMPILED", 2)
     compiled = []
     run = split.Split.run
 
     def counted(self, values, runs):
         out = run(self, values, runs)
-        compiled.append(self.fast is not None)
+        compiled.append(self.state.fast is not None)
         return out
     monkeypatch.setattr(split.Split, "run", counted)
     g, topo = synthetic_graph(24, 64), cluster_64(2)
@@ -436,12 +437,13 @@ def test_a_coupling_graph_run_again_takes_the_fixed_order_pass(paths, monkeypatc
     from simulator_speed import plans as speed_plans, synthetic
     g, topo = synthetic(2, 2, 8)
     passes = []
-    run = split.Static.run
+    from planner.sim.listsched import Static
+    run = Static.run
 
     def counted(self, dur, wake):
         out = run(self, dur, wake)
         passes.append(out is not None)
         return out
-    monkeypatch.setattr(split.Static, "run", counted)
+    monkeypatch.setattr(Static, "run", counted)
     same_results(g, topo, speed_plans(2, 2, 8, 8, 40) + speed_plans(2, 2, 8, 2, 20))
     assert paths["split"] == 60 and sum(passes) >= 40, (paths, sum(passes))

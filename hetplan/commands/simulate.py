@@ -44,7 +44,7 @@ def main(args) -> int:
         write_chrome_trace(result, args.trace)
         print(f"hetplan simulate: wrote trace {args.trace}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps({**result.to_json(), "engine": result.engine}))   # planner.sim.engines
         return 0
     print(_summary(result, topology))
     if args.grid:

@@ -53,31 +53,30 @@ loss computation (part of the last stage's forward as captured), the notice a la
 receive sends back to the sender (one more latency), and all-reduce algorithms other than the
 ring.
 
-Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
-from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan;
-a shape simulated again takes the fixed-order pass (planner.sim.listsched) where every resource's
-order is fixed, and its duration values are kept per replica and microbatch size. A plan whose
-replicas (or groups of replicas sharing links) are independent is simulated replica by replica,
-each distinct one once and kept across plans, a replica by one pass over its schedule where that
-is exact (planner.sim.pipeline), then the coupling (planner.sim.split, delta simulation).
-None of it changes a result. Contention between CPU workers: planner.sim.contention.
+What a run means: planner.sim.reference (the reference loop). How it is computed: the engines
+of planner.sim.engines, tried in one ordered list (`Simulator(engines=...)`), each giving the
+reference's times or declining; the result names the one that ran (`SimResult.engine`).
+Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped from
+a template of its structure: planner.sim.template) are cached per plan shape, results per plan,
+duration values per replica and microbatch size. Contention between CPU workers:
+planner.sim.contention.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from planner.cost.buckets import Bucket, buffer_broadcasts, exchanged_buckets
 from planner.cost.model import CostModel, RooflineCost
-from planner.sim import contention, fastloop
+from planner.sim import contention
 from planner.sim.bound import lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
-from planner.sim.eventloop import run as run_tasks, shared_resources
-from planner.sim.listsched import Static
+from planner.sim.engines import DELTA, TWINS, Engine, engines_of, run_graph
+from planner.sim.eventloop import shared_resources
 from planner.sim.split import Split, groups as split_groups
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
@@ -93,6 +92,9 @@ class SimResult:
     feasible: bool
     per_device: dict[str, dict[str, float]]
     tasks: tuple[dict[str, Any], ...] | None = field(default=None, compare=False, repr=False)
+    # the engines that computed it (planner.sim.engines): "<graph engine>", "twins/<graph engine>" or
+    # "delta/<replica engines>/<coupling graph's engine>"; not part of the result's value
+    engine: str = field(default="", compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"iteration_s": self.iteration_s, "peak_memory_bytes": dict(self.peak_memory_bytes),
@@ -139,11 +141,13 @@ class PrecisionMismatch(RuntimeError):
 
 class Simulator:
     """Simulates plans of one graph on one topology, in the precision the graph was captured in;
-    costs, routes and task graphs are cached."""
+    costs, routes and task graphs are cached. `engines`: the ordered list tried
+    (planner.sim.engines; default: DEFAULT_ENGINES less what `split`, `collapse` and
+    `static_after` turn off); `engines=[REFERENCE]` runs the specification alone."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
-                 static_after: int | None = 2, split: bool = True):
+                 static_after: int | None = 2, split: bool = True, engines: Sequence[Engine] | None = None):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -165,16 +169,12 @@ class Simulator:
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
-        self._collapse = collapse
-        # the fixed-order pass (planner.sim.listsched) for a task graph run this many times before,
-        # where it applies; None: the event loop only. A 64-GPU search simulates most of its
-        # shapes once or twice and its links make most of them unfit: preparing the pass for
-        # them cost more than it saved (docs/tuning.md, "Fixed-order pass").
-        self._static_after = static_after
+        self.engines = tuple(engines) if engines is not None else engines_of(split, collapse, static_after)
+        self._collapse = TWINS in self.engines   # identical independent replicas run once (_like)
         self._saturated = contention.saturated_cpus(topology)
         # delta simulation (planner.sim.split): independent replicas run one by one, each
-        # distinct one once, its times kept across plans; False: the whole graph every time
-        self._split = split
+        # distinct one once, its times kept across plans; else the whole graph every time
+        self._split = DELTA in self.engines
         self._structures: dict = {}   # replica structures (planner.sim.split.Structure)
         self._replica_runs: dict = {}
         self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
@@ -263,6 +263,7 @@ class Simulator:
         g = TaskGraph(trace)
         self._build(plan, g, like)
         g.shared_res = shared_resources(g.res)
+        g.n_res = len(self._lanes)
         # Replicas are independent when nothing else queues on their devices and links:
         # every device holds one stage, optimizers run on their devices (after the
         # device's last backward, which they wait for through the all-reduces), and no two
@@ -285,7 +286,7 @@ class Simulator:
         if len(self._structures) >= STRUCTURE_CACHE_SIZE:
             self._structures.clear()
         self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
-        g.split = Split.of_parts(g, g.wake, self._structures, self._wake_at, self._links) or False
+        g.split = Split.of_parts(g, g.wake, self._structures, self._wake_at, self._links, self.engines) or False
         return g
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:
@@ -308,35 +309,26 @@ class Simulator:
                         g.wake[v] = w
         return g.wake
 
-    def _run(self, g: TaskGraph, dur: list[float], wake: dict[int, float]) -> tuple[list[float], list[float]]:
-        """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
-        applies, else by the event loop; the same times either way."""
-        if self._compiles(g):
-            start, end = self._run_compiled(g, np.asarray(dur, np.float64), wake)
-            return start.tolist(), end.tolist()
-        if g.static is None:
-            after = self._static_after
-            g.static = False if after is None else Static.of(g) if g.runs >= after else None
-        g.runs += 1
-        out = g.static.run(dur, wake) if g.static else None
-        if out is None:
-            out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
-        return out
+    def _run(self, g: TaskGraph, values: list[float], contended: dict[str, list[str]], trace: bool):
+        """(iteration's last end, durations alone, durations run, start, end, engine) of the
+        whole graph g by the graph engines; contended CPU workers' durations follow the
+        timeline (planner.sim.contention: a run per pass). Lists where contended or traced."""
+        self._wakes(g)
+        if g.dkey_array is None:
+            g.dkey_array = np.array(g.dkey, np.int64)
+        base = dur = np.asarray(values, np.float64)[g.dkey_array]
+        start, end, engine = run_graph(g, dur, self.engines)
+        if contended or trace:
+            base = dur = base.tolist()
+            start, end = _listed(start), _listed(end)
+        for _ in range(contention.CONTENTION_PASSES if contended else 0):
+            dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
+            start, end, engine = run_graph(g, dur, self.engines)
+            start, end = _listed(start), _listed(end)
+        return _iteration_s(g, end), base, dur, start, end, engine
 
-    def _compiles(self, g: TaskGraph) -> bool:
-        """Whether g runs compiled (planner.sim.fastloop: the same times): a large graph, unless
-        this simulator was asked for the Python event loop alone (static_after None)."""
-        return len(g.dkey) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None
-
-    def _run_compiled(self, g: TaskGraph, dur: np.ndarray, wake: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
-        if g.fast is None:
-            flat = g.arrays()
-            g.fast = fastloop.prepare(g.res, None if flat else g.succ, g.ndeps, g.shared_res, len(self._lanes),
-                                      wake, flat)
-        return fastloop.run(g.fast, dur)
-
-    def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float] | None:
-        """(delta build, its values, the last end of the plan's tasks) by delta simulation
+    def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float, str] | None:
+        """(delta build, its values, the last end of the plan's tasks, engine) by delta simulation
         (planner.sim.split), or None where it does not apply to the plan's shape or times.
         Plans with offloaded activations, tensor splits or a PipeDream stream are not tried
         (their replicas' tasks are not all from the template)."""
@@ -350,8 +342,8 @@ class Simulator:
         values = self._evaluate(plan, g)
         if self._plan_facts(plan, g):   # contended: durations depend on the timeline
             return None
-        last = g.split.run(values, self._replica_runs)
-        return None if last is None else (g, values, last)
+        out = g.split.run(values, self._replica_runs)
+        return None if out is None else (g, values, *out)
 
     def _coupled(self, plan: Plan) -> bool:
         """Whether a gradient all-reduce's ring holds a replica's device (a plan that
@@ -503,32 +495,21 @@ class Simulator:
             return self._cache[key]
         delta = self._delta(plan) if self._split and not trace else None
         if delta is not None:
-            g, values, last = delta
+            g, values, last, engine = delta
             contended, dur, base = {}, [], []
         else:
             g = self._shape(plan, trace)
             values = self._evaluate(plan, g)
             contended = self._plan_facts(plan, g)
+            twins = False
             if self._collapse and g.collapsible and not trace and not contended:
                 like = self._like(g, values)
                 if like != tuple(range(len(like))):
-                    g = self._shape(plan, trace, like)
+                    g, twins = self._shape(plan, trace, like), True
                     values = self._evaluate(plan, g)
                     self._plan_facts(plan, g)   # its own graph: its iteration overhead too
-            wake = self._wakes(g)
-            if self._compiles(g) and not (contended or trace):   # arrays throughout, no list per task
-                if g.dkey_array is None:
-                    g.dkey_array = np.array(g.dkey, np.int64)
-                base = dur = np.asarray(values, np.float64)[g.dkey_array]
-                last = _iteration_s(g, self._run_compiled(g, base, wake)[1])
-            else:
-                base = list(map(values.__getitem__, g.dkey))
-                start, end = self._run(g, base, wake)
-                dur = base
-                for _ in range(contention.CONTENTION_PASSES if contended else 0):
-                    dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-                    start, end = self._run(g, dur, wake)
-                last = _iteration_s(g, end)
+            last, base, dur, start, end, engine = self._run(g, values, contended, trace)
+            engine = f"twins/{engine}" if twins else engine
         iteration_s = last + g.overhead_s
         slowed = contention.slowdown(self._rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
@@ -555,7 +536,8 @@ class Simulator:
             tasks = tuple({"name": str(m.label), "lane": m.lane, "kind": m.kind, "start_s": s, "end_s": e}
                           for m, s, e in zip(g.meta, start, end) if m is not None and m.kind != "join")
         result = SimResult(iteration_s=iteration_s, peak_memory_bytes=peaks,
-                           feasible=memory_feasible(peaks, self.topology), per_device=stats, tasks=tasks)
+                           feasible=memory_feasible(peaks, self.topology), per_device=stats, tasks=tasks,
+                           engine=engine)
         if not trace and self._cache_size > 0:
             if len(self._cache) >= self._cache_size:
                 self._cache.pop(next(iter(self._cache)))
@@ -597,6 +579,10 @@ class StatRows(NamedTuple):
         if len(self.index):
             out[self.at] = np.add.reduceat(np.asarray(values, np.float64)[self.index], self.starts)
         return (out * scale).reshape(-1, len(_STATS)).tolist()
+
+
+def _listed(x: list[float] | np.ndarray) -> list[float]:
+    return x.tolist() if isinstance(x, np.ndarray) else x
 
 
 def _iteration_s(g: TaskGraph, end: list[float] | np.ndarray) -> float:
