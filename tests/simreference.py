@@ -10,9 +10,9 @@ import random
 from dataclasses import replace
 from typing import NamedTuple
 
-from planner.sim.schedule import Action
-from planner.sim.schedule import make_schedule as _make_schedule, receives as _receives
-from planner.sim.schedule import split_backward as _split_backward
+from planner.files.schedule import Action
+from planner.files.schedule import make_schedule as _make_schedule, receives as _receives
+from planner.files.schedule import split_backward as _split_backward
 from planner.sim.template import Slots, Stream, _slots, accumulates
 
 from simhelpers import device, graph, layer, link, plan, topology
@@ -125,7 +125,7 @@ def build_one_by_one(builder, r, rep):
     backward (zb-h1): an I task per I action (the gradient leaves and arrives there) and the
     backward's pieces per W action; its I values are numbered after the hops."""
     from planner.sim.build import Chunk
-    from planner.sim.schedule import make_schedule, receives, split_backward
+    from planner.files.schedule import make_schedule, receives, split_backward
     from planner.sim.taskgraph import HeldSend
     g, sim, m = builder.g, builder.sim, rep.microbatches
     pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]

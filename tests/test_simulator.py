@@ -36,7 +36,7 @@ def test_uniform_pipeline_takes_m_plus_p_minus_1_slots(schedule, p, m):
 def test_zb_h1_fills_the_cool_down_with_weight_gradients(p, m):
     # one layer per stage holding weights: t_f = 0.25 s, t_b = 0.5 s split into I = W = 0.25 s
     # (cost.model.weight_grad_share); stage 0 has no input gradient: I = 0, W = 0.5 s.
-    # Hand-run (planner.sim.schedule.grid): every stage is busy 3m quarter-slots after its warm-up,
+    # Hand-run (planner.files.schedule.grid): every stage is busy 3m quarter-slots after its warm-up,
     # and the pipeline fills and drains in p - 1 slots of F + I - W = 0.25 s: (3m + p - 1) * 0.25
     # against 1F1B's (m + p - 1) * 0.75; the same work per device.
     g = graph([layer(i, param_bytes=4) for i in range(p)], batch=4)
@@ -364,7 +364,7 @@ def test_a_message_moves_once_its_receive_is_posted_two_ahead_per_peer():
     # GPipe, 2 stages, m = 3 of 1 sample: stage 0's F 0.5 s, stage 1's F 2 s, no backward work,
     # each activation 0.5 s on the link. A gloo message moves only once its receive is posted,
     # and a worker keeps POSTED_AHEAD = 2 receives per peer posted, the next one posted as an
-    # action starts after one is taken (planner.sim.schedule.receives): act0 0.5-1.0 and act1
+    # action starts after one is taken (planner.files.schedule.receives): act0 0.5-1.0 and act1
     # 1.0-1.5 were posted at the start; act2, sent at 1.5, is posted when 1F0 (1.0-3.0), which
     # took act0, ends: 3.0-3.5 (dropping the rule: 1.5-2.0); hidden by 1F1 3.0-5.0, 1F2 5.0-7.0.
     # The gradients (0.5 s each, backwards of no time at 7.0): 7.0-7.5, 7.5-8.0, 8.0-8.5: 8.5 s.
@@ -777,9 +777,9 @@ def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(s
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b"])
 def test_schedule_arrays_are_the_schedules_actions(schedule):
-    # planner.sim.schedule.schedule_arrays (what the templates are laid out from) against
+    # planner.files.schedule.schedule_arrays (what the templates are laid out from) against
     # make_schedule's actions, row by row
-    from planner.sim.schedule import KINDS, make_schedule, schedule_arrays
+    from planner.files.schedule import KINDS, make_schedule, schedule_arrays
     cases = 0
     for n in range(1, 9):
         for m in range(1, 13):

@@ -22,7 +22,7 @@ from planner.cost.memory import stepped_params
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
-from planner.sim.schedule import split_backward
+from planner.files.schedule import split_backward
 from planner.sim.template import ReplicaCore, ReplicaTemplate, Stream, accumulates, replica_core, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HeldSend, HopRecipe, LayerRange, Recompute,
                                    RouteHop, SavedCopy, SplitRange, SyncWork, TaskGraph, TaskMeta,

@@ -28,7 +28,7 @@ cost model times both passes per layer (the split costs more than the fused back
 
 Receives: a message between stages moves only once its receiver has posted the receive (gloo
 and NCCL match a send with a posted receive), and the runtime keeps POSTED_AHEAD (2) receives per
-peer posted, the next one posted as an action starts (planner.sim.schedule.receives): a message's
+peer posted, the next one posted as an action starts (planner.files.schedule.receives): a message's
 first hop also waits for the receiver's action before that post.
 
 PipeDream and 2BW (sync.mode): no all-reduce; the pipeline is simulated as a stream of three

@@ -224,7 +224,7 @@ class RouteHop(NamedTuple):
 class ComputeLabel(NamedTuple):
     """A compute task: replica and schedule action; prints as "r:1F0"."""
     replica: int
-    action: Any   # planner.sim.schedule.Action
+    action: Any   # planner.files.schedule.Action
 
     def __str__(self) -> str:
         return f"{self.replica}:{self.action}"

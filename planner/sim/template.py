@@ -9,7 +9,7 @@ value and resource ids. Task ids, dependencies and the order of the statistics a
 building the tasks one by one, so a stamped graph is identical to a hand-built one.
 
 A message's first hop also waits for the receiver's task after which the runtime posts its
-receive (planner.sim.schedule.receives). A message whose receive is posted during the iteration,
+receive (planner.files.schedule.receives). A message whose receive is posted during the iteration,
 from a stage whose sends can be held (`holds`), first passes a hold task on its first hop's
 link: it lasts the expected hold for the sender's compute from its isend to its next wait (the
 window: the sender's tasks up to its next action that takes a message, or to its row's end), a
@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from planner.sim.schedule import KINDS, POSTED_AHEAD, Action, make_schedule, schedule_arrays, split_backward
+from planner.files.schedule import KINDS, POSTED_AHEAD, Action, make_schedule, schedule_arrays, split_backward
 
 
 class Slots(NamedTuple):
@@ -238,7 +238,7 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
 
 def _receives(offset: np.ndarray, stage: np.ndarray, mb: np.ndarray, f: np.ndarray, took: np.ndarray,
               fwd: np.ndarray, bwd: np.ndarray, window: int = POSTED_AHEAD) -> tuple[np.ndarray, np.ndarray]:
-    """`planner.sim.schedule.receives` over the skeleton's arrays (actions in row order; f: the
+    """`planner.files.schedule.receives` over the skeleton's arrays (actions in row order; f: the
     forwards, took: what a gradient leaves and arrives at): [activation 0 or gradient 1, pair,
     microbatch] the action after whose end the message's receive is posted (-1: at the
     iteration's start), and per action (one more slot: the end) whether it takes a message."""
