@@ -73,7 +73,7 @@ import numpy as np
 from planner.cost.buckets import Bucket, buffer_broadcasts, exchanged_buckets
 from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention
-from planner.sim.bound import lower_bound_s
+from planner.sim.bound import BoundCache, lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.engines import DELTA, TWINS, Engine, engines_of, run_graph
 from planner.sim.eventloop import shared_resources
@@ -179,8 +179,7 @@ class Simulator:
         self._replica_runs: dict = {}
         self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
         self._block_values: dict = {}     # Simulator._evaluate: (id of a block's recipes, microbatch) -> (them, values)
-        self._bound_replicas: dict = {}   # planner.sim.bound._Bound.replica
-        self._bound_allreduces: dict = {}   # planner.sim.bound._Bound.priced
+        self.bound_cache = BoundCache()   # what planner.sim.bound keeps across plans
         self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
