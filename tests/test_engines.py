@@ -124,4 +124,4 @@ def test_the_reference_loop_is_the_event_loop_on_random_graphs():
 def test_a_result_names_its_engine():
     g, t, pl = random_case(random.Random(3))
     assert Simulator(g, t, engines=[REFERENCE]).simulate(pl).engine == "reference"
-    assert Simulator(g, t, split=False, collapse=False, static_after=None).simulate(pl).engine == "event-loop"
+    assert Simulator(g, t, delta=False, collapse=False, static_after=None).simulate(pl).engine == "event-loop"

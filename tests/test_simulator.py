@@ -143,8 +143,8 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
     assert r.per_device["cuda:1"]["comm_s"] == approx(1.02 + broadcasts)   # as the runtime's events count them
     # the same whole graph, its twin replicas collapsed or not, and by delta simulation
     from planner.sim.simulator import Simulator
-    for split, collapse in ((False, True), (False, False), (True, True)):
-        assert Simulator(g, t, split=split, collapse=collapse).simulate(pl).iteration_s == approx(r.iteration_s)
+    for delta, collapse in ((False, True), (False, False), (True, True)):
+        assert Simulator(g, t, delta=delta, collapse=collapse).simulate(pl).iteration_s == approx(r.iteration_s)
     # one device holds the layers (a pipeline of one replica): nothing to broadcast
     one = plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2)
     assert buffer_broadcasts(one, g) == []
@@ -559,7 +559,7 @@ def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(mon
         assert repr(shared) == repr(fresh) == repr(traced)
         assert max(x["end_s"] for x in traced.tasks) == shared.iteration_s
     # one shared build; fresh and traced simulators build their own (and a delta build each,
-    # planner.sim.split, which this plan's host optimizer steps refuse)
+    # planner.sim.delta, which this plan's host optimizer steps refuse)
     assert builds.count(False) == 1 + 3 + 3 and builds.count(True) == 1 + 3
     other = replace(pl, schedule="gpipe", recompute=True)   # another shape: built anew
     assert repr(sim.simulate(other)) == repr(Simulator(g, t).simulate(other))
@@ -582,7 +582,7 @@ def test_identical_replicas_are_simulated_once_with_identical_results(schedule, 
             for r, f in enumerate((0.2, 0.2, 0.2, 0.4))]
     pl = plan(reps, 30, schedule=schedule, granularity=granularity, bucket_bytes=10**6,
               optimizer="adam", recompute=recompute)
-    sim = Simulator(g, _mesh(8), split=False)   # delta simulation would serve it (tests/test_split.py)
+    sim = Simulator(g, _mesh(8), delta=False)   # delta simulation would serve it (tests/test_delta.py)
     collapsed = sim.simulate(pl)
     assert repr(collapsed) == repr(Simulator(g, _mesh(8), collapse=False).simulate(pl))
     assert repr(collapsed) == repr(sim.simulate(pl, trace=True))
@@ -612,7 +612,7 @@ def test_collapsing_random_twin_replicas_changes_no_result():
     collapsed = 0
     for _ in range(150):
         g, t, pl = random_twin_case(rng)
-        sim = Simulator(g, t, cache_size=0, split=False)   # else delta simulation serves most
+        sim = Simulator(g, t, cache_size=0, delta=False)   # else delta simulation serves most
         assert repr(sim.simulate(pl)) == repr(Simulator(g, t, collapse=False).simulate(pl))
         collapsed += any(k[-1] is not None for k in sim._shapes)
     assert collapsed >= 20
@@ -710,7 +710,7 @@ def test_replicas_as_value_blocks_give_the_same_tasks_and_results(seed, monkeypa
             blocked += bool(tg.stat_blocks)
             out.append(([tg.recipes[k] for k in tg.dkey], tg.res, tg.succ, tg.ndeps, tg.replica_shape,
                         [tg.replica_recipes(r)[1] for r in range(len(tg.replica_tasks))],
-                        repr(sim.simulate(pl)), repr(Simulator(g, t, cache_size=0, split=False).simulate(pl))))
+                        repr(sim.simulate(pl)), repr(Simulator(g, t, cache_size=0, delta=False).simulate(pl))))
         assert out[0] == out[1]
     assert blocked >= 30, blocked
 

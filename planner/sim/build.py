@@ -107,7 +107,7 @@ class Builder:
     def __init__(self, sim: SimulatorView, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None,
                  delta: bool = False):
         self.sim, self.plan, self.g, self.like = sim, plan, g, like
-        self.delta = delta   # replicas as parts, not tasks (`releases`; planner.sim.split)
+        self.delta = delta   # replicas as parts, not tasks (`releases`; planner.sim.delta)
         # each replica's values as one block and its statistics as arrays (TaskGraph.block,
         # stat_blocks): where no replica counts anything one task at a time (tensor splits,
         # offloaded activations), so each statistic's blocks come before what else it counts
@@ -168,7 +168,7 @@ class Builder:
         stream = self.stream(rep.microbatches)
         held = [self.stage_buckets(st) for st in stages]
         made = self.replica_values(r, rep, held)
-        # a delta build's part needs no hop tasks: the core (planner.sim.split builds the rest)
+        # a delta build's part needs no hop tasks: the core (planner.sim.delta builds the rest)
         t, res = (replica_core if self.delta else replica_template)(*made.template), made.res
         if not self.delta:
             g.begin_replica((rep.microbatches * STREAM_ITERATIONS if stream else rep.microbatches,
@@ -288,13 +288,13 @@ class Builder:
                              tuple(map(recipes.__getitem__, distinct)), slot_of)
 
     def releases(self, t: ReplicaCore, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
-        """A delta build (planner.sim.split; plans without offloaded activations, tensor splits
+        """A delta build (planner.sim.delta; plans without offloaded activations, tensor splits
         or streams): the replica becomes a part of g, (template, value ids per value slot,
         resources per resource slot), and only the tasks the coupling may wait for (the pieces
         that make buckets final, each stage's last backward) become tasks: release tasks, each
         on a resource of its own. Returns their ids by the template's task."""
         g = self.g
-        k = g.value(Const(0.0))   # a release task's duration is set per plan (Split.run)
+        k = g.value(Const(0.0))   # a release task's duration is set per plan (Delta.run)
         ids = {}
         for x in sorted({x for ends in t.chunk_end for x in ends} | set(t.last_backward)):
             ids[x] = g.add(k, (len(self.sim._lanes) + len(g.dkey),))

@@ -5,10 +5,10 @@ bit for bit, or declines; the first in the list that does not decline is used, a
 names it (`SimResult.engine`). `Simulator(graph, topology, engines=[REFERENCE])` runs the
 specification alone; tests/test_engines.py holds every engine to it. Three levels:
 
-- plan: `DELTA` (planner.sim.split: independent replicas run one by one, each distinct one once,
+- plan: `DELTA` (planner.sim.delta: independent replicas run one by one, each distinct one once,
   then the coupling), `TWINS` (identical independent replicas run once: Simulator._like); where
   both decline, the whole task graph runs by the graph engines.
-- replica, inside delta simulation: `PIPELINE_PASS` and `LINKED_PASS` (planner.sim.pipeline: one
+- replica, inside delta simulation: `PIPELINE_PASS` and `LINKED_PASS` (planner.sim.pipeline_pass: one
   pass over the schedule); where they decline, the replica's graph runs by the graph engines.
 - graph (a task graph and its durations -> start and end times): `COMPILED`
   (planner.sim.fastloop, large graphs where numba is installed), `FIXED_ORDER`
@@ -30,10 +30,10 @@ import numpy as np
 
 from planner.sim import eventloop, fastloop, reference
 from planner.sim.listsched import Static
-from planner.sim.pipeline import LinkedRun, PipelineRun, fits as pipeline_fits, linked_fits
+from planner.sim.pipeline_pass import LinkedRun, PipelineRun, fits as pipeline_fits, linked_fits
 from planner.sim.taskgraph import EngineState
 
-COUPLING_COMPILED = 64   # a coupling graph (planner.sim.split) this large runs compiled: its arrays are
+COUPLING_COMPILED = 64   # a coupling graph (planner.sim.delta) this large runs compiled: its arrays are
                          # made once per graph (other graphs: fastloop.MIN_TASKS)
 FIXED_ORDER_AFTER = 2    # a graph run this many times before takes the fixed-order pass: most graphs of a
                          # search run once or twice, and preparing the pass costs about two runs
@@ -109,7 +109,7 @@ class Reference(Engine):
 
 
 class PipelinePass(Engine):
-    """One replica, one pass over its schedule (planner.sim.pipeline.PipelineRun); never declines
+    """One replica, one pass over its schedule (planner.sim.pipeline_pass.PipelineRun); never declines
     once prepared."""
     level = "replica"
 
@@ -120,7 +120,7 @@ class PipelinePass(Engine):
 
 
 class LinkedPass(Engine):
-    """Replicas whose routes share link directions (planner.sim.pipeline.LinkedRun); its `run`
+    """Replicas whose routes share link directions (planner.sim.pipeline_pass.LinkedRun); its `run`
     may decline on a plan's times."""
     level = "replica"
 
@@ -150,14 +150,14 @@ def run_graph(tasks: Tasks, dur, engines: Sequence[Engine]) -> tuple[Any, Any, s
     return start, end, REFERENCE.name
 
 
-def engines_of(split: bool = True, collapse: bool = True, static_after: int | None = FIXED_ORDER_AFTER
+def engines_of(delta: bool = True, collapse: bool = True, static_after: int | None = FIXED_ORDER_AFTER
                ) -> tuple[Engine, ...]:
-    """DEFAULT_ENGINES as the simulator's older switches name them: `split` False drops DELTA,
+    """DEFAULT_ENGINES as the simulator's older switches name them: `delta` False drops DELTA,
     `collapse` False TWINS, `static_after` None the compiled loop and the fixed-order pass (the
     event loop alone), another number the fixed-order pass from that many runs."""
     out = []
     for e in DEFAULT_ENGINES:
-        if (e is DELTA and not split) or (e is TWINS and not collapse) or (
+        if (e is DELTA and not delta) or (e is TWINS and not collapse) or (
                 e in (COMPILED, FIXED_ORDER) and static_after is None):
             continue
         out.append(FixedOrder(e.name, static_after) if e is FIXED_ORDER and static_after != e.after else e)

@@ -77,7 +77,7 @@ from planner.sim.bound import BoundCache, lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
 from planner.sim.engines import DELTA, TWINS, Engine, engines_of, run_graph
 from planner.sim.eventloop import shared_resources
-from planner.sim.split import Split, groups as split_groups
+from planner.sim.delta import Delta, groups as delta_groups
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
@@ -106,7 +106,7 @@ _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 _STAT_AT = {s: k for k, s in enumerate(_STATS)}
 
 
-STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
+STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.delta)
 PEAK_CACHE_SIZE = 64       # plans whose peak memory a simulator keeps (Simulator._peak)
 BLOCK_VALUES_CACHE_SIZE = 8192   # replicas' values per microbatch size it keeps (Simulator._evaluate)
 BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
@@ -121,7 +121,7 @@ class ShapeKey(NamedTuple):
     optimizer: str
     placement: tuple       # (placement, cpu_fraction)
     recompute: bool
-    delta: bool            # a delta build (planner.sim.split)
+    delta: bool            # a delta build (planner.sim.delta)
     like: tuple[int, ...] | None
 
 
@@ -142,12 +142,12 @@ class PrecisionMismatch(RuntimeError):
 class Simulator:
     """Simulates plans of one graph on one topology, in the precision the graph was captured in;
     costs, routes and task graphs are cached. `engines`: the ordered list tried
-    (planner.sim.engines; default: DEFAULT_ENGINES less what `split`, `collapse` and
+    (planner.sim.engines; default: DEFAULT_ENGINES less what `delta`, `collapse` and
     `static_after` turn off); `engines=[REFERENCE]` runs the specification alone."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
-                 static_after: int | None = 2, split: bool = True, engines: Sequence[Engine] | None = None):
+                 static_after: int | None = 2, delta: bool = True, engines: Sequence[Engine] | None = None):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
         self._rid: dict[Any, int] = {}
@@ -169,13 +169,13 @@ class Simulator:
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
-        self.engines = tuple(engines) if engines is not None else engines_of(split, collapse, static_after)
+        self.engines = tuple(engines) if engines is not None else engines_of(delta, collapse, static_after)
         self._collapse = TWINS in self.engines   # identical independent replicas run once (_like)
         self._saturated = contention.saturated_cpus(topology)
-        # delta simulation (planner.sim.split): independent replicas run one by one, each
+        # delta simulation (planner.sim.delta): independent replicas run one by one, each
         # distinct one once, its times kept across plans; else the whole graph every time
-        self._split = DELTA in self.engines
-        self._structures: dict = {}   # replica structures (planner.sim.split.Structure)
+        self._delta_on = DELTA in self.engines
+        self._structures: dict = {}   # replica structures (planner.sim.delta.Structure)
         self._replica_runs: dict = {}
         self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
         self._block_values: dict = {}     # Simulator._evaluate: (id of a block's recipes, microbatch) -> (them, values)
@@ -244,7 +244,7 @@ class Simulator:
 
     def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None, delta: bool = False) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
-        collapsed as `like` says, or its delta build with its split (planner.sim.split; False
+        collapsed as `like` says, or its delta build with its split (planner.sim.delta; False
         where it does not apply); built afresh when tracing."""
         key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
                        plan.sync, plan.optimizer.name,
@@ -278,14 +278,14 @@ class Simulator:
         return g
 
     def _delta_build(self, plan: Plan) -> TaskGraph:
-        """The plan shape's delta build with its split (planner.sim.split), False where it
+        """The plan shape's delta build with its split (planner.sim.delta), False where it
         does not apply."""
         g = TaskGraph(False)
         self._build(plan, g, None, True)
         if len(self._structures) >= STRUCTURE_CACHE_SIZE:
             self._structures.clear()
         self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
-        g.split = Split.of_parts(g, g.wake, self._structures, self._wake_at, self._links, self.engines) or False
+        g.delta = Delta.of_parts(g, g.wake, self._structures, self._wake_at, self._links, self.engines) or False
         return g
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:
@@ -328,7 +328,7 @@ class Simulator:
 
     def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float, str] | None:
         """(delta build, its values, the last end of the plan's tasks, engine) by delta simulation
-        (planner.sim.split), or None where it does not apply to the plan's shape or times.
+        (planner.sim.delta), or None where it does not apply to the plan's shape or times.
         Plans with offloaded activations, tensor splits or a PipeDream stream are not tried
         (their replicas' tasks are not all from the template)."""
         if (plan.sync.mode in PIPEDREAM_MODES
@@ -336,19 +336,19 @@ class Simulator:
                 or self._coupled(plan)):
             return None
         g = self._shape(plan, False, delta=True)
-        if not g.split:
+        if not g.delta:
             return None
         values = self._evaluate(plan, g)
         if self._plan_facts(plan, g):   # contended: durations depend on the timeline
             return None
-        out = g.split.run(values, self._replica_runs)
+        out = g.delta.run(values, self._replica_runs)
         return None if out is None else (g, values, *out)
 
     def _coupled(self, plan: Plan) -> bool:
         """Whether a gradient all-reduce's ring holds a replica's device (a plan that
-        Split.of_parts would refuse, seen before building: this only saves the build), or
+        Delta.of_parts would refuse, seen before building: this only saves the build), or
         every replica of several shares a device or link direction with another, transitively
-        (they would run as one group, planner.sim.split.GraphRun: the whole graph costs less).
+        (they would run as one group, planner.sim.delta.GraphRun: the whole graph costs less).
         Replicas in several groups run group by group. Kept per layout and sync."""
         key = (tuple(rep.stages for rep in plan.replicas), plan.sync)
         out = self._coupled_plans.get(key)
@@ -365,7 +365,7 @@ class Simulator:
             for a, b in zip(rep.stages, rep.stages[1:]):
                 xs.update(h.resource for h in self.hops(a.device, b.device) + self.hops(b.device, a.device))
             used.append(xs)
-        if len(used) > 1 and len(split_groups(used)) == 1:
+        if len(used) > 1 and len(delta_groups(used)) == 1:
             return True
         owner = {self._rid[st.device] for rep in plan.replicas for st in rep.stages}
         buckets, tied = self.exchanged(plan)
@@ -492,7 +492,7 @@ class Simulator:
         key = self._key(plan)
         if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
             return self._cache[key]
-        delta = self._delta(plan) if self._split and not trace else None
+        delta = self._delta(plan) if self._delta_on and not trace else None
         if delta is not None:
             g, values, last, engine = delta
             contended, dur, base = {}, [], []

@@ -316,7 +316,7 @@ class TaskGraph:
         self.state = EngineState()   # the engines' caches for this graph (planner.sim.engines)
         self.n_res = 0   # the resources its tasks may hold (the simulator's), set once built
         self.dkey_array: np.ndarray | None = None   # dkey as an array, once run
-        self.split = None   # planner.sim.split.Split, False where it does not apply, None: not built
+        self.delta = None   # planner.sim.delta.Delta, False where it does not apply, None: not built
         self.parts: list[tuple] = []   # a delta build's replicas (planner.sim.build.Builder.releases)
         # a PipeDream / 2BW stream (planner.sim.build.Builder.stream): per stage, its last task
         # of each iteration

@@ -296,7 +296,7 @@ class ReplicaCore(NamedTuple):
     arguments, slots, the schedule's skeleton, its compute tasks (ids as in the template:
     compute tasks come first), statistics, each stage's last-backward pieces and last task,
     a stream's iteration ends, and the holds (`ReplicaTemplate.holds`; `held` per message).
-    Enough to build a replica's values and a delta build's part (planner.sim.pipeline times
+    Enough to build a replica's values and a delta build's part (planner.sim.pipeline_pass times
     it without the template where that is exact)."""
     args: tuple
     slots: Slots

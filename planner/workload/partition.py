@@ -101,7 +101,7 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
+def cut_stages(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
     ranges = _check_ranges(ranges, ex.num_layers)
     stage_of_layer = {l: s for s, (a, b) in enumerate(ranges) for l in range(a, b)}
     S = len(ranges)
@@ -184,12 +184,12 @@ def exported_stages(workload, ranges=None, batch: int | None = None,
     of `workload` at `batch` already made (not exported again)."""
     ex = ex or export_model(workload, batch)
     try:
-        return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
+        return ex, cut_stages(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
     except _NonTensorCut:
         if not ex.dynamic_batch:
             raise
     ex = export_model(workload, batch, dynamic=False)
-    return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
+    return ex, cut_stages(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
 
 
 def stage_inputs(stage: StageModule, inputs) -> tuple:

@@ -9,19 +9,19 @@ determines them (`Structure`: its tasks' dependencies, resources renumbered in t
 recipe pattern and wake-ups; and its duration values); then only the coupling tasks run, each
 replica task they wait for replaced by a *release* task that ends at that task's end.
 
-The simulator uses `Split.of_parts` on a *delta build* (planner.sim.build.Builder.releases): its
+The simulator uses `Delta.of_parts` on a *delta build* (planner.sim.build.Builder.releases): its
 replicas are parts (template core, values, resources), never stamped as tasks, so a plan that
 changes one replica builds and runs that replica's structure only; a one-replica plan (the
 search's solve_batches) takes the same path. A replica runs by the pass over its schedule
-(planner.sim.pipeline.PipelineRun; `Linked` where its routes share link directions) where it
+(planner.sim.pipeline_pass.PipelineRun; `Linked` where its routes share link directions) where it
 applies, else by the event loop over its graph
 (`GraphRun`, or its template's `Structure` for held sends and wake-ups). Replicas that share a
 device or link direction form a group, run together (their tasks one block after another, in
 the whole graph's relative order: `Linked` where they share link directions only, else
-`GraphRun`). `Split.of` splits a whole task graph whose
+`GraphRun`). `Delta.of` splits a whole task graph whose
 replicas are blocks of ids (hand-made graphs).
 
-The conditions (`Split.of` / `Split.of_parts`, per graph; `Split.run`, per plan), each needed
+The conditions (`Delta.of` / `Delta.of_parts`, per graph; `Delta.run`, per plan), each needed
 for identity:
 - every replica's tasks form one block of ids; no dependency enters a replica from outside
   it (another replica or the coupling);
@@ -36,7 +36,7 @@ for identity:
   none ends on a coupling task's resource when that task becomes ready (the loop ends such a
   task in a later round of the same instant, which a release task would not reproduce);
 - not a trace, not a PipeDream stream, no contention (its durations depend on the timeline).
-The per-device statistics do not depend on times, so `Split.run` gives only the last end;
+The per-device statistics do not depend on times, so `Delta.run` gives only the last end;
 the caller adds the iteration's fixed overhead as for a whole run.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ import numpy as np
 from planner.sim import fastloop
 from planner.sim.engines import DEFAULT_ENGINES, EngineState, run_graph
 from planner.sim.eventloop import shared_resources
-from planner.sim.pipeline import LinkedRun, ReplicaRun, graph as pipeline_graph, graph_fits
+from planner.sim.pipeline_pass import LinkedRun, ReplicaRun, graph as pipeline_graph, graph_fits
 from planner.sim.taskgraph import TaskGraph
 from planner.sim.template import replica_template
 
@@ -180,7 +180,7 @@ def _flat_result(start, end, flat: np.ndarray, by_res: ByResource, engine: str) 
 
 
 class GraphRun:
-    """Replicas run together by the event loop over their `planner.sim.pipeline.Graph`s (each
+    """Replicas run together by the event loop over their `planner.sim.pipeline_pass.Graph`s (each
     its template's tasks and dependencies, laid out without the template), one block after
     another in replica order as in the whole graph: a replica the pass does not fit (link
     directions shared within it, several stages on one device), or replicas that share devices
@@ -236,7 +236,7 @@ class GraphRun:
 
 class Linked:
     """Replicas whose routes share link directions, devices apart (one, or a group): by the
-    pass where it settles (planner.sim.pipeline.LinkedRun), else by the event loop over their
+    pass where it settles (planner.sim.pipeline_pass.LinkedRun), else by the event loop over their
     graphs (`GraphRun`), its results renumbered as the pass numbers them (compute tasks only,
     members in turn: `firsts`)."""
 
@@ -269,7 +269,7 @@ class Linked:
 def _independent(g: TaskGraph, coupling, owner: dict[int, int], wake: dict[int, float],
                  links: set | frozenset = frozenset()) -> bool:
     """No coupling task of g wakes up or holds a replica's resource beside others, except a
-    link direction (`links`: resources as tasks hold them) that `Split.run` checks per plan."""
+    link direction (`links`: resources as tasks hold them) that `Delta.run` checks per plan."""
     for t in coupling:
         if t in wake or (len(g.res[t]) > 1 and any(x in owner and (x,) not in links for x in g.res[t])):
             return False
@@ -285,7 +285,7 @@ class Part(NamedTuple):
     local: dict[int, int]
 
 
-class Split:
+class Delta:
     """A task graph's replicas and its coupling graph: release tasks (ids 0..R-1, each on a
     resource of its own) then the coupling tasks in id order (`coupling`: their value
     indices); `checks` are the coupling tasks on one replica resource: (coupling id, part,
@@ -304,7 +304,7 @@ class Split:
 
     @staticmethod
     def of(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict,
-           engines=DEFAULT_ENGINES) -> "Split | None":
+           engines=DEFAULT_ENGINES) -> "Delta | None":
         """g's split, or None where a condition of the module docstring fails on the graph."""
         if g.meta is not None or g.iteration_ends is not None or len(g.replica_tasks) < 2:
             return None
@@ -326,12 +326,12 @@ class Split:
         coupling = [t for t in range(len(g.res)) if which[t] < 0]
         if not _independent(g, coupling, owner, wake):
             return None
-        parts = [Split._part(g, a, b, wake, structures, engines) for a, b in bounds]
-        return Split._coupled(g, parts, which, owner, coupling, n_res, engines)
+        parts = [Delta._part(g, a, b, wake, structures, engines) for a, b in bounds]
+        return Delta._coupled(g, parts, which, owner, coupling, n_res, engines)
 
     @staticmethod
     def of_parts(g: TaskGraph, wake: dict[int, float], structures: dict, wake_at: dict, links: set,
-                 engines=DEFAULT_ENGINES) -> "Split | None":
+                 engines=DEFAULT_ENGINES) -> "Delta | None":
         """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
         first, then the coupling tasks), or None where a condition fails on the graph.
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
@@ -370,11 +370,11 @@ class Split:
         for t, vs in enumerate(g.succ):
             for v in vs:
                 preds[v - first].append(t)
-        return Split(parts, release, g.dkey[first:], *_dense(g.res), g.succ, g.ndeps, checks, preds, engines)
+        return Delta(parts, release, g.dkey[first:], *_dense(g.res), g.succ, g.ndeps, checks, preds, engines)
 
     @staticmethod
     def _coupled(g: TaskGraph, parts: list["Part"], which: list[int], owner: dict[int, int],
-                 coupling: list[int], n_res: int, engines) -> "Split":
+                 coupling: list[int], n_res: int, engines) -> "Delta":
         """The coupling graph: a release task per replica task that a coupling task waits for
         (on a resource numbered from n_res), then the coupling tasks."""
         release: list[tuple[int, int]] = []   # (part, local task)
@@ -388,7 +388,7 @@ class Split:
         res = [(n_res + i,) for i in range(len(release))] + [g.res[t] for t in coupling]
         checks = []
         for t in coupling:
-            mine = [x for x in g.res[t] if x in owner]   # one at most (Split.of)
+            mine = [x for x in g.res[t] if x in owner]   # one at most (Delta.of)
             if mine:
                 p = owner[mine[0]]
                 checks.append((src[t], p, parts[p].local[mine[0]]))
@@ -400,7 +400,7 @@ class Split:
             for v in out:
                 ndeps[v] += 1
                 preds[v - len(release)].append(i)
-        return Split(parts, release, [g.dkey[t] for t in coupling], *_dense(res), succ, ndeps, checks, preds, engines)
+        return Delta(parts, release, [g.dkey[t] for t in coupling], *_dense(res), succ, ndeps, checks, preds, engines)
 
     @staticmethod
     def _part(g: TaskGraph, a: int, b: int, wake: dict[int, float], structures: dict, engines) -> Part:
@@ -504,4 +504,4 @@ def _dense(res: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
     dense = dict(zip(used, range(len(used))))
     return [tuple(map(dense.__getitem__, r)) for r in res], len(used)
 
-__all__ = ["Split", "Structure", "GraphRun", "ReplicaRun", "RUN_CACHE_SIZE", "groups"]
+__all__ = ["Delta", "Structure", "GraphRun", "ReplicaRun", "RUN_CACHE_SIZE", "groups"]

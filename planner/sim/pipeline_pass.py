@@ -16,7 +16,7 @@ operations, so the same times bit for bit). In a replica built from a template
 `fits` checks this per replica. Where routes share link directions (`linked_fits`), a link
 serves its hops by (ready time, task id), an order the times decide: `LinkedRun`'s pass
 serves a hop there once no other can come before it, and declines where it cannot tell.
-Elsewhere planner.sim.split runs the event loop over the replica's `graph`, laid out from the
+Elsewhere planner.sim.delta runs the event loop over the replica's `graph`, laid out from the
 same arrays. The passes (`_times`, `_times_linked`) are plain Python
 over arrays, compiled with numba where it is installed and the replica is large;
 tests/test_pipeline_pass.py compares it with the event loop on random replicas.
@@ -385,7 +385,7 @@ def warm() -> None:
 
 class PipelineRun:
     """A replica's structure timed by the pass: its core's `Layout`, and per resource slot its
-    local resource (the numbering planner.sim.split gives a part's resources)."""
+    local resource (the numbering planner.sim.delta gives a part's resources)."""
 
     __slots__ = ("core", "layout", "local", "n_res")
 
