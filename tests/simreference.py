@@ -148,7 +148,7 @@ def build_one_by_one(builder, r, rep):
     fwd, first, last, ends = [], [], [], []   # ends[s]: the last task of each action of stage s
     spans = []   # spans[s]: the first task of each action of stage s
     for s, st in enumerate(rep.stages):
-        rid, dev = sim._rid[st.device], st.device
+        rid, dev = sim.rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)
         pieces = pieces_of(r, s, rep.stages, builder.backward_chunks(st), accumulates=m > 1)
         fresh = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []

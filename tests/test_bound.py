@@ -229,11 +229,11 @@ def test_link_resources_are_numbered_before_any_route_is_asked():
     # plan's result depend on which plans (or bounds) asked for routes before it
     topo = cluster_64(2)
     sim = Simulator(synthetic_graph(8, 16), topo)
-    lanes = list(sim._lanes)
+    lanes = list(sim.lanes)
     assert len(lanes) == len(topo.devices) + 2 * len(topo.links)
     sim.hops("node1/cuda:7", "node0/cuda:3")
     sim.lower_bound_s(plan([(1.0, 2, [("node1/cuda:7", 0, 4), ("node0/cuda:3", 4, 8)])], 16))
-    assert sim._lanes == lanes
+    assert sim.lanes == lanes
 
 
 def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_backward():

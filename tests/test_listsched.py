@@ -126,7 +126,7 @@ def test_a_link_carrying_two_routes_falls_back_where_the_order_flips():
     assert static is not None and static.run(dur, {}) is None
     sim._wakes(shape)   # none here
     assert run_graph(shape, dur, sim.engines)[:2] == run_tasks(dur, shape.res, shape.succ, list(shape.ndeps),
-                                                 shape.shared_res, len(sim._lanes))
+                                                 shape.shared_res, len(sim.lanes))
 
 
 def test_a_resource_shared_by_all_reduces_and_other_work_takes_the_event_loop():

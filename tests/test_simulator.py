@@ -538,8 +538,8 @@ def test_event_loop_starts_tasks_exactly_as_the_reference_loop(seed):
         values = sim._evaluate(pl, shape)
         dur = [values[k] for k in shape.dkey]
         fast = run_tasks(dur, shape.res, shape.succ, list(shape.ndeps), shape.shared_res,
-                         len(sim._lanes))
-        assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim._lanes))   # no wake-ups here
+                         len(sim.lanes))
+        assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim.lanes))   # no wake-ups here
 
 
 def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(monkeypatch):

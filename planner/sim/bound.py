@@ -99,7 +99,7 @@ class _Bound:
 
     def __init__(self, sim: Any, plan: Plan):
         self.sim, self.plan, self.cost, self.graph = sim, plan, sim.cost, sim.graph
-        self.rid = sim._rid
+        self.rid = sim.rid
         self.work: dict[int, float] = {}    # resource id -> seconds of the tasks it runs
         self.negative = False
         self.after: dict[str, float] = {}   # device -> its optimizer step (the chain after its last compute)
@@ -142,10 +142,10 @@ class _Bound:
             fine = self.plan.sync.granularity == "fine"
             items = []
             for k, b in enumerate(shared + tied):
-                res, dur = self.sim._allreduce(b.devices, b.bytes)
+                res, dur = self.sim.allreduce(b.devices, b.bytes)
                 early = fine and k < len(shared)
                 if early:
-                    dur = min(dur, self.sim._allreduce(b.devices, b.bytes, True)[1])
+                    dur = min(dur, self.sim.allreduce(b.devices, b.bytes, True)[1])
                 items.append((b.devices, res, dur, early))
             clean = all(math.isfinite(dur) and dur >= 0.0 for *_, dur, _ in items)
             out = Priced(tuple(items), clean)
@@ -241,7 +241,7 @@ class _Bound:
         """As Builder.stage_resources: a tensor split holds its devices and their ring's links."""
         if not st.split:
             return (self.rid[st.device],)
-        ring = self.sim._allreduce(st.devices, 0.0)[0]
+        ring = self.sim.allreduce(st.devices, 0.0)[0]
         return tuple(dict.fromkeys([self.rid[d] for d in st.devices] + list(ring)))
 
     def replica(self, stages: tuple[Stage, ...], m: int, mb: float) -> float:

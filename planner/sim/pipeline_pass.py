@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner.sim import fastloop
-from planner.sim.template import ReplicaCore, _message_ends, replica_core
+from planner.sim.template import ReplicaCore, message_ends, replica_core
 
 COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where numba is installed)
 
@@ -62,7 +62,7 @@ def layout(*args) -> Layout:
     core = replica_core(*args)
     sk, c, slots = core.sk, core.c, core.slots
     n, m = sk.fwd.shape
-    fwd, first, last, posted = _message_ends(sk, c)
+    fwd, first, last, posted = message_ends(sk, c)
     q = max(n - 1, 0)
     take_q = np.full(len(c.value), -1, np.int64)
     take_i = np.zeros(len(c.value), np.int64)
@@ -349,7 +349,7 @@ _compiled_linked = None
 def _pass_linked():
     global _compiled_linked
     if _compiled_linked is None:
-        _compiled_linked = fastloop._numba.njit(cache=True)(_times_linked)
+        _compiled_linked = fastloop.jit(_times_linked)
     return _compiled_linked
 
 
@@ -359,7 +359,7 @@ _compiled = None
 def _pass():
     global _compiled
     if _compiled is None:
-        _compiled = fastloop._numba.njit(cache=True)(_times)
+        _compiled = fastloop.jit(_times)
     return _compiled
 
 

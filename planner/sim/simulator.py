@@ -150,8 +150,8 @@ class Simulator:
                  static_after: int | None = 2, delta: bool = True, engines: Sequence[Engine] | None = None):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
-        self._rid: dict[Any, int] = {}
-        self._lanes: list[str] = []
+        self.rid: dict[Any, int] = {}
+        self.lanes: list[str] = []
         for d in topology.devices:
             self._resource(d.name)
         # every link direction numbered now, not at first use: the event loop serves resources in
@@ -159,7 +159,7 @@ class Simulator:
         for link in topology.links:
             self._resource((link.a, link.b))
             self._resource((link.b, link.a))
-        self._links = {(x,) for key, x in self._rid.items() if isinstance(key, tuple)}   # as tasks' resources
+        self._links = {(x,) for key, x in self.rid.items() if isinstance(key, tuple)}   # as tasks' resources
         self._hops: dict[tuple[str, str], list[RouteHop]] = {}
         self._ar: dict[tuple[tuple[str, ...], float, bool], tuple[tuple[int, ...], float]] = {}
         self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
@@ -171,23 +171,23 @@ class Simulator:
         self._shape_cache_size = shape_cache_size
         self.engines = tuple(engines) if engines is not None else engines_of(delta, collapse, static_after)
         self._collapse = TWINS in self.engines   # identical independent replicas run once (_like)
-        self._saturated = contention.saturated_cpus(topology)
+        self.saturated = contention.saturated_cpus(topology)
         # delta simulation (planner.sim.delta): independent replicas run one by one, each
         # distinct one once, its times kept across plans; else the whole graph every time
         self._delta_on = DELTA in self.engines
         self._structures: dict = {}   # replica structures (planner.sim.delta.Structure)
         self._replica_runs: dict = {}
-        self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
+        self.replica_values: dict = {}   # planner.sim.build.Builder.replica_values
         self._block_values: dict = {}     # Simulator._evaluate: (id of a block's recipes, microbatch) -> (them, values)
         self.bound_cache = BoundCache()   # what planner.sim.bound keeps across plans
         self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
     def _resource(self, key: Any) -> int:
-        if key not in self._rid:
-            self._rid[key] = len(self._lanes)
-            self._lanes.append(key if isinstance(key, str) else f"{key[0]}->{key[1]}")
-        return self._rid[key]
+        if key not in self.rid:
+            self.rid[key] = len(self.lanes)
+            self.lanes.append(key if isinstance(key, str) else f"{key[0]}->{key[1]}")
+        return self.rid[key]
 
     def hops(self, a: str, b: str) -> list[RouteHop]:
         """The link directions of the route a -> b, in order."""
@@ -205,8 +205,8 @@ class Simulator:
             self._hops[key] = out
         return self._hops[key]
 
-    def _allreduce(self, devices: tuple[str, ...], n_bytes: float,
-                   queued: bool = False) -> tuple[tuple[int, ...], float]:
+    def allreduce(self, devices: tuple[str, ...], n_bytes: float,
+                  queued: bool = False) -> tuple[tuple[int, ...], float]:
         """The resources an all-reduce holds and its duration (`queued`: issued right behind
         another of its group, cost.allreduce_s)."""
         key = (devices, n_bytes, queued)
@@ -219,7 +219,7 @@ class Simulator:
                         res.append(h.resource)
             # gloo runs the collective on the workers' own CPU cores: with no core to spare it
             # cannot overlap their compute, so it also holds their compute queues
-            res += [self._rid[d] for d in devices if d in self._saturated]
+            res += [self.rid[d] for d in devices if d in self.saturated]
             self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes, queued))
         return self._ar[key]
 
@@ -262,7 +262,7 @@ class Simulator:
         g = TaskGraph(trace)
         self._build(plan, g, like)
         g.shared_res = shared_resources(g.res)
-        g.n_res = len(self._lanes)
+        g.n_res = len(self.lanes)
         # Replicas are independent when nothing else queues on their devices and links:
         # every device holds one stage, optimizers run on their devices (after the
         # device's last backward, which they wait for through the all-reduces), and no two
@@ -296,7 +296,7 @@ class Simulator:
         if g.wake is None:
             if self._wake_at is None:   # devices' wake-ups, keyed like a task's resources
                 cost = self.cost
-                self._wake_at = {(self._rid[d.name],): w for d in self.topology.devices
+                self._wake_at = {(self.rid[d.name],): w for d in self.topology.devices
                                  if (w := cost.wake_latency_s(d.name) + cost.cold_compute_s(d.name)) > 0.0}
             links, wake_at = self._links, self._wake_at
             g.wake = {}
@@ -321,7 +321,7 @@ class Simulator:
             base = dur = base.tolist()
             start, end = _listed(start), _listed(end)
         for _ in range(contention.CONTENTION_PASSES if contended else 0):
-            dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
+            dur = contention.contend(self.cost, self.rid, contended, g, base, start, end)
             start, end, engine = run_graph(g, dur, self.engines)
             start, end = _listed(start), _listed(end)
         return _iteration_s(g, end), base, dur, start, end, engine
@@ -361,17 +361,17 @@ class Simulator:
     def _couples(self, plan: Plan) -> bool:
         used = []
         for rep in plan.replicas:
-            xs = {self._rid[st.device] for st in rep.stages}
+            xs = {self.rid[st.device] for st in rep.stages}
             for a, b in zip(rep.stages, rep.stages[1:]):
                 xs.update(h.resource for h in self.hops(a.device, b.device) + self.hops(b.device, a.device))
             used.append(xs)
         if len(used) > 1 and len(delta_groups(used)) == 1:
             return True
-        owner = {self._rid[st.device] for rep in plan.replicas for st in rep.stages}
+        owner = {self.rid[st.device] for rep in plan.replicas for st in rep.stages}
         buckets, tied = self.exchanged(plan)
         rings = {b.devices for b in buckets + tied}
         return any(x in owner and (x,) not in self._links
-                   for devices in rings for x in self._allreduce(devices, 0.0)[0])
+                   for devices in rings for x in self.allreduce(devices, 0.0)[0])
 
     def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
         """g's contended CPU workers (contention.contended), buffer broadcasts and iteration
@@ -389,7 +389,7 @@ class Simulator:
         iteration adds the most a device spends; each device counts its own as comm_s."""
         spent: dict[str, float] = {}
         for b in buffer_broadcasts(plan, self.graph):
-            s = self._allreduce(b.devices, b.bytes)[1]
+            s = self.allreduce(b.devices, b.bytes)[1]
             for d in b.devices:
                 spent[d] = spent.get(d, 0.0) + s
         return spent
@@ -510,7 +510,7 @@ class Simulator:
             last, base, dur, start, end, engine = self._run(g, values, contended, trace)
             engine = f"twins/{engine}" if twins else engine
         iteration_s = last + g.overhead_s
-        slowed = contention.slowdown(self._rid, contended, g, base, dur)
+        slowed = contention.slowdown(self.rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = self._peak(plan, key)
         stats: dict[str, dict[str, float]] = {}

@@ -75,7 +75,7 @@ def _check_ranges(ranges, L: int) -> list[tuple[int, int]]:
     return out
 
 
-def _resolve_attr(model: nn.Module, gm: fx.GraphModule, target: str):
+def resolve_attr(model: nn.Module, gm: fx.GraphModule, target: str):
     """The original model's parameter/buffer/module under `target`, else the graph's constant."""
     obj = model
     for part in target.split("."):
@@ -138,7 +138,7 @@ def cut_stages(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
         def arg(v: fx.Node) -> fx.Node:
             if v not in env and v.op == "get_attr":
                 target = canonical.get(v.target, v.target)
-                attrs[target] = _resolve_attr(model, ex.gm, target)
+                attrs[target] = resolve_attr(model, ex.gm, target)
                 env[v] = g.get_attr(target)
                 env[v].meta = dict(v.meta)
             return env[v]
@@ -146,7 +146,7 @@ def cut_stages(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
         for n in nodes:
             if stage_of.get(n) == k:
                 if n.op == "call_module":
-                    attrs[n.target] = _resolve_attr(model, ex.gm, n.target)
+                    attrs[n.target] = resolve_attr(model, ex.gm, n.target)
                 env[n] = g.node_copy(n, arg)
         if k == S - 1:
             flat = [arg(v) if isinstance(v, fx.Node) else v for v in pytree.tree_leaves(out_node.args[0])]
