@@ -641,11 +641,9 @@ def _split_shape(s: Strategy) -> tuple:
 @contextmanager
 def no_collections():
     """Python's cyclic collector off for the walk: the simulator's caches hold millions of tuples
-    and lists, and each collection walks those made since the last one (a sixth of a 64-GPU
-    search's time with collections 100x rarer than the default); the walk makes little cyclic
-    garbage (7,468 objects over 772 simulations of one). At the end what is alive moves to the
-    collector's permanent generation (gc.freeze): re-enabled, its first collection would walk
-    all of it at once (seconds)."""
+    and lists, each collection walks those made since the last one, and the walk makes little
+    cyclic garbage (figures: docs/tuning.md). At the end what is alive moves to the collector's
+    permanent generation (gc.freeze): re-enabled, its first collection would walk all of it."""
     was = gc.isenabled()
     gc.disable()
     try:

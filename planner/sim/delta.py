@@ -146,7 +146,7 @@ class Structure:
 class ByResource(NamedTuple):
     """Tasks that each hold one resource (`flat`) grouped by it: their order sorted by resource,
     the resources held and where each one's tasks begin in that order (for
-    `np.maximum.reduceat`, which costs a few µs where `np.maximum.at` costs ~100)."""
+    `np.maximum.reduceat`, not the slower `np.maximum.at`: docs/tuning.md)."""
     order: np.ndarray
     held: np.ndarray
     cuts: np.ndarray
