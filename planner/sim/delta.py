@@ -18,7 +18,7 @@ applies, else by the event loop over its graph
 (`GraphRun`, or its template's `Structure` for held sends and wake-ups). Replicas that share a
 device or link direction form a group, run together (their tasks one block after another, in
 the whole graph's relative order: `Linked` where they share link directions only, else
-`GraphRun`). `Delta.of` splits a whole task graph whose
+`GraphRun`). `Delta.of` takes a whole task graph whose
 replicas are blocks of ids (hand-made graphs).
 
 The conditions (`Delta.of` / `Delta.of_parts`, per graph; `Delta.run`, per plan), each needed
@@ -305,7 +305,7 @@ class Delta:
     @staticmethod
     def of(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict,
            engines=DEFAULT_ENGINES) -> "Delta | None":
-        """g's split, or None where a condition of the module docstring fails on the graph."""
+        """g's `Delta`, or None where a condition of the module docstring fails on the graph."""
         if g.meta is not None or g.iteration_ends is not None or len(g.replica_tasks) < 2:
             return None
         bounds = []
@@ -332,7 +332,7 @@ class Delta:
     @staticmethod
     def of_parts(g: TaskGraph, wake: dict[int, float], structures: dict, wake_at: dict, links: set,
                  engines=DEFAULT_ENGINES) -> "Delta | None":
-        """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
+        """The `Delta` of a delta build (planner.sim.build.Builder.releases: g's release tasks
         first, then the coupling tasks), or None where a condition fails on the graph.
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
         if not g.parts:

@@ -24,7 +24,7 @@ priced `queued` (cost.allreduce_s). The runtime's own sync work on the worker's 
 piece that makes it final, GradSync's copy back before the step. Recompute adds the stage's forward to its backward. A split
 backward (zb-h1) is two tasks per microbatch: I (cost.bwd_input_s), which receives and sends the
 gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets follow; the measured
-cost model times both passes per layer (the split costs more than the fused backward on CPUs).
+cost model times both passes per layer (the split backward costs more than the fused one on CPUs).
 
 Receives: a message between stages moves only once its receiver has posted the receive (gloo
 and NCCL match a send with a posted receive), and the runtime keeps POSTED_AHEAD (2) receives per
@@ -244,7 +244,7 @@ class Simulator:
 
     def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None, delta: bool = False) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
-        collapsed as `like` says, or its delta build with its split (planner.sim.delta; False
+        collapsed as `like` says, or its delta build with its `Delta` (planner.sim.delta; False
         where it does not apply); built afresh when tracing."""
         key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
                        plan.sync, plan.optimizer.name,
@@ -278,7 +278,7 @@ class Simulator:
         return g
 
     def _delta_build(self, plan: Plan) -> TaskGraph:
-        """The plan shape's delta build with its split (planner.sim.delta), False where it
+        """The plan shape's delta build with its `Delta` (planner.sim.delta), False where it
         does not apply."""
         g = TaskGraph(False)
         self._build(plan, g, None, True)
