@@ -1,4 +1,4 @@
-"""Delta simulation (planner.sim.split) against the whole graph on a search's own plans.
+"""Delta simulation (planner.sim.delta) against the whole graph on a search's own plans.
 
 Records every plan a 64 x 96 rails search simulates (benchmarks/search.py's case, seed 0, one
 walk: its first 600 proposals, or `--proposals`; 20000 lets the walk stop by itself, as each of
@@ -71,11 +71,7 @@ def warm_up() -> None:
     compiled loops, loaded by simulating a small plan; then the template caches emptied, so the
     replay builds its structures cold, as a search does."""
     from planner.sim import fastloop
-    pipeline = None
-    try:   # not in every revision this benchmark compares
-        from planner.sim import pipeline
-    except ImportError:
-        pass
+    pipeline = _pipeline_pass()
     if fastloop.available():
         fastloop._compiled()
         if pipeline is not None:
@@ -86,14 +82,30 @@ def warm_up() -> None:
     clear_caches()
 
 
-def clear_caches() -> None:
-    """The simulator's module-level caches (templates, schedules) emptied."""
-    from planner.sim import schedule, template
+def _pipeline_pass():
+    """planner.sim.pipeline_pass (planner.sim.pipeline in earlier revisions; absent in the
+    first ones this benchmark compares)."""
+    try:
+        from planner.sim import pipeline_pass
+        return pipeline_pass
+    except ImportError:
+        pass
     try:
         from planner.sim import pipeline
-        kept = [pipeline.layout, pipeline.graph]
+        return pipeline
     except ImportError:
-        kept = []
+        return None
+
+
+def clear_caches() -> None:
+    """The simulator's module-level caches (templates, schedules) emptied."""
+    from planner.sim import template
+    try:   # where this revision keeps the schedules
+        from planner.files import schedule
+    except ImportError:
+        from planner.sim import schedule
+    pipeline = _pipeline_pass()
+    kept = [pipeline.layout, pipeline.graph] if pipeline is not None else []
     for f in [template.replica_template, getattr(template, "replica_core", None), template._skeleton,
               getattr(schedule, "_schedule", None), getattr(schedule, "schedule_arrays", None)] + kept:
         if f is not None:
@@ -108,7 +120,7 @@ def replay(path: Path, side: str) -> float:
     plans = pickle.loads(path.read_bytes())
     g, topo = case()
     warm_up()
-    sim = Simulator(g, topo, split=side == "on")
+    sim = Simulator(g, topo, delta=side == "on")
     gc.disable()
     t0 = time.process_time()
     if side != "scratch":
@@ -116,7 +128,7 @@ def replay(path: Path, side: str) -> float:
         return time.process_time() - t0
     for p in plans:
         clear_caches()
-        outcomes(Simulator(g, topo, cost=sim.cost, split=False), [p])
+        outcomes(Simulator(g, topo, cost=sim.cost, delta=False), [p])
     return time.process_time() - t0
 
 
@@ -140,7 +152,7 @@ def main() -> int:
     plans = pickle.loads(args.plans.read_bytes())
     g, topo = case()
     same = (list(map(repr, outcomes(Simulator(g, topo), plans)))
-            == list(map(repr, outcomes(Simulator(g, topo, split=False), plans))))
+            == list(map(repr, outcomes(Simulator(g, topo, delta=False), plans))))
     print(f"{len(plans)} plans; delta and whole results identical: {same}", file=sys.stderr)
     sides = [x for x in args.sides.split(",") if x]
     if not set(sides) <= set(SIDES):

@@ -1,73 +1,21 @@
-"""The simulator's event loop and replica templates as first written, and random plans, for
-equivalence tests.
+"""Replica templates as first written, and random plans, for equivalence tests (the reference
+event loop is planner.sim.reference).
 
-`reference_run` is the plain version of `Simulator._run` (tuple heaps, no fast paths): the
-order of task starts that the fast loop must reproduce exactly; `replica_template_one_by_one`
-the template builder before arrays (planner.sim.template). Not a test file.
+`replica_template_one_by_one` is the template builder before arrays (planner.sim.template).
+Not a test file.
 """
 from __future__ import annotations
 
-import heapq
 import random
 from dataclasses import replace
 from typing import NamedTuple
 
-from planner.sim.schedule import Action
-from planner.sim.schedule import make_schedule as _make_schedule, receives as _receives
-from planner.sim.schedule import split_backward as _split_backward
+from planner.files.schedule import Action
+from planner.files.schedule import make_schedule as _make_schedule, receives as _receives
+from planner.files.schedule import split_backward as _split_backward
 from planner.sim.template import Slots, Stream, _slots, accumulates
 
 from simhelpers import device, graph, layer, link, plan, topology
-
-
-def reference_run(dur, res, succ, ndeps, n_res):
-    """Events (end, id), all applied before any start; queues by (ready time, id), served in
-    resource id order; a multi-resource task starts when all its resources are free."""
-    ndeps = list(ndeps)
-    n = len(dur)
-    start, end = [0.0] * n, [0.0] * n
-    busy, started = [False] * n_res, [False] * n
-    waiting = [[] for _ in range(n_res)]
-    events, touched = [], []
-    newly = [t for t in range(n) if ndeps[t] == 0]
-    now = 0.0
-    while True:
-        for t in newly:
-            if not res[t]:
-                started[t] = True
-                start[t] = end[t] = now
-                heapq.heappush(events, (now, t))
-            for x in res[t]:
-                heapq.heappush(waiting[x], (now, t))
-                touched.append(x)
-        for x in sorted(set(touched)):
-            w = waiting[x]
-            while w and started[w[0][1]]:
-                heapq.heappop(w)
-            if busy[x] or not w:
-                continue
-            t = w[0][1]
-            if any(busy[y] for y in res[t]):
-                continue
-            if len(res[t]) == 1:
-                heapq.heappop(w)
-            for y in res[t]:
-                busy[y] = True
-            started[t], start[t], end[t] = True, now, now + dur[t]
-            heapq.heappush(events, (end[t], t))
-        touched, newly = [], []
-        if not events:
-            return start, end
-        now = events[0][0]
-        while events and events[0][0] == now:
-            t = heapq.heappop(events)[1]
-            for x in res[t]:
-                busy[x] = False
-                touched.append(x)
-            for v in succ[t]:
-                ndeps[v] -= 1
-                if ndeps[v] == 0:
-                    newly.append(v)
 
 
 def random_case(rng: random.Random):
@@ -177,7 +125,7 @@ def build_one_by_one(builder, r, rep):
     backward (zb-h1): an I task per I action (the gradient leaves and arrives there) and the
     backward's pieces per W action; its I values are numbered after the hops."""
     from planner.sim.build import Chunk
-    from planner.sim.schedule import make_schedule, receives, split_backward
+    from planner.files.schedule import make_schedule, receives, split_backward
     from planner.sim.taskgraph import HeldSend
     g, sim, m = builder.g, builder.sim, rep.microbatches
     pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
@@ -200,7 +148,7 @@ def build_one_by_one(builder, r, rep):
     fwd, first, last, ends = [], [], [], []   # ends[s]: the last task of each action of stage s
     spans = []   # spans[s]: the first task of each action of stage s
     for s, st in enumerate(rep.stages):
-        rid, dev = sim._rid[st.device], st.device
+        rid, dev = sim.rid[st.device], st.device
         f_k = builder.forward_value(r, s, rep.stages)
         pieces = pieces_of(r, s, rep.stages, builder.backward_chunks(st), accumulates=m > 1)
         fresh = pieces_of(r, s, rep.stages, [Chunk(st.end, st.start, None)]) if m > 1 else []

@@ -229,16 +229,16 @@ def test_link_resources_are_numbered_before_any_route_is_asked():
     # plan's result depend on which plans (or bounds) asked for routes before it
     topo = cluster_64(2)
     sim = Simulator(synthetic_graph(8, 16), topo)
-    lanes = list(sim._lanes)
+    lanes = list(sim.lanes)
     assert len(lanes) == len(topo.devices) + 2 * len(topo.links)
     sim.hops("node1/cuda:7", "node0/cuda:3")
     sim.lower_bound_s(plan([(1.0, 2, [("node1/cuda:7", 0, 4), ("node0/cuda:3", 4, 8)])], 16))
-    assert sim._lanes == lanes
+    assert sim.lanes == lanes
 
 
 def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_backward():
     from planner.sim.bound import HEAD_SCHEDULES
-    from planner.sim.schedule import Action, make_schedule
+    from planner.files.schedule import Action, make_schedule
     for name in HEAD_SCHEDULES:
         for p, m in ((2, 2), (3, 5), (4, 8)):
             for s, acts in enumerate(make_schedule(name, p, m)):
@@ -250,7 +250,7 @@ def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_b
 def test_zb_h1s_trailing_w_passes_are_those_of_its_schedule():
     """The bound counts per stage the W passes after its last I without building the schedule."""
     from planner.sim.bound import trailing_w
-    from planner.sim.schedule import make_schedule
+    from planner.files.schedule import make_schedule
     for p in range(1, 9):
         for m in range(p, 3 * p + 2):
             rows = make_schedule("zb-h1", p, m)

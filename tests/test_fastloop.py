@@ -65,9 +65,9 @@ def test_a_deadlock_is_reported_as_the_python_loop_reports_it():
         fastloop.run(fastloop.prepare(res, succ, ndeps, (), 1), np.array([1.0, 1.0]))
 
 
-def _results(g, topo, plans, split: bool) -> list[str]:
+def _results(g, topo, plans, delta: bool) -> list[str]:
     from planner.sim.simulator import Simulator
-    sim = Simulator(g, topo, cache_size=0, split=split)
+    sim = Simulator(g, topo, cache_size=0, delta=delta)
     out = []
     for pl in plans:
         try:
@@ -77,8 +77,8 @@ def _results(g, topo, plans, split: bool) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch, split):
+@pytest.mark.parametrize("delta", [True, False])
+def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch, delta):
     # every graph compiled (MIN_TASKS 0): whole graphs and delta simulation's replicas, on the
     # fixed-order pass's random plans (every schedule, sync, offload, tensor split) and edge cases
     from dataclasses import replace
@@ -103,9 +103,9 @@ def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch
     cases += [(c[0], c[1], [c[2]]) for c in (random_case(rng) for _ in range(40))]
     cases += [(c[0], c[1], [c[2]]) for c in (random_cpu_pipelines(rng) for _ in range(20))]
     monkeypatch.setattr(fastloop, "MIN_TASKS", 0)
-    compiled = [_results(*c, split) for c in cases]
+    compiled = [_results(*c, delta) for c in cases]
     monkeypatch.setattr(fastloop, "_numba", False)     # fastloop.available() is False: Python
-    assert [_results(*c, split) for c in cases] == compiled
+    assert [_results(*c, delta) for c in cases] == compiled
 
 
 @pytest.mark.parametrize("seed", range(2))

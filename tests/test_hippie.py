@@ -13,7 +13,7 @@ import pytest
 
 from planner.cost.memory import in_flight, peak_memory
 from planner.hardware.topology import Device, Link, Topology
-from planner.sim.schedule import dry_run, format_schedule, make_schedule
+from planner.files.schedule import dry_run, format_schedule, make_schedule
 from planner.sim.simulator import Simulator, simulate
 from simhelpers import device, graph, layer, link, plan, topology
 

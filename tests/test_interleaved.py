@@ -11,7 +11,7 @@ import pytest
 from planner.cost.memory import in_flight, peak_memory
 from planner.files.io import InputError
 from planner.files.plan import plan_from_dict
-from planner.sim.schedule import dry_run, format_schedule, interleaved_1f1b, make_schedule
+from planner.files.schedule import dry_run, format_schedule, interleaved_1f1b, make_schedule
 from planner.sim.simulator import simulate
 from simhelpers import device, graph, layer, link, plan, topology
 
@@ -132,7 +132,7 @@ def test_receives_are_posted_two_ahead_per_peer_in_its_send_order():
     # device's send order, act1.0 act1.1 act3.0 act3.1 act1.2 grad1.0 act1.3 grad1.1 act3.2
     # act3.3 grad1.2 grad1.3; with two posted, each is posted as the action after the take of
     # the one two before it starts (None: at the iteration's start)
-    from planner.sim.schedule import receives
+    from planner.files.schedule import receives
     sched = make_schedule("interleaved-1f1b", 4, 4, 2)
     got = {m: (str(sched[d][take]), None if after is None else str(sched[d][after]))
            for m, (d, take, after) in receives(sched).items() if d == 1}

@@ -14,6 +14,7 @@ from planner.hardware.calibration import Calibration, calibration_to_dict
 from planner.hardware.topology import load_topology
 from planner.search.problem import make_space
 from planner.sim import listsched
+from planner.sim.engines import run_graph
 from planner.sim.eventloop import run as run_tasks
 from planner.sim.simulator import Simulator
 from simhelpers import device, graph, layer, link, plan, topology
@@ -44,8 +45,8 @@ def passes(monkeypatch):
 def same_results(g, topo, plans, passes) -> None:
     """Every plan simulates to the same result (repr: every float bit for bit, or the same
     refusal) with the fixed-order pass and with the event loop alone."""
-    fast = Simulator(g, topo, cache_size=0, static_after=0, split=False)   # whole graphs (not planner.sim.split)
-    loop = Simulator(g, topo, cache_size=0, static_after=None, split=False)
+    fast = Simulator(g, topo, cache_size=0, static_after=0, delta=False)   # whole graphs (not planner.sim.delta)
+    loop = Simulator(g, topo, cache_size=0, static_after=None, delta=False)
     for pl in plans:
         passes.set(pl.schedule)
         out = []
@@ -123,8 +124,9 @@ def test_a_link_carrying_two_routes_falls_back_where_the_order_flips():
     dur = [values[k] for k in shape.dkey]
     static = listsched.Static.of(shape)
     assert static is not None and static.run(dur, {}) is None
-    assert sim._run(shape, dur, {}) == run_tasks(dur, shape.res, shape.succ, list(shape.ndeps),
-                                                 shape.shared_res, len(sim._lanes))
+    sim._wakes(shape)   # none here
+    assert run_graph(shape, dur, sim.engines)[:2] == run_tasks(dur, shape.res, shape.succ, list(shape.ndeps),
+                                                 shape.shared_res, len(sim.lanes))
 
 
 def test_a_resource_shared_by_all_reduces_and_other_work_takes_the_event_loop():
@@ -144,7 +146,7 @@ def test_a_shape_takes_the_pass_from_its_third_simulation(passes):
     g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=8, cut_bytes=[10**6] * 5)
     names = [f"cuda:{i}" for i in range(4)]
     t = topology([device(d) for d in names], [link(a, b, 1e8, 1e-5) for i, a in enumerate(names) for b in names[i + 1:]])
-    sim = Simulator(g, t, cache_size=0, split=False)
+    sim = Simulator(g, t, cache_size=0, delta=False)
     passes.set("1f1b")
     for f in (0.25, 0.75, 0.375, 0.625):   # replicas never alike (alike ones are collapsed: another graph)
         pl = plan([(f, 2, [("cuda:0", 0, 2), ("cuda:1", 2, 4)]), (1 - f, 2, [("cuda:2", 0, 2), ("cuda:3", 2, 4)])], 8,

@@ -1,8 +1,8 @@
-"""planner.sim.pipeline: a replica timed by one pass over its schedule gives the event loop's
+"""planner.sim.pipeline_pass: a replica timed by one pass over its schedule gives the event loop's
 times bit for bit (each compute task's end, each resource's last end and whether a task taking
 no time ends there, the iteration's end), compiled and in Python; `fits` refuses what the pass
 does not model; a replica's graph laid out without its template (`graph`, run by
-planner.sim.split.GraphRun where links are shared) is the template's; where routes share links,
+planner.sim.delta.GraphRun where links are shared) is the template's; where routes share links,
 the linked pass (`LinkedRun`) gives the event loop's times or declines."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import random
 import numpy as np
 import pytest
 
-from planner.sim import fastloop, pipeline
-from planner.sim.pipeline import LinkedRun, PipelineRun, fits, graph, linked_fits
-from planner.sim.split import GraphRun, Linked, Structure
+from planner.sim import fastloop, pipeline_pass as pipeline
+from planner.sim.pipeline_pass import LinkedRun, PipelineRun, fits, graph, linked_fits
+from planner.sim.delta import GraphRun, Linked, Structure
 from planner.sim.template import Stream, replica_core, replica_template
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "hippie")

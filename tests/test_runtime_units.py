@@ -143,10 +143,10 @@ class _Link:
 
 
 def test_a_stage_keeps_two_receives_posted_per_link_never_more_than_it_still_receives():
-    # planner.sim.schedule.POSTED_AHEAD: the simulator moves a message once its receive is posted
+    # planner.files.schedule.POSTED_AHEAD: the simulator moves a message once its receive is posted
     import torch
 
-    from planner.sim.schedule import POSTED_AHEAD
+    from planner.files.schedule import POSTED_AHEAD
     from runtime.pipeline import StageRunner
     prev, nxt = _Link(["act"]), _Link(["grad"])
     r = StageRunner(torch.nn.Linear(1, 1), torch.device("cpu"), None, prev, nxt, 1.0, None)

@@ -36,7 +36,7 @@ def test_uniform_pipeline_takes_m_plus_p_minus_1_slots(schedule, p, m):
 def test_zb_h1_fills_the_cool_down_with_weight_gradients(p, m):
     # one layer per stage holding weights: t_f = 0.25 s, t_b = 0.5 s split into I = W = 0.25 s
     # (cost.model.weight_grad_share); stage 0 has no input gradient: I = 0, W = 0.5 s.
-    # Hand-run (planner.sim.schedule.grid): every stage is busy 3m quarter-slots after its warm-up,
+    # Hand-run (planner.files.schedule.grid): every stage is busy 3m quarter-slots after its warm-up,
     # and the pipeline fills and drains in p - 1 slots of F + I - W = 0.25 s: (3m + p - 1) * 0.25
     # against 1F1B's (m + p - 1) * 0.75; the same work per device.
     g = graph([layer(i, param_bytes=4) for i in range(p)], batch=4)
@@ -159,8 +159,8 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
     assert r.per_device["cuda:1"]["comm_s"] == approx(1.02 + broadcasts)   # as the runtime's events count them
     # the same whole graph, its twin replicas collapsed or not, and by delta simulation
     from planner.sim.simulator import Simulator
-    for split, collapse in ((False, True), (False, False), (True, True)):
-        assert Simulator(g, t, split=split, collapse=collapse).simulate(pl).iteration_s == approx(r.iteration_s)
+    for delta, collapse in ((False, True), (False, False), (True, True)):
+        assert Simulator(g, t, delta=delta, collapse=collapse).simulate(pl).iteration_s == approx(r.iteration_s)
     # one device holds the layers (a pipeline of one replica): nothing to broadcast
     one = plan([(1.0, 1, [("cuda:0", 0, 1), ("cuda:1", 1, 2)])], 2)
     assert buffer_broadcasts(one, g) == []
@@ -380,7 +380,7 @@ def test_a_message_moves_once_its_receive_is_posted_two_ahead_per_peer():
     # GPipe, 2 stages, m = 3 of 1 sample: stage 0's F 0.5 s, stage 1's F 2 s, no backward work,
     # each activation 0.5 s on the link. A gloo message moves only once its receive is posted,
     # and a worker keeps POSTED_AHEAD = 2 receives per peer posted, the next one posted as an
-    # action starts after one is taken (planner.sim.schedule.receives): act0 0.5-1.0 and act1
+    # action starts after one is taken (planner.files.schedule.receives): act0 0.5-1.0 and act1
     # 1.0-1.5 were posted at the start; act2, sent at 1.5, is posted when 1F0 (1.0-3.0), which
     # took act0, ends: 3.0-3.5 (dropping the rule: 1.5-2.0); hidden by 1F1 3.0-5.0, 1F2 5.0-7.0.
     # The gradients (0.5 s each, backwards of no time at 7.0): 7.0-7.5, 7.5-8.0, 8.0-8.5: 8.5 s.
@@ -491,7 +491,8 @@ def test_cli_json_and_trace(tmp_path):
     out = _cli(p, "--topology", WORKSTATION, "--json", "--trace", tmp_path / "trace.json")
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
-    assert set(res) == {"iteration_s", "peak_memory_bytes", "feasible", "per_device"}
+    assert set(res) == {"iteration_s", "peak_memory_bytes", "feasible", "per_device", "engine"}
+    assert res["engine"] in ("event-loop", "fixed-order", "compiled")   # traced: the whole graph
     assert set(res["per_device"]) == {"cpu:0", "cuda:0"} and res["feasible"] is True
     assert res["iteration_s"] > 0 and all(v["busy_s"] > 0 for v in res["per_device"].values())
     trace = json.loads((tmp_path / "trace.json").read_text())
@@ -538,7 +539,8 @@ import random  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 from planner.sim.eventloop import run as run_tasks  # noqa: E402
-from simreference import random_case, random_twin_case, reference_run  # noqa: E402
+from planner.sim.reference import run as reference_run  # noqa: E402
+from simreference import random_case, random_twin_case  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -552,8 +554,8 @@ def test_event_loop_starts_tasks_exactly_as_the_reference_loop(seed):
         values = sim._evaluate(pl, shape)
         dur = [values[k] for k in shape.dkey]
         fast = run_tasks(dur, shape.res, shape.succ, list(shape.ndeps), shape.shared_res,
-                         len(sim._lanes))
-        assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim._lanes))
+                         len(sim.lanes))
+        assert fast == reference_run(dur, shape.res, shape.succ, shape.ndeps, len(sim.lanes))   # no wake-ups here
 
 
 def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(monkeypatch):
@@ -573,7 +575,7 @@ def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(mon
         assert repr(shared) == repr(fresh) == repr(traced)
         assert max(x["end_s"] for x in traced.tasks) == shared.iteration_s
     # one shared build; fresh and traced simulators build their own (and a delta build each,
-    # planner.sim.split, which this plan's host optimizer steps refuse)
+    # planner.sim.delta, which this plan's host optimizer steps refuse)
     assert builds.count(False) == 1 + 3 + 3 and builds.count(True) == 1 + 3
     other = replace(pl, schedule="gpipe", recompute=True)   # another shape: built anew
     assert repr(sim.simulate(other)) == repr(Simulator(g, t).simulate(other))
@@ -596,7 +598,7 @@ def test_identical_replicas_are_simulated_once_with_identical_results(schedule, 
             for r, f in enumerate((0.2, 0.2, 0.2, 0.4))]
     pl = plan(reps, 30, schedule=schedule, granularity=granularity, bucket_bytes=10**6,
               optimizer="adam", recompute=recompute)
-    sim = Simulator(g, _mesh(8), split=False)   # delta simulation would serve it (tests/test_split.py)
+    sim = Simulator(g, _mesh(8), delta=False)   # delta simulation would serve it (tests/test_delta.py)
     collapsed = sim.simulate(pl)
     assert repr(collapsed) == repr(Simulator(g, _mesh(8), collapse=False).simulate(pl))
     assert repr(collapsed) == repr(sim.simulate(pl, trace=True))
@@ -626,7 +628,7 @@ def test_collapsing_random_twin_replicas_changes_no_result():
     collapsed = 0
     for _ in range(150):
         g, t, pl = random_twin_case(rng)
-        sim = Simulator(g, t, cache_size=0, split=False)   # else delta simulation serves most
+        sim = Simulator(g, t, cache_size=0, delta=False)   # else delta simulation serves most
         assert repr(sim.simulate(pl)) == repr(Simulator(g, t, collapse=False).simulate(pl))
         collapsed += any(k[-1] is not None for k in sim._shapes)
     assert collapsed >= 20
@@ -724,7 +726,7 @@ def test_replicas_as_value_blocks_give_the_same_tasks_and_results(seed, monkeypa
             blocked += bool(tg.stat_blocks)
             out.append(([tg.recipes[k] for k in tg.dkey], tg.res, tg.succ, tg.ndeps, tg.replica_shape,
                         [tg.replica_recipes(r)[1] for r in range(len(tg.replica_tasks))],
-                        repr(sim.simulate(pl)), repr(Simulator(g, t, cache_size=0, split=False).simulate(pl))))
+                        repr(sim.simulate(pl)), repr(Simulator(g, t, cache_size=0, delta=False).simulate(pl))))
         assert out[0] == out[1]
     assert blocked >= 30, blocked
 
@@ -791,9 +793,9 @@ def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(s
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b"])
 def test_schedule_arrays_are_the_schedules_actions(schedule):
-    # planner.sim.schedule.schedule_arrays (what the templates are laid out from) against
+    # planner.files.schedule.schedule_arrays (what the templates are laid out from) against
     # make_schedule's actions, row by row
-    from planner.sim.schedule import KINDS, make_schedule, schedule_arrays
+    from planner.files.schedule import KINDS, make_schedule, schedule_arrays
     cases = 0
     for n in range(1, 9):
         for m in range(1, 13):

@@ -34,7 +34,7 @@ def main(args) -> int:
     from planner.sim.predict import simulate_plan_file
     from planner.files.plan import PIPEDREAM_MODES
     from planner.sim.build import STREAM_ITERATIONS
-    from planner.sim.schedule import grid, make_schedule
+    from planner.files.schedule import grid, make_schedule
     from planner.sim.chrome_trace import write_chrome_trace
 
     plan = load_plan(args.plan)
@@ -44,7 +44,7 @@ def main(args) -> int:
         write_chrome_trace(result, args.trace)
         print(f"hetplan simulate: wrote trace {args.trace}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps({**result.to_json(), "engine": result.engine}))   # planner.sim.engines
         return 0
     print(_summary(result, topology))
     if args.grid:

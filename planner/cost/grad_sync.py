@@ -54,7 +54,7 @@ def runs_on_ddp(plan: Plan) -> bool:
     it the plan's buckets cannot be given to DDP): decided from the plan and the installed torch,
     so every rank decides the same (a DDP rank beside a GradSync rank would hang in mismatched
     collectives)."""
-    from planner.sim.schedule import make_schedule
+    from planner.files.schedule import make_schedule
     return is_plain_dp(plan) and "bucket_cap_mb_list" in ddp_parameters() and all(
         sync_microbatch([(a.kind, a.microbatch) for a in make_schedule(plan.schedule, 1, rep.microbatches)[0]])
         is not None for rep in plan.replicas)

@@ -49,7 +49,7 @@ from planner.cost.model import OPTIMIZER_STATE_PER_PARAM_BYTE, host_cpu
 from planner.workload.graph import ModelGraph
 from planner.files.plan import Plan, Stage
 from planner.hardware.topology import Topology
-from planner.sim.schedule import make_schedule
+from planner.files.schedule import make_schedule
 
 
 def in_flight(schedule: str, stages: int, stage: int, microbatches: int, devices: int | None = None) -> int:

@@ -48,11 +48,7 @@ from planner.hardware.topology import Device, Topology, parse_device_name
 
 
 # Bumped when the way layers are timed or keyed changes, so that older figures are not reused
-# (2: timed with the runtime's allocator setting, planner.hardware.host_memory; 3: signatures
-# without the capture batch, planner.workload.capture._signature: a v2 file's entries could
-# never match again; 4: layers timed in training steps, not each alone in a loop; 5: on an
-# accelerator, scaled to the layers' chained, unsynchronized step; 6: inputs require grad only
-# where they carry one, and on a CPU the backward call's own cost, ENTRY's fifth figure).
+# (each version's reason: docs/tuning.md, "Layer cost cache versions").
 CACHE_VERSION = 6
 # The last layer's entry: [fwd, bwd, loss fwd, loss bwd, one backward call's own seconds].
 ENTRY = 5

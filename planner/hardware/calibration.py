@@ -207,10 +207,7 @@ def topology_calibration(topology) -> Calibration | None:
     data = topology.measured.get("calibration")
     if data is None:
         return None
-    cache = topology.__dict__.setdefault("_calibration_cache", {})
-    if "c" not in cache:
-        cache["c"] = calibration_from_dict(data, topology.name)
-    return cache["c"]
+    return topology.derived("calibration", lambda: calibration_from_dict(data, topology.name))
 
 
 __all__ = ["Calibration", "OptimizerFit", "calibration_from_dict", "calibration_to_dict",

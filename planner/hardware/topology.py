@@ -111,6 +111,14 @@ class Topology:
                        weight=link.latency_s + 1.0 / link.bandwidth_bytes_per_s)
         return g
 
+    def derived(self, key: str, make):
+        """A value derived from this (frozen) topology by another module, made once: `make()`
+        the first time `key` is asked (kept beside the fields, not compared)."""
+        cache = self.__dict__.setdefault("_derived", {})
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
     def route(self, a: str, b: str) -> tuple[Link, ...]:
         """Links on the cheapest path from a to b (empty when a == b).
 

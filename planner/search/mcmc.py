@@ -42,8 +42,8 @@ from typing import Any, Callable, Hashable
 
 from planner.search.baselines import baseline_strategies, grid_shapes, proportional_batches
 from planner.files.plan import Plan
-from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, global_neighbours, min_batch,
-                                  propose, to_plan, with_split)
+from planner.search.space import (Pipeline, Space, Strategy, even_split, fits, from_plan, global_neighbours,
+                                  min_batch, propose, to_plan, with_split)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,6 @@ class Candidate:
 
     @property
     def strategy(self) -> Strategy:
-        from planner.search.space import from_plan
         return from_plan(self.plan)[0]
 
 
@@ -463,7 +462,7 @@ class Searcher:
         interleaved pipeline joined under each schedule), until no neighbour is faster or the
         deadline passes: a short walk that ends one or two such choices from a better plan gets it."""
         while best.feasible:
-            s, batches = _split(best.plan)
+            s, batches = from_plan(best.plan)
             found = best
             for t in global_neighbours(self.p.space, s):
                 if time.monotonic() > deadline:
@@ -495,7 +494,7 @@ class Searcher:
 
     def _propose(self, cur: Candidate, bar: float = math.inf) -> Candidate | None:
         """A neighbour of `cur`, evaluated; None when no move applies or its bound exceeds `bar`."""
-        s, batches = _split(cur.plan)
+        s, batches = from_plan(cur.plan)
         if self._grid and self.rng.random() < self.cfg.grid_move_prob:
             return self.grid_move(s, bar)
         if self.rng.random() < self.cfg.batch_move_prob:
@@ -642,11 +641,9 @@ def _split_shape(s: Strategy) -> tuple:
 @contextmanager
 def no_collections():
     """Python's cyclic collector off for the walk: the simulator's caches hold millions of tuples
-    and lists, and each collection walks those made since the last one (a sixth of a 64-GPU
-    search's time with collections 100x rarer than the default); the walk makes little cyclic
-    garbage (7,468 objects over 772 simulations of one). At the end what is alive moves to the
-    collector's permanent generation (gc.freeze): re-enabled, its first collection would walk
-    all of it at once (seconds)."""
+    and lists, each collection walks those made since the last one, and the walk makes little
+    cyclic garbage (figures: docs/tuning.md). At the end what is alive moves to the collector's
+    permanent generation (gc.freeze): re-enabled, its first collection would walk all of it."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -655,11 +652,6 @@ def no_collections():
         gc.freeze()
         if was:
             gc.enable()
-
-
-def _split(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
-    from planner.search.space import from_plan
-    return from_plan(plan)
 
 
 def search(problem: Problem, rng: random.Random, config: SearchConfig = SearchConfig(),

@@ -27,7 +27,7 @@ def _emulate(workload, plan, iterations: int) -> list[float]:
 
     import torch
 
-    from planner.sim.schedule import dry_run, make_schedule
+    from planner.files.schedule import dry_run, make_schedule
     from planner.workload.inputs import call_args, slice_inputs
     from planner.workload.optimizer import make_optimizer
     from planner.workload.weight_versions import WeightVersions

@@ -73,7 +73,7 @@ def simulator_problem(simulator, space: Space) -> Problem:
             return 2 * topology.transfer_s(a, b, graph.cut_bytes_at(i, B))
         except ValueError:
             return math.inf
-    from planner.sim.pipeline import warm
+    from planner.sim.pipeline_pass import warm
     return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s,
                    cost, bound, twin_keys(simulator), warm)
 

@@ -54,7 +54,7 @@ def lower_bound_s(sim: Any, plan: Plan, above: float = math.inf) -> float | None
     """A lower bound on `sim.simulate(plan).iteration_s` (sim: a planner.sim.simulator.Simulator),
     or None where none is proven (see the module docstring). Where the replicas' terms alone
     give more than `above`, that bound (its all-reduce terms not added)."""
-    if plan.sync.mode != "sync" or not _connected(sim.topology):
+    if plan.sync.mode != "sync" or not _connected(sim):
         return None
     if contention.contended(sim.topology, sim.cost, plan):
         return None
@@ -67,18 +67,31 @@ def lower_bound_s(sim: Any, plan: Plan, above: float = math.inf) -> float | None
 
 
 def trailing_w(stages: int, m: int) -> tuple[int, ...]:
-    """ZB-H1 (planner.sim.schedule.zb_h1): per stage s, the W actions after its last I, all of
+    """ZB-H1 (planner.files.schedule.zb_h1): per stage s, the W actions after its last I, all of
     its actions after it. Stage s runs W(i - s) after each I(i) with i >= s and owes the rest
     to the end: the last I, I(m-1), is followed by its W and the s owed (m > s), else by all m."""
     return tuple(min(m, s + 1) for s in range(stages))
 
 
-def _connected(topology) -> bool:
+class BoundCache:
+    """What the bound keeps for one simulator (`Simulator.bound_cache`): per replica layout its
+    terms (`_Bound.replica`), per layout and sync its all-reduces (`_Bound.priced`), whether the
+    topology is connected."""
+
+    __slots__ = ("replicas", "allreduces", "connected")
+
+    def __init__(self):
+        self.replicas: dict = {}
+        self.allreduces: dict = {}
+        self.connected: bool | None = None
+
+
+def _connected(sim: Any) -> bool:
     """Every device reaches every other through links (then no route the simulator asks fails)."""
-    cache = topology.__dict__.setdefault("_bound_cache", {})
-    if "connected" not in cache:
-        cache["connected"] = nx.is_connected(topology.graph)
-    return cache["connected"]
+    cache = sim.bound_cache
+    if cache.connected is None:
+        cache.connected = nx.is_connected(sim.topology.graph)
+    return cache.connected
 
 
 class _Bound:
@@ -86,7 +99,7 @@ class _Bound:
 
     def __init__(self, sim: Any, plan: Plan):
         self.sim, self.plan, self.cost, self.graph = sim, plan, sim.cost, sim.graph
-        self.rid = sim._rid
+        self.rid = sim.rid
         self.work: dict[int, float] = {}    # resource id -> seconds of the tasks it runs
         self.negative = False
         self.after: dict[str, float] = {}   # device -> its optimizer step (the chain after its last compute)
@@ -119,7 +132,7 @@ class _Bound:
         may run queued: the cheaper price) and whether it is released by `last_start`."""
         layout = tuple(rep.stages for rep in self.plan.replicas)
         key = (self.plan.sync, tuple(map(id, layout)))   # identities, held by the entry (`replica`)
-        cache = self.sim._bound_allreduces
+        cache = self.sim.bound_cache.allreduces
         kept = cache.get(key)
         out = kept[1] if kept is not None else None
         if out is None:
@@ -129,10 +142,10 @@ class _Bound:
             fine = self.plan.sync.granularity == "fine"
             items = []
             for k, b in enumerate(shared + tied):
-                res, dur = self.sim._allreduce(b.devices, b.bytes)
+                res, dur = self.sim.allreduce(b.devices, b.bytes)
                 early = fine and k < len(shared)
                 if early:
-                    dur = min(dur, self.sim._allreduce(b.devices, b.bytes, True)[1])
+                    dur = min(dur, self.sim.allreduce(b.devices, b.bytes, True)[1])
                 items.append((b.devices, res, dur, early))
             clean = all(math.isfinite(dur) and dur >= 0.0 for *_, dur, _ in items)
             out = Priced(tuple(items), clean)
@@ -228,7 +241,7 @@ class _Bound:
         """As Builder.stage_resources: a tensor split holds its devices and their ring's links."""
         if not st.split:
             return (self.rid[st.device],)
-        ring = self.sim._allreduce(st.devices, 0.0)[0]
+        ring = self.sim.allreduce(st.devices, 0.0)[0]
         return tuple(dict.fromkeys([self.rid[d] for d in st.devices] + list(ring)))
 
     def replica(self, stages: tuple[Stage, ...], m: int, mb: float) -> float:
@@ -239,7 +252,7 @@ class _Bound:
         # keyed by the stages' identity (a search's plans share them: planner.search.space.to_plan),
         # which the entry holding them keeps from being reused
         key = (id(stages), m, mb, self.plan.schedule, self.plan.recompute, after)
-        cache = self.sim._bound_replicas
+        cache = self.sim.bound_cache.replicas
         kept = cache.get(key)
         if kept is None:
             if len(cache) >= REPLICA_CACHE_SIZE:
@@ -316,4 +329,4 @@ class ReplicaTerms(NamedTuple):
     best: float
 
 
-__all__ = ["lower_bound_s", "BOUND_MARGIN"]
+__all__ = ["lower_bound_s", "BoundCache", "BOUND_MARGIN"]

@@ -22,7 +22,7 @@ from planner.cost.memory import stepped_params
 from planner.cost.model import CostModel, host_cpu
 from planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from planner.hardware.topology import Topology
-from planner.sim.schedule import split_backward
+from planner.files.schedule import split_backward
 from planner.sim.template import ReplicaCore, ReplicaTemplate, Stream, accumulates, replica_core, replica_template
 from planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HeldSend, HopRecipe, LayerRange, Recompute,
                                    RouteHop, SavedCopy, SplitRange, SyncWork, TaskGraph, TaskMeta,
@@ -35,15 +35,15 @@ class SimulatorView(Protocol):
     graph: ModelGraph
     topology: Topology
     cost: CostModel
-    _rid: dict[Any, int]   # resource id of each device and link direction
-    _lanes: list[str]      # per resource id, its name
-    _saturated: frozenset[str]   # CPU devices with no core to spare (planner.sim.contention)
-    _replica_values: dict[tuple, "ReplicaValues"]   # Builder.replica_values, across plan shapes
+    rid: dict[Any, int]   # resource id of each device and link direction
+    lanes: list[str]      # per resource id, its name
+    saturated: frozenset[str]   # CPU devices with no core to spare (planner.sim.contention)
+    replica_values: dict[tuple, "ReplicaValues"]   # Builder.replica_values, across plan shapes
 
     def hops(self, a: str, b: str) -> list[RouteHop]: ...
 
-    def _allreduce(self, devices: tuple[str, ...], n_bytes: float,
-                   queued: bool = False) -> tuple[tuple[int, ...], float]: ...
+    def allreduce(self, devices: tuple[str, ...], n_bytes: float,
+                  queued: bool = False) -> tuple[tuple[int, ...], float]: ...
 
     def exchanged(self, plan: Plan) -> tuple[list[Bucket], list[Bucket]]: ...
 
@@ -107,7 +107,7 @@ class Builder:
     def __init__(self, sim: SimulatorView, plan: Plan, g: TaskGraph, like: tuple[int, ...] | None,
                  delta: bool = False):
         self.sim, self.plan, self.g, self.like = sim, plan, g, like
-        self.delta = delta   # replicas as parts, not tasks (`releases`; planner.sim.split)
+        self.delta = delta   # replicas as parts, not tasks (`releases`; planner.sim.delta)
         # each replica's values as one block and its statistics as arrays (TaskGraph.block,
         # stat_blocks): where no replica counts anything one task at a time (tensor splits,
         # offloaded activations), so each statistic's blocks come before what else it counts
@@ -169,7 +169,7 @@ class Builder:
         stream = self.stream(rep.microbatches)
         held = [self.stage_buckets(st) for st in stages]
         made = self.replica_values(r, rep, held)
-        # a delta build's part needs no hop tasks: the core (planner.sim.split builds the rest)
+        # a delta build's part needs no hop tasks: the core (planner.sim.delta builds the rest)
         t, res = (replica_core if self.delta else replica_template)(*made.template), made.res
         if not self.delta:
             g.begin_replica((rep.microbatches * STREAM_ITERATIONS if stream else rep.microbatches,
@@ -228,7 +228,7 @@ class Builder:
         ex = self.exchange
         key = (r, rep.microbatches, rep.stages, self.values_key, ex.fine,
                tuple(tuple((ex.first[k], ex.buckets[k].bytes) for k in ks) for ks in held))
-        cache = self.sim._replica_values
+        cache = self.sim.replica_values
         made = cache.get(key)
         if made is None:
             if len(cache) >= REPLICA_VALUES_CACHE_SIZE:
@@ -289,16 +289,16 @@ class Builder:
                              tuple(map(recipes.__getitem__, distinct)), slot_of)
 
     def releases(self, t: ReplicaCore, vals: list[int], res: list[tuple[int, ...]]) -> dict[int, int]:
-        """A delta build (planner.sim.split; plans without offloaded activations, tensor splits
+        """A delta build (planner.sim.delta; plans without offloaded activations, tensor splits
         or streams): the replica becomes a part of g, (template, value ids per value slot,
         resources per resource slot), and only the tasks the coupling may wait for (the pieces
         that make buckets final, each stage's last backward) become tasks: release tasks, each
         on a resource of its own. Returns their ids by the template's task."""
         g = self.g
-        k = g.value(Const(0.0))   # a release task's duration is set per plan (Split.run)
+        k = g.value(Const(0.0))   # a release task's duration is set per plan (Delta.run)
         ids = {}
         for x in sorted({x for ends in t.chunk_end for x in ends} | set(t.last_backward)):
-            ids[x] = g.add(k, (len(self.sim._lanes) + len(g.dkey),))
+            ids[x] = g.add(k, (len(self.sim.lanes) + len(g.dkey),))
         g.parts.append((t, tuple(vals), tuple(res), ids))
         return ids
 
@@ -326,9 +326,9 @@ class Builder:
         device of the split and the link directions of their all-reduce ring (they compute in
         lock step, exchanging activations)."""
         if not st.split:
-            return (self.sim._rid[st.device],)
-        ring = self.sim._allreduce(st.devices, 0.0)[0]
-        return tuple(dict.fromkeys([self.sim._rid[d] for d in st.devices] + list(ring)))
+            return (self.sim.rid[st.device],)
+        ring = self.sim.allreduce(st.devices, 0.0)[0]
+        return tuple(dict.fromkeys([self.sim.rid[d] for d in st.devices] + list(ring)))
 
     def count_split(self, st: Stage, stat: str, ks: list[int]) -> None:
         """A tensor-split stage's statistics: each device its own compute (SplitPart), and the
@@ -560,7 +560,7 @@ class Builder:
         synced: dict[str, list[int]] = {}
         started: set[tuple[str, ...]] = set()    # device sets whose burst has begun
         for k, b in enumerate(ex.buckets):
-            burst = ex.fine and all(d in self.sim._saturated for d in b.devices)
+            burst = ex.fine and all(d in self.sim.saturated for d in b.devices)
             deps = [progress.chunk_of[(dev, k)] if ex.fine and not burst else progress.last_backward[dev]
                     for dev in b.devices]
             self.allreduce(f"b{k}", b, deps, synced, queued=burst and b.devices in started)
@@ -572,7 +572,7 @@ class Builder:
     def allreduce(self, name: str, b: Bucket, deps: list[int], synced: dict[str, list[int]],
                   queued: bool = False) -> None:
         g = self.g
-        res, d = self.sim._allreduce(b.devices, b.bytes, queued)
+        res, d = self.sim.allreduce(b.devices, b.bytes, queued)
         d_k = g.value(Const(d))
         t = g.add(d_k, res, deps, TaskMeta(f"allreduce {name} {b.bytes}B", "+".join(b.devices), "allreduce")
                   if self.tracing else None)
@@ -633,7 +633,7 @@ class Builder:
         d = sim.cost.grad_copy_s(dev, n)
         if d == 0.0:
             return deps
-        t = self.g.add(self.g.value(Const(d)), (sim._rid[dev],), deps,
+        t = self.g.add(self.g.value(Const(d)), (sim.rid[dev],), deps,
                        TaskMeta("gradient copy back", dev, "optimizer") if self.tracing else None)
         self.g.memory_bound.add(t)
         return [t]
@@ -649,7 +649,7 @@ class Builder:
             return
         g = self.g
         n = self.sim.graph.stage_param_bytes(0, self.sim.graph.num_layers)
-        res, d = self.sim._allreduce(devices, n)
+        res, d = self.sim.allreduce(devices, n)
         d_k = g.value(Const(d / self.plan.sync.period))
         g.add(d_k, res, steps,
               TaskMeta(f"parameter exchange {n}B / {self.plan.sync.period}", "+".join(devices), "allreduce"))
@@ -670,12 +670,12 @@ class Builder:
             dev = rep.stages[0].device
             push = self.chain(self.route(dev, server, n_bytes=n), dev, server,
                               self.progress.last_backward[dev], f"grads {dev}->{server}")
-            t = g.add(step_k, (sim._rid[server],), (push,), TaskMeta(f"{opt} step for {dev}", server, "optimizer"))
+            t = g.add(step_k, (sim.rid[server],), (push,), TaskMeta(f"{opt} step for {dev}", server, "optimizer"))
             g.memory_bound.add(t)
             g.count(server, "optimizer_s", step_k)
             self.chain(self.route(server, dev, n_bytes=n), server, dev, t, f"params {server}->{dev}")
             g.sync_res.update(h.resource for h in sim.hops(dev, server) + sim.hops(server, dev))
-        g.sync_res.add(sim._rid[server])    # the server's queue couples the replicas
+        g.sync_res.add(sim.rid[server])    # the server's queue couples the replicas
 
     def offloaded_step(self, dev: str, host: str, n_bytes: float, n_tensors: int, deps: list[int]) -> int:
         """Gradients copied to the host once synced, the step there, parameters copied back."""
@@ -690,7 +690,7 @@ class Builder:
         dev's optimizer time."""
         g = self.g
         d_k = g.value(Const(seconds))
-        t = g.add(d_k, (self.sim._rid[dev],), deps, TaskMeta(name, dev, "optimizer") if self.tracing else None)
+        t = g.add(d_k, (self.sim.rid[dev],), deps, TaskMeta(name, dev, "optimizer") if self.tracing else None)
         g.memory_bound.add(t)
         g.count(dev, "optimizer_s", d_k)
         return t

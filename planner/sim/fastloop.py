@@ -34,6 +34,11 @@ def available() -> bool:
     return _numba is not False
 
 
+def jit(f):
+    """f compiled by numba (cached on disk); call only where `available()`."""
+    return _numba.njit(cache=True)(f)
+
+
 def _compiled():
     """The compiled loop (its helpers compiled first: the loop calls them by their names)."""
     global _loop
@@ -285,4 +290,4 @@ def _pop_time(tt, tk, tlen):
     return size
 
 
-__all__ = ["MIN_TASKS", "Prepared", "available", "prepare", "from_arrays", "run"]
+__all__ = ["MIN_TASKS", "Prepared", "available", "jit", "prepare", "from_arrays", "run"]

@@ -24,11 +24,11 @@ priced `queued` (cost.allreduce_s). The runtime's own sync work on the worker's 
 piece that makes it final, GradSync's copy back before the step. Recompute adds the stage's forward to its backward. A split
 backward (zb-h1) is two tasks per microbatch: I (cost.bwd_input_s), which receives and sends the
 gradient, and W (cost.bwd_weight_s), which the fine-sync pieces and buckets follow; the measured
-cost model times both passes per layer (the split costs more than the fused backward on CPUs).
+cost model times both passes per layer (the split backward costs more than the fused one on CPUs).
 
 Receives: a message between stages moves only once its receiver has posted the receive (gloo
 and NCCL match a send with a posted receive), and the runtime keeps POSTED_AHEAD (2) receives per
-peer posted, the next one posted as an action starts (planner.sim.schedule.receives): a message's
+peer posted, the next one posted as an action starts (planner.files.schedule.receives): a message's
 first hop also waits for the receiver's action before that post.
 
 PipeDream and 2BW (sync.mode): no all-reduce; the pipeline is simulated as a stream of three
@@ -53,32 +53,31 @@ loss computation (part of the last stage's forward as captured), the notice a la
 receive sends back to the sender (one more latency), and all-reduce algorithms other than the
 ring.
 
-Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped
-from a template of its structure: planner.sim.template) are cached per plan shape; identical independent replicas are simulated once (`_like`); results are cached per plan;
-a shape simulated again takes the fixed-order pass (planner.sim.listsched) where every resource's
-order is fixed, and its duration values are kept per replica and microbatch size. A plan whose
-replicas (or groups of replicas sharing links) are independent is simulated replica by replica,
-each distinct one once and kept across plans, a replica by one pass over its schedule where that
-is exact (planner.sim.pipeline), then the coupling (planner.sim.split, delta simulation).
-None of it changes a result. Contention between CPU workers: planner.sim.contention.
+What a run means: planner.sim.reference (the reference loop). How it is computed: the engines
+of planner.sim.engines, tried in one ordered list (`Simulator(engines=...)`), each giving the
+reference's times or declining; the result names the one that ran (`SimResult.engine`).
+Speed: task graphs (planner.sim.taskgraph, built by planner.sim.build, each replica stamped from
+a template of its structure: planner.sim.template) are cached per plan shape, results per plan,
+duration values per replica and microbatch size. Contention between CPU workers:
+planner.sim.contention.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from planner.cost.buckets import Bucket, buffer_broadcasts, exchanged_buckets
 from planner.cost.model import CostModel, RooflineCost
-from planner.sim import contention, fastloop
-from planner.sim.bound import lower_bound_s
+from planner.sim import contention
+from planner.sim.bound import BoundCache, lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
-from planner.sim.eventloop import run as run_tasks, shared_resources
-from planner.sim.listsched import Static
-from planner.sim.split import Split, groups as split_groups
+from planner.sim.engines import DELTA, TWINS, Engine, engines_of, run_graph
+from planner.sim.eventloop import shared_resources
+from planner.sim.delta import Delta, groups as delta_groups
 from planner.workload.graph import ModelGraph
 from planner.cost.memory import feasible as memory_feasible, peak_memory
 from planner.files.plan import PIPEDREAM_MODES, Plan
@@ -93,6 +92,9 @@ class SimResult:
     feasible: bool
     per_device: dict[str, dict[str, float]]
     tasks: tuple[dict[str, Any], ...] | None = field(default=None, compare=False, repr=False)
+    # the engines that computed it (planner.sim.engines): "<graph engine>", "twins/<graph engine>" or
+    # "delta/<replica engines>/<coupling graph's engine>"; not part of the result's value
+    engine: str = field(default="", compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"iteration_s": self.iteration_s, "peak_memory_bytes": dict(self.peak_memory_bytes),
@@ -104,7 +106,7 @@ _STATS = ("fwd_s", "bwd_s", "optimizer_s", "compute_s", "comm_s")
 _STAT_AT = {s: k for k, s in enumerate(_STATS)}
 
 
-STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.split)
+STRUCTURE_CACHE_SIZE = 1024   # distinct replica structures a simulator keeps (planner.sim.delta)
 PEAK_CACHE_SIZE = 64       # plans whose peak memory a simulator keeps (Simulator._peak)
 BLOCK_VALUES_CACHE_SIZE = 8192   # replicas' values per microbatch size it keeps (Simulator._evaluate)
 BUCKET_CACHE_SIZE = 4096   # layer layouts whose gradient buckets a simulator keeps (Simulator.exchanged)
@@ -119,7 +121,7 @@ class ShapeKey(NamedTuple):
     optimizer: str
     placement: tuple       # (placement, cpu_fraction)
     recompute: bool
-    delta: bool            # a delta build (planner.sim.split)
+    delta: bool            # a delta build (planner.sim.delta)
     like: tuple[int, ...] | None
 
 
@@ -139,15 +141,17 @@ class PrecisionMismatch(RuntimeError):
 
 class Simulator:
     """Simulates plans of one graph on one topology, in the precision the graph was captured in;
-    costs, routes and task graphs are cached."""
+    costs, routes and task graphs are cached. `engines`: the ordered list tried
+    (planner.sim.engines; default: DEFAULT_ENGINES less what `delta`, `collapse` and
+    `static_after` turn off); `engines=[REFERENCE]` runs the specification alone."""
 
     def __init__(self, graph: ModelGraph, topology: Topology, cost: CostModel | None = None,
                  cache_size: int = 4096, shape_cache_size: int = 64, collapse: bool = True,
-                 static_after: int | None = 2, split: bool = True):
+                 static_after: int | None = 2, delta: bool = True, engines: Sequence[Engine] | None = None):
         self.graph, self.topology = graph, topology
         self.cost = cost if cost is not None else RooflineCost(graph, topology)
-        self._rid: dict[Any, int] = {}
-        self._lanes: list[str] = []
+        self.rid: dict[Any, int] = {}
+        self.lanes: list[str] = []
         for d in topology.devices:
             self._resource(d.name)
         # every link direction numbered now, not at first use: the event loop serves resources in
@@ -155,7 +159,7 @@ class Simulator:
         for link in topology.links:
             self._resource((link.a, link.b))
             self._resource((link.b, link.a))
-        self._links = {(x,) for key, x in self._rid.items() if isinstance(key, tuple)}   # as tasks' resources
+        self._links = {(x,) for key, x in self.rid.items() if isinstance(key, tuple)}   # as tasks' resources
         self._hops: dict[tuple[str, str], list[RouteHop]] = {}
         self._ar: dict[tuple[tuple[str, ...], float, bool], tuple[tuple[int, ...], float]] = {}
         self._buckets: dict[tuple, tuple[list[Bucket], list[Bucket]]] = {}
@@ -165,30 +169,25 @@ class Simulator:
         self._cache_size = cache_size
         self._shapes: dict[Any, TaskGraph] = {}
         self._shape_cache_size = shape_cache_size
-        self._collapse = collapse
-        # the fixed-order pass (planner.sim.listsched) for a task graph run this many times before,
-        # where it applies; None: the event loop only. A 64-GPU search simulates most of its
-        # shapes once or twice and its links make most of them unfit: preparing the pass for
-        # them cost more than it saved (docs/tuning.md, "Fixed-order pass").
-        self._static_after = static_after
-        self._saturated = contention.saturated_cpus(topology)
-        # delta simulation (planner.sim.split): independent replicas run one by one, each
-        # distinct one once, its times kept across plans; False: the whole graph every time
-        self._split = split
-        self._structures: dict = {}   # replica structures (planner.sim.split.Structure)
+        self.engines = tuple(engines) if engines is not None else engines_of(delta, collapse, static_after)
+        self._collapse = TWINS in self.engines   # identical independent replicas run once (_like)
+        self.saturated = contention.saturated_cpus(topology)
+        # delta simulation (planner.sim.delta): independent replicas run one by one, each
+        # distinct one once, its times kept across plans; else the whole graph every time
+        self._delta_on = DELTA in self.engines
+        self._structures: dict = {}   # replica structures (planner.sim.delta.Structure)
         self._replica_runs: dict = {}
-        self._replica_values: dict = {}   # planner.sim.build.Builder.replica_values
+        self.replica_values: dict = {}   # planner.sim.build.Builder.replica_values
         self._block_values: dict = {}     # Simulator._evaluate: (id of a block's recipes, microbatch) -> (them, values)
-        self._bound_replicas: dict = {}   # planner.sim.bound._Bound.replica
-        self._bound_allreduces: dict = {}   # planner.sim.bound._Bound.priced
+        self.bound_cache = BoundCache()   # what planner.sim.bound keeps across plans
         self._wake_at: dict[tuple[int], float] | None = None
 
     # --- resources and routes ----------------------------------------------------------------
     def _resource(self, key: Any) -> int:
-        if key not in self._rid:
-            self._rid[key] = len(self._lanes)
-            self._lanes.append(key if isinstance(key, str) else f"{key[0]}->{key[1]}")
-        return self._rid[key]
+        if key not in self.rid:
+            self.rid[key] = len(self.lanes)
+            self.lanes.append(key if isinstance(key, str) else f"{key[0]}->{key[1]}")
+        return self.rid[key]
 
     def hops(self, a: str, b: str) -> list[RouteHop]:
         """The link directions of the route a -> b, in order."""
@@ -206,8 +205,8 @@ class Simulator:
             self._hops[key] = out
         return self._hops[key]
 
-    def _allreduce(self, devices: tuple[str, ...], n_bytes: float,
-                   queued: bool = False) -> tuple[tuple[int, ...], float]:
+    def allreduce(self, devices: tuple[str, ...], n_bytes: float,
+                  queued: bool = False) -> tuple[tuple[int, ...], float]:
         """The resources an all-reduce holds and its duration (`queued`: issued right behind
         another of its group, cost.allreduce_s)."""
         key = (devices, n_bytes, queued)
@@ -220,7 +219,7 @@ class Simulator:
                         res.append(h.resource)
             # gloo runs the collective on the workers' own CPU cores: with no core to spare it
             # cannot overlap their compute, so it also holds their compute queues
-            res += [self._rid[d] for d in devices if d in self._saturated]
+            res += [self.rid[d] for d in devices if d in self.saturated]
             self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes, queued))
         return self._ar[key]
 
@@ -245,7 +244,7 @@ class Simulator:
 
     def _shape(self, plan: Plan, trace: bool, like: tuple[int, ...] | None = None, delta: bool = False) -> TaskGraph:
         """The cached task graph of plan's shape (everything but batch sizes) with replicas
-        collapsed as `like` says, or its delta build with its split (planner.sim.split; False
+        collapsed as `like` says, or its delta build with its `Delta` (planner.sim.delta; False
         where it does not apply); built afresh when tracing."""
         key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
                        plan.sync, plan.optimizer.name,
@@ -263,6 +262,7 @@ class Simulator:
         g = TaskGraph(trace)
         self._build(plan, g, like)
         g.shared_res = shared_resources(g.res)
+        g.n_res = len(self.lanes)
         # Replicas are independent when nothing else queues on their devices and links:
         # every device holds one stage, optimizers run on their devices (after the
         # device's last backward, which they wait for through the all-reduces), and no two
@@ -278,14 +278,14 @@ class Simulator:
         return g
 
     def _delta_build(self, plan: Plan) -> TaskGraph:
-        """The plan shape's delta build with its split (planner.sim.split), False where it
+        """The plan shape's delta build with its `Delta` (planner.sim.delta), False where it
         does not apply."""
         g = TaskGraph(False)
         self._build(plan, g, None, True)
         if len(self._structures) >= STRUCTURE_CACHE_SIZE:
             self._structures.clear()
         self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
-        g.split = Split.of_parts(g, g.wake, self._structures, self._wake_at, self._links) or False
+        g.delta = Delta.of_parts(g, g.wake, self._structures, self._wake_at, self._links, self.engines) or False
         return g
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:
@@ -296,7 +296,7 @@ class Simulator:
         if g.wake is None:
             if self._wake_at is None:   # devices' wake-ups, keyed like a task's resources
                 cost = self.cost
-                self._wake_at = {(self._rid[d.name],): w for d in self.topology.devices
+                self._wake_at = {(self.rid[d.name],): w for d in self.topology.devices
                                  if (w := cost.wake_latency_s(d.name) + cost.cold_compute_s(d.name)) > 0.0}
             links, wake_at = self._links, self._wake_at
             g.wake = {}
@@ -308,36 +308,27 @@ class Simulator:
                         g.wake[v] = w
         return g.wake
 
-    def _run(self, g: TaskGraph, dur: list[float], wake: dict[int, float]) -> tuple[list[float], list[float]]:
-        """(start, end) of g's tasks: by the fixed-order pass (planner.sim.listsched) where it
-        applies, else by the event loop; the same times either way."""
-        if self._compiles(g):
-            start, end = self._run_compiled(g, np.asarray(dur, np.float64), wake)
-            return start.tolist(), end.tolist()
-        if g.static is None:
-            after = self._static_after
-            g.static = False if after is None else Static.of(g) if g.runs >= after else None
-        g.runs += 1
-        out = g.static.run(dur, wake) if g.static else None
-        if out is None:
-            out = run_tasks(dur, g.res, g.succ, list(g.ndeps), g.shared_res, len(self._lanes), wake)
-        return out
+    def _run(self, g: TaskGraph, values: list[float], contended: dict[str, list[str]], trace: bool):
+        """(iteration's last end, durations alone, durations run, start, end, engine) of the
+        whole graph g by the graph engines; contended CPU workers' durations follow the
+        timeline (planner.sim.contention: a run per pass). Lists where contended or traced."""
+        self._wakes(g)
+        if g.dkey_array is None:
+            g.dkey_array = np.array(g.dkey, np.int64)
+        base = dur = np.asarray(values, np.float64)[g.dkey_array]
+        start, end, engine = run_graph(g, dur, self.engines)
+        if contended or trace:
+            base = dur = base.tolist()
+            start, end = _listed(start), _listed(end)
+        for _ in range(contention.CONTENTION_PASSES if contended else 0):
+            dur = contention.contend(self.cost, self.rid, contended, g, base, start, end)
+            start, end, engine = run_graph(g, dur, self.engines)
+            start, end = _listed(start), _listed(end)
+        return _iteration_s(g, end), base, dur, start, end, engine
 
-    def _compiles(self, g: TaskGraph) -> bool:
-        """Whether g runs compiled (planner.sim.fastloop: the same times): a large graph, unless
-        this simulator was asked for the Python event loop alone (static_after None)."""
-        return len(g.dkey) >= fastloop.MIN_TASKS and fastloop.available() and self._static_after is not None
-
-    def _run_compiled(self, g: TaskGraph, dur: np.ndarray, wake: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
-        if g.fast is None:
-            flat = g.arrays()
-            g.fast = fastloop.prepare(g.res, None if flat else g.succ, g.ndeps, g.shared_res, len(self._lanes),
-                                      wake, flat)
-        return fastloop.run(g.fast, dur)
-
-    def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float] | None:
-        """(delta build, its values, the last end of the plan's tasks) by delta simulation
-        (planner.sim.split), or None where it does not apply to the plan's shape or times.
+    def _delta(self, plan: Plan) -> tuple[TaskGraph, list[float], float, str] | None:
+        """(delta build, its values, the last end of the plan's tasks, engine) by delta simulation
+        (planner.sim.delta), or None where it does not apply to the plan's shape or times.
         Plans with offloaded activations, tensor splits or a PipeDream stream are not tried
         (their replicas' tasks are not all from the template)."""
         if (plan.sync.mode in PIPEDREAM_MODES
@@ -345,19 +336,19 @@ class Simulator:
                 or self._coupled(plan)):
             return None
         g = self._shape(plan, False, delta=True)
-        if not g.split:
+        if not g.delta:
             return None
         values = self._evaluate(plan, g)
         if self._plan_facts(plan, g):   # contended: durations depend on the timeline
             return None
-        last = g.split.run(values, self._replica_runs)
-        return None if last is None else (g, values, last)
+        out = g.delta.run(values, self._replica_runs)
+        return None if out is None else (g, values, *out)
 
     def _coupled(self, plan: Plan) -> bool:
         """Whether a gradient all-reduce's ring holds a replica's device (a plan that
-        Split.of_parts would refuse, seen before building: this only saves the build), or
+        Delta.of_parts would refuse, seen before building: this only saves the build), or
         every replica of several shares a device or link direction with another, transitively
-        (they would run as one group, planner.sim.split.GraphRun: the whole graph costs less).
+        (they would run as one group, planner.sim.delta.GraphRun: the whole graph costs less).
         Replicas in several groups run group by group. Kept per layout and sync."""
         key = (tuple(rep.stages for rep in plan.replicas), plan.sync)
         out = self._coupled_plans.get(key)
@@ -370,17 +361,17 @@ class Simulator:
     def _couples(self, plan: Plan) -> bool:
         used = []
         for rep in plan.replicas:
-            xs = {self._rid[st.device] for st in rep.stages}
+            xs = {self.rid[st.device] for st in rep.stages}
             for a, b in zip(rep.stages, rep.stages[1:]):
                 xs.update(h.resource for h in self.hops(a.device, b.device) + self.hops(b.device, a.device))
             used.append(xs)
-        if len(used) > 1 and len(split_groups(used)) == 1:
+        if len(used) > 1 and len(delta_groups(used)) == 1:
             return True
-        owner = {self._rid[st.device] for rep in plan.replicas for st in rep.stages}
+        owner = {self.rid[st.device] for rep in plan.replicas for st in rep.stages}
         buckets, tied = self.exchanged(plan)
         rings = {b.devices for b in buckets + tied}
         return any(x in owner and (x,) not in self._links
-                   for devices in rings for x in self._allreduce(devices, 0.0)[0])
+                   for devices in rings for x in self.allreduce(devices, 0.0)[0])
 
     def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
         """g's contended CPU workers (contention.contended), buffer broadcasts and iteration
@@ -398,7 +389,7 @@ class Simulator:
         iteration adds the most a device spends; each device counts its own as comm_s."""
         spent: dict[str, float] = {}
         for b in buffer_broadcasts(plan, self.graph):
-            s = self._allreduce(b.devices, b.bytes)[1]
+            s = self.allreduce(b.devices, b.bytes)[1]
             for d in b.devices:
                 spent[d] = spent.get(d, 0.0) + s
         return spent
@@ -501,36 +492,25 @@ class Simulator:
         key = self._key(plan)
         if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
             return self._cache[key]
-        delta = self._delta(plan) if self._split and not trace else None
+        delta = self._delta(plan) if self._delta_on and not trace else None
         if delta is not None:
-            g, values, last = delta
+            g, values, last, engine = delta
             contended, dur, base = {}, [], []
         else:
             g = self._shape(plan, trace)
             values = self._evaluate(plan, g)
             contended = self._plan_facts(plan, g)
+            twins = False
             if self._collapse and g.collapsible and not trace and not contended:
                 like = self._like(g, values)
                 if like != tuple(range(len(like))):
-                    g = self._shape(plan, trace, like)
+                    g, twins = self._shape(plan, trace, like), True
                     values = self._evaluate(plan, g)
                     self._plan_facts(plan, g)   # its own graph: its iteration overhead too
-            wake = self._wakes(g)
-            if self._compiles(g) and not (contended or trace):   # arrays throughout, no list per task
-                if g.dkey_array is None:
-                    g.dkey_array = np.array(g.dkey, np.int64)
-                base = dur = np.asarray(values, np.float64)[g.dkey_array]
-                last = _iteration_s(g, self._run_compiled(g, base, wake)[1])
-            else:
-                base = list(map(values.__getitem__, g.dkey))
-                start, end = self._run(g, base, wake)
-                dur = base
-                for _ in range(contention.CONTENTION_PASSES if contended else 0):
-                    dur = contention.contend(self.cost, self._rid, contended, g, base, start, end)
-                    start, end = self._run(g, dur, wake)
-                last = _iteration_s(g, end)
+            last, base, dur, start, end, engine = self._run(g, values, contended, trace)
+            engine = f"twins/{engine}" if twins else engine
         iteration_s = last + g.overhead_s
-        slowed = contention.slowdown(self._rid, contended, g, base, dur)
+        slowed = contention.slowdown(self.rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = self._peak(plan, key)
         stats: dict[str, dict[str, float]] = {}
@@ -555,7 +535,8 @@ class Simulator:
             tasks = tuple({"name": str(m.label), "lane": m.lane, "kind": m.kind, "start_s": s, "end_s": e}
                           for m, s, e in zip(g.meta, start, end) if m is not None and m.kind != "join")
         result = SimResult(iteration_s=iteration_s, peak_memory_bytes=peaks,
-                           feasible=memory_feasible(peaks, self.topology), per_device=stats, tasks=tasks)
+                           feasible=memory_feasible(peaks, self.topology), per_device=stats, tasks=tasks,
+                           engine=engine)
         if not trace and self._cache_size > 0:
             if len(self._cache) >= self._cache_size:
                 self._cache.pop(next(iter(self._cache)))
@@ -597,6 +578,10 @@ class StatRows(NamedTuple):
         if len(self.index):
             out[self.at] = np.add.reduceat(np.asarray(values, np.float64)[self.index], self.starts)
         return (out * scale).reshape(-1, len(_STATS)).tolist()
+
+
+def _listed(x: list[float] | np.ndarray) -> list[float]:
+    return x.tolist() if isinstance(x, np.ndarray) else x
 
 
 def _iteration_s(g: TaskGraph, end: list[float] | np.ndarray) -> float:

@@ -10,6 +10,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from planner.sim import fastloop
+
 # Per-device statistics a task graph counts (TaskGraph.count): compute time, then communication.
 TIMED = ("fwd_s", "bwd_s", "optimizer_s")
 COUNTED = TIMED + ("comm_s",)
@@ -222,7 +224,7 @@ class RouteHop(NamedTuple):
 class ComputeLabel(NamedTuple):
     """A compute task: replica and schedule action; prints as "r:1F0"."""
     replica: int
-    action: Any   # planner.sim.schedule.Action
+    action: Any   # planner.files.schedule.Action
 
     def __str__(self) -> str:
         return f"{self.replica}:{self.action}"
@@ -246,6 +248,16 @@ class TaskMeta(NamedTuple):
     label: Any
     lane: str
     kind: str
+
+
+class EngineState:
+    """One graph's engines' caches: its runs so far, the fixed-order pass (False where it does
+    not apply), the compiled loop's arrays; `coupling`: a delta simulation's coupling graph."""
+
+    __slots__ = ("runs", "static", "fast", "coupling")
+
+    def __init__(self, coupling: bool = False):
+        self.runs, self.static, self.fast, self.coupling = 0, None, None, coupling
 
 
 class TaskGraph:
@@ -301,12 +313,11 @@ class TaskGraph:
         self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices, the broadcasts'
         self.buffer_s: dict[str, float] = {}   # per device its buffer broadcasts (Simulator.buffer_sync_s)
         self.stat_rows = None   # planner.sim.simulator.StatRows: stat_seq as arrays
-        self.static = None
-        self.fast = None    # planner.sim.fastloop.Prepared once run compiled
-        self.dkey_array: np.ndarray | None = None   # dkey as an array, once run compiled
-        self.split = None   # planner.sim.split.Split, False where it does not apply, None: not built
+        self.state = EngineState()   # the engines' caches for this graph (planner.sim.engines)
+        self.n_res = 0   # the resources its tasks may hold (the simulator's), set once built
+        self.dkey_array: np.ndarray | None = None   # dkey as an array, once run
+        self.delta = None   # planner.sim.delta.Delta, False where it does not apply, None: not built
         self.parts: list[tuple] = []   # a delta build's replicas (planner.sim.build.Builder.releases)
-        self.runs = 0   # event-loop or fixed-order runs of this graph   # planner.sim.listsched.Static, False where it does not apply, None: not built
         # a PipeDream / 2BW stream (planner.sim.build.Builder.stream): per stage, its last task
         # of each iteration
         self.iteration_ends: list[list[int]] | None = None
@@ -432,6 +443,16 @@ class TaskGraph:
                     self._succ[a] += (b,)
             self._pending = False
         return self._succ
+
+    @property
+    def shared(self) -> tuple[int, ...]:
+        return self.shared_res
+
+    def prepare_compiled(self) -> "fastloop.Prepared":
+        """The compiled loop's arrays (planner.sim.engines.Compiled), from `arrays` where it can."""
+        flat = self.arrays()
+        return fastloop.prepare(self.res, None if flat else self.succ, self.ndeps, self.shared_res, self.n_res,
+                                self.wake, flat)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """`res` and `succ` flat (res_ptr, res_idx, succ_ptr, succ_idx: planner.sim.fastloop),

@@ -9,7 +9,7 @@ value and resource ids. Task ids, dependencies and the order of the statistics a
 building the tasks one by one, so a stamped graph is identical to a hand-built one.
 
 A message's first hop also waits for the receiver's task after which the runtime posts its
-receive (planner.sim.schedule.receives). A message whose receive is posted during the iteration,
+receive (planner.files.schedule.receives). A message whose receive is posted during the iteration,
 from a stage whose sends can be held (`holds`), first passes a hold task on its first hop's
 link: it lasts the expected hold for the sender's compute from its isend to its next wait (the
 window: the sender's tasks up to its next action that takes a message, or to its row's end), a
@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from planner.sim.schedule import KINDS, POSTED_AHEAD, Action, make_schedule, schedule_arrays, split_backward
+from planner.files.schedule import KINDS, POSTED_AHEAD, Action, make_schedule, schedule_arrays, split_backward
 
 
 class Slots(NamedTuple):
@@ -238,7 +238,7 @@ def _skeleton(schedule: str, n: int, m: int, devices: int | None, stream: Stream
 
 def _receives(offset: np.ndarray, stage: np.ndarray, mb: np.ndarray, f: np.ndarray, took: np.ndarray,
               fwd: np.ndarray, bwd: np.ndarray, window: int = POSTED_AHEAD) -> tuple[np.ndarray, np.ndarray]:
-    """`planner.sim.schedule.receives` over the skeleton's arrays (actions in row order; f: the
+    """`planner.files.schedule.receives` over the skeleton's arrays (actions in row order; f: the
     forwards, took: what a gradient leaves and arrives at): [activation 0 or gradient 1, pair,
     microbatch] the action after whose end the message's receive is posted (-1: at the
     iteration's start), and per action (one more slot: the end) whether it takes a message."""
@@ -296,7 +296,7 @@ class ReplicaCore(NamedTuple):
     arguments, slots, the schedule's skeleton, its compute tasks (ids as in the template:
     compute tasks come first), statistics, each stage's last-backward pieces and last task,
     a stream's iteration ends, and the holds (`ReplicaTemplate.holds`; `held` per message).
-    Enough to build a replica's values and a delta build's part (planner.sim.pipeline times
+    Enough to build a replica's values and a delta build's part (planner.sim.pipeline_pass times
     it without the template where that is exact)."""
     args: tuple
     slots: Slots
@@ -399,7 +399,7 @@ def _compute_tasks(sk: _Skeleton, slots: Slots, pieces: tuple[int, ...]) -> _Com
     return _Compute(start, end, value, sk.stage[of], of, src, src + 1)
 
 
-def _message_ends(sk: _Skeleton, c: _Compute) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+def message_ends(sk: _Skeleton, c: _Compute) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
     """[stage, microbatch]: the task of its forward (an activation leaves after it and arrives
     before it), the first task of its backward (a gradient arrives before it), the task a
     gradient leaves after (its backward's last piece); and per direction [pair, microbatch] the
@@ -419,7 +419,7 @@ def _hold_slots(sk: _Skeleton, c: _Compute, hops: tuple[tuple[int, int], ...], h
     out = np.full((2, len(hops), sk.fwd.shape[1]), -1, np.int64)
     if not holds or not any(holds):
         return out, ()
-    fwd, _, last, _ = _message_ends(sk, c)
+    fwd, _, last, _ = message_ends(sk, c)
     sent = (fwd[:-1], last[1:])   # [pair, microbatch]: the task each message leaves after
     stop = np.append(c.start, len(c.value))[sk.next_take]   # per action: where its window ends
     acts = (sk.fwd[:-1], sk.bwd[1:])
@@ -452,7 +452,7 @@ def _hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[int, 
     first_edge = np.concatenate([[0], np.cumsum(cols * m)[:-1]])
     lo_value = np.array([(a + b + (0,))[0] for a, b in zip(slots.ahead, slots.back)], np.int64)
     lo_res = np.array([(a + b + (0,))[0] for a, b in zip(slots.ahead_res, slots.back_res)], np.int64)
-    fwd, first, last, posted = _message_ends(sk, c)
+    fwd, first, last, posted = message_ends(sk, c)
     total = int(((na + nb) * m).sum())
     value, res = np.empty(total, np.int64), np.empty(total, np.int64)
     srcs, dsts, keeps, ranks = [], [], [], []
@@ -480,7 +480,7 @@ def _held_hop_tasks(sk: _Skeleton, c: _Compute, slots: Slots, hops: tuple[tuple[
     """`_hop_tasks` where some messages pass a hold (`held`: its value slot per message, or -1):
     the hold task on the first hop's link just before the message's hops, after the sender's
     task; the first hop after the hold and the post. Message by message."""
-    fwd, first, last, posted = _message_ends(sk, c)
+    fwd, first, last, posted = message_ends(sk, c)
     value, res, src, dst = [], [], [], []
     for p, (na, nb) in enumerate(hops):
         for i in range(sk.fwd.shape[1]):

@@ -298,14 +298,14 @@ def carries_grad(stage: fx.GraphModule, inputs: list[bool], model: torch.nn.Modu
     them): floating-point values that depend on a parameter requiring grad or on an input that
     carries one, outside no-grad regions; `inputs` says it of the stage's inputs. The counting
     run cannot tell: it makes every floating-point input of a layer a leaf requiring grad."""
-    from planner.workload.partition import _resolve_attr
+    from planner.workload.partition import resolve_attr
     flag: dict[fx.Node, bool] = {}
     placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
     flag.update(zip(placeholders, inputs))
     grad_on, outs = True, []
     for n in stage.graph.nodes:
         if n.op == "get_attr":
-            t = _resolve_attr(model, stage, n.target)
+            t = resolve_attr(model, stage, n.target)
             flag[n] = isinstance(t, torch.Tensor) and t.requires_grad
         elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
             grad_on = bool(n.args[0])

@@ -52,12 +52,12 @@ def _source_bytes(obj) -> bytes:
 
 def cache_key(workload, spec: str, args: dict, batch: int) -> str:
     import torch
-    from planner.workload.load import _resolve
+    from planner.workload.load import resolve_factory
 
     h = hashlib.sha256()
     h.update(json.dumps([spec, args, getattr(workload, "layers", None), int(batch), torch.__version__],
                         sort_keys=True, default=str).encode())
-    h.update(_source_bytes(_resolve(spec)))
+    h.update(_source_bytes(resolve_factory(spec)))
     h.update(_source_bytes(type(workload.model)))
     for name, t in workload.model.state_dict().items():
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())

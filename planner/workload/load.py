@@ -42,7 +42,7 @@ def parse_model_args(items: list[str] | None, flag: str = "--model-arg") -> dict
     return out
 
 
-def _resolve(spec: str) -> Callable[..., Any]:
+def resolve_factory(spec: str) -> Callable[..., Any]:
     from planner.workload import builtin as models
     if spec in models.BUILTINS:
         return models.BUILTINS[spec]
@@ -75,7 +75,7 @@ def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | N
     import torch
 
     args = {k: convert_arg(v) for k, v in (args or {}).items()}
-    fn = _resolve(spec)
+    fn = resolve_factory(spec)
     try:
         sig = inspect.signature(fn)
         accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())

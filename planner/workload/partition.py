@@ -75,7 +75,7 @@ def _check_ranges(ranges, L: int) -> list[tuple[int, int]]:
     return out
 
 
-def _resolve_attr(model: nn.Module, gm: fx.GraphModule, target: str):
+def resolve_attr(model: nn.Module, gm: fx.GraphModule, target: str):
     """The original model's parameter/buffer/module under `target`, else the graph's constant."""
     obj = model
     for part in target.split("."):
@@ -101,7 +101,7 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
+def cut_stages(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
     ranges = _check_ranges(ranges, ex.num_layers)
     stage_of_layer = {l: s for s, (a, b) in enumerate(ranges) for l in range(a, b)}
     S = len(ranges)
@@ -138,7 +138,7 @@ def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
         def arg(v: fx.Node) -> fx.Node:
             if v not in env and v.op == "get_attr":
                 target = canonical.get(v.target, v.target)
-                attrs[target] = _resolve_attr(model, ex.gm, target)
+                attrs[target] = resolve_attr(model, ex.gm, target)
                 env[v] = g.get_attr(target)
                 env[v].meta = dict(v.meta)
             return env[v]
@@ -146,7 +146,7 @@ def split(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
         for n in nodes:
             if stage_of.get(n) == k:
                 if n.op == "call_module":
-                    attrs[n.target] = _resolve_attr(model, ex.gm, n.target)
+                    attrs[n.target] = resolve_attr(model, ex.gm, n.target)
                 env[n] = g.node_copy(n, arg)
         if k == S - 1:
             flat = [arg(v) if isinstance(v, fx.Node) else v for v in pytree.tree_leaves(out_node.args[0])]
@@ -184,12 +184,12 @@ def exported_stages(workload, ranges=None, batch: int | None = None,
     of `workload` at `batch` already made (not exported again)."""
     ex = ex or export_model(workload, batch)
     try:
-        return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
+        return ex, cut_stages(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
     except _NonTensorCut:
         if not ex.dynamic_batch:
             raise
     ex = export_model(workload, batch, dynamic=False)
-    return ex, split(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
+    return ex, cut_stages(ex, workload.model, ranges or [(i, i + 1) for i in range(ex.num_layers)])
 
 
 def stage_inputs(stage: StageModule, inputs) -> tuple:

@@ -9,19 +9,19 @@ determines them (`Structure`: its tasks' dependencies, resources renumbered in t
 recipe pattern and wake-ups; and its duration values); then only the coupling tasks run, each
 replica task they wait for replaced by a *release* task that ends at that task's end.
 
-The simulator uses `Split.of_parts` on a *delta build* (planner.sim.build.Builder.releases): its
+The simulator uses `Delta.of_parts` on a *delta build* (planner.sim.build.Builder.releases): its
 replicas are parts (template core, values, resources), never stamped as tasks, so a plan that
 changes one replica builds and runs that replica's structure only; a one-replica plan (the
 search's solve_batches) takes the same path. A replica runs by the pass over its schedule
-(planner.sim.pipeline.PipelineRun; `Linked` where its routes share link directions) where it
+(planner.sim.pipeline_pass.PipelineRun; `Linked` where its routes share link directions) where it
 applies, else by the event loop over its graph
 (`GraphRun`, or its template's `Structure` for held sends and wake-ups). Replicas that share a
 device or link direction form a group, run together (their tasks one block after another, in
 the whole graph's relative order: `Linked` where they share link directions only, else
-`GraphRun`). `Split.of` splits a whole task graph whose
+`GraphRun`). `Delta.of` takes a whole task graph whose
 replicas are blocks of ids (hand-made graphs).
 
-The conditions (`Split.of` / `Split.of_parts`, per graph; `Split.run`, per plan), each needed
+The conditions (`Delta.of` / `Delta.of_parts`, per graph; `Delta.run`, per plan), each needed
 for identity:
 - every replica's tasks form one block of ids; no dependency enters a replica from outside
   it (another replica or the coupling);
@@ -36,7 +36,7 @@ for identity:
   none ends on a coupling task's resource when that task becomes ready (the loop ends such a
   task in a later round of the same instant, which a release task would not reproduce);
 - not a trace, not a PipeDream stream, no contention (its durations depend on the timeline).
-The per-device statistics do not depend on times, so `Split.run` gives only the last end;
+The per-device statistics do not depend on times, so `Delta.run` gives only the last end;
 the caller adds the iteration's fixed overhead as for a whole run.
 """
 from __future__ import annotations
@@ -47,36 +47,29 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.sim import fastloop
-from planner.sim.eventloop import run as run_tasks, shared_resources
-from planner.sim.listsched import Static
-from planner.sim.pipeline import (LinkedRun, PipelineRun, fits as pipeline_fits, graph as pipeline_graph, graph_fits,
-                                  linked_fits)
+from planner.sim.engines import DEFAULT_ENGINES, EngineState, run_graph
+from planner.sim.eventloop import shared_resources
+from planner.sim.pipeline_pass import LinkedRun, ReplicaRun, graph as pipeline_graph, graph_fits
 from planner.sim.taskgraph import TaskGraph
 from planner.sim.template import replica_template
 
-# a coupling graph of at least this many tasks runs compiled (planner.sim.fastloop; the same
-# times): with its arrays made per graph, it costs less than the Python loop from ~50 tasks
-COUPLING_COMPILED = 64
 RUN_CACHE_SIZE = 4096   # replica runs kept (structure, duration values) -> times
-# the fixed-order pass (planner.sim.listsched) for a structure run this many times before: most
-# structures of a search run once, and preparing the pass costs about two event-loop runs
-STATIC_AFTER = 2
 
 
 class Structure:
     """A replica's tasks alone, ids from 0 and resources renumbered in their order (the loop's
     result depends only on that order): what its times depend on besides its durations."""
 
-    __slots__ = ("res", "_succ", "ndeps", "pattern", "wake", "n_res", "shared", "static", "template", "runs",
-                 "flat", "fast", "woken", "by_res")
+    __slots__ = ("res", "_succ", "ndeps", "pattern", "wake", "n_res", "shared", "template", "flat", "woken",
+                 "by_res", "state", "engines", "pattern_array")
 
-    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None, flat=None, woken=None):
+    def __init__(self, res, succ, ndeps, pattern, wake, n_res, template=None, flat=None, woken=None,
+                 engines=DEFAULT_ENGINES):
         self.res, self._succ, self.ndeps, self.pattern, self.wake = res, succ, ndeps, pattern, wake
         self.n_res = n_res
-        self.static: Static | None | bool = None   # the fixed-order pass, False where it does not apply
+        self.state, self.engines = EngineState(), engines   # planner.sim.engines
+        self.pattern_array = np.asarray(pattern, np.int64)
         self.template = template   # the ReplicaTemplate it was made from (kept: its id is in the key)
-        self.runs = 0
-        self.fast: tuple | None = None   # (fastloop.Prepared, pattern as an array) once run compiled
         if flat is None and template is None and all(len(r) == 1 for r in res):
             flat = np.fromiter((r[0] for r in res), np.int64, len(res))
         self.flat = flat   # each task's one resource as an array (None where some task holds several or none)
@@ -92,7 +85,7 @@ class Structure:
             self._succ = self.template.succ
         return self._succ
 
-    def _prepare(self) -> "fastloop.Prepared":
+    def prepare_compiled(self) -> "fastloop.Prepared":
         """The compiled loop's arrays: from the template's where each task holds one resource."""
         t = self.template
         if t is None or self.flat is None:
@@ -104,7 +97,7 @@ class Structure:
                                     t.ndeps_array, self.shared, self.n_res, wake)
 
     @staticmethod
-    def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set) -> "Structure":
+    def of_template(t, canon: tuple, res: tuple, wake_at: dict, links: set, engines=DEFAULT_ENGINES) -> "Structure":
         """The tasks of template t with its resource slots `res` (resources of the plan),
         renumbered as `canon`; a task after a hop (a link) wakes up by wake_at of its resource
         (planner.sim.simulator.Simulator._wakes). Over the template's arrays: per slot whether
@@ -124,30 +117,17 @@ class Structure:
                 if all(len(r) == 1 for r in canon) else None)
         return Structure(tuple(per_slot[slots].tolist()), None, t.ndeps, t.value, wake,
                          1 + max((y for r in canon for y in r), default=-1), t, flat,
-                         (after[woken], w[woken]))
+                         (after[woken], w[woken]), engines)
 
     def run(self, values: tuple[float, ...]) -> "ReplicaRun":
-        if len(self.res) >= fastloop.MIN_TASKS and fastloop.available():   # compiled, same times
-            if self.fast is None:
-                self.fast = (self._prepare(), np.asarray(self.pattern, np.int64))
-            prepared, pattern = self.fast
-            start, end = fastloop.run(prepared, np.asarray(values, np.float64)[pattern])
-            return self._result(start, end)
-        dur = list(map(values.__getitem__, self.pattern))
-        if self.static is None and self.runs >= STATIC_AFTER:
-            self.static = Static.of(self) or False
-        self.runs += 1
-        out = self.static.run(dur, self.wake) if self.static else None
-        if out is None:
-            out = run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res, self.wake)
-        return self._result(*out)
+        return self._result(*run_graph(self, np.asarray(values, np.float64)[self.pattern_array], self.engines))
 
-    def _result(self, start, end) -> "ReplicaRun":
+    def _result(self, start, end, engine: str) -> "ReplicaRun":
         """The replica's times from its tasks' (start, end): lists, or arrays (compiled)."""
         if self.flat is not None:   # the same maxima and zero-length tasks, over arrays
             if self.by_res is None:
                 self.by_res = ByResource.of(self.flat, self.n_res)
-            return _flat_result(start, end, self.flat, self.by_res)
+            return _flat_result(start, end, self.flat, self.by_res, engine)
         last = [0.0] * self.n_res   # per local resource, its last end
         for r, e in zip(self.res, end):
             for x in r:
@@ -159,14 +139,14 @@ class Structure:
             for x in self.res[t]:
                 last_zero[x] |= end[t] == last[x]
         if isinstance(end, np.ndarray):
-            return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last), tuple(last_zero), zeros)
-        return ReplicaRun(max(end) if end else 0.0, array("d", end), tuple(last), tuple(last_zero), zeros)
+            return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last), tuple(last_zero), zeros, engine)
+        return ReplicaRun(max(end) if end else 0.0, array("d", end), tuple(last), tuple(last_zero), zeros, engine)
 
 
 class ByResource(NamedTuple):
     """Tasks that each hold one resource (`flat`) grouped by it: their order sorted by resource,
     the resources held and where each one's tasks begin in that order (for
-    `np.maximum.reduceat`, which costs a few µs where `np.maximum.at` costs ~100)."""
+    `np.maximum.reduceat`, not the slower `np.maximum.at`: docs/tuning.md)."""
     order: np.ndarray
     held: np.ndarray
     cuts: np.ndarray
@@ -186,7 +166,7 @@ class ByResource(NamedTuple):
         return at
 
 
-def _flat_result(start, end, flat: np.ndarray, by_res: ByResource) -> "ReplicaRun":
+def _flat_result(start, end, flat: np.ndarray, by_res: ByResource, engine: str) -> "ReplicaRun":
     """`Structure._result` where each task holds one resource (`flat`), over arrays."""
     ends = np.asarray(end)
     last = by_res.last(ends)
@@ -196,21 +176,23 @@ def _flat_result(start, end, flat: np.ndarray, by_res: ByResource) -> "ReplicaRu
     last_zero[held[ends[zero] == last[held]]] = True
     end_s = float(ends.max()) if len(ends) else 0.0
     return ReplicaRun(end_s, ends if isinstance(end, np.ndarray) else array("d", end), tuple(last.tolist()),
-                      tuple(last_zero.tolist()), frozenset(zero.tolist()))
+                      tuple(last_zero.tolist()), frozenset(zero.tolist()), engine)
 
 
 class GraphRun:
-    """Replicas run together by the event loop over their `planner.sim.pipeline.Graph`s (each
+    """Replicas run together by the event loop over their `planner.sim.pipeline_pass.Graph`s (each
     its template's tasks and dependencies, laid out without the template), one block after
     another in replica order as in the whole graph: a replica the pass does not fit (link
     directions shared within it, several stages on one device), or replicas that share devices
     or link directions (a group). Each member's resource slots are numbered by `canons` (the
     group's numbering), its value slots follow the previous members'."""
 
-    __slots__ = ("cores", "firsts", "slots", "flat", "succ_ptr", "succ_idx", "ndeps", "n_res", "fast", "lists",
-                 "by_res")
+    __slots__ = ("cores", "firsts", "slots", "flat", "succ_ptr", "succ_idx", "ndeps_array", "n_res", "lists",
+                 "by_res", "state", "engines")
+    shared: tuple[int, ...] = ()    # planner.sim.engines.Tasks: every task holds one resource,
+    wake: dict[int, float] = {}     # and none wakes up (graph_fits)
 
-    def __init__(self, cores, canons):
+    def __init__(self, cores, canons, engines=DEFAULT_ENGINES):
         graphs = [pipeline_graph(*c.args) for c in cores]
         firsts = np.cumsum([0] + [len(g.task_slot) for g in graphs])[:-1]
         values = np.cumsum([0] + [c.n_values for c in cores])[:-1]
@@ -223,40 +205,46 @@ class GraphRun:
         self.succ_ptr = np.append(np.concatenate([g.succ_ptr[:-1] + e for g, e in
                                                   zip(graphs, np.cumsum([0] + [len(g.succ_idx) for g in graphs]))]),
                                   len(self.succ_idx)).astype(np.int64)
-        self.ndeps = np.concatenate([g.ndeps for g in graphs])
+        self.ndeps_array = np.concatenate([g.ndeps for g in graphs])
         self.n_res = 1 + max((r[0] for canon in canons for r in canon), default=-1)
-        self.fast = self.lists = None
+        self.lists = None
         self.by_res = ByResource.of(self.flat, self.n_res)
+        self.state, self.engines = EngineState(), engines   # planner.sim.engines
 
     fits = staticmethod(graph_fits)
 
-    def run(self, values: tuple[float, ...]) -> "ReplicaRun":
-        dur = np.asarray(values, np.float64)[self.slots]
-        n = len(dur)
-        if n >= fastloop.MIN_TASKS and fastloop.available():
-            if self.fast is None:
-                self.fast = fastloop.from_arrays(np.arange(n + 1, dtype=np.int64), self.flat, self.succ_ptr,
-                                                 self.succ_idx, self.ndeps, (), self.n_res, np.zeros(n))
-            start, end = fastloop.run(self.fast, dur)
-            return _flat_result(start, end, self.flat, self.by_res)
+    def _lists(self) -> tuple[list, list, list]:
         if self.lists is None:
             ptr, idx = self.succ_ptr.tolist(), self.succ_idx.tolist()
-            self.lists = ([(x,) for x in self.flat.tolist()], [idx[ptr[t]:ptr[t + 1]] for t in range(n)])
-        res, succ = self.lists
-        start, end = run_tasks(dur.tolist(), res, succ, self.ndeps.tolist(), (), self.n_res)
-        return _flat_result(start, end, self.flat, self.by_res)
+            self.lists = ([(x,) for x in self.flat.tolist()],
+                          [tuple(idx[ptr[t]:ptr[t + 1]]) for t in range(len(self.flat))], self.ndeps_array.tolist())
+        return self.lists
+
+    res = property(lambda self: self._lists()[0])
+    succ = property(lambda self: self._lists()[1])
+    ndeps = property(lambda self: self._lists()[2])
+
+    def prepare_compiled(self) -> "fastloop.Prepared":
+        n = len(self.flat)
+        return fastloop.from_arrays(np.arange(n + 1, dtype=np.int64), self.flat, self.succ_ptr, self.succ_idx,
+                                    self.ndeps_array, (), self.n_res, np.zeros(n))
+
+    def run(self, values: tuple[float, ...]) -> "ReplicaRun":
+        start, end, engine = run_graph(self, np.asarray(values, np.float64)[self.slots], self.engines)
+        return _flat_result(start, end, self.flat, self.by_res, engine)
 
 
 class Linked:
     """Replicas whose routes share link directions, devices apart (one, or a group): by the
-    pass where it settles (planner.sim.pipeline.LinkedRun), else by the event loop over their
+    pass where it settles (planner.sim.pipeline_pass.LinkedRun), else by the event loop over their
     graphs (`GraphRun`), its results renumbered as the pass numbers them (compute tasks only,
     members in turn: `firsts`)."""
 
-    __slots__ = ("by_pass", "canons", "by_loop", "keep", "to_pass")
+    __slots__ = ("by_pass", "canons", "by_loop", "keep", "to_pass", "engines")
 
-    def __init__(self, cores, canons):
-        self.by_pass, self.canons, self.by_loop = LinkedRun(cores, canons), canons, None
+    def __init__(self, cores, canons, engines=DEFAULT_ENGINES, by_pass: LinkedRun | None = None):
+        self.by_pass, self.canons, self.by_loop = by_pass or LinkedRun(cores, canons), canons, None
+        self.engines = engines
 
     @property
     def firsts(self) -> tuple[int, ...]:
@@ -268,7 +256,7 @@ class Linked:
             return out
         if self.by_loop is None:   # the graphs' compute tasks, and each graph task's id in the pass's numbering
             p = self.by_pass
-            self.by_loop = GraphRun(p.cores, self.canons)
+            self.by_loop = GraphRun(p.cores, self.canons, self.engines)
             n = np.diff(np.append(p.firsts, len(p.lay.task_slot)))
             self.keep = np.concatenate([np.arange(g, g + k) for g, k in zip(p.graph_firsts, n)]).astype(np.int64)
             self.to_pass = np.full(len(self.by_loop.slots), -1, np.int64)
@@ -278,20 +266,10 @@ class Linked:
         return out._replace(ends=np.asarray(out.ends)[self.keep], zeros=frozenset(moved[moved >= 0].tolist()))
 
 
-class ReplicaRun(NamedTuple):
-    """A replica's times alone: its last end, each task's end, each (local) resource's last
-    end and whether a task taking no time ends then, the tasks that took no time."""
-    end_s: float
-    ends: array | np.ndarray
-    last: tuple[float, ...]
-    last_zero: tuple[bool, ...]
-    zeros: frozenset[int]
-
-
 def _independent(g: TaskGraph, coupling, owner: dict[int, int], wake: dict[int, float],
                  links: set | frozenset = frozenset()) -> bool:
     """No coupling task of g wakes up or holds a replica's resource beside others, except a
-    link direction (`links`: resources as tasks hold them) that `Split.run` checks per plan."""
+    link direction (`links`: resources as tasks hold them) that `Delta.run` checks per plan."""
     for t in coupling:
         if t in wake or (len(g.res[t]) > 1 and any(x in owner and (x,) not in links for x in g.res[t])):
             return False
@@ -307,27 +285,27 @@ class Part(NamedTuple):
     local: dict[int, int]
 
 
-class Split:
+class Delta:
     """A task graph's replicas and its coupling graph: release tasks (ids 0..R-1, each on a
     resource of its own) then the coupling tasks in id order (`coupling`: their value
     indices); `checks` are the coupling tasks on one replica resource: (coupling id, part,
     local resource)."""
 
     __slots__ = ("parts", "release", "coupling", "res", "succ", "ndeps", "shared", "n_res", "checks", "preds",
-                 "static", "runs", "fast")
+                 "state", "engines")
+    wake: dict[int, float] = {}   # planner.sim.engines.Tasks: no coupling task wakes up (_independent)
 
-    def __init__(self, parts, release, coupling, res, n_res, succ, ndeps, checks, preds):
+    def __init__(self, parts, release, coupling, res, n_res, succ, ndeps, checks, preds, engines=DEFAULT_ENGINES):
         self.parts, self.release, self.coupling = parts, release, coupling
         self.res, self.succ, self.ndeps, self.n_res = res, succ, ndeps, n_res
         self.shared = shared_resources(res)
         self.checks, self.preds = checks, preds
-        self.static: Static | None | bool = None   # the coupling graph's fixed-order pass, once run before
-        self.runs = 0
-        self.fast = None   # planner.sim.fastloop.Prepared, once run compiled
+        self.state, self.engines = EngineState(coupling=True), engines   # planner.sim.engines
 
     @staticmethod
-    def of(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict) -> "Split | None":
-        """g's split, or None where a condition of the module docstring fails on the graph."""
+    def of(g: TaskGraph, wake: dict[int, float], n_res: int, structures: dict,
+           engines=DEFAULT_ENGINES) -> "Delta | None":
+        """g's `Delta`, or None where a condition of the module docstring fails on the graph."""
         if g.meta is not None or g.iteration_ends is not None or len(g.replica_tasks) < 2:
             return None
         bounds = []
@@ -348,12 +326,13 @@ class Split:
         coupling = [t for t in range(len(g.res)) if which[t] < 0]
         if not _independent(g, coupling, owner, wake):
             return None
-        parts = [Split._part(g, a, b, wake, structures) for a, b in bounds]
-        return Split._coupled(g, parts, which, owner, coupling, n_res)
+        parts = [Delta._part(g, a, b, wake, structures, engines) for a, b in bounds]
+        return Delta._coupled(g, parts, which, owner, coupling, n_res, engines)
 
     @staticmethod
-    def of_parts(g: TaskGraph, wake: dict[int, float], structures: dict, wake_at: dict, links: set) -> "Split | None":
-        """The split of a delta build (planner.sim.build.Builder.releases: g's release tasks
+    def of_parts(g: TaskGraph, wake: dict[int, float], structures: dict, wake_at: dict, links: set,
+                 engines=DEFAULT_ENGINES) -> "Delta | None":
+        """The `Delta` of a delta build (planner.sim.build.Builder.releases: g's release tasks
         first, then the coupling tasks), or None where a condition fails on the graph.
         Structures are kept under (template, resources renumbered, their wake-ups and links)."""
         if not g.parts:
@@ -372,7 +351,7 @@ class Split:
                    tuple(r in links for rs in res for r in rs))
             kept = structures.get(key)
             if kept is None or any(a is not b for a, b in zip(kept[0], cores)):
-                made = _structure(cores, canons, res, wake_at, links)
+                made = _structure(cores, canons, res, wake_at, links, engines)
                 if made is None:
                     return None   # replicas sharing a resource whose tasks are not all the graph's
                 kept = structures[key] = (cores, made)
@@ -391,11 +370,11 @@ class Split:
         for t, vs in enumerate(g.succ):
             for v in vs:
                 preds[v - first].append(t)
-        return Split(parts, release, g.dkey[first:], *_dense(g.res), g.succ, g.ndeps, checks, preds)
+        return Delta(parts, release, g.dkey[first:], *_dense(g.res), g.succ, g.ndeps, checks, preds, engines)
 
     @staticmethod
     def _coupled(g: TaskGraph, parts: list["Part"], which: list[int], owner: dict[int, int],
-                 coupling: list[int], n_res: int) -> "Split":
+                 coupling: list[int], n_res: int, engines) -> "Delta":
         """The coupling graph: a release task per replica task that a coupling task waits for
         (on a resource numbered from n_res), then the coupling tasks."""
         release: list[tuple[int, int]] = []   # (part, local task)
@@ -409,7 +388,7 @@ class Split:
         res = [(n_res + i,) for i in range(len(release))] + [g.res[t] for t in coupling]
         checks = []
         for t in coupling:
-            mine = [x for x in g.res[t] if x in owner]   # one at most (Split.of)
+            mine = [x for x in g.res[t] if x in owner]   # one at most (Delta.of)
             if mine:
                 p = owner[mine[0]]
                 checks.append((src[t], p, parts[p].local[mine[0]]))
@@ -421,10 +400,10 @@ class Split:
             for v in out:
                 ndeps[v] += 1
                 preds[v - len(release)].append(i)
-        return Split(parts, release, [g.dkey[t] for t in coupling], *_dense(res), succ, ndeps, checks, preds)
+        return Delta(parts, release, [g.dkey[t] for t in coupling], *_dense(res), succ, ndeps, checks, preds, engines)
 
     @staticmethod
-    def _part(g: TaskGraph, a: int, b: int, wake: dict[int, float], structures: dict) -> Part:
+    def _part(g: TaskGraph, a: int, b: int, wake: dict[int, float], structures: dict, engines) -> Part:
         """Replica tasks [a, b) of g as a Part; equal structures are one object (`structures`)."""
         used = sorted({x for r in g.res[a:b] for x in r})
         local = dict(zip(used, range(len(used))))
@@ -439,13 +418,13 @@ class Split:
         key = (res, succ, pattern, tuple(sorted(w.items())))
         s = structures.get(key)
         if s is None:
-            s = structures[key] = Structure(res, succ, ndeps, pattern, w, len(used))
+            s = structures[key] = Structure(res, succ, ndeps, pattern, w, len(used), engines=engines)
         return Part(a, s, recipes, local)
 
-    def run(self, values: list[float], runs: dict) -> float | None:
-        """The last end of the plan's tasks (recipe values `values`), each
-        distinct replica run once or taken from `runs`; None where a condition fails on this
-        plan's times (the caller runs the whole graph)."""
+    def run(self, values: list[float], runs: dict) -> tuple[float, str] | None:
+        """The last end of the plan's tasks (recipe values `values`), each distinct replica
+        run once or taken from `runs`, and the engines that ran (`delta/<replicas'>/<coupling's>`);
+        None where a condition fails on this plan's times (the caller runs the whole graph)."""
         done = []
         for part in self.parts:
             s = part.structure
@@ -464,38 +443,34 @@ class Split:
             dur.append(float(done[p].ends[t]))
         first = len(self.release)
         dur += map(values.__getitem__, self.coupling)
-        if self.static is None and self.runs >= STATIC_AFTER:
-            self.static = Static.of(self) or False
-        self.runs += 1
-        out = self.static.run(dur, {}) if self.static else None
-        if out is None and len(dur) >= COUPLING_COMPILED and fastloop.available():
-            if self.fast is None:
-                self.fast = fastloop.prepare(self.res, self.succ, self.ndeps, self.shared, self.n_res)
-            out = (None, fastloop.run(self.fast, np.asarray(dur, np.float64))[1].tolist())
-        end = (out or run_tasks(dur, self.res, self.succ, list(self.ndeps), self.shared, self.n_res))[1]
+        _, end, coupled_by = run_graph(self, dur, self.engines)
+        if isinstance(end, np.ndarray):
+            end = end.tolist()
         for c, p, x in self.checks:
             ready = max((end[q] for q in self.preds[c - first]), default=0.0)
             last = done[p].last[x]
             if ready < last or (ready == last and done[p].last_zero[x]):
                 return None
         last = max(end, default=0.0)
-        return max(last, max((r.end_s for r in done), default=0.0))
+        engine = f"delta/{','.join(dict.fromkeys(r.engine for r in done))}/{coupled_by}"
+        return max(last, max((r.end_s for r in done), default=0.0)), engine
 
 
-def _structure(cores, canons, res, wake_at: dict, links: set) -> "PipelineRun | Linked | GraphRun | Structure | None":
-    """What runs a group's replicas (cores on resources `res`, numbered by `canons`): one
-    replica by the pass where it fits, replicas whose routes share links by the linked pass
-    (`Linked`), else by the event loop over the graphs (`GraphRun`), one replica over its
-    template (held sends, wake-ups); None for several that GraphRun cannot."""
-    if len(cores) == 1 and pipeline_fits(cores[0], res[0], wake_at):
-        return PipelineRun(cores[0], canons[0])
-    if linked_fits(cores, res, wake_at):
-        return Linked(cores, canons)
+def _structure(cores, canons, res, wake_at: dict, links: set, engines=DEFAULT_ENGINES):
+    """What runs a group's replicas (cores on resources `res`, numbered by `canons`): the first
+    replica engine of `engines` that takes them (planner.sim.engines: one replica by the pass,
+    replicas whose routes share links by the linked pass, `Linked` running the graphs where it
+    declines on a plan's times), else the graph engines over the graphs (`GraphRun`), or one
+    replica over its template (held sends, wake-ups); None for several that GraphRun cannot."""
+    for e in engines:
+        made = e.prepare(cores, canons, res, wake_at) if e.level == "replica" else None
+        if made is not None:
+            return Linked(cores, canons, engines, made) if isinstance(made, LinkedRun) else made
     if all(map(GraphRun.fits, cores, res, [wake_at] * len(cores))):
-        return GraphRun(cores, canons)
+        return GraphRun(cores, canons, engines)
     if len(cores) > 1:
         return None
-    return Structure.of_template(replica_template(*cores[0].args), canons[0], res[0], wake_at, links)
+    return Structure.of_template(replica_template(*cores[0].args), canons[0], res[0], wake_at, links, engines)
 
 
 def groups(used: list[set[int]]) -> list[list[int]]:
@@ -529,4 +504,4 @@ def _dense(res: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
     dense = dict(zip(used, range(len(used))))
     return [tuple(map(dense.__getitem__, r)) for r in res], len(used)
 
-__all__ = ["Split", "Structure", "GraphRun", "ReplicaRun", "RUN_CACHE_SIZE", "groups"]
+__all__ = ["Delta", "Structure", "GraphRun", "ReplicaRun", "RUN_CACHE_SIZE", "groups"]

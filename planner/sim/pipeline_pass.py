@@ -16,7 +16,7 @@ operations, so the same times bit for bit). In a replica built from a template
 `fits` checks this per replica. Where routes share link directions (`linked_fits`), a link
 serves its hops by (ready time, task id), an order the times decide: `LinkedRun`'s pass
 serves a hop there once no other can come before it, and declines where it cannot tell.
-Elsewhere planner.sim.split runs the event loop over the replica's `graph`, laid out from the
+Elsewhere planner.sim.delta runs the event loop over the replica's `graph`, laid out from the
 same arrays. The passes (`_times`, `_times_linked`) are plain Python
 over arrays, compiled with numba where it is installed and the replica is large;
 tests/test_pipeline_pass.py compares it with the event loop on random replicas.
@@ -24,12 +24,12 @@ tests/test_pipeline_pass.py compares it with the event loop on random replicas.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from planner.sim import fastloop
-from planner.sim.template import ReplicaCore, _message_ends, replica_core
+from planner.sim.template import ReplicaCore, message_ends, replica_core
 
 COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where numba is installed)
 
@@ -62,7 +62,7 @@ def layout(*args) -> Layout:
     core = replica_core(*args)
     sk, c, slots = core.sk, core.c, core.slots
     n, m = sk.fwd.shape
-    fwd, first, last, posted = _message_ends(sk, c)
+    fwd, first, last, posted = message_ends(sk, c)
     q = max(n - 1, 0)
     take_q = np.full(len(c.value), -1, np.int64)
     take_i = np.zeros(len(c.value), np.int64)
@@ -349,7 +349,7 @@ _compiled_linked = None
 def _pass_linked():
     global _compiled_linked
     if _compiled_linked is None:
-        _compiled_linked = fastloop._numba.njit(cache=True)(_times_linked)
+        _compiled_linked = fastloop.jit(_times_linked)
     return _compiled_linked
 
 
@@ -359,7 +359,7 @@ _compiled = None
 def _pass():
     global _compiled
     if _compiled is None:
-        _compiled = fastloop._numba.njit(cache=True)(_times)
+        _compiled = fastloop.jit(_times)
     return _compiled
 
 
@@ -385,7 +385,7 @@ def warm() -> None:
 
 class PipelineRun:
     """A replica's structure timed by the pass: its core's `Layout`, and per resource slot its
-    local resource (the numbering planner.sim.split gives a part's resources)."""
+    local resource (the numbering planner.sim.delta gives a part's resources)."""
 
     __slots__ = ("core", "layout", "local", "n_res")
 
@@ -395,7 +395,7 @@ class PipelineRun:
         self.n_res = 1 + int(self.local.max(initial=-1))
 
     def run(self, values: tuple[float, ...]):
-        """The replica's `planner.sim.split.ReplicaRun` for its value slots' `values` (ends of
+        """The replica's `ReplicaRun` for its value slots' `values` (ends of
         its compute tasks only: the coupling waits for no hop)."""
         lay = self.layout
         v = np.asarray(values, np.float64)
@@ -405,13 +405,25 @@ class PipelineRun:
                                             lay.hop_ptr, hop_dur)
         if not ok:
             raise ValueError(f"schedule {self.core.args[0]!r} deadlocks")
-        return _replica_run(self.n_res, lay.row_ptr, self.local, start, end, self.local[lay.hop_res], link, link_zero)
+        return _replica_run(self.n_res, lay.row_ptr, self.local, start, end, self.local[lay.hop_res], link, link_zero,
+                            "pipeline-pass")
 
 
-def _replica_run(n_res, rows, row_res, start, end, at, link, link_zero):
-    """The `planner.sim.split.ReplicaRun` of a pass's times: its rows' (row_ptr `rows`, local
-    resources `row_res`) and its links' (local resources `at`) last ends."""
-    from planner.sim.split import ReplicaRun
+class ReplicaRun(NamedTuple):
+    """A replica's times alone: its last end, each task's end, each (local) resource's last
+    end and whether a task taking no time ends then, the tasks that took no time; the engine
+    that timed it (planner.sim.engines)."""
+    end_s: float
+    ends: Any
+    last: tuple[float, ...]
+    last_zero: tuple[bool, ...]
+    zeros: frozenset[int]
+    engine: str = ""
+
+
+def _replica_run(n_res, rows, row_res, start, end, at, link, link_zero, engine):
+    """The `ReplicaRun` of a pass's times: its rows' (row_ptr `rows`, local resources
+    `row_res`) and its links' (local resources `at`) last ends."""
     last, last_zero = np.zeros(n_res), np.zeros(n_res, bool)
     tail = rows[1:][rows[1:] > rows[:-1]] - 1          # each non-empty row's last task
     stages = np.flatnonzero(rows[1:] > rows[:-1])
@@ -420,7 +432,7 @@ def _replica_run(n_res, rows, row_res, start, end, at, link, link_zero):
     last[at], last_zero[at] = link, link_zero
     zeros = frozenset(np.flatnonzero(start == end).tolist())
     return ReplicaRun(float(end.max()) if len(end) else 0.0, end, tuple(last.tolist()),
-                      tuple(last_zero.tolist()), zeros)
+                      tuple(last_zero.tolist()), zeros, engine)
 
 
 def linked_fits(cores: list[ReplicaCore], res: list[tuple[tuple[int, ...], ...]], wake_at: dict) -> bool:
@@ -537,7 +549,8 @@ class LinkedRun:
             lay.n_links, lay.link_ptr, lay.link_hop, lay.hop_q, lay.q_src, lay.q_m, lay.first_hop, lay.stride)
         if not ok or not self._served_in_order(ready, late, place):
             return None
-        return _replica_run(self.n_res, lay.row_ptr, self.row_res, start, end, self.links, link, link_zero)
+        return _replica_run(self.n_res, lay.row_ptr, self.row_res, start, end, self.links, link, link_zero,
+                            "linked-pass")
 
     def _served_in_order(self, ready: np.ndarray, late: np.ndarray, place: np.ndarray) -> bool:
         """Whether each shared link served its hops by (ready time, task id), none of a tie
@@ -553,5 +566,5 @@ class LinkedRun:
         return not np.any(tie & (sz[1:] | sz[:-1])) and bool(np.all(sp[1:][same] > sp[:-1][same]))
 
 
-__all__ = ["Layout", "Graph", "LinkedLayout", "layout", "graph", "fits", "graph_fits", "linked_fits", "PipelineRun",
+__all__ = ["ReplicaRun", "Layout", "Graph", "LinkedLayout", "layout", "graph", "fits", "graph_fits", "linked_fits", "PipelineRun",
            "LinkedRun", "COMPILED_FROM", "warm"]

@@ -1,4 +1,4 @@
-"""planner.sim.split: delta simulation gives exactly the whole graph's results (repr of every
+"""planner.sim.delta: delta simulation gives exactly the whole graph's results (repr of every
 SimResult), is the path plans of independent replicas take, runs each distinct replica once,
 and falls back where a replica could be delayed by something outside it."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ from planner.hardware.topology import load_topology
 from planner.search.mcmc import SearchConfig, Searcher, search
 from planner.search.problem import make_space, simulator_problem
 from planner.search.space import propose, to_plan
-from planner.sim import split
-from planner.sim.pipeline import PipelineRun
+from planner.sim import delta as delta_sim
+from planner.sim.pipeline_pass import PipelineRun
 from planner.sim.simulator import Simulator
 from simhelpers import device, graph, layer, link, plan, topology
 from simreference import random_case, random_twin_case
@@ -32,39 +32,39 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
 
 
 class Paths(Counter):
-    """Plans simulated with delta simulation on that took it ("split"), fell back on their
-    times ("fallback") or did not split ("whole"); replicas run alone ("replica runs"), by the
+    """Plans simulated with delta simulation on that took it ("delta"), fell back on their
+    times ("fallback") or did not apply ("whole"); replicas run alone ("replica runs"), by the
     pass ("pipeline passes"), by the pass over shared links ("linked runs"), together ("group
     runs")."""
 
     def __getitem__(self, k):
         if k == "whole":
-            return super().__getitem__("sims") - super().__getitem__("split") - super().__getitem__("fallback")
+            return super().__getitem__("sims") - super().__getitem__("delta") - super().__getitem__("fallback")
         return super().__getitem__(k)
 
 
 @pytest.fixture
 def paths(monkeypatch):
     counts = Paths()
-    simulate, delta = Simulator.simulate, split.Split.run
-    runs = {cls: cls.run for cls in (split.Structure, split.GraphRun, PipelineRun, split.Linked)}   # loops, passes
+    simulate, delta = Simulator.simulate, delta_sim.Delta.run
+    runs = {cls: cls.run for cls in (delta_sim.Structure, delta_sim.GraphRun, PipelineRun, delta_sim.Linked)}   # loops, passes
     depth = [0]   # Linked's own GraphRun (where its pass declines) is not counted again
 
     def counted_sim(self, pl, trace=False):
-        counts["sims"] += self._split
+        counts["sims"] += self._delta_on
         return simulate(self, pl, trace)
 
     def counted(self, values, runs):
         out = delta(self, values, runs)
-        counts["fallback" if out is None else "split"] += 1
+        counts["fallback" if out is None else "delta"] += 1
         return out
 
     def replica(self, values):
         if not depth[0]:
             counts["replica runs"] += 1
             counts["pipeline passes"] += isinstance(self, PipelineRun)
-            counts["linked runs"] += isinstance(self, split.Linked)
-            members = self.by_pass.cores if isinstance(self, split.Linked) else getattr(self, "cores", ())
+            counts["linked runs"] += isinstance(self, delta_sim.Linked)
+            members = self.by_pass.cores if isinstance(self, delta_sim.Linked) else getattr(self, "cores", ())
             counts["group runs"] += len(members) > 1   # replicas together
         depth[0] += 1
         try:
@@ -72,7 +72,7 @@ def paths(monkeypatch):
         finally:
             depth[0] -= 1
     monkeypatch.setattr(Simulator, "simulate", counted_sim)
-    monkeypatch.setattr(split.Split, "run", counted)
+    monkeypatch.setattr(delta_sim.Delta, "run", counted)
     for cls in runs:
         monkeypatch.setattr(cls, "run", replica)
     return counts
@@ -89,7 +89,7 @@ def same_results(g, topo, plans) -> None:
     """Every plan simulates to the same result (repr: every float bit for bit) with delta
     simulation and with the whole graph (the event loop alone, no collapsing of twins)."""
     delta = Simulator(g, topo, cache_size=0)
-    whole = Simulator(g, topo, cache_size=0, split=False, collapse=False, static_after=None)
+    whole = Simulator(g, topo, cache_size=0, delta=False, collapse=False, static_after=None)
     for pl in plans:
         assert outcome(delta, pl) == outcome(whole, pl), pl
 
@@ -133,7 +133,7 @@ def test_delta_simulation_equals_the_whole_graph_on_random_plans(gpt4, name, cal
     plans += [replace(p, sync=replace(p.sync, granularity="coarse")) for p in plans[::3]]
     paths.clear()
     same_results(gpt4, topo, plans)
-    assert paths["split"] >= 2, paths   # most plans here are one replica, or share a CPU link
+    assert paths["delta"] >= 2, paths   # most plans here are one replica, or share a CPU link
 
 
 def test_delta_simulation_equals_the_whole_graph_where_the_gpus_timed_their_steps(gpt4, paths):
@@ -145,7 +145,7 @@ def test_delta_simulation_equals_the_whole_graph_where_the_gpus_timed_their_step
     plans += [replace(p, optimizer=replace(p.optimizer, placement="split", cpu_fraction=0.3)) for p in plans]
     paths.clear()
     same_results(gpt4, topo, plans)
-    assert paths["split"] >= 2, paths
+    assert paths["delta"] >= 2, paths
 
 
 def test_delta_simulation_equals_the_whole_graph_on_rails_grid_plans(paths):
@@ -157,7 +157,7 @@ def test_delta_simulation_equals_the_whole_graph_on_rails_grid_plans(paths):
     plans += [replace(p, sync=replace(p.sync, granularity="coarse")) for p in plans[::2]]
     paths.clear()
     same_results(g, topo, plans)
-    assert paths["split"] >= 20, paths
+    assert paths["delta"] >= 20, paths
 
 
 def test_delta_simulation_equals_the_whole_graph_on_edge_cases(paths):
@@ -167,7 +167,7 @@ def test_delta_simulation_equals_the_whole_graph_on_edge_cases(paths):
     cases = [random_case(rng) for _ in range(150)] + [random_twin_case(rng) for _ in range(60)]
     for g, t, pl in cases:
         same_results(g, t, [pl])
-    assert paths["split"] >= 20 and paths["fallback"] + paths["whole"] >= 20 and paths["group runs"] >= 5, paths
+    assert paths["delta"] >= 20 and paths["fallback"] + paths["whole"] >= 20 and paths["group runs"] >= 5, paths
 
 
 def test_delta_simulation_equals_the_whole_graph_with_held_sends(paths):
@@ -177,7 +177,7 @@ def test_delta_simulation_equals_the_whole_graph_with_held_sends(paths):
     for _ in range(60):
         g, t, pl = random_cpu_pipelines(rng)
         same_results(g, t, [pl])
-    assert paths["split"] >= 20, paths
+    assert paths["delta"] >= 20, paths
 
 
 def rails_search_plans(seed: int, iterations: int):
@@ -200,7 +200,7 @@ def test_delta_simulation_equals_the_whole_graph_on_a_rails_search(paths):
     g, topo, seen = rails_search_plans(0, 60)
     paths.clear()
     same_results(g, topo, seen)
-    assert paths["split"] >= 10, paths
+    assert paths["delta"] >= 10, paths
 
 
 def test_replica_values_kept_across_plans_are_those_evaluated_afresh(monkeypatch):
@@ -237,13 +237,13 @@ def test_each_distinct_replica_runs_once_and_a_changed_one_alone(paths):
     # replica's microbatches runs only that replica again (the others' times are kept)
     g, topo = synthetic_graph(24, 64), cluster_64(2)
     sim = Simulator(g, topo, cache_size=0)
-    whole = Simulator(g, topo, cache_size=0, split=False)
+    whole = Simulator(g, topo, cache_size=0, delta=False)
     first = _node_pipelines()
     assert repr(sim.simulate(first)) == repr(whole.simulate(first))
-    assert paths["split"] == 1 and paths["replica runs"] == 1, paths
+    assert paths["delta"] == 1 and paths["replica runs"] == 1, paths
     moved = _node_pipelines(lambda r: 2 if r == 3 else 4)
     assert repr(sim.simulate(moved)) == repr(whole.simulate(moved))
-    assert paths["split"] == 2 and paths["replica runs"] == 2, paths
+    assert paths["delta"] == 2 and paths["replica runs"] == 2, paths
 
 
 def test_replicas_sharing_a_link_direction_run_together(paths):
@@ -257,18 +257,18 @@ def test_replicas_sharing_a_link_direction_run_together(paths):
     pl = plan([(1 / 3, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]), (1 / 3, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)]),
                (1 / 3, 4, [("cuda:4", 0, 2), ("cuda:5", 2, 4)])], 12)
     same_results(g, t, [pl])
-    assert paths["split"] == 1 and paths["group runs"] == 1 and paths["pipeline passes"] == 1, paths
+    assert paths["delta"] == 1 and paths["group runs"] == 1 and paths["pipeline passes"] == 1, paths
     assert paths["linked runs"] == 1, paths   # the two on their own devices: the pass over the shared link
     # without the third, every replica is in the one group: the whole graph
     paths.clear()
     same_results(g, t, [plan([(0.5, 4, [("cuda:0", 0, 2), ("cuda:2", 2, 4)]),
                               (0.5, 4, [("cuda:1", 0, 2), ("cuda:3", 2, 4)])], 8)])
-    assert paths["whole"] == 1 and not paths["split"], paths
+    assert paths["whole"] == 1 and not paths["delta"], paths
     # the same pipelines over direct links: by the pass, once (the replicas are alike)
     paths.clear()
     t = topology([device(d) for d in names], [link(a, b, 1e7) for i, a in enumerate(names) for b in names[i + 1:]])
     same_results(g, t, [pl])
-    assert paths["split"] == 1 and paths["pipeline passes"] == 1 and not paths["group runs"], paths
+    assert paths["delta"] == 1 and paths["pipeline passes"] == 1 and not paths["group runs"], paths
 
 
 def test_all_reduces_holding_a_saturated_hosts_compute_queues_take_the_whole_graph(paths):
@@ -279,7 +279,7 @@ def test_all_reduces_holding_a_saturated_hosts_compute_queues_take_the_whole_gra
     t = replace(topology(devs, [link("cpu:0", "cpu:1", bw=1e6)]), measured={"host": {"cores": 2}})
     pl = plan([(0.5, 1, [("cpu:0", 0, 4)]), (0.5, 1, [("cpu:1", 0, 4)])], 2, bucket_bytes=10**6)
     same_results(g, t, [pl])
-    assert paths["whole"] == 1 and not paths["split"], paths
+    assert paths["whole"] == 1 and not paths["delta"], paths
 
 
 def test_a_host_step_that_wakes_up_takes_the_whole_graph(paths):
@@ -288,7 +288,7 @@ def test_a_host_step_that_wakes_up_takes_the_whole_graph(paths):
     g, t, pl = _host_optimizer_case(1e8)
     t = replace(t, measured={"calibration": calibration_to_dict(CALIBRATION)})
     same_results(g, t, [pl])
-    assert paths["whole"] == 1 and not paths["split"], paths
+    assert paths["whole"] == 1 and not paths["delta"], paths
 
 
 def _two_replicas_and_coupling(z_s: float):
@@ -315,13 +315,13 @@ def test_a_zero_length_task_before_the_coupling_takes_the_whole_graph():
     g, values = _two_replicas_and_coupling(0.0)
     dur = [values[k] for k in g.dkey]
     assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
-    assert split.Split.of(g, {}, 4, {}).run(values, {}) is None
+    assert delta_sim.Delta.of(g, {}, 4, {}).run(values, {}) is None
     # Z taking 0.5 s: A is ready at 1.5 s while B runs (1 to 2 s), A runs 2 to 3 s, C ends
     # at 8 s, delta simulation agrees
     g, values = _two_replicas_and_coupling(0.5)
     dur = [values[k] for k in g.dkey]
     assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
-    assert split.Split.of(g, {}, 4, {}).run(values, {}) == 8.0
+    assert delta_sim.Delta.of(g, {}, 4, {}).run(values, {}) == (8.0, "delta/event-loop/event-loop")
 
 
 def test_a_step_ready_as_a_zero_length_task_ends_on_its_device_takes_the_whole_graph():
@@ -344,14 +344,14 @@ def test_a_step_ready_as_a_zero_length_task_ends_on_its_device_takes_the_whole_g
     values = [1.0, 0.0, 5.0]
     dur = [values[k] for k in g.dkey]
     assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 6)[1]) == 7.0
-    assert split.Split.of(g, {}, 6, {}).run(values, {}) is None
+    assert delta_sim.Delta.of(g, {}, 6, {}).run(values, {}) is None
 
 
 def test_a_dependency_into_a_replica_keeps_the_graph_whole():
     # replica 1's task waits for a coupling task: replica 1 cannot run alone
     g, _ = _two_replicas_and_coupling(0.5)
     g.wire(len(g.dkey) - 1, 2)
-    assert split.Split.of(g, {}, 4, {}) is None
+    assert delta_sim.Delta.of(g, {}, 4, {}) is None
 
 
 def _host_optimizer_case(gpu_flops: float):
@@ -368,11 +368,11 @@ def test_a_host_step_ready_before_the_hosts_replica_ends_takes_the_whole_graph(p
     # event loop it runs between two of that replica's tasks: delta simulation must give up
     g, t, pl = _host_optimizer_case(1e11)
     same_results(g, t, [pl])
-    assert paths["fallback"] == 1 and not paths["split"], paths
+    assert paths["fallback"] == 1 and not paths["delta"], paths
     # a slow GPU: the step is ready after cpu:0's last task, delta simulation holds
     g, t, pl = _host_optimizer_case(1e8)
     same_results(g, t, [pl])
-    assert paths["split"] == 1, paths
+    assert paths["delta"] == 1, paths
 
 
 def _ring_over_a_pipeline_link(stage: int):
@@ -397,29 +397,30 @@ def test_an_all_reduce_over_a_pipelines_link_splits_only_when_it_comes_after_the
     sim = Simulator(g, t, cache_size=0)
     assert sim.hops("cuda:1", "cuda:3")[0].resource == sim.hops("cuda:1", "cuda:0")[0].resource
     same_results(g, t, [pl])
-    assert paths["fallback"] == 1 and not paths["split"], paths
+    assert paths["fallback"] == 1 and not paths["delta"], paths
     # stage 0's are all-reduced after its last backward: replica 0 is done with the link
     paths.clear()
     g, t, pl = _ring_over_a_pipeline_link(0)
     sim = Simulator(g, t, cache_size=0)
     assert sim.hops("cuda:0", "cuda:2")[0].resource == sim.hops("cuda:0", "cuda:1")[0].resource
     same_results(g, t, [pl])
-    assert paths["split"] == 1, paths
+    assert paths["delta"] == 1, paths
 
 
-@pytest.mark.skipif(not split.fastloop.available(), reason="numba is not installed")
+@pytest.mark.skipif(not delta_sim.fastloop.available(), reason="numba is not installed")
 def test_coupling_graphs_run_compiled_give_the_whole_graphs_results(paths, monkeypatch):
     # every coupling graph of two tasks or more through planner.sim.fastloop (the search's
-    # take it from COUPLING_COMPILED tasks): the same results, rails grid plans and edge cases
-    monkeypatch.setattr(split, "COUPLING_COMPILED", 2)
+    # take it from engines.COUPLING_COMPILED tasks): the same results, rails grid plans and edge cases
+    from planner.sim import engines
+    monkeypatch.setattr(engines, "COUPLING_COMPILED", 2)
     compiled = []
-    run = split.Split.run
+    run = delta_sim.Delta.run
 
     def counted(self, values, runs):
         out = run(self, values, runs)
-        compiled.append(self.fast is not None)
+        compiled.append(self.state.fast is not None)
         return out
-    monkeypatch.setattr(split.Split, "run", counted)
+    monkeypatch.setattr(delta_sim.Delta, "run", counted)
     g, topo = synthetic_graph(24, 64), cluster_64(2)
     space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)
     same_results(g, topo, grid_plans(g, topo, space, random.Random(7), 4))
@@ -436,12 +437,13 @@ def test_a_coupling_graph_run_again_takes_the_fixed_order_pass(paths, monkeypatc
     from simulator_speed import plans as speed_plans, synthetic
     g, topo = synthetic(2, 2, 8)
     passes = []
-    run = split.Static.run
+    from planner.sim.listsched import Static
+    run = Static.run
 
     def counted(self, dur, wake):
         out = run(self, dur, wake)
         passes.append(out is not None)
         return out
-    monkeypatch.setattr(split.Static, "run", counted)
+    monkeypatch.setattr(Static, "run", counted)
     same_results(g, topo, speed_plans(2, 2, 8, 8, 40) + speed_plans(2, 2, 8, 2, 20))
-    assert paths["split"] == 60 and sum(passes) >= 40, (paths, sum(passes))
+    assert paths["delta"] == 60 and sum(passes) >= 40, (paths, sum(passes))

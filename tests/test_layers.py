@@ -1,0 +1,112 @@
+"""Layers point one way (docs/design.md, "The map"): no import circle among planner/ modules
+(imports inside functions count), and no package of planner/ imports one above it: files, then
+hardware and workload, then cost, sim, search (so planner/cost imports nothing from planner/sim)."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules(package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(package: str) -> dict[str, set[str]]:
+    """Per module of `package`, the modules of `package` it imports anywhere in its file
+    (`from a import b` names a.b where that is a module, else a)."""
+    mods = _modules(package)
+    out = {}
+    for name, path in mods.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names}
+        out[name] = {m for m in found if m in mods and m != name}
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_among_planner_modules():
+    assert circles(imports("planner")) == []
+
+
+def test_cost_imports_nothing_from_sim():
+    got = {m: sorted(x for x in deps if x.startswith("planner.sim"))
+           for m, deps in imports("planner").items() if m.startswith("planner.cost")}
+    assert {m: d for m, d in got.items() if d} == {}
+
+
+LAYERS = {"files": 0, "hardware": 1, "workload": 1, "cost": 2, "sim": 3, "search": 4}
+
+
+def test_no_planner_package_imports_one_above_it():
+    def layer(m: str) -> int | None:
+        parts = m.split(".")
+        return LAYERS.get(parts[1]) if len(parts) > 1 else None
+    up = [(m, x) for m, deps in imports("planner").items() for x in deps
+          if layer(m) is not None and layer(x) is not None
+          and (layer(x) > layer(m) or (layer(x) == layer(m) and m.split(".")[1] != x.split(".")[1]))]
+    assert up == []
+    assert set(LAYERS) == {p.name for p in (ROOT / "planner").iterdir() if (p / "__init__.py").exists()}
+
+
+def test_design_names_every_planner_module():
+    # docs/design.md's map: a newcomer finds every module there (`sim/engines.py` and the like)
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = [str(p.relative_to(ROOT / "planner")) for p in sorted((ROOT / "planner").rglob("*.py"))
+               if p.name != "__init__.py" and str(p.relative_to(ROOT / "planner")) not in design]
+    assert missing == []
+
+
+def test_the_checks_see_a_circle_through_a_function_level_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.c import g\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert circles(imports("pkg")) == [["pkg.a", "pkg.b", "pkg.c"]]
