@@ -99,14 +99,15 @@ def test_stopped_then_resumed_equals_uninterrupted(tmp_path, name):
         torch.testing.assert_close(resumed[n], t, rtol=1e-6, atol=0, msg=n)
 
 
-def test_sigkilled_runs_resume_from_the_last_complete_checkpoint(tmp_path, monkeypatch):
-    p, ck = plan(PLANS["hybrid"]), str(tmp_path / "ck")
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_sigkilled_runs_resume_from_the_last_complete_checkpoint(tmp_path, monkeypatch, name):
+    p, ck = plan(PLANS[name]), str(tmp_path / "ck")
     _, whole = train(tmp_path, p, "whole", steps=7)
-    monkeypatch.setenv(FAULT_ENV, "2:5:kill")                   # rank 2 killed after step 5
-    with pytest.raises(RunError, match="rank 2 .*signal 9"):
-        train(tmp_path, p, "a", steps=7, checkpoint_dir=ck, checkpoint_every=2)
-    monkeypatch.setenv(FAULT_ENV, "1:6:kill-in-save")           # rank 1 killed inside step 6's save
+    monkeypatch.setenv(FAULT_ENV, "1:5:kill")                   # rank 1 killed after step 5
     with pytest.raises(RunError, match="rank 1 .*signal 9"):
+        train(tmp_path, p, "a", steps=7, checkpoint_dir=ck, checkpoint_every=2)
+    monkeypatch.setenv(FAULT_ENV, "0:6:kill-in-save")           # rank 0 killed inside step 6's save
+    with pytest.raises(RunError, match="rank 0 .*signal 9"):
         train(tmp_path, p, "b", steps=7, checkpoint_dir=ck, checkpoint_every=2, resume=True)
     names = sorted(x.name for x in Path(ck).iterdir())
     assert names == [".step-00000006.partial", "step-00000002", "step-00000004"]
