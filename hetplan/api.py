@@ -34,14 +34,12 @@ def train(plan: str | os.PathLike, workload: Callable[..., Any] | Any = None, *,
     args = Namespace(plan=path, steps=steps, epochs=epochs, seed=seed, log_every=log_every, metrics=metrics,
                      eval_every=eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                      resume=resume, lr_schedule=lr_schedule,
-                     lr_schedule_arg=[f"{k}={v}" for k, v in (lr_schedule_args or {}).items()],
+                     lr_schedule_arg=None, lr_schedule_args=dict(lr_schedule_args or {}),
                      warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, tensorboard=tensorboard)
     if steps is None and epochs is None:
         from planner.files.io import InputError
         raise InputError("steps, epochs: expected one of them")
     tcfg = train_config(args, p, given=workload)
-    if tcfg.lr_schedule_args != (lr_schedule_args or {}):     # torch schedulers take typed values
-        tcfg = type(tcfg)(**{**tcfg.to_dict(), "lr_schedule_args": dict(lr_schedule_args or {})})
     _single_process_env(p)
     cfg = RunConfig(plan=path, iters=1, warmup=0, out="", save_params=save_params, timeout_s=timeout_s,
                     threads={d: threads for d in p.devices} if threads else {}, train=tcfg.to_dict())

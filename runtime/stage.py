@@ -221,9 +221,8 @@ def check_model(plan: Plan, file: str, given=None):
     if given is None:
         workload = load_plan_workload(plan.model, file)     # torch.manual_seed(0) inside
     else:
-        from planner.workload.load import as_workload
-        torch.manual_seed(0)
-        workload = as_workload(given(**plan.model.args) if callable(given) else given, plan.model.spec)
+        from planner.workload.load import given_workload
+        workload = given_workload(given, plan.model.spec, plan.model.args)
     found = layer_map(workload, plan.model.spec, plan.model.args, plan_batch(plan))
     validate_plan(plan, file, num_layers=found.num_layers)
     return workload, found

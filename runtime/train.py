@@ -62,8 +62,8 @@ class GlobalNormClip:
 
     def __init__(self, built, max_norm: float, group=None):
         self.built, self.max_norm, self.group = built, max_norm, group
-        full = dict(built.workload.model.named_parameters())
-        mine = [(n, tuple(p.shape) != tuple(full[n].shape) if n in full else False)
+        from runtime.checkpoint import built_full_shape
+        mine = [(n, tuple(p.shape) != built_full_shape(built, n, p))
                 for n, p in built.named_params if p.requires_grad]
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)

@@ -189,7 +189,9 @@ def train_config(args, plan, given=None):
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise InputError(f"{'--resume' if args.resume else '--checkpoint-every'}: expected --checkpoint-dir")
     from planner.workload.load import parse_model_args
-    sched_args = parse_model_args(args.lr_schedule_arg, "--lr-schedule-arg")
+    sched_args = getattr(args, "lr_schedule_args", None)     # hetplan.train: typed values already
+    if sched_args is None:
+        sched_args = parse_model_args(args.lr_schedule_arg, "--lr-schedule-arg")
     lr_schedule.check(args.lr_schedule, sched_args, args.warmup_steps, args.min_lr_ratio)
     if plan.sync.mode != "sync" and (args.checkpoint_dir or args.eval_every or plan.optimizer.clip_grad_norm):
         raise InputError(f"{args.plan}: sync.mode: checkpoints, evaluation and clipping run with synchronous "
@@ -222,14 +224,10 @@ def check_data(cfg, plan, file: str, given=None) -> int:
         if cfg.steps is not None and meta["step"] >= cfg.steps:
             raise InputError(f"--steps: the latest checkpoint ({meta['path']}) is at step {meta['step']}; "
                              f"expected more steps than that, got {cfg.steps}")
-    from planner.workload.load import as_workload, load_plan_workload
+    from planner.workload.load import given_workload, load_plan_workload
     from runtime.data import DataFeed, check_dataset
-    if given is None:
-        w = load_plan_workload(plan.model, file)
-    else:
-        import torch
-        torch.manual_seed(0)
-        w = as_workload(given(**plan.model.args) if callable(given) else given, plan.model.spec)
+    w = (load_plan_workload(plan.model, file) if given is None
+         else given_workload(given, plan.model.spec, plan.model.args))
     if w.train_data is None:
         if cfg.epochs is not None:
             raise InputError(f"--epochs: {plan.model.spec} has no train_data; expected --steps (synthetic batches)")

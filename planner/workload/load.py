@@ -105,6 +105,14 @@ def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | N
     return w
 
 
+def given_workload(given: Any, spec: str, args: dict[str, Any]) -> Workload:
+    """A workload handed over in Python (hetplan.train) as the plan's model: a factory called with
+    the plan's model.args after torch.manual_seed(0), as a spec's would be, or a Workload itself."""
+    import torch
+    torch.manual_seed(0)
+    return as_workload(given(**args) if callable(given) else given, spec)
+
+
 def as_workload(w: Any, spec: str) -> Workload:
     """`w` as a Workload: any object with model, make_batch and loss_fn (InputError otherwise)."""
     import torch
