@@ -37,6 +37,7 @@ class RunConfig:
     extra: dict = field(default_factory=dict)  # copied into the measured file (e.g. topology)
     train: dict | None = None                 # runtime.train.TrainConfig as a dict: train on the
                                               # workload's data instead of timing `iters` batches
+    quiet: bool = False                       # no progress lines (`plan --confirm`'s runs)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -94,7 +95,7 @@ def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
         marks.mark("stages")
         if cfg.train is not None:
             return _train_with_data(cfg, plan, built, rank, world, device, cores_line)
-        if rank == 0:      # after the model check: bad input stays one line on stderr
+        if rank == 0 and not cfg.quiet:      # after the model check: bad input stays one line on stderr
             print(f"hetplan run: {world} worker(s) on {', '.join(plan.devices)}; {cfg.iters} iterations; "
                   f"{cores_line}", file=sys.stderr, flush=True)
         record = {**_train(cfg, plan, built, rank, device, name, marks), "cores": cores,
@@ -192,7 +193,7 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
             losses.append(float(loss) if loss is not None else 0.0)
             if i == 0:
                 marks.mark("first_iteration")
-            if rank == 0 and (time.monotonic() - shown > 1.0 or i + 1 == cfg.iters):
+            if rank == 0 and not cfg.quiet and (time.monotonic() - shown > 1.0 or i + 1 == cfg.iters):
                 shown = time.monotonic()
                 print(f"hetplan run: iteration {i + 1}/{cfg.iters}: {iter_s[-1] * 1e3:.2f} ms (rank 0)",
                       file=sys.stderr, flush=True)

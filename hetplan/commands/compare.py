@@ -29,7 +29,7 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
     from planner.files.measured import load_measured
     from planner.files.plan import load_plan
     from planner.hardware.lookup import plan_topology
-    from planner.sim.predict import simulate_plan_file
+    from planner.sim.predict import predict_plan_file
     from planner.files.report import compare
 
     if plot_path is not None and not str(plot_path).lower().endswith(".png"):
@@ -45,9 +45,14 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
         print(f"{command}: note: the run differs from the conditions the plan was priced in: "
               f"{'; '.join(differs)}", file=sys.stderr)
     topology = plan_topology(plan, plan_path, topology_path, command)
-    result = simulate_plan_file(plan, plan_path, topology, trace=plot_path is not None)
+    pred = predict_plan_file(plan, plan_path, topology, trace=plot_path is not None)
+    result = pred.result
     recorded = plan.predicted.iteration_s if plan.predicted is not None else None
-    comparison = compare(recorded, result.to_json(), measured, matches)
+    # the interval of the prediction compared: the plan's own where it records one
+    span, prob = pred.interval, pred.probability
+    if recorded is not None and plan.predicted.iteration_s_interval is not None:
+        span, prob = plan.predicted.iteration_s_interval, plan.predicted.interval_probability
+    comparison = compare(recorded, result.to_json(), measured, matches, span, prob)
     if plot_path is not None:
         from planner.files.plot import plot_timeline
         events = {d: v.get("events") or [] for d, v in measured.per_device.items()}
@@ -91,8 +96,13 @@ def format_table(comparison) -> str:
 def summary_line(comparison) -> str:
     src = "recorded in the plan" if comparison.prediction_source == "plan" else "simulated"
     err = comparison.error_pct
-    return (f"iteration: predicted {comparison.predicted_s * 1e3:.3f} ms ({src}), measured "
+    line = (f"iteration: predicted {comparison.predicted_s * 1e3:.3f} ms ({src}), measured "
             f"{comparison.measured_s * 1e3:.3f} ms, error {err:+.1f}%")
+    if comparison.interval is None:
+        return line
+    lo, hi = comparison.interval
+    return (f"{line}; {comparison.interval_probability:.0%} interval {lo * 1e3:.3f}-{hi * 1e3:.3f} ms, "
+            f"measured {'inside' if comparison.inside else 'OUTSIDE'}")
 
 
 def time_to_loss(plan_path: str, measured_path: str) -> dict | None:

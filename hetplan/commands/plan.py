@@ -5,8 +5,10 @@ cap (when it stops the search, a warning says the plan may then depend on machin
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from dataclasses import dataclass, field, replace
 
 HELP = "search the strategy space with the simulator; write the best plan and compare it with the baselines"
 
@@ -51,6 +53,10 @@ def add_arguments(p):
     p.add_argument("--horizon", type=int, default=200, metavar="N",
                    help="with --objective time-to-loss: iterations each strategy's convergence is "
                         "emulated for on this machine before a fitted curve extrapolates (default 200)")
+    p.add_argument("--confirm", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the few best candidates on this machine, interleaved, and keep the measured "
+                        "fastest (default: when the topology is this machine's profile and it takes about "
+                        "30 s or less)")
     p.add_argument("-o", "--output", default="plan.json", metavar="PLAN", help="plan file to write (default plan.json)")
 
 
@@ -113,13 +119,22 @@ def describe(plan) -> str:
     return "; ".join(parts)
 
 
-def _table(best, baselines):
+def _table(rows, chosen):
+    """Each candidate judged (planner.sim.interval.Judged, by name) against the chosen one."""
     import pandas as pd
-    df = pd.DataFrame([{"plan": c.name, "predicted ms": c.iteration_s * 1e3,
-                        "chosen is x faster": c.iteration_s / best.iteration_s,
-                        "peak memory MB": max(c.peak_memory_bytes.values(), default=0.0) / 1e6,
-                        "fits": "yes" if c.feasible else "NO"} for c in [best, *baselines]])
-    return df.to_string(index=False, float_format=lambda v: f"{v:.3f}")
+    from planner.sim.interval import PROBABILITY, beat_probability
+    out = []
+    for name, (cand, j) in rows.items():
+        lo, hi = j.interval() if j is not None else (float("nan"),) * 2
+        p = (beat_probability(chosen[1].times, chosen[1].residual, j.times, j.residual)
+             if j is not None and name != "chosen" else None)
+        out.append({"plan": name, "predicted ms": cand.iteration_s * 1e3,
+                    f"{PROBABILITY:.0%} interval ms": f"{lo * 1e3:.3f}-{hi * 1e3:.3f}" if j is not None else "-",
+                    "chosen is x faster": cand.iteration_s / chosen[0].iteration_s,
+                    "P(chosen faster)": "-" if p is None else f"{p:.2f}",
+                    "peak memory MB": max(cand.peak_memory_bytes.values(), default=0.0) / 1e6,
+                    "fits": "yes" if cand.feasible else "NO"})
+    return pd.DataFrame(out).to_string(index=False, float_format=lambda v: f"{v:.3f}")
 
 
 def _time_to_loss(args, problem, workload, best, baselines):
@@ -151,25 +166,98 @@ def _cost_fit(cost, devices) -> dict:
     return {"layer_cost_fit": fits} if fits else {}
 
 
-def main(args) -> int:
-    import gc
-    import random
-    from dataclasses import replace
+@dataclass
+class _Choice:
+    """The candidates judged on the same draws, the one kept, and what confirming measured."""
+    rows: dict            # name -> (mcmc.Candidate, Judged | None), the kept one as "chosen"
+    kept: object          # mcmc.Candidate
+    beats_baseline: float | None = None     # P(kept measures faster than the best baseline)
+    best_baseline: str | None = None
+    confirmed: list = field(default_factory=list)   # hetplan.confirm.Confirmed
+    note: str = ""
 
+    def to_json(self) -> dict:
+        return {"kept": self.kept.name, "best_baseline": self.best_baseline,
+                "probability_beats_best_baseline": self.beats_baseline,
+                **({"confirm": [c.to_json() for c in self.confirmed]} if self.confirmed else {})}
+
+
+def _choose(args, problem, topology, result) -> _Choice:
+    """The search's best and the feasible baselines judged on the same draws of the measured
+    inputs; a plan with more parts kept only when surely faster (planner.sim.interval.choose);
+    then, on this machine, the few best confirmed by running them."""
+    from planner.files.plan import plan_key
+    from planner.hardware.lookup import measured_here
+    from planner.sim.interval import Draws, beat_probability, choose, judge, spread_of
+    measured = measured_here(topology)
+    draws = Draws(problem.simulator, spread_of(topology))
+    cands, seen = {}, {}
+    for c in [*(b for b in result.baselines if b.feasible), replace(result.best, name="search's best")]:
+        key = plan_key(c.plan)
+        if key not in seen:
+            seen[key] = c.name
+            cands[c.name] = c
+    judged = {name: judge(draws, name, c.plan, measured) for name, c in cands.items()}
+    kept = cands[choose(list(judged.values())).name]
+    confirmed, note = _confirm(args, topology, measured, kept, cands, judged)
+    if confirmed:
+        from hetplan.confirm import fastest
+        kept = cands[fastest(confirmed).name]
+    bases = [judged[b.name] for b in result.baselines if b.name in judged]
+    best_base = min(bases, key=lambda j: j.middle) if bases else None
+    k = judged[kept.name]
+    rows = {"chosen": (kept, k)}
+    rows.update({n: (c, judged.get(n)) for n, c in cands.items() if n != kept.name})
+    rows.update({b.name: (b, None) for b in result.baselines if b.name not in rows and b.name != kept.name})
+    beats = (None if best_base is None or best_base.name == kept.name else
+             beat_probability(k.times, k.residual, best_base.times, best_base.residual))
+    return _Choice(rows, kept, beats, best_base.name if best_base else None, confirmed, note)
+
+
+def _confirm(args, topology, measured, kept, cands, judged) -> tuple[list, str]:
+    """Run the kept plan and the next fastest candidates (hetplan.confirm) when asked, or by
+    default when it fits in DEFAULT_BUDGET_S; ([], why not) otherwise."""
+    from hetplan.confirm import DEFAULT_BUDGET_S, MOST, confirm, estimate_s
+    if args.confirm is False:
+        return [], ""
+    if not measured:
+        return [], "not confirmed: the topology is not this machine's profile (a what-if file cannot run here)"
+    order = [kept.name] + sorted((n for n in cands if n != kept.name), key=lambda n: judged[n].middle)
+    picked = [(n, cands[n].plan, cands[n].iteration_s) for n in order[:MOST]]
+    if len(picked) < 2:
+        return [], ""
+    need = estimate_s([p for _, _, p in picked])
+    if args.confirm is None and need > DEFAULT_BUDGET_S:
+        return [], f"not confirmed: running the candidates would take about {need:.0f} s (--confirm runs them)"
+    try:
+        from runtime.launch import check_devices
+        for _, plan, _ in picked:
+            check_devices(plan, args.output)
+    except Exception as e:   # noqa: BLE001 - a device this process cannot use: nothing to run on
+        return [], f"not confirmed: {e}"
+    print(f"hetplan plan: confirming {len(picked)} candidates on this machine (about {need:.0f} s)", file=sys.stderr)
+    from runtime.launch import RunError
+    try:
+        return confirm(picked, topology), ""
+    except RunError as e:
+        return [], f"not confirmed: a candidate failed to run: {e}"
+
+
+def _setup(args):
+    """(topology, workload, optimizer flags, precisions, graph, problem) for the search."""
     from planner.files.io import InputError
-    from planner.files.plan import ModelRef, Predicted, TopologyRef, plan_to_dict, save_plan, validate_plan
-    from planner.search.mcmc import SearchConfig, chains, memory_error, search
-    from planner.search.problem import CAPTURE_BATCH, plan_problem
+    from planner.files.plan import ModelRef
     from planner.hardware.lookup import measured_here
     from planner.hardware.topology import load_topology
+    from planner.search.problem import CAPTURE_BATCH, plan_problem
     from planner.workload.load import load_workload, parse_model_args
 
     _check_flags(args)
     model_args = parse_model_args(args.model_arg)
     topology = load_topology(args.topology)
+    optimizer = _optimizer_flags(args)
     # the weights' values only where something runs the model: layers timed on this machine,
     # convergence emulated
-    optimizer = _optimizer_flags(args)
     workload = load_workload(args.model, model_args, args.layers,
                              weights=measured_here(topology) or args.objective == "time-to-loss")
     print(f"hetplan plan: capturing {args.model} at batch {min(args.batch, CAPTURE_BATCH)} "
@@ -181,9 +269,14 @@ def main(args) -> int:
                                       args.lr if args.lr is not None else workload.lr, precisions)
     except ValueError as e:       # the model could not be captured or grouped into layers
         raise InputError(f"--model: {args.model}: {e}") from None
-    if args.objective != "time-to-loss":
-        del workload   # the search never runs the model: its memory is not copied into the chains
-        gc.collect()
+    return topology, workload, optimizer, precisions, graph, problem
+
+
+def _search(args, problem, graph, topology):
+    import random
+
+    from planner.files.io import InputError
+    from planner.search.mcmc import SearchConfig, chains, memory_error, search
     space = problem.space
     config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit,
                           chains=args.chains if args.chains is not None else chains(space), workers=args.workers)
@@ -197,39 +290,71 @@ def main(args) -> int:
     if result.stopped_by == "time limit":
         print(f"hetplan plan: warning: stopped by --time-limit after {result.iterations} of {args.iterations} "
               "iterations; the plan may differ on a faster or slower machine", file=sys.stderr)
-    best = replace(result.best, name="chosen")
+    return result
+
+
+def _predicted(args, best, result, choice, objective, precisions, problem):
+    """The plan file's `predicted`: the kept plan's time and interval, the baselines, the choice
+    and the search's record."""
+    from planner.files.plan import Predicted
+    from planner.sim.interval import PROBABILITY
+    judged = {n: j for n, (_, j) in choice.rows.items() if j is not None} if choice else {}
     baselines = [{"name": c.name, "iteration_s": c.iteration_s, "feasible": c.feasible,
-                  "peak_memory_bytes": c.peak_memory_bytes} for c in result.baselines]
-    ranked, objective = None, {}
+                  "peak_memory_bytes": c.peak_memory_bytes,
+                  **({"iteration_s_interval": list(judged[c.name].interval())} if c.name in judged else {})}
+                 for c in result.baselines]
+    search = {"seed": args.seed, "precisions": list(precisions), "iterations": result.iterations,
+              "chains": result.chains, "simulations": result.evaluations,
+              "bound_rejections": result.bound_rejections, "stopped_by": result.stopped_by,
+              "acceptance_rate": result.acceptance_rate, "patience": result.patience}
+    span = judged["chosen"].interval() if "chosen" in judged else None
+    return Predicted(best.iteration_s, best.peak_memory_bytes, extra={
+        **objective, "baselines": baselines, **({"choice": choice.to_json()} if choice else {}),
+        "search": search, **_cost_fit(problem.cost, best.plan.devices)},
+        iteration_s_interval=span, interval_probability=PROBABILITY if span else None)
+
+
+def main(args) -> int:
+    import gc
+
+    from planner.files.plan import TopologyRef, plan_to_dict, save_plan, validate_plan
+    from runtime.launch import priced_conditions
+
+    topology, workload, optimizer, precisions, graph, problem = _setup(args)
+    if args.objective != "time-to-loss":
+        del workload   # the search never runs the model: its memory is not copied into the chains
+        gc.collect()
+    result = _search(args, problem, graph, topology)
+    ranked, objective, choice = None, {}, None
     if args.objective == "time-to-loss":
-        ranked = _time_to_loss(args, problem, workload, best, result.baselines)
+        ranked = _time_to_loss(args, problem, workload, replace(result.best, name="chosen"), result.baselines)
         best = ranked[0]
         objective = {"time_to_loss": {"target_loss": args.target_loss, "horizon": args.horizon,
                                       "iterations": best.iterations, "time_s": best.time_s,
                                       "candidates": [c.to_json() for c in ranked]}}
+    else:
+        choice = _choose(args, problem, topology, result)
+        best = replace(choice.kept, name="chosen")
     if optimizer is not None:     # the class and its arguments as asked; priced by its family
         best = replace(best, plan=replace(best.plan, optimizer=replace(
             best.plan.optimizer, torch_class=optimizer.torch_class, args=optimizer.args,
             clip_grad_norm=optimizer.clip_grad_norm)))
-    from runtime.launch import priced_conditions
     plan = replace(best.plan, topology=TopologyRef(topology.name, topology.sha256,
                                                    **priced_conditions(best.plan, topology)),
-                   predicted=Predicted(best.iteration_s, best.peak_memory_bytes, extra={
-                       **objective,
-                       "baselines": baselines,
-                       "search": {"seed": args.seed, "precisions": list(precisions),
-                                  "iterations": result.iterations, "chains": result.chains,
-                                  "simulations": result.evaluations,
-                                  "bound_rejections": result.bound_rejections, "stopped_by": result.stopped_by,
-                                  "acceptance_rate": result.acceptance_rate,
-                                  "patience": result.patience},
-                       **_cost_fit(problem.cost, best.plan.devices)}))
+                   predicted=_predicted(args, best, result, choice, objective, precisions, problem))
     validate_plan(plan, args.output, graph.num_layers, {d.name for d in topology.devices})
     save_plan(plan, args.output)
     if args.json:
         print(json.dumps({"plan": plan_to_dict(plan), "iteration_s": best.iteration_s,
-                          "baselines": baselines, "output": str(args.output)}))
+                          "iteration_s_interval": plan.predicted.iteration_s_interval,
+                          "baselines": plan.predicted.extra["baselines"],
+                          **({"choice": choice.to_json()} if choice else {}), "output": str(args.output)}))
         return 0
+    _report(args, plan, best, ranked, choice, result)
+    return 0
+
+
+def _report(args, plan, best, ranked, choice, result) -> None:
     print(f"chosen plan: {describe(plan)}")
     print(f"  schedule {plan.schedule}, sync {plan.sync.granularity} ({plan.sync.bucket_bytes / 2**20:g} MiB buckets), "
           f"optimizer {plan.optimizer.name} on {plan.optimizer.placement}"
@@ -240,13 +365,28 @@ def main(args) -> int:
               f"{best.iterations:.0f} iterations, {best.time_s:.3g} s")
         print(_loss_table(ranked))
     else:
-        print(_table(best, result.baselines))
+        print(_table(choice.rows, choice.rows["chosen"]))
+        _report_choice(choice)
     print(f"searched {result.iterations} proposals"
           f"{f' in {result.chains} chains' if result.chains > 1 else ''} ({result.bound_rejections} rejected by their bound), "
           f"{result.evaluations} simulations in "
           f"{result.elapsed_s:.1f} s, {100 * result.acceptance_rate:.0f}% accepted (stopped by "
           f"{result.stopped_by}{_why(result)}); wrote {args.output}")
-    return 0
+
+
+def _report_choice(choice) -> None:
+    lo, hi = choice.rows["chosen"][1].interval()
+    print(f"  predicted {choice.kept.iteration_s * 1e3:.3f} ms, 90% interval {lo * 1e3:.3f}-{hi * 1e3:.3f} ms "
+          f"({choice.rows['chosen'][1].residual.basis})")
+    if choice.beats_baseline is not None:
+        print(f"  probability the chosen plan measures faster than the best baseline ({choice.best_baseline}): "
+              f"{choice.beats_baseline:.2f}")
+    elif choice.best_baseline is not None:
+        print(f"  the chosen plan is the best baseline ({choice.best_baseline}): no other plan is surely faster")
+    for c in choice.confirmed:
+        print(f"  confirmed here: {c.name}: measured {c.median_s * 1e3:.3f} ms (predicted {c.predicted_s * 1e3:.3f})")
+    if choice.note:
+        print(f"  {choice.note}")
 
 
 def _optimizer_flags(args):

@@ -15,8 +15,10 @@ def add_arguments(p):
     p.add_argument("--grid", action="store_true", help="print each replica's schedule as a step x device grid")
 
 
-def _summary(result, topology) -> str:
-    lines = [f"iteration: {result.iteration_s * 1e3:.3f} ms   feasible: {'yes' if result.feasible else 'NO'}",
+def _summary(pred, topology) -> str:
+    result, (lo, hi) = pred.result, pred.interval
+    lines = [f"iteration: {result.iteration_s * 1e3:.3f} ms   {pred.probability:.0%} interval "
+             f"{lo * 1e3:.3f}-{hi * 1e3:.3f} ms ({pred.basis})   feasible: {'yes' if result.feasible else 'NO'}",
              f"{'device':<16} {'busy ms':>10} {'fwd ms':>9} {'bwd ms':>9} {'optim ms':>9} "
              f"{'comm ms':>9} {'peak MB':>10} {'of MB':>10}"]
     for d, v in result.per_device.items():
@@ -31,7 +33,7 @@ def _summary(result, topology) -> str:
 def main(args) -> int:
     from planner.files.plan import load_plan
     from planner.hardware.lookup import plan_topology
-    from planner.sim.predict import simulate_plan_file
+    from planner.sim.predict import predict_plan_file
     from planner.files.plan import PIPEDREAM_MODES
     from planner.sim.build import STREAM_ITERATIONS
     from planner.files.schedule import grid, make_schedule
@@ -39,14 +41,17 @@ def main(args) -> int:
 
     plan = load_plan(args.plan)
     topology = plan_topology(plan, args.plan, args.topology, "hetplan simulate")
-    result = simulate_plan_file(plan, args.plan, topology, trace=bool(args.trace))
+    pred = predict_plan_file(plan, args.plan, topology, trace=bool(args.trace))
+    result = pred.result
     if args.trace:
         write_chrome_trace(result, args.trace)
         print(f"hetplan simulate: wrote trace {args.trace}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**result.to_json(), "engine": result.engine}))   # planner.sim.engines
+        print(json.dumps({**result.to_json(), "iteration_s_interval": list(pred.interval),
+                          "interval_probability": pred.probability, "interval_basis": pred.basis,
+                          "engine": result.engine}))   # planner.sim.engines
         return 0
-    print(_summary(result, topology))
+    print(_summary(pred, topology))
     if args.grid:
         stream = STREAM_ITERATIONS if plan.sync.mode in PIPEDREAM_MODES else 1   # no flush between iterations
         for r, rep in enumerate(plan.replicas):

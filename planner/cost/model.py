@@ -22,6 +22,7 @@ of compute and communication on the same device (a transfer does not slow the co
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -140,6 +141,18 @@ class CostModel:
         self._records: dict[str, str] = {}     # RooflineCost._twin
         tied = {l for t in graph.tied for l in t.layers}
         self._wshare = [weight_grad_share(l, l.index in tied) for l in graph.layers]
+        self._scale: dict[str, float] = {}     # drawn: each device's layer times multiplied by
+        self._collective = 1.0                 # drawn: calibrated all-reduces multiplied by
+
+    def drawn(self, topology: Topology, compute: dict[str, float], collective: float = 1.0) -> "CostModel":
+        """A copy pricing on `topology` with each device's layer times (forward, backward, a split
+        backward's passes) multiplied by compute[device] (1 where absent) and the calibrated
+        all-reduces by `collective`: one draw of the measured inputs (planner.sim.interval)."""
+        out = copy.copy(self)
+        out.topology, out._scale, out._collective = topology, dict(compute), collective
+        out._prefix, out._layer, out._opt, out._device_opt_fit = {}, {}, {}, {}
+        out._split, out._twins, out._records = {}, {}, {}
+        return out
 
     def layer_times(self, device: Device, batch: float) -> tuple[list[float], list[float]]:
         raise NotImplementedError
@@ -176,6 +189,9 @@ class CostModel:
         dev = self.topology.device(device)
         fwd, bwd = self.layer_times(dev, batch)
         call = self.backward_call_s(dev, batch)
+        k = self._scale.get(device, 1.0)
+        if k != 1.0:
+            fwd, bwd, call = [f * k for f in fwd], [b * k for b in bwd], call * k
         pf, pb, pn = [0.0], [0.0], [0]
         for i, (f, b) in enumerate(zip(fwd, bwd)):
             calls = (b > 0) + (b > 0 and i == len(bwd) - 1)
@@ -189,9 +205,10 @@ class CostModel:
         twin = self._twin(device)
         if twin is None:
             return make(device, batch)
-        out = self._twins.get((table, twin, batch))
+        key = (table, twin, self._scale.get(device, 1.0), batch)
+        out = self._twins.get(key)
         if out is None:
-            out = self._twins[(table, twin, batch)] = make(device, batch)
+            out = self._twins[key] = make(device, batch)
         return out
 
     def _twin(self, device: str):
@@ -242,6 +259,9 @@ class CostModel:
 
     def _make_split(self, device: str, batch: float) -> tuple[list[float], list[float]]:
         measured = self.split_times(self.topology.device(device), batch)
+        k = self._scale.get(device, 1.0)
+        if measured is not None and k != 1.0:
+            measured = ([t * k for t in measured[0]], [t * k for t in measured[1]])
         if measured is None:
             self._tables(device, batch)
             bwd = self._layer[(device, batch)][1]
@@ -395,7 +415,7 @@ class CostModel:
             if all(kind == "cpu" for _, kind, _ in parsed) and len({n for n, _, _ in parsed}) == 1:
                 t = c.allreduce_s(len(devices), n_bytes, queued)
                 if t is not None:
-                    return t
+                    return t * self._collective
         return self.topology.allreduce_s(devices, n_bytes)
 
     def _cpu_calibration(self, device: str):

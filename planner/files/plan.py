@@ -6,6 +6,7 @@ devices; each stage holds a half-open layer range [start, end). See ../shared/CO
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -147,6 +148,9 @@ class Predicted:
     iteration_s: float
     peak_memory_bytes: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # baselines, per-device busy, ...
+    # [lo, hi] expected to hold the measured median with interval_probability (planner.sim.interval)
+    iteration_s_interval: tuple[float, float] | None = None
+    interval_probability: float | None = None
 
 
 @dataclass(frozen=True)
@@ -517,9 +521,19 @@ def _read_predicted(p: Reader) -> Predicted:
         t.get("target_loss", float)
         for key in ("iterations", "time_s"):
             t.get(key, float, check=lambda v: v >= 0, expected="a non-negative number")
+    interval, probability = None, None
+    if p.has("iteration_s_interval") or p.has("interval_probability"):
+        bounds = p.get("iteration_s_interval", list)
+        if not (len(bounds) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in bounds)
+                and 0 < bounds[0] <= bounds[1] < math.inf):
+            raise p.error("iteration_s_interval", f"expected [lo, hi] with 0 < lo <= hi, finite, got {str(bounds)[:60]}")
+        interval = (float(bounds[0]), float(bounds[1]))
+        probability = p.get("interval_probability", float, check=lambda v: 0 < v < 1,
+                            expected="a probability between 0 and 1")
+    own = ("iteration_s", "peak_memory_bytes", "iteration_s_interval", "interval_probability")
     return Predicted(iteration_s=p.get("iteration_s", float, check=lambda v: v > 0, expected="a positive number"),
-                     peak_memory_bytes=memory,
-                     extra={k: v for k, v in p.data.items() if k not in ("iteration_s", "peak_memory_bytes")})
+                     peak_memory_bytes=memory, extra={k: v for k, v in p.data.items() if k not in own},
+                     iteration_s_interval=interval, interval_probability=probability)
 
 
 def _read_split(s: Reader) -> tuple[Share, ...]:
@@ -575,9 +589,12 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out["recompute"] = plan.recompute
     out["precision"] = plan.precision
     if plan.predicted is not None:
-        out["predicted"] = {"iteration_s": plan.predicted.iteration_s,
-                            "peak_memory_bytes": dict(plan.predicted.peak_memory_bytes),
-                            **plan.predicted.extra}
+        pr = plan.predicted
+        out["predicted"] = {"iteration_s": pr.iteration_s,
+                            **({"iteration_s_interval": list(pr.iteration_s_interval),
+                                "interval_probability": pr.interval_probability}
+                               if pr.iteration_s_interval is not None else {}),
+                            "peak_memory_bytes": dict(pr.peak_memory_bytes), **pr.extra}
     return out
 
 

@@ -66,16 +66,25 @@ class Comparison:
     prediction_source: str             # "plan" (predicted.iteration_s) or "simulator"
     plan_matches: bool                 # measured.plan_sha256 == sha256 of the plan file
     per_device: tuple[DeviceComparison, ...]
+    interval: tuple[float, float] | None = None   # the prediction's (the plan's recorded one, or drawn)
+    interval_probability: float | None = None
 
     @property
     def error_pct(self) -> float | None:
         return error_pct(self.predicted_s, self.measured_s)
+
+    @property
+    def inside(self) -> bool | None:
+        """Whether the measured median lies in the interval (None without one)."""
+        return None if self.interval is None else self.interval[0] <= self.measured_s <= self.interval[1]
 
     def to_json(self) -> dict[str, Any]:
         return {"predicted_s": self.predicted_s, "measured_s": self.measured_s,
                 "error_pct": self.error_pct, "simulated_s": self.simulated_s,
                 "simulated_error_pct": error_pct(self.simulated_s, self.measured_s),
                 "prediction_source": self.prediction_source, "plan_matches": self.plan_matches,
+                "iteration_s_interval": list(self.interval) if self.interval else None,
+                "interval_probability": self.interval_probability, "inside_interval": self.inside,
                 "per_device": {d.device: d.to_json() for d in self.per_device}}
 
 
@@ -89,11 +98,13 @@ def measured_phases(events: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def compare(predicted_iteration_s: float | None, simulated: dict[str, Any], measured,
-            plan_matches: bool) -> Comparison:
+            plan_matches: bool, interval: tuple[float, float] | None = None,
+            interval_probability: float | None = None) -> Comparison:
     """Build the comparison.
 
     predicted_iteration_s: the plan's `predicted.iteration_s` or None; simulated: a
-    SimResult.to_json() dict; measured: a planner.files.measured.Measured. Devices are those of the
+    SimResult.to_json() dict; measured: a planner.files.measured.Measured; interval: the
+    prediction's, with its probability. Devices are those of the
     simulation in its order, then any only the measurement has."""
     sim_dev = simulated["per_device"]
     devices = list(sim_dev) + [d for d in measured.per_device if d not in sim_dev]
@@ -112,7 +123,8 @@ def compare(predicted_iteration_s: float | None, simulated: dict[str, Any], meas
     source = "plan" if predicted_iteration_s is not None else "simulator"
     pred = float(predicted_iteration_s) if predicted_iteration_s is not None else sim_s
     return Comparison(predicted_s=pred, measured_s=measured.iteration_s, simulated_s=sim_s,
-                      prediction_source=source, plan_matches=plan_matches, per_device=tuple(rows))
+                      prediction_source=source, plan_matches=plan_matches, per_device=tuple(rows),
+                      interval=interval, interval_probability=interval_probability)
 
 
 def _num(x: Any) -> float | None:

@@ -81,6 +81,7 @@ class Problem:
     # what `evaluate` makes once and keeps (compiled loops), made before chains are forked so
     # that each does not make its own
     before_fork: Callable[[], None] | None = None
+    simulator: Any = None                           # what `evaluate` simulates with (planner.sim.interval draws it)
 
 
 @dataclass(frozen=True)

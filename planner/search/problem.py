@@ -75,7 +75,7 @@ def simulator_problem(simulator, space: Space) -> Problem:
             return math.inf
     from planner.sim.pipeline_pass import warm
     return Problem(space, evaluate, {d.name: d.memory_bytes for d in topology.devices}, shares, cut_s,
-                   cost, bound, twin_keys(simulator), warm)
+                   cost, bound, twin_keys(simulator), warm, simulator)
 
 
 def twin_keys(simulator) -> Callable[[Plan], tuple | None]:

@@ -8,17 +8,39 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from planner.files.io import InputError
 from planner.files.plan import Plan
 from planner.hardware.topology import Topology
+from planner.sim.interval import PROBABILITY, Draws, judge, spread_of
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's simulated iteration and the interval expected to hold its measured median."""
+    result: object                      # planner.sim.simulator.SimResult
+    interval: tuple[float, float]
+    probability: float
+    basis: str                          # the class whose residual error widened it
+
+    @property
+    def iteration_s(self) -> float:
+        return self.result.iteration_s
 
 
 def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, trace: bool = False):
-    """Validate `plan` against `topology` and its model's graph, and simulate one iteration.
+    """simulate one iteration of `plan` (`predict_plan_file`'s result)."""
+    return predict_plan_file(plan, plan_path, topology, trace, interval=False).result
+
+
+def predict_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, trace: bool = False,
+                      interval: bool = True) -> Prediction:
+    """Validate `plan` against `topology` and its model's graph, simulate one iteration and,
+    with `interval`, draw its interval (planner.sim.interval).
 
     The graph is captured at the largest microbatch of the plan (activation quantities scale
-    linearly with the batch from there), in the plan's precision. Returns
-    planner.sim.simulator.SimResult."""
+    linearly with the batch from there), in the plan's precision."""
     from planner.workload.capture import capture_graph
     from planner.files.plan import validate_plan
     from planner.cost.timing import cost_model
@@ -33,10 +55,15 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     graph = capture_graph(workload, batch, plan.precision)
     validate_plan(plan, str(plan_path), graph.num_layers, names)
     cost = cost_model(graph, topology, workload, plan.global_batch)
+    sim = Simulator(graph, topology, cost)
     try:
-        return Simulator(graph, topology, cost).simulate(plan, trace=trace)
+        result = sim.simulate(plan, trace=trace)
     except (ValueError, KeyError) as e:
         raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
+    if not interval:
+        return Prediction(result, (result.iteration_s, result.iteration_s), PROBABILITY, "")
+    j = judge(Draws(sim, spread_of(topology)), "plan", plan, measured_here(topology))
+    return Prediction(result, j.interval(), PROBABILITY, j.residual.basis)
 
 
-__all__ = ["simulate_plan_file"]
+__all__ = ["Prediction", "simulate_plan_file", "predict_plan_file"]
