@@ -40,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 from benchmarks.plan_sets import plans_for, size_classes, workloads_for  # noqa: E402
 from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa: E402
                                 check_results_file, results_target, save_section)
@@ -48,7 +49,9 @@ from planner.files.io import replace_atomically  # noqa: E402
 from planner.hardware.lookup import default_profile_path  # noqa: E402
 from runtime.host_load import ForeignCPU, busy_fraction  # noqa: E402
 
-TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8}
+TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8,
+           # the 90 % intervals: the share of measured medians inside, and their median width
+           "coverage_pct": (80.0, 98.0), "width_pct": 20.0}
 # A plan's warm-up and measured iterations last at least this long (at its predicted iteration
 # time): a 2 ms two-worker plan still runs 3-7 ms iterations at its 3rd-8th iteration, so the
 # median of iterations 3-11 read its steady state 0-75 % too slow (docs/tuning.md, "Small data
@@ -85,9 +88,14 @@ def ensure_topology(path: Path, cpu_workers: int, again: bool = False, wait: boo
 
 
 def predict(plan_path: Path, topology) -> float:
+    return prediction(plan_path, topology).iteration_s
+
+
+def prediction(plan_path: Path, topology):
+    """What `hetplan simulate` predicts: planner.sim.predict.Prediction (time and interval)."""
     from planner.files.plan import load_plan
-    from planner.sim.predict import simulate_plan_file
-    return simulate_plan_file(load_plan(plan_path), plan_path, topology).iteration_s
+    from planner.sim.predict import predict_plan_file
+    return predict_plan_file(load_plan(plan_path), plan_path, topology)
 
 
 def _run_once(plan_path: Path, topology_path: Path, iters: int, warmup: int, out: Path) -> tuple[dict, float]:
@@ -143,10 +151,14 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 
 def summarise(rows: list[dict]) -> dict:
     errs = [abs(r["error_pct"]) for r in rows]
+    spans = [r for r in rows if "lo_s" in r]
     return {"plans": len(rows), "mape_pct": statistics.fmean(errs), "worst_pct": max(errs),
             "worst_plan": rows[errs.index(max(errs))]["plan"],
             "tau": kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
-            "mean_signed_pct": statistics.fmean(r["error_pct"] for r in rows)}
+            "mean_signed_pct": statistics.fmean(r["error_pct"] for r in rows),
+            **({"coverage_pct": 100.0 * statistics.fmean(r["lo_s"] <= r["measured_s"] <= r["hi_s"] for r in spans),
+                "width_pct": 100.0 * statistics.median((r["hi_s"] - r["lo_s"]) / r["predicted_s"] for r in spans)}
+               if spans else {})}
 
 
 def per_class(rows: list[dict]) -> dict[str, dict[str, dict]]:
@@ -167,9 +179,13 @@ def per_class(rows: list[dict]) -> dict[str, dict[str, dict]]:
 
 def missed_targets(summary: dict, targets: dict = TARGETS) -> list[str]:
     """The targets a summary misses: MAPE and worst error above their bounds, tau below."""
+    lo, hi = targets["coverage_pct"]
+    cover = summary.get("coverage_pct")
     return [k for k, bad in (("mape_pct", summary["mape_pct"] > targets["mape_pct"]),
                              ("worst_pct", summary["worst_pct"] > targets["worst_pct"]),
-                             ("tau", summary["tau"] < targets["tau"])) if bad]
+                             ("tau", summary["tau"] < targets["tau"]),
+                             ("coverage_pct", cover is not None and not lo <= cover <= hi),
+                             ("width_pct", summary.get("width_pct", 0.0) > targets["width_pct"])) if bad]
 
 
 def select_plans(topology, only: str | None) -> dict[str, dict]:
@@ -270,8 +286,10 @@ def _row(name: str, plan: dict, a, topology, topo_path: Path, tmp: Path, reused:
     write_json_atomic(path, plan)
     on_linux = Path("/proc/stat").exists()
     busy = wait_quiet() if on_linux and not (a.predict_only or a.reuse or a.quick) else 0.0
-    pred = predict(path, topology)   # may time layers (MeasuredCost): on a quiet machine
-    row = {"plan": name, "workload": name.split("/")[0], "predicted_s": pred}
+    got = prediction(path, topology)   # may time layers (MeasuredCost): on a quiet machine
+    pred = got.iteration_s
+    row = {"plan": name, "workload": name.split("/")[0], "predicted_s": pred,
+           "lo_s": got.interval[0], "hi_s": got.interval[1], "interval_basis": got.basis}
     if a.reuse:
         m_s = float(reused[name]["measured_s"])
         row.update(measured_s=m_s, error_pct=100.0 * (pred - m_s) / m_s,
@@ -310,11 +328,16 @@ def _print_table(rows: list[dict], summary: dict, csv_path: str) -> None:
         for value, s in classes.items():
             flag = "  (run-to-run spread > error)" if s["spread_exceeds_error"] else ""
             print(f"  {dim} {value}: {s['plans']} plans, MAPE {s['mape_pct']:.1f} %, worst "
-                  f"{s['worst_pct']:.1f} %, spread between runs {s['run_spread_pct']:.1f} %{flag}")
+                  f"{s['worst_pct']:.1f} %, spread between runs {s['run_spread_pct']:.1f} %, "
+                  f"90 % intervals hold {s.get('coverage_pct', float('nan')):.0f} %{flag}")
     print(f"MAPE {summary['mape_pct']:.1f} % (target <= {TARGETS['mape_pct']:g}), worst "
           f"{summary['worst_pct']:.1f} % ({summary['worst_plan']}; target <= "
           f"{TARGETS['worst_pct']:g}), Kendall tau {summary['tau']:.3f} (target >= "
           f"{TARGETS['tau']:g}), mean signed error {summary['mean_signed_pct']:+.1f} %")
+    lo, hi = TARGETS["coverage_pct"]
+    print(f"90 % intervals hold {summary.get('coverage_pct', float('nan')):.0f} % of the measured medians "
+          f"(target {lo:g}-{hi:g}), median width {summary.get('width_pct', float('nan')):.1f} % "
+          f"(target <= {TARGETS['width_pct']:g})")
     print(f"load average {summary['load_before']:.2f} before, {summary['load_after']:.2f} after; "
           f"wrote {csv_path}")
 

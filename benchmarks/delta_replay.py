@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 
 from search import cluster_64, synthetic_graph  # noqa: E402
 from planner.files.plan import ModelRef  # noqa: E402

@@ -27,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 from accuracy import (_write_csv, ensure_topology, kendall_tau, load_avg,  # noqa: E402
                       predict, run_plan, wait_quiet)
 from benchmarks.plan_sets import workloads_for  # noqa: E402

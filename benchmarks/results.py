@@ -133,16 +133,20 @@ def accuracy_payload(rows: list[dict], summary: dict, plans: dict[str, dict],
                  "measured_s": row["measured_s"], "error_pct": row["error_pct"],
                  "workload": row["workload"], "class": plan_class(plan)}
         entry.update({k: row[k] for k in ("spread_pct", "run_spread_pct", "foreign_cpu") if k in row})
+        if "lo_s" in row:
+            entry["iteration_s_interval"] = [row["lo_s"], row["hi_s"]]
         entry["size_classes"] = {k[len("class_"):]: v for k, v in row.items() if k.startswith("class_")}
         out.append(entry)
     classes = {dim: {value: {"plans": c["plans"], "mape_pct": c["mape_pct"], "worst_pct": c["worst_pct"],
                              "kendall_tau": _number_or_none(c["tau"]),
                              "run_spread_pct": c["run_spread_pct"],
-                             "spread_exceeds_error": c["spread_exceeds_error"]}
+                             "spread_exceeds_error": c["spread_exceeds_error"],
+                             **{k: c[k] for k in ("coverage_pct", "width_pct") if k in c}}
                      for value, c in by_value.items()}
                for dim, by_value in summary.get("per_class", {}).items()}
     return {"mape_pct": summary["mape_pct"], "worst_pct": summary["worst_pct"],
             "kendall_tau": _number_or_none(summary["tau"]), "plans": out, "classes": classes,
+            **{k: summary[k] for k in ("coverage_pct", "width_pct") if k in summary},
             "run": run or {}}
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 from planner.workload.load import load_workload  # noqa: E402
 from runtime.launch import launch  # noqa: E402
 from runtime.rendezvous import env_vars, free_port  # noqa: E402

@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 
 from planner.workload.graph import Layer, ModelGraph  # noqa: E402
 from planner.files.plan import ModelRef  # noqa: E402

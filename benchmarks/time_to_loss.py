@@ -27,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 from accuracy import _write_csv, ensure_topology, kendall_tau, load_avg  # noqa: E402
 
 WORKLOADS = {"mlp": ("benchmarks.learnable:mlp", 64), "gpt": ("benchmarks.learnable:gpt", 32)}

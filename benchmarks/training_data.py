@@ -22,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 
 
 class InMemory(torch.utils.data.Dataset):
