@@ -127,6 +127,9 @@ def main(argv=None) -> int:
                       f"{m['iteration_s'] * 1e3:8.2f} ms", file=sys.stderr)
             rows += res
             summary[w] = _judge(res)
+            choice = load_plan(chosen).predicted.extra.get("choice", {})
+            summary[w].update(kept=choice.get("kept"), confirmed=bool(choice.get("confirm")),
+                              probability_beats_best_baseline=choice.get("probability_beats_best_baseline"))
     _write_csv(Path(a.csv), rows)
     run = {"iters": a.iters, "warmup": a.warmup, "quick": a.quick}
     if results_path and not save_section("plan_quality", "plan_quality",
@@ -140,7 +143,8 @@ def main(argv=None) -> int:
         for w, s in summary.items():
             sp = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "n/a (no distinct baseline)"
             best_ms = f"{s['best_baseline_s'] * 1e3:.2f} ms" if s["best_baseline"] else "-"
-            print(f"{w}: chosen {s['chosen_s'] * 1e3:.2f} ms measured; best baseline "
+            print(f"{w}: chosen ({s.get('kept')}{', confirmed' if s.get('confirmed') else ''}) "
+                  f"{s['chosen_s'] * 1e3:.2f} ms measured; best baseline "
                   f"{s['best_baseline']} {best_ms}; measured speedup {sp}; rank tau {s['tau']:.2f}")
             for d in s["disagree"]:
                 print(f"  disagree: {d}")

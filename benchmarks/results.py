@@ -160,7 +160,8 @@ def plan_quality_payload(summary: dict[str, dict], rows: list[dict], run: dict |
                     "best_baseline_s": s["best_baseline_s"], "speedup": s["speedup"],
                     "chosen_predicted_s": next(r["predicted_s"] for r in mine if r["plan"] == "chosen"),
                     "baselines_s": {r["plan"]: r["measured_s"] for r in mine if r["plan"] != "chosen"},
-                    "kendall_tau": _number_or_none(s["tau"])})
+                    "kendall_tau": _number_or_none(s["tau"]),
+                    **{k: s[k] for k in ("kept", "confirmed", "probability_beats_best_baseline") if k in s}})
     return {"workloads": out, "run": run or {}}
 
 
