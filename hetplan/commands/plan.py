@@ -191,24 +191,26 @@ def _choose(args, problem, topology, result) -> _Choice:
     from planner.sim.interval import Draws, beat_probability, choose, judge, spread_of
     measured = measured_here(topology)
     draws = Draws(problem.simulator, spread_of(topology))
-    cands, seen = {}, {}
+    cands, by_key = {}, {}          # name -> candidate judged; plan key -> its judgement
     for c in [*(b for b in result.baselines if b.feasible), replace(result.best, name="search's best")]:
         key = plan_key(c.plan)
-        if key not in seen:
-            seen[key] = c.name
+        if key not in by_key:
+            by_key[key] = judge(draws, c.name, c.plan, measured)
             cands[c.name] = c
-    judged = {name: judge(draws, name, c.plan, measured) for name, c in cands.items()}
+    judged = {j.name: j for j in by_key.values()}
     kept = cands[choose(list(judged.values())).name]
     confirmed, note = _confirm(args, topology, measured, kept, cands, judged)
     if confirmed:
         from hetplan.confirm import fastest
         kept = cands[fastest(confirmed).name]
-    bases = [judged[b.name] for b in result.baselines if b.name in judged]
-    best_base = min(bases, key=lambda j: j.middle) if bases else None
     k = judged[kept.name]
     rows = {"chosen": (kept, k)}
-    rows.update({n: (c, judged.get(n)) for n, c in cands.items() if n != kept.name})
-    rows.update({b.name: (b, None) for b in result.baselines if b.name not in rows and b.name != kept.name})
+    for c in [*result.baselines, replace(result.best, name="search's best")]:
+        j = by_key.get(plan_key(c.plan)) if c.feasible else None
+        if c.name not in rows and (j is None or j.name != kept.name):
+            rows[c.name] = (c, j)
+    bases = [by_key[plan_key(b.plan)] for b in result.baselines if b.feasible]
+    best_base = min(bases, key=lambda j: j.middle) if bases else None
     beats = (None if best_base is None or best_base.name == kept.name else
              beat_probability(k.times, k.residual, best_base.times, best_base.residual))
     return _Choice(rows, kept, beats, best_base.name if best_base else None, confirmed, note)
@@ -299,6 +301,8 @@ def _predicted(args, best, result, choice, objective, precisions, problem):
     from planner.files.plan import Predicted
     from planner.sim.interval import PROBABILITY
     judged = {n: j for n, (_, j) in choice.rows.items() if j is not None} if choice else {}
+    if choice:      # the baseline the plan is, under its own name too
+        judged.update({choice.kept.name: choice.rows["chosen"][1]})
     baselines = [{"name": c.name, "iteration_s": c.iteration_s, "feasible": c.feasible,
                   "peak_memory_bytes": c.peak_memory_bytes,
                   **({"iteration_s_interval": list(judged[c.name].interval())} if c.name in judged else {})}

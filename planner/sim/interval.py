@@ -30,19 +30,27 @@ _N = NormalDist()
 
 @dataclass(frozen=True)
 class Residual:
-    """The simulator's own error on one class of plans, e = log(predicted / measured):
-    its mean and standard deviation, and the class's name."""
+    """The simulator's own error on one class of plans, e = log(predicted / measured): its mean
+    and standard deviation, the class's name, and the standard deviation of the part of a plan's
+    e that another plan of the class does not share (`own`; = sd where errors are independent)."""
     mean: float
     sd: float
     basis: str
+    own: float | None = None
+
+    @property
+    def unshared(self) -> float:
+        return self.sd if self.own is None else self.own
 
 
 # CPU workers, by predicted iteration time (benchmarks/accuracy.py on the 2-core VM, 51 plans;
-# docs/tuning.md). Accelerators and what-if topologies have no accuracy run yet: wide, unbiased.
+# docs/tuning.md): two plans' errors independent. Accelerators and what-if topologies have no
+# accuracy run yet: a wide, unbiased interval; two plans' errors assumed to differ as much as
+# two CPU plans' of 20 ms and over do (the formulas' common error is shared by both).
 CPU_RESIDUALS = ((0.020, Residual(-0.069, 0.084, "cpu, under 20 ms")),
                  (math.inf, Residual(-0.014, 0.044, "cpu, 20 ms and over")))
-ACCELERATOR_RESIDUAL = Residual(0.0, 0.15, "with an accelerator (not yet measured)")
-ROOFLINE_RESIDUAL = Residual(0.0, 0.30, "what-if topology, priced by the roofline")
+ACCELERATOR_RESIDUAL = Residual(0.0, 0.15, "with an accelerator (not yet measured)", own=0.044)
+ROOFLINE_RESIDUAL = Residual(0.0, 0.30, "what-if topology, priced by the roofline", own=0.044)
 
 
 def residual(iteration_s: float, kinds: set[str], measured: bool) -> Residual:
@@ -167,8 +175,8 @@ def interval(times: list[float], res: Residual, probability: float = PROBABILITY
 
 def beat_probability(a: list[float], res_a: Residual, b: list[float], res_b: Residual) -> float:
     """P(plan a measures faster than plan b), a and b simulated on the same draws: per draw
-    P(log a - e_a < log b - e_b) with the two residuals independent, averaged."""
-    s = math.hypot(res_a.sd, res_b.sd)
+    P(log a - e_a < log b - e_b) with e_a - e_b of the residuals' unshared parts, averaged."""
+    s = math.hypot(res_a.unshared, res_b.unshared)
     out = []
     for ta, tb in zip(a, b):
         if math.isinf(ta) or math.isinf(tb):
