@@ -491,7 +491,10 @@ def test_cli_json_and_trace(tmp_path):
     out = _cli(p, "--topology", WORKSTATION, "--json", "--trace", tmp_path / "trace.json")
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
-    assert set(res) == {"iteration_s", "peak_memory_bytes", "feasible", "per_device", "engine"}
+    assert set(res) == {"iteration_s", "peak_memory_bytes", "feasible", "per_device", "engine",
+                        "iteration_s_interval", "interval_probability", "interval_basis"}
+    lo, hi = res["iteration_s_interval"]
+    assert lo < res["iteration_s"] < hi and res["interval_probability"] == 0.9
     assert res["engine"] in ("event-loop", "fixed-order", "compiled")   # traced: the whole graph
     assert set(res["per_device"]) == {"cpu:0", "cuda:0"} and res["feasible"] is True
     assert res["iteration_s"] > 0 and all(v["busy_s"] > 0 for v in res["per_device"].values())
