@@ -156,6 +156,9 @@ def summarise(rows: list[dict]) -> dict:
             "worst_plan": rows[errs.index(max(errs))]["plan"],
             "tau": kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
             "mean_signed_pct": statistics.fmean(r["error_pct"] for r in rows),
+            # e = log(predicted / measured): what planner.sim.interval.CPU_RESIDUALS holds per class
+            "log_error_mean": statistics.fmean(es := [math.log(r["predicted_s"] / r["measured_s"]) for r in rows]),
+            "log_error_sd": statistics.stdev(es) if len(es) > 1 else 0.0,
             **({"coverage_pct": 100.0 * statistics.fmean(r["lo_s"] <= r["measured_s"] <= r["hi_s"] for r in spans),
                 "width_pct": 100.0 * statistics.median((r["hi_s"] - r["lo_s"]) / r["predicted_s"] for r in spans)}
                if spans else {})}
@@ -329,7 +332,8 @@ def _print_table(rows: list[dict], summary: dict, csv_path: str) -> None:
             flag = "  (run-to-run spread > error)" if s["spread_exceeds_error"] else ""
             print(f"  {dim} {value}: {s['plans']} plans, MAPE {s['mape_pct']:.1f} %, worst "
                   f"{s['worst_pct']:.1f} %, spread between runs {s['run_spread_pct']:.1f} %, "
-                  f"90 % intervals hold {s.get('coverage_pct', float('nan')):.0f} %{flag}")
+                  f"90 % intervals hold {s.get('coverage_pct', float('nan')):.0f} %, log error "
+                  f"{s['log_error_mean']:+.3f} +- {s['log_error_sd']:.3f}{flag}")
     print(f"MAPE {summary['mape_pct']:.1f} % (target <= {TARGETS['mape_pct']:g}), worst "
           f"{summary['worst_pct']:.1f} % ({summary['worst_plan']}; target <= "
           f"{TARGETS['worst_pct']:g}), Kendall tau {summary['tau']:.3f} (target >= "

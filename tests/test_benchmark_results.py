@@ -208,3 +208,15 @@ def test_cpu_plan_set_on_cpu_workers_only():
     _check_valid(plans, layers, {"cpu:0", "cpu:1"})
     with pytest.raises(ValueError, match="two CPU workers"):
         plans_for(_topology(["cpu:0"]), layers)
+
+
+def test_accuracy_reports_the_intervals_coverage_and_width():
+    from benchmarks.accuracy import missed_targets, summarise
+    rows = [{"plan": f"w/{i}", "workload": "w", "predicted_s": 0.1, "measured_s": m, "error_pct": 100 * (0.1 - m) / m,
+             "lo_s": 0.095, "hi_s": 0.105} for i, m in enumerate([0.096, 0.1, 0.104, 0.11])]
+    s = summarise(rows)
+    assert s["coverage_pct"] == 75.0 and s["width_pct"] == pytest.approx(10.0)
+    assert "coverage_pct" in missed_targets(s)                         # 75 % is under 80 %
+    assert "coverage_pct" in missed_targets(summarise(rows[:3]))       # 100 %: wider than it need be
+    five = rows[:3] * 6 + rows[3:]                                       # 18 of 19 inside: 94.7 %
+    assert "coverage_pct" not in missed_targets(summarise(five))
