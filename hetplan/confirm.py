@@ -53,16 +53,18 @@ def estimate_s(predicted: list[float], rounds: int = ROUNDS) -> float:
 
 
 def confirm(candidates: list[tuple[str, object, float]], topology, rounds: int = ROUNDS,
-            log=lambda msg: print(f"hetplan plan: {msg}", file=sys.stderr)) -> list[Confirmed]:
+            log=lambda msg: print(f"hetplan plan: {msg}", file=sys.stderr)) -> tuple[list[Confirmed], float]:
     """Run each (name, plan, predicted seconds) `rounds` times, interleaved, on this machine
-    (whose profile `topology` is); their measured times, in the order given."""
+    (whose profile `topology` is); their measured times, in the order given, and the share of
+    the CPU other processes used meanwhile (runtime.host_load.ForeignCPU)."""
     from planner.files.plan import save_plan
+    from runtime.host_load import ForeignCPU
     from runtime.launch import launch, prestart, thread_shares
     from runtime.worker import RunConfig
 
     prestart()
     measured: dict[str, list[float]] = {name: [] for name, _, _ in candidates}
-    with tempfile.TemporaryDirectory(prefix="hetplan-confirm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hetplan-confirm-") as tmp, ForeignCPU() as foreign:
         paths = {}
         for i, (name, plan, _) in enumerate(candidates):
             paths[name] = Path(tmp, f"candidate{i}.json")
@@ -77,7 +79,7 @@ def confirm(candidates: list[tuple[str, object, float]], topology, rounds: int =
                 measured[name].append(got)
                 log(f"confirm round {r + 1}/{rounds}: {name}: {got * 1e3:.2f} ms "
                     f"(predicted {predicted_s * 1e3:.2f})")
-    return [Confirmed(name, p, tuple(measured[name])) for name, _, p in candidates]
+    return [Confirmed(name, p, tuple(measured[name])) for name, _, p in candidates], foreign.fraction()
 
 
 def fastest(confirmed: list[Confirmed]) -> Confirmed:

@@ -184,8 +184,9 @@ def test_confirm_keeps_the_measured_fastest_when_the_predicted_best_is_slow(tmp_
     base = replace(plan([(1.0, 1, [("cpu:0", 0, 3)])], 64), model=model,
                    topology=TopologyRef(topo.name, topo.sha256))
     slow = replace(base, replicas=(replace(base.replicas[0], microbatches=64),), recompute=True)
-    got = confirm([("predicted best", slow, 0.01), ("baseline", base, 0.02)], topo, rounds=1,
-                  log=lambda msg: None)
+    got, foreign = confirm([("predicted best", slow, 0.01), ("baseline", base, 0.02)], topo, rounds=1,
+                           log=lambda msg: None)
+    assert 0.0 <= foreign <= 1.0
     assert [c.name for c in got] == ["predicted best", "baseline"]
     assert got[0].median_s > got[1].median_s
     assert fastest(got).name == "baseline"

@@ -240,9 +240,13 @@ def _confirm(args, topology, measured, kept, cands, judged) -> tuple[list, str]:
     print(f"hetplan plan: confirming {len(picked)} candidates on this machine (about {need:.0f} s)", file=sys.stderr)
     from runtime.launch import RunError
     try:
-        return confirm(picked, topology), ""
+        confirmed, foreign = confirm(picked, topology)
     except RunError as e:
         return [], f"not confirmed: a candidate failed to run: {e}"
+    from runtime.host_load import BUSY_WARNING
+    busy = (f"other processes used {foreign:.0%} of the CPU while confirming: the runs measured "
+            f"that load" if foreign > BUSY_WARNING else "")
+    return confirmed, busy
 
 
 def _setup(args):
