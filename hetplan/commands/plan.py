@@ -231,11 +231,12 @@ def _confirm(args, topology, measured, kept, cands, judged) -> tuple[list, str]:
     need = estimate_s([p for _, _, p in picked])
     if args.confirm is None and need > DEFAULT_BUDGET_S:
         return [], f"not confirmed: running the candidates would take about {need:.0f} s (--confirm runs them)"
+    from planner.files.io import InputError
+    from runtime.launch import check_devices
     try:
-        from runtime.launch import check_devices
         for _, plan, _ in picked:
             check_devices(plan, args.output)
-    except Exception as e:   # noqa: BLE001 - a device this process cannot use: nothing to run on
+    except InputError as e:   # a device this machine lacks (a profile carried from a larger host)
         return [], f"not confirmed: {e}"
     print(f"hetplan plan: confirming {len(picked)} candidates on this machine (about {need:.0f} s)", file=sys.stderr)
     from runtime.launch import RunError
