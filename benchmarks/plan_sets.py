@@ -43,6 +43,23 @@ GPU_WORKLOADS = {
     "cnn": {"spec": "cnn", "args": {}, "batch": 4096, "cpu_share": 1 / 128, "cpu_stage": "last"},
 }
 
+# The same workloads sized for a CPU standing in for the GPU (HETPLAN_STANDIN_GPUS: gpu_session --smoke).
+STANDIN_GPU_WORKLOADS = {
+    "mlp": {"spec": "mlp", "args": {"hidden": 128, "depth": 4}, "batch": 128,
+            "cpu_share": 1 / 4, "cpu_stage": "last"},
+    "gpt": {"spec": "gpt", "args": {"layers": 2, "d_model": 64, "heads": 4, "vocab": 512,
+                                    "context": 32}, "batch": 8,
+            "cpu_share": 1 / 4, "cpu_stage": "first"},
+    "cnn": {"spec": "cnn", "args": {}, "batch": 64, "cpu_share": 1 / 4, "cpu_stage": "last"},
+}
+
+
+def gpu_workloads() -> dict[str, dict]:
+    """GPU_WORKLOADS, or STANDIN_GPU_WORKLOADS where the CPU stands in for the GPU."""
+    from planner.hardware.device import standin_gpus
+    return STANDIN_GPU_WORKLOADS if standin_gpus() else GPU_WORKLOADS
+
+
 # Top-level plan keys added to every GPU transformer plan (`gpu_transformer_plans`): transformers
 # are trained in bf16 on GPUs, so the GPU set's gpt plans are.
 GPU_TRANSFORMER_PLAN_FIELDS: dict = {"precision": "bf16"}
@@ -55,7 +72,7 @@ def has_gpu(topology) -> bool:
 def workloads_for(topology) -> dict[str, dict]:
     """The workloads sized for this topology's devices (those whose package is installed)."""
     if has_gpu(topology):
-        return GPU_WORKLOADS
+        return gpu_workloads()
     return {**CPU_WORKLOADS, **{w: s for w, s in SMALL_WORKLOADS.items() if _installed(s)}}
 
 
@@ -192,14 +209,14 @@ def gpu_plan_set(num_layers: dict[str, int], cpu: str, gpu: str) -> dict[str, di
         if w == "gpt":
             out.update(gpu_transformer_plans(L, cpu, gpu))
         else:
-            out.update(_gpu_workload_plans(w, GPU_WORKLOADS[w], L, cpu, gpu))
+            out.update(_gpu_workload_plans(w, gpu_workloads()[w], L, cpu, gpu))
     return out
 
 
 def gpu_transformer_plans(L: int, cpu: str, gpu: str,
                           fields: dict = GPU_TRANSFORMER_PLAN_FIELDS) -> dict[str, dict]:
     """The GPU set's gpt plans, each carrying the top-level plan keys `fields`."""
-    return _gpu_workload_plans("gpt", GPU_WORKLOADS["gpt"], L, cpu, gpu, **fields)
+    return _gpu_workload_plans("gpt", gpu_workloads()["gpt"], L, cpu, gpu, **fields)
 
 
 def _gpu_workload_plans(w: str, spec: dict, L: int, cpu: str, gpu: str, **fields) -> dict[str, dict]:

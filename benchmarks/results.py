@@ -24,7 +24,7 @@ from benchmarks.plan_sets import plan_class, plan_devices
 from planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SECTIONS = ("accuracy", "plan_quality")
+SECTIONS = ("accuracy", "plan_quality", "capped")
 
 
 def default_results_path() -> Path:
@@ -115,6 +115,19 @@ def validate_results(data, file: str) -> None:
         _validate_accuracy(r.sub("accuracy"))
     if r.has("plan_quality"):
         _validate_plan_quality(r.sub("plan_quality"))
+    if r.has("capped"):
+        _validate_capped(r.sub("capped"))
+
+
+def _validate_capped(r: Reader) -> None:
+    r.get("parameters", int, check=lambda v: v > 0, expected="a positive integer")
+    r.get("cap_bytes", int, check=lambda v: v > 0, expected="a positive integer")
+    for pr in r.readers("plans", allow_empty=True):
+        pr.get("name", str)
+        if pr.has("measured_s"):
+            pr.get("measured_s", float, check=lambda v: v > 0, expected="a positive number")
+    for k in ("speedup_over_zero_offload", "predicted_speedup"):
+        r.get(k, float, default=None)
 
 
 # --- the benchmarks' sections -------------------------------------------------------------------

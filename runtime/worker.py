@@ -55,7 +55,7 @@ def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
     import torch
     import torch.distributed as dist
 
-    from planner.hardware.device import torch_device
+    from planner.hardware.device import memory_cap, torch_device
     from planner.hardware.host_memory import keep_freed_memory
     from planner.files.io import file_sha256
     from planner.files.plan import load_plan
@@ -80,6 +80,8 @@ def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
     short_slices()                 # inherited by every thread it starts (runtime.gloo_threads)
     torch.set_num_threads(dict(local)[name])
     device.set_current()
+    if (cap := memory_cap()) is not None:
+        device.cap_memory(cap)     # a smaller card (benchmarks/capped.py)
     timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
     try:

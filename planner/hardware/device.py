@@ -5,7 +5,9 @@ events, synchronisation, backend choice) asks a `TorchDevice` instead of testing
 `device.type == "cuda"`, so every such path also runs with the CPU standing in for the GPU:
 with `HETPLAN_STANDIN_GPUS=N` in the environment, `cuda:0..N-1` are accelerators whose tensors
 live in host memory (torch.cpu's no-op streams and events; plain, unpinned host buffers; gloo
-instead of NCCL). Tests and CI use it; a user never needs it.
+instead of NCCL). Tests and CI use it; a user never needs it. With `HETPLAN_GPU_MEMORY_CAP=BYTES`,
+each worker's allocations on its GPU are capped there, standing for a smaller card
+(benchmarks/capped.py); on a stand-in there is nothing to cap.
 """
 from __future__ import annotations
 
@@ -16,6 +18,22 @@ from dataclasses import dataclass
 import torch
 
 STANDIN_ENV = "HETPLAN_STANDIN_GPUS"
+MEMORY_CAP_ENV = "HETPLAN_GPU_MEMORY_CAP"
+
+
+def memory_cap() -> int | None:
+    """The bytes each worker's GPU is capped to (MEMORY_CAP_ENV), None when not set."""
+    raw = os.environ.get(MEMORY_CAP_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) == 0:
+        raise ValueError(f"{MEMORY_CAP_ENV}: expected a positive number of bytes, got {raw!r}")
+    return int(raw)
+
+
+def cap_fraction(cap_bytes: int, total_bytes: int) -> float:
+    """The share of a device of `total_bytes` that leaves `cap_bytes` to allocate (at most 1)."""
+    return min(1.0, cap_bytes / total_bytes)
 
 
 def standin_gpus() -> int:
@@ -74,6 +92,15 @@ class TorchDevice:
     def set_current(self) -> None:
         if self.native:
             self.module.set_device(self.device)
+
+    def cap_memory(self, cap_bytes: int) -> float | None:
+        """Cap this process's allocations on the device to `cap_bytes` (a smaller card); the
+        share set, None on the host or a stand-in (nothing to cap)."""
+        if not self.native:
+            return None
+        share = cap_fraction(cap_bytes, self.module.get_device_properties(self.device).total_memory)
+        self.module.set_per_process_memory_fraction(share, self.device)
+        return share
 
     def synchronize(self) -> None:
         if self.native:
