@@ -28,3 +28,20 @@ def test_the_smoke_session_runs_every_phase_and_writes_its_files(tmp_path):
     names = [p["name"] for p in capped["plans"]]
     assert names == ["zero-offload", "chosen", "cotrain", "offload", "recompute", "cpu-stage"]
     assert all("measured_s" in p for p in capped["plans"]), capped["plans"]
+
+
+def test_the_memory_cap_is_read_and_applied_only_to_a_real_gpu(monkeypatch):
+    import pytest
+    from planner.hardware.device import MEMORY_CAP_ENV, STANDIN_ENV, cap_fraction, memory_cap, torch_device
+    monkeypatch.delenv(MEMORY_CAP_ENV, raising=False)
+    assert memory_cap() is None
+    monkeypatch.setenv(MEMORY_CAP_ENV, "20000000000")
+    assert memory_cap() == 20_000_000_000
+    assert cap_fraction(20 * 2**30, 140 * 2**30) == pytest.approx(1 / 7)
+    assert cap_fraction(200 * 2**30, 140 * 2**30) == 1.0          # a cap above the card: all of it
+    for bad in ("0", "-5", "20GB"):
+        monkeypatch.setenv(MEMORY_CAP_ENV, bad)
+        with pytest.raises(ValueError, match=MEMORY_CAP_ENV):
+            memory_cap()
+    monkeypatch.setenv(STANDIN_ENV, "1")
+    assert torch_device("cuda:0").cap_memory(2**30) is None       # a stand-in: nothing to cap
