@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
-from benchmarks.accuracy import prediction, run_plan, run_window  # noqa: E402
+from benchmarks.accuracy import prediction, run_window  # noqa: E402
 from benchmarks.plan_sets import make_plan  # noqa: E402
 from benchmarks.results import add_results_arguments, check_results_file, results_target, save_section  # noqa: E402
 
@@ -89,8 +89,12 @@ def hand_plans(model: dict, L: int, cpu: str, gpu: str) -> dict[str, dict]:
     }
 
 
-def measure(name: str, path: Path, topo, topo_path: Path, out: Path) -> dict:
-    """Predict and run one plan file; a run that fails is a row with its error."""
+def measure(name: str, path: Path, topo, out: Path) -> dict:
+    """Predict and run one plan file (through this process's launcher: runtime.launch); a run
+    that fails is a row with its error."""
+    from planner.files.plan import load_plan
+    from runtime.launch import launch, thread_shares
+    from runtime.worker import RunConfig
     t0 = time.perf_counter()
     row = {"name": name}
     try:
@@ -98,7 +102,10 @@ def measure(name: str, path: Path, topo, topo_path: Path, out: Path) -> dict:
         row.update(predicted_s=got.iteration_s, iteration_s_interval=list(got.interval),
                    feasible=bool(got.result.feasible))
         iters, warmup = run_window(got.iteration_s, 6, 2)
-        row["measured_s"] = run_plan(path, topo_path, iters, warmup, out, attempts=1)["iteration_s"]
+        plan = load_plan(path)
+        cfg = RunConfig(plan=str(path), iters=iters, warmup=warmup, out=str(out / "measured.json"),
+                        threads=thread_shares(plan, topo), quiet=True)
+        row["measured_s"] = launch(cfg, plan.devices)["iteration_s"]
     except Exception as e:   # noqa: BLE001 - an OOM or a refused plan is a finding, kept as a row
         row["error"] = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
     row["seconds"] = time.perf_counter() - t0
@@ -148,6 +155,8 @@ def main(argv=None) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    from runtime.launch import prestart
+    prestart()              # the workers' server starts while the model is counted
     model = SMOKE_MODEL if a.smoke else MODEL
     n = parameters(model)
     profile = load_topology(a.topology)
@@ -181,7 +190,7 @@ def main(argv=None) -> int:
         else:
             path = out / f"{name}.json"
             path.write_text(json.dumps({**plans[name], "topology": {"name": topo.name, "sha256": topo.sha256}}))
-        rows.append(measure(name, path, topo, topo_path, out))
+        rows.append(measure(name, path, topo, out))
         save()
     payload = {**record, **summary(rows, chosen)}
     if results_path and not save_section("capped", "capped", payload, results_path):

@@ -51,9 +51,9 @@ def phases(out: Path, work: Path, smoke: bool) -> list[Phase]:
             Phase("accuracy", 90, bench("accuracy") + common + [
                 "--quick", "--only", "mlp/gpu-single,mlp/gpu-cpu-opt,mlp/cpu-gpu-dp-coarse",
                 "--csv", str(out / "accuracy.csv"), "--cache-dir", str(work / "cache")]),
-            Phase("plan_quality", 120, bench("plan_quality") + common + [
+            Phase("plan_quality", 180, bench("plan_quality") + common + [
                 "--quick", "--only", "mlp", "--csv", str(out / "plan_quality.csv"), "--out", str(work / "pq")]),
-            Phase("capped", 120, bench("capped") + common + ["--smoke", "--out", str(work / "capped"),
+            Phase("capped", 180, bench("capped") + common + ["--smoke", "--out", str(work / "capped"),
                                                              "--time-limit", "10"],
                   ((str(work / "capped" / "capped.json"), "capped.json"),)),
         ]

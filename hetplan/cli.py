@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": "hetplan.commands.plan",
     "run": "hetplan.commands.run",
     "compare": "hetplan.commands.compare",
+    "explain": "hetplan.commands.explain",
     "demo": "hetplan.commands.demo",
 }
 

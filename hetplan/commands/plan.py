@@ -175,6 +175,7 @@ class _Choice:
     best_baseline: str | None = None
     confirmed: list = field(default_factory=list)   # hetplan.confirm.Confirmed
     note: str = ""
+    explained: list = field(default_factory=list)   # planner.sim.explain.summary_lines of the kept plan
 
     def to_json(self) -> dict:
         return {"kept": self.kept.name, "best_baseline": self.best_baseline,
@@ -213,7 +214,16 @@ def _choose(args, problem, topology, result) -> _Choice:
     best_base = min(bases, key=lambda j: j.middle) if bases else None
     beats = (None if best_base is None or best_base.name == kept.name else
              beat_probability(k.times, k.residual, best_base.times, best_base.residual))
-    return _Choice(rows, kept, beats, best_base.name if best_base else None, confirmed, note)
+    return _Choice(rows, kept, beats, best_base.name if best_base else None, confirmed, note,
+                   _explained(problem.simulator, kept.plan, topology))
+
+
+def _explained(simulator, plan, topology) -> list[str]:
+    """Three lines on where the plan's predicted iteration goes (`hetplan explain` says more)."""
+    from planner.sim.explain import critical_path, summary_lines
+    r = simulator.simulate(plan, trace=True)
+    headroom = {d: topology.device(d).memory_bytes - v["peak_memory_bytes"] for d, v in r.per_device.items()}
+    return summary_lines(critical_path(r.tasks, r.iteration_s), r.iteration_s, headroom)
 
 
 def _confirm(args, topology, measured, kept, cands, judged) -> tuple[list, str]:
@@ -396,6 +406,8 @@ def _report_choice(choice) -> None:
         print(f"  confirmed here: {c.name}: measured {c.median_s * 1e3:.3f} ms (predicted {c.predicted_s * 1e3:.3f})")
     if choice.note:
         print(f"  {choice.note}")
+    for line in choice.explained:
+        print(f"  {line}")
 
 
 def _optimizer_flags(args):
