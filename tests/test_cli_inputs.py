@@ -125,3 +125,72 @@ def test_user_code_that_fails_is_one_line(tmp_path, monkeypatch, source, spec, n
         w = load_workload(spec)
         w.make_batch(2, 0)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+STEP_FACTORY = (
+    "import torch\n"
+    "from planner.workload import Workload\n"
+    "def f():\n"
+    "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+    "    def make_batch(b, seed):\n"
+    "        g = torch.Generator().manual_seed(seed)\n"
+    "        n = ROWS\n"
+    "        return torch.randn(n, WIDTH, generator=g), torch.randint(0, 2, (n,), generator=g)\n"
+    "    return Workload(model, make_batch, LOSS)\n")
+
+
+def step_factory(rows="b", width="4", loss="torch.nn.functional.cross_entropy"):
+    return STEP_FACTORY.replace("ROWS", rows).replace("WIDTH", width).replace("LOSS", loss)
+
+
+@pytest.mark.parametrize("source,needle", [
+    (step_factory(width="5"), "M:f's forward failed on make_batch(2, 0)'s inputs: RuntimeError: mat1 and mat2"),
+    (step_factory(rows="3"), "M:f's make_batch(2, 0) returned inputs of shape (3, 4); expected every tensor "
+                             "to lead with the batch size 2"),
+    (step_factory(rows="8"), "M:f's make_batch(2, 0) returned inputs of shape (8, 4)"),  # the capture's batch
+    (step_factory(rows="2"), "M:f's make_batch(3, 0) returned inputs of shape (2, 4)"),  # the checked one
+    (step_factory(loss="lambda o, t: None"), "M:f's loss_fn returned NoneType; expected a floating-point scalar"),
+    (step_factory(loss="lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction='none')"),
+     "M:f's loss_fn returned a tensor of shape (2,)"),
+    (step_factory(loss="lambda o, t: torch.nn.functional.cross_entropy(o, t) * float('nan')"),
+     "M:f's loss_fn returned nan on make_batch(2, 0); expected a finite scalar"),
+    (step_factory(loss="lambda o, t: torch.tensor(1.0)"), "does not depend on the model's parameters"),
+    (step_factory(loss="lambda o, t: 1 / 0"), "M:f's loss_fn failed on the forward's output: ZeroDivisionError"),
+])
+@pytest.mark.parametrize("weights", [True, False])
+def test_one_training_step_is_checked(tmp_path, monkeypatch, source, needle, weights):
+    """check_step refuses a model that cannot train one step, in fake tensors (no weights: the
+    model as plan builds it for a what-if topology) and on values. Broken by: a forward or loss
+    called unguarded (a traceback), a batch size not checked on every tensor, or no real step
+    for a small model (the NaN loss passes)."""
+    from planner.workload.load import load_workload
+    from planner.workload.step_check import check_step
+    name = f"stepmod_{abs(hash(source)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    w = load_workload(f"{name}:f", weights=weights)
+    with pytest.raises(InputError) as e:
+        check_step(w, 8, "--model", f"{name}:f")
+    assert needle.replace("M", name) in str(e.value) and "\n" not in str(e.value), str(e.value)
+    check_step(load_workload("mlp", {"hidden": 16, "depth": 1}, weights=weights), 8)   # a good one passes
+
+
+def test_plan_simulate_and_run_check_the_step(tmp_path):
+    """A loss returning None: `plan` exits 2 before writing, `simulate` of a plan naming it exits 2,
+    and `run` of that plan exits 2 with the worker's one line (not 'worker failed', exit 1). Broken
+    by: plan_problem, simulate_plan_file or runtime.stage.check_model not calling check_step, or the
+    launcher losing a worker's InputError."""
+    (tmp_path / "lossmod.py").write_text(step_factory(loss="lambda o, t: None"))
+    out = tmp_path / "plan.json"
+    one_error_line(_hetplan("plan", "--model", "lossmod:f", "--batch", "8", "--topology", WORKSTATION,
+                            "--iterations", "5", "-o", out, cwd=tmp_path), "--model: lossmod:f's loss_fn returned NoneType")
+    assert not out.exists()
+    plan = {"schema": "hetplan.plan/1", "model": {"spec": "lossmod:f"}, "global_batch": 4,
+            "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:0", "layers": [0, 3]}]}]}
+    out.write_text(json.dumps(plan))
+    one_error_line(_hetplan("simulate", out, "--topology", WORKSTATION, cwd=tmp_path),
+                   f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
+    measured = tmp_path / "m.json"
+    r = _hetplan("run", out, "--iters", "2", "-o", measured, cwd=tmp_path)
+    one_error_line(r, f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
+    assert "worker failed" not in r.stderr and not measured.exists()
