@@ -194,3 +194,20 @@ def test_plan_simulate_and_run_check_the_step(tmp_path):
     r = _hetplan("run", out, "--iters", "2", "-o", measured, cwd=tmp_path)
     one_error_line(r, f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
     assert "worker failed" not in r.stderr and not measured.exists()
+
+
+def test_plan_at_the_largest_batch_stops_at_its_time_limit(tmp_path):
+    """`plan --batch 1048576 --time-limit 2` on a tiny model: the search ends within a second or
+    two of its limit, and --batch 10**9 is refused at once. Broken by: anything the search
+    enumerates up to the batch (microbatch counts were: 25 s of a 2 s limit)."""
+    import re
+    import time
+    out = tmp_path / "p.json"
+    t0 = time.monotonic()
+    r = _hetplan("plan", "--model", "mlp", "--model-arg", "hidden=16", "--model-arg", "depth=1", "--batch", 2**20,
+                 "--time-limit", "2", "--topology", ROOT / "profiles" / "examples" / "dgx-8gpu.json", "-o", out)
+    assert r.returncode == 0 and out.exists(), r.stderr
+    searched = float(re.search(r"simulations in ([0-9.]+) s", r.stdout).group(1))
+    assert searched < 4.0 and time.monotonic() - t0 < 90, (searched, r.stdout)
+    one_error_line(_hetplan("plan", "--model", "mlp", "--batch", 10**9, "--time-limit", "2", "--topology",
+                            WORKSTATION, "-o", tmp_path / "q.json"), "--batch", "expected an integer in [1, 1048576]")
