@@ -211,3 +211,17 @@ def test_plan_at_the_largest_batch_stops_at_its_time_limit(tmp_path):
     assert searched < 4.0 and time.monotonic() - t0 < 90, (searched, r.stdout)
     one_error_line(_hetplan("plan", "--model", "mlp", "--batch", 10**9, "--time-limit", "2", "--topology",
                             WORKSTATION, "-o", tmp_path / "q.json"), "--batch", "expected an integer in [1, 1048576]")
+
+
+def test_run_refuses_plan_devices_the_topology_lacks(tmp_path):
+    """`run --topology T` of a plan on cpu:7, which T does not have: exit 2 naming the stage's
+    device, before any worker starts (no measured file), as `simulate` refuses it. Broken by: run
+    reading T for thread shares only (it ran the plan, exit 0)."""
+    plan = {"model": {"spec": "mlp", "args": {"hidden": 16, "depth": 1}}, "global_batch": 4,
+            "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:7", "layers": [0, 3]}]}]}
+    path, measured = tmp_path / "p.json", tmp_path / "m.json"
+    path.write_text(json.dumps(plan))
+    for command in (["simulate", path], ["run", path, "--iters", "2", "-o", measured]):
+        one_error_line(_hetplan(*command, "--topology", WORKSTATION), f"{path}: replicas[0].stages[0].device",
+                       "expected a device of the topology (cpu:0, cuda:0), got 'cpu:7'")
+    assert not measured.exists()

@@ -80,7 +80,7 @@ def main(args) -> int:
 
 def _run(args) -> int:
     from planner.files.io import InputError, write_json_atomic
-    from planner.files.plan import load_plan
+    from planner.files.plan import load_plan, validate_plan
     from planner.hardware.lookup import local_topology
     from runtime.launch import RunError, check_devices, launch, prestart, thread_shares
     from runtime.startup import Marks, format_lines, process_start_time
@@ -105,6 +105,8 @@ def _run(args) -> int:
     prestart()          # the workers' imports overlap the rest; the model is checked by them
     # (runtime.stage.check_model: a bad model or layer range there is exit 2 as well)
     topology = local_topology(plan, args.topology)
+    if topology is not None:    # the plan's devices must be the topology's, as `simulate` asks
+        validate_plan(plan, args.plan, None, {d.name for d in topology.devices})
     marks.mark("checked")
     out = args.output or default_output(args.plan)
     extra = {"topology": topology.name if topology is not None else None}
