@@ -225,3 +225,45 @@ def test_run_refuses_plan_devices_the_topology_lacks(tmp_path):
         one_error_line(_hetplan(*command, "--topology", WORKSTATION), f"{path}: replicas[0].stages[0].device",
                        "expected a device of the topology (cpu:0, cuda:0), got 'cpu:7'")
     assert not measured.exists()
+
+
+def _topology(tmp_path, name, devices, links, memory_bytes=4e9):
+    gpu = {"kind": "cuda", "memory_bytes": memory_bytes, "matmul_flops_per_s": 2.9e12,
+           "memory_bytes_per_s": 1.28e11, "op_overhead_s": 1e-5}
+    t = {"schema": "hetplan.topology/1", "name": name, "devices": [dict(gpu, name=d) for d in devices],
+         "links": [{"a": a, "b": b, "bandwidth_bytes_per_s": 1.2e10, "latency_s": 1e-5} for a, b in links]}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(t))
+    return path
+
+
+def test_a_device_without_links_is_planned_around(tmp_path):
+    """cuda:2 has no link: the baselines that need it are infeasible (null in the file, never
+    chosen), the plan uses the linked devices; with every baseline infeasible (each GPU too small
+    for the model, cuda:2 unreachable) the search's plan over cuda:0 and cuda:1 is still
+    written; with nothing feasible at all, one line, exit 2. Broken by: an infinite baseline
+    time reaching the file ("a value is NaN or infinite", nothing written)."""
+    base = ["plan", "--model", "mlp", "--batch", "64", "--iterations", "300"]
+    linked = _topology(tmp_path, "linked", ["cuda:0", "cuda:1", "cuda:2"], [("cuda:0", "cuda:1")])
+    out = tmp_path / "p.json"
+    r = _hetplan(*base, "--topology", linked, "-o", out)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert "cuda:2" not in json.dumps(plan["replicas"])
+    baselines = {b["name"]: b for b in plan["predicted"]["baselines"]}
+    assert baselines["data parallel, equal shares"] == {"name": "data parallel, equal shares", "iteration_s": None,
+                                                         "feasible": False, "peak_memory_bytes": {}}
+    assert baselines["fastest single device (cuda:0)"]["feasible"]
+    # the mlp at batch 64 peaks at 66 MB on one GPU, 31 + 35 MB as a pipeline of two: 45 MB fits only that
+    small = _topology(tmp_path, "small", ["cuda:0", "cuda:1", "cuda:2"], [("cuda:0", "cuda:1")], memory_bytes=45e6)
+    out.unlink()
+    r = _hetplan(*base, "--topology", small, "-o", out)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert not any(b["feasible"] for b in plan["predicted"]["baselines"])
+    used = json.dumps(plan["replicas"])
+    assert "cuda:0" in used and "cuda:1" in used and "cuda:2" not in used    # a pipeline or a tensor split
+    out.unlink()
+    alone = _topology(tmp_path, "alone", ["cuda:0", "cuda:1"], [], memory_bytes=45e6)
+    one_error_line(_hetplan(*base, "--topology", alone, "-o", out), f"{alone}: devices: ")
+    assert not out.exists()
