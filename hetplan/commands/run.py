@@ -176,10 +176,12 @@ def train_config(args, plan, given=None):
     from runtime import lr_schedule
     from runtime.train import TrainConfig
     if args.steps is None and args.epochs is None:
-        for flag, given in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir),
-                            ("--checkpoint-every", args.checkpoint_every), ("--eval-every", args.eval_every),
-                            ("--metrics", args.metrics), ("--tensorboard", args.tensorboard)):
-            if given:
+        defaults = {"resume": False, "checkpoint_dir": None, "checkpoint_every": None, "eval_every": None,
+                    "metrics": None, "tensorboard": None, "log_every": 10, "seed": 0, "lr_schedule": "constant",
+                    "lr_schedule_arg": None, "warmup_steps": 0, "min_lr_ratio": 0.0}
+        for name, default in defaults.items():     # a training flag given (not its default) is refused
+            if getattr(args, name, default) != default:
+                flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag}: applies to training; expected --steps or --epochs with it")
         return None
     if args.steps is not None and args.epochs is not None:
