@@ -1,7 +1,8 @@
 """The project's fuzz test of its readers: seeded random mutations of valid plan, topology and
 measured files (keys deleted or renamed, values of the wrong type, huge or non-finite numbers,
 bad bytes) must load or raise InputError with one line naming the file, never another exception.
-A handful go through the CLI as well: exit 2, one line, no traceback, nothing written."""
+A handful go through the CLI as well: exit 2, one line, no traceback, nothing written. And every
+command's flags, given ill-typed or extreme values (test_fuzz_cli_flags): the same promise."""
 import json
 import os
 import random
