@@ -179,7 +179,7 @@ def test_plan_simulate_and_run_check_the_step(tmp_path):
     """A loss returning None: `plan` exits 2 before writing, `simulate` of a plan naming it exits 2,
     and `run` of that plan exits 2 with the worker's one line (not 'worker failed', exit 1). Broken
     by: plan_problem, simulate_plan_file or runtime.stage.check_model not calling check_step, or the
-    launcher losing a worker's InputError."""
+    launcher (or a torchrun worker, exit 1) losing a worker's InputError."""
     (tmp_path / "lossmod.py").write_text(step_factory(loss="lambda o, t: None"))
     out = tmp_path / "plan.json"
     one_error_line(_hetplan("plan", "--model", "lossmod:f", "--batch", "8", "--topology", WORKSTATION,
@@ -194,6 +194,12 @@ def test_plan_simulate_and_run_check_the_step(tmp_path):
     r = _hetplan("run", out, "--iters", "2", "-o", measured, cwd=tmp_path)
     one_error_line(r, f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
     assert "worker failed" not in r.stderr and not measured.exists()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")    # one rank as torchrun starts it
+    r = subprocess.run([sys.executable, "-m", "runtime.worker", str(out), "-o", str(measured), "--iters", "2"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    one_error_line(r, f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
+    assert not measured.exists()
 
 
 def test_plan_at_the_largest_batch_stops_at_its_time_limit(tmp_path):

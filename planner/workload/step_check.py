@@ -53,11 +53,6 @@ def _check_batch_size(batch, n: int, label: str, spec: str) -> None:
                                  f"{tuple(t.shape)}; expected every tensor to lead with the batch size {n}")
 
 
-def _why(e: BaseException) -> str:
-    from planner.workload.load import _why as why
-    return why(e)
-
-
 def _step(workload, b: int, fake: bool, label: str = "--model", spec: str = "the model") -> float | None:
     """Forward and loss at `b` samples: the step's FLOPs (fake), else None; InputError where the
     loss is not a floating-point scalar depending on the parameters (or, on values, not finite)."""
@@ -66,6 +61,7 @@ def _step(workload, b: int, fake: bool, label: str = "--model", spec: str = "the
 
     from planner.workload.capture import preserved
     from planner.workload.inputs import call_model
+    from planner.workload.load import error_line
     model = workload.model
     inputs, target = workload.make_batch(b, 0)
     counter = FlopCounterMode(display=False)
@@ -77,13 +73,13 @@ def _step(workload, b: int, fake: bool, label: str = "--model", spec: str = "the
         except Exception as e:  # noqa: BLE001 - the user's forward
             if fake:
                 raise
-            raise InputError(f"{label}: {spec}'s forward failed on make_batch({b}, 0)'s inputs: {_why(e)}") from None
+            raise InputError(f"{label}: {spec}'s forward failed on make_batch({b}, 0)'s inputs: {error_line(e)}") from None
         try:
             loss = workload.loss_fn(out, target)
         except Exception as e:  # noqa: BLE001 - the user's loss
             if fake:
                 raise
-            raise InputError(f"{label}: {spec}'s loss_fn failed on the forward's output: {_why(e)}") from None
+            raise InputError(f"{label}: {spec}'s loss_fn failed on the forward's output: {error_line(e)}") from None
         _check_loss(loss, model, label, spec)
         if not fake and not math.isfinite(loss.item()):
             raise InputError(f"{label}: {spec}'s loss_fn returned {loss.item()} on make_batch({b}, 0); "
