@@ -273,3 +273,14 @@ def test_a_device_without_links_is_planned_around(tmp_path):
     alone = _topology(tmp_path, "alone", ["cuda:0", "cuda:1"], [], memory_bytes=45e6)
     one_error_line(_hetplan(*base, "--topology", alone, "-o", out), f"{alone}: devices: ")
     assert not out.exists()
+
+
+def test_a_huge_horizon_is_refused_not_emulated(tmp_path):
+    """`--horizon 10**9` with --objective time-to-loss: exit 2 naming --horizon, nothing written.
+    Broken by: the emulation looping to the flag's number (hours)."""
+    out = tmp_path / "p.json"
+    one_error_line(_hetplan("plan", "--model", "mlp", "--model-arg", "hidden=16", "--model-arg", "depth=1",
+                            "--batch", "8", "--topology", WORKSTATION, "--iterations", "20", "--objective",
+                            "time-to-loss", "--target-loss", "1", "--horizon", 10**9, "-o", out),
+                   "--horizon: expected an integer from 16 to 10000 iterations, got 1000000000")
+    assert not out.exists()
