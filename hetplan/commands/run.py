@@ -103,7 +103,7 @@ def _run(args) -> int:
     training = train_config(args, plan)
     check_devices(plan, args.plan)
     prestart()          # the workers' imports overlap the rest; the model is checked by them
-    # (runtime.stage.check_model: a bad model or layer range there is exit 2 as well)
+    # (runtime.stage.check_model: a bad model, training step or layer range there is exit 2 as well)
     topology = local_topology(plan, args.topology)
     if topology is not None:    # the plan's devices must be the topology's, as `simulate` asks
         validate_plan(plan, args.plan, None, {d.name for d in topology.devices})
