@@ -209,20 +209,24 @@ def _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer) -> lis
     return [(r, next(x for x in r if x in first), bufs) for r, bufs in sorted(out.items())]
 
 
-def check_model(plan: Plan, file: str, given=None):
-    """(the plan's workload, built; its layer map): the model must load and have the layers the
-    plan's stages cover, else InputError naming `file` (the launcher turns it into exit 2). The
-    layer map comes from the layer-map cache (planner.workload.layer_cache); a miss costs one
-    export. `given`: the workload itself (hetplan.train), a Workload or a factory of one, instead
-    of the plan's model.spec."""
+def check_model(plan: Plan, file: str, given=None, step: bool = True):
+    """(the plan's workload, built; its layer map): the model must load, keep one training step's
+    contract (with `step`: planner.workload.step_check, one rank checks it for all) and have the
+    layers the plan's stages cover, else InputError naming `file` (the launcher turns it into
+    exit 2). The layer map comes from the layer-map cache (planner.workload.layer_cache); a miss
+    costs one export. `given`: the workload itself (hetplan.train), a Workload or a factory of
+    one, instead of the plan's model.spec."""
     from planner.files.plan import validate_plan
     from planner.workload.layer_cache import layer_map, plan_batch
     from planner.workload.load import load_plan_workload
+    from planner.workload.step_check import check_step
     if given is None:
         workload = load_plan_workload(plan.model, file)     # torch.manual_seed(0) inside
     else:
         from planner.workload.load import given_workload
         workload = given_workload(given, plan.model.spec, plan.model.args)
+    if step:
+        check_step(workload, plan.global_batch, f"{file}: model.spec", plan.model.spec)
     found = layer_map(workload, plan.model.spec, plan.model.args, plan_batch(plan))
     validate_plan(plan, file, num_layers=found.num_layers)
     return workload, found
@@ -250,7 +254,7 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
         return build_rank(plan, names, rank, device, timeout, marks, file, given)
     batch = plan.replica_batches()[rep_i]
     micro = batch // rep.microbatches
-    workload, found = check_model(plan, file, given)     # torch.manual_seed(0) inside
+    workload, found = check_model(plan, file, given, step=rank == 0)   # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
     from planner.workload.layer_cache import plan_batch

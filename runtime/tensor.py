@@ -178,7 +178,7 @@ def build_rank(plan: Plan, names: list[str], rank: int, device: TorchDevice, tim
     st_j = next(j for j, rs in enumerate(stage_ranks) if rank in rs)
     st = rep.stages[st_j]
     micro = plan.global_batch // rep.microbatches
-    workload, found = check_model(plan, file, given)     # torch.manual_seed(0) inside
+    workload, found = check_model(plan, file, given, step=rank == 0)   # torch.manual_seed(0) inside
     if marks is not None:
         marks.mark("model")
     tied = tied_layers(found.params)

@@ -311,7 +311,11 @@ def _cli(argv=None) -> int:
     try:
         run_worker(cfg)
     except Exception as e:
-        print(f"hetplan run: error: {report_error(cfg, e)}", file=sys.stderr)
+        line = report_error(cfg, e)
+        if is_input_error(e):     # bad input (the plan's model): its one line and exit 2, as `hetplan run`
+            print(f"hetplan run: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        print(f"hetplan run: error: {line}", file=sys.stderr)
         return 1
     return 0
 

@@ -125,3 +125,162 @@ def test_user_code_that_fails_is_one_line(tmp_path, monkeypatch, source, spec, n
         w = load_workload(spec)
         w.make_batch(2, 0)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+STEP_FACTORY = (
+    "import torch\n"
+    "from planner.workload import Workload\n"
+    "def f():\n"
+    "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+    "    def make_batch(b, seed):\n"
+    "        g = torch.Generator().manual_seed(seed)\n"
+    "        n = ROWS\n"
+    "        return torch.randn(n, WIDTH, generator=g), torch.randint(0, 2, (n,), generator=g)\n"
+    "    return Workload(model, make_batch, LOSS)\n")
+
+
+def step_factory(rows="b", width="4", loss="torch.nn.functional.cross_entropy"):
+    return STEP_FACTORY.replace("ROWS", rows).replace("WIDTH", width).replace("LOSS", loss)
+
+
+@pytest.mark.parametrize("source,needle", [
+    (step_factory(width="5"), "M:f's forward failed on make_batch(2, 0)'s inputs: RuntimeError: mat1 and mat2"),
+    (step_factory(rows="3"), "M:f's make_batch(2, 0) returned inputs of shape (3, 4); expected every tensor "
+                             "to lead with the batch size 2"),
+    (step_factory(rows="8"), "M:f's make_batch(2, 0) returned inputs of shape (8, 4)"),  # the capture's batch
+    (step_factory(rows="2"), "M:f's make_batch(3, 0) returned inputs of shape (2, 4)"),  # the checked one
+    (step_factory(loss="lambda o, t: None"), "M:f's loss_fn returned NoneType; expected a floating-point scalar"),
+    (step_factory(loss="lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction='none')"),
+     "M:f's loss_fn returned a tensor of shape (2,)"),
+    (step_factory(loss="lambda o, t: torch.nn.functional.cross_entropy(o, t) * float('nan')"),
+     "M:f's loss_fn returned nan on make_batch(2, 0); expected a finite scalar"),
+    (step_factory(loss="lambda o, t: torch.tensor(1.0)"), "does not depend on the model's parameters"),
+    (step_factory(loss="lambda o, t: 1 / 0"), "M:f's loss_fn failed on the forward's output: ZeroDivisionError"),
+])
+@pytest.mark.parametrize("weights", [True, False])
+def test_one_training_step_is_checked(tmp_path, monkeypatch, source, needle, weights):
+    """check_step refuses a model that cannot train one step, in fake tensors (no weights: the
+    model as plan builds it for a what-if topology) and on values. Broken by: a forward or loss
+    called unguarded (a traceback), a batch size not checked on every tensor, or no real step
+    for a small model (the NaN loss passes)."""
+    from planner.workload.load import load_workload
+    from planner.workload.step_check import check_step
+    name = f"stepmod_{abs(hash(source)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    w = load_workload(f"{name}:f", weights=weights)
+    with pytest.raises(InputError) as e:
+        check_step(w, 8, "--model", f"{name}:f")
+    assert needle.replace("M", name) in str(e.value) and "\n" not in str(e.value), str(e.value)
+    check_step(load_workload("mlp", {"hidden": 16, "depth": 1}, weights=weights), 8)   # a good one passes
+
+
+def test_plan_simulate_and_run_check_the_step(tmp_path):
+    """A loss returning None: `plan` exits 2 before writing, `simulate` of a plan naming it exits 2,
+    and `run` of that plan exits 2 with the worker's one line (not 'worker failed', exit 1). Broken
+    by: plan_problem, simulate_plan_file or runtime.stage.check_model not calling check_step, or the
+    launcher (or a torchrun worker, exit 1) losing a worker's InputError."""
+    (tmp_path / "lossmod.py").write_text(step_factory(loss="lambda o, t: None"))
+    out = tmp_path / "plan.json"
+    one_error_line(_hetplan("plan", "--model", "lossmod:f", "--batch", "8", "--topology", WORKSTATION,
+                            "--iterations", "5", "-o", out, cwd=tmp_path), "--model: lossmod:f's loss_fn returned NoneType")
+    assert not out.exists()
+    plan = {"schema": "hetplan.plan/1", "model": {"spec": "lossmod:f"}, "global_batch": 4,
+            "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:0", "layers": [0, 3]}]}]}
+    out.write_text(json.dumps(plan))
+    one_error_line(_hetplan("simulate", out, "--topology", WORKSTATION, cwd=tmp_path),
+                   f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
+    measured = tmp_path / "m.json"
+    r = _hetplan("run", out, "--iters", "2", "-o", measured, cwd=tmp_path)
+    one_error_line(r, f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
+    assert "worker failed" not in r.stderr and not measured.exists()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")    # one rank as torchrun starts it
+    r = subprocess.run([sys.executable, "-m", "runtime.worker", str(out), "-o", str(measured), "--iters", "2"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    one_error_line(r, f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
+    assert not measured.exists()
+
+
+def test_plan_at_the_largest_batch_stops_at_its_time_limit(tmp_path):
+    """`plan --batch 1048576 --time-limit 2` on a tiny model: the search ends within a second or
+    two of its limit, and --batch 10**9 is refused at once. Broken by: anything the search
+    enumerates up to the batch (microbatch counts were: 25 s of a 2 s limit)."""
+    import re
+    import time
+    out = tmp_path / "p.json"
+    t0 = time.monotonic()
+    r = _hetplan("plan", "--model", "mlp", "--model-arg", "hidden=16", "--model-arg", "depth=1", "--batch", 2**20,
+                 "--time-limit", "2", "--topology", ROOT / "profiles" / "examples" / "dgx-8gpu.json", "-o", out)
+    assert r.returncode == 0 and out.exists(), r.stderr
+    searched = float(re.search(r"simulations in ([0-9.]+) s", r.stdout).group(1))
+    assert searched < 4.0 and time.monotonic() - t0 < 90, (searched, r.stdout)
+    one_error_line(_hetplan("plan", "--model", "mlp", "--batch", 10**9, "--time-limit", "2", "--topology",
+                            WORKSTATION, "-o", tmp_path / "q.json"), "--batch", "expected an integer in [1, 1048576]")
+
+
+def test_run_refuses_plan_devices_the_topology_lacks(tmp_path):
+    """`run --topology T` of a plan on cpu:7, which T does not have: exit 2 naming the stage's
+    device, before any worker starts (no measured file), as `simulate` refuses it. Broken by: run
+    reading T for thread shares only (it ran the plan, exit 0)."""
+    plan = {"model": {"spec": "mlp", "args": {"hidden": 16, "depth": 1}}, "global_batch": 4,
+            "replicas": [{"batch_fraction": 1.0, "stages": [{"device": "cpu:7", "layers": [0, 3]}]}]}
+    path, measured = tmp_path / "p.json", tmp_path / "m.json"
+    path.write_text(json.dumps(plan))
+    for command in (["simulate", path], ["run", path, "--iters", "2", "-o", measured]):
+        one_error_line(_hetplan(*command, "--topology", WORKSTATION), f"{path}: replicas[0].stages[0].device",
+                       "expected a device of the topology (cpu:0, cuda:0), got 'cpu:7'")
+    assert not measured.exists()
+
+
+def _topology(tmp_path, name, devices, links, memory_bytes=4e9):
+    gpu = {"kind": "cuda", "memory_bytes": memory_bytes, "matmul_flops_per_s": 2.9e12,
+           "memory_bytes_per_s": 1.28e11, "op_overhead_s": 1e-5}
+    t = {"schema": "hetplan.topology/1", "name": name, "devices": [dict(gpu, name=d) for d in devices],
+         "links": [{"a": a, "b": b, "bandwidth_bytes_per_s": 1.2e10, "latency_s": 1e-5} for a, b in links]}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(t))
+    return path
+
+
+def test_a_device_without_links_is_planned_around(tmp_path):
+    """cuda:2 has no link: the baselines that need it are infeasible (null in the file, never
+    chosen), the plan uses the linked devices; with every baseline infeasible (each GPU too small
+    for the model, cuda:2 unreachable) the search's plan over cuda:0 and cuda:1 is still
+    written; with nothing feasible at all, one line, exit 2. Broken by: an infinite baseline
+    time reaching the file ("a value is NaN or infinite", nothing written)."""
+    base = ["plan", "--model", "mlp", "--batch", "64", "--iterations", "300"]
+    linked = _topology(tmp_path, "linked", ["cuda:0", "cuda:1", "cuda:2"], [("cuda:0", "cuda:1")])
+    out = tmp_path / "p.json"
+    r = _hetplan(*base, "--topology", linked, "-o", out)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert "cuda:2" not in json.dumps(plan["replicas"])
+    baselines = {b["name"]: b for b in plan["predicted"]["baselines"]}
+    assert baselines["data parallel, equal shares"] == {"name": "data parallel, equal shares", "iteration_s": None,
+                                                         "feasible": False, "peak_memory_bytes": {}}
+    assert baselines["fastest single device (cuda:0)"]["feasible"]
+    # the mlp at batch 64 peaks at 66 MB on one GPU, 31 + 35 MB as a pipeline of two: 45 MB fits only that
+    small = _topology(tmp_path, "small", ["cuda:0", "cuda:1", "cuda:2"], [("cuda:0", "cuda:1")], memory_bytes=45e6)
+    out.unlink()
+    r = _hetplan(*base, "--topology", small, "-o", out)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert not any(b["feasible"] for b in plan["predicted"]["baselines"])
+    used = json.dumps(plan["replicas"])
+    assert "cuda:0" in used and "cuda:1" in used and "cuda:2" not in used    # a pipeline or a tensor split
+    out.unlink()
+    alone = _topology(tmp_path, "alone", ["cuda:0", "cuda:1"], [], memory_bytes=45e6)
+    one_error_line(_hetplan(*base, "--topology", alone, "-o", out), f"{alone}: devices: ")
+    assert not out.exists()
+
+
+def test_a_huge_horizon_is_refused_not_emulated(tmp_path):
+    """`--horizon 10**9` with --objective time-to-loss: exit 2 naming --horizon, nothing written.
+    Broken by: the emulation looping to the flag's number (hours)."""
+    out = tmp_path / "p.json"
+    one_error_line(_hetplan("plan", "--model", "mlp", "--model-arg", "hidden=16", "--model-arg", "depth=1",
+                            "--batch", "8", "--topology", WORKSTATION, "--iterations", "20", "--objective",
+                            "time-to-loss", "--target-loss", "1", "--horizon", 10**9, "-o", out),
+                   "--horizon: expected an integer from 16 to 10000 iterations, got 1000000000")
+    assert not out.exists()

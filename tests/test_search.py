@@ -90,6 +90,36 @@ def test_realise_microbatches_picks_nearest_valid_divisor():
         realise_microbatches(1, 2, 3, "1f1b")
 
 
+def test_microbatch_counts_are_not_enumerated_up_to_the_batch():
+    """realise_microbatches over the divisors found by factoring: the same counts as every m up
+    to the batch for ordinary batches, and at once for 2^20 samples. Broken by: a loop up to the
+    batch (plan --batch 1048576 spent tens of seconds past --time-limit)."""
+    import time
+
+    from planner.search.space import divisors
+
+    def slow(desired, batch, stages, schedule, devices=None):
+        low = devices if schedule == "interleaved-1f1b" else (stages if schedule in ("1f1b", "zb-h1") else 1)
+        step = low if schedule == "interleaved-1f1b" else 1
+        divs = [m for m in range(low, batch + 1, step) if batch % m == 0]
+        return min(divs, key=lambda m: (abs(math.log(m / max(desired, 1))), m))
+    for batch in range(1, 200):
+        assert divisors(batch) == tuple(d for d in range(1, batch + 1) if batch % d == 0)
+        for desired, stages, schedule, devices in ((1, 1, "gpipe", None), (5, 2, "1f1b", None),
+                                                   (16, 3, "1f1b", None), (8, 4, "interleaved-1f1b", 2)):
+            try:
+                want = slow(desired, batch, stages, schedule, devices)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    realise_microbatches(desired, batch, stages, schedule, devices)
+                continue
+            assert realise_microbatches(desired, batch, stages, schedule, devices) == want
+    t0 = time.perf_counter()
+    for desired in range(1, 65):
+        assert realise_microbatches(desired, 2**20 - 2, 2, "1f1b") in divisors(2**20 - 2)
+    assert time.perf_counter() - t0 < 1.0
+
+
 def test_every_proposal_gives_a_valid_plan():
     p = toy_problem({"cuda:0": 1.0, "cuda:1": 2.0, "cpu:0": 0.5}, {"cuda:0": BIG, "cuda:1": BIG, "cpu:0": BIG},
                     batch=7)

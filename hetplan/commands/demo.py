@@ -93,9 +93,12 @@ def main(args) -> int:
     warmup = args.warmup if args.warmup is not None else min(2, args.iters // 2)
     if not 0 <= warmup < args.iters:
         raise InputError(f"--warmup: expected an integer in [0, --iters), got {warmup}")
+    if args.cpu_workers is not None and args.cpu_workers < 1:
+        raise InputError(f"--cpu-workers: expected a positive integer, got {args.cpu_workers}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"{out}: --out: expected a directory, got a file")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     quiet = bool(args.json)
     topo = Path(args.profile) if args.profile else default_path()
@@ -124,6 +127,8 @@ def main(args) -> int:
                 print(f"\n{label}: {summary_line(c)}\n{format_table(c)}")
     except _StepFailed as e:
         print(f"hetplan demo: {e}", file=sys.stderr)
+        if created and not any(out.iterdir()):
+            out.rmdir()     # a demo whose first step failed leaves no folder behind
         return e.rc
     plan_c = results["plan"][0]
     base_c = results.get("baseline", results["plan"])[0]

@@ -42,10 +42,12 @@ def main(args) -> int:
     from planner.workload.capture import capture_graph
     from planner.files.io import InputError
     from planner.workload.load import load_workload, parse_model_args
+    from planner.workload.step_check import check_step
 
     from planner.files.plan import check_batch
     check_batch(args.batch, "--batch")
     workload = load_workload(args.model, parse_model_args(args.model_arg), args.layers, weights=False)
+    check_step(workload, args.batch, "--model", args.model)
     print(f"capturing {args.model} at batch {args.batch} ...", file=sys.stderr)
     try:
         graph = capture_graph(workload, args.batch)

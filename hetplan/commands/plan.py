@@ -318,7 +318,9 @@ def _predicted(args, best, result, choice, objective, precisions, problem):
     judged = {n: j for n, (_, j) in choice.rows.items() if j is not None} if choice else {}
     if choice:      # the baseline the plan is, under its own name too
         judged.update({choice.kept.name: choice.rows["chosen"][1]})
-    baselines = [{"name": c.name, "iteration_s": c.iteration_s, "feasible": c.feasible,
+    import math
+    baselines = [{"name": c.name, "iteration_s": c.iteration_s if math.isfinite(c.iteration_s) else None,
+                  "feasible": c.feasible,
                   "peak_memory_bytes": c.peak_memory_bytes,
                   **({"iteration_s_interval": list(judged[c.name].interval())} if c.name in judged else {})}
                  for c in result.baselines]

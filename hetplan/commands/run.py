@@ -80,7 +80,7 @@ def main(args) -> int:
 
 def _run(args) -> int:
     from planner.files.io import InputError, write_json_atomic
-    from planner.files.plan import load_plan
+    from planner.files.plan import load_plan, validate_plan
     from planner.hardware.lookup import local_topology
     from runtime.launch import RunError, check_devices, launch, prestart, thread_shares
     from runtime.startup import Marks, format_lines, process_start_time
@@ -103,8 +103,10 @@ def _run(args) -> int:
     training = train_config(args, plan)
     check_devices(plan, args.plan)
     prestart()          # the workers' imports overlap the rest; the model is checked by them
-    # (runtime.stage.check_model: a bad model or layer range there is exit 2 as well)
+    # (runtime.stage.check_model: a bad model, training step or layer range there is exit 2 as well)
     topology = local_topology(plan, args.topology)
+    if topology is not None:    # the plan's devices must be the topology's, as `simulate` asks
+        validate_plan(plan, args.plan, None, {d.name for d in topology.devices})
     marks.mark("checked")
     out = args.output or default_output(args.plan)
     extra = {"topology": topology.name if topology is not None else None}
@@ -174,10 +176,12 @@ def train_config(args, plan, given=None):
     from runtime import lr_schedule
     from runtime.train import TrainConfig
     if args.steps is None and args.epochs is None:
-        for flag, given in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir),
-                            ("--checkpoint-every", args.checkpoint_every), ("--eval-every", args.eval_every),
-                            ("--metrics", args.metrics), ("--tensorboard", args.tensorboard)):
-            if given:
+        defaults = {"resume": False, "checkpoint_dir": None, "checkpoint_every": None, "eval_every": None,
+                    "metrics": None, "tensorboard": None, "log_every": 10, "seed": 0, "lr_schedule": "constant",
+                    "lr_schedule_arg": None, "warmup_steps": 0, "min_lr_ratio": 0.0}
+        for name, default in defaults.items():     # a training flag given (not its default) is refused
+            if getattr(args, name, default) != default:
+                flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag}: applies to training; expected --steps or --epochs with it")
         return None
     if args.steps is not None and args.epochs is not None:

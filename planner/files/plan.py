@@ -594,8 +594,21 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                             **({"iteration_s_interval": list(pr.iteration_s_interval),
                                 "interval_probability": pr.interval_probability}
                                if pr.iteration_s_interval is not None else {}),
-                            "peak_memory_bytes": dict(pr.peak_memory_bytes), **pr.extra}
+                            "peak_memory_bytes": dict(pr.peak_memory_bytes), **_finite_or_null(pr.extra)}
     return out
+
+
+def _finite_or_null(v: Any) -> Any:
+    """`v` with every infinite or NaN float of it as None (JSON null): in `predicted`'s extras an
+    infinite time is a baseline that needs a link the topology lacks, or a target loss a candidate
+    never reaches, and a JSON file has no infinity."""
+    if isinstance(v, float):
+        return v if v == v and abs(v) != float("inf") else None
+    if isinstance(v, dict):
+        return {k: _finite_or_null(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite_or_null(x) for x in v]
+    return v
 
 
 def load_plan(path: str | Path) -> Plan:

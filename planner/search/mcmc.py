@@ -103,7 +103,7 @@ class Candidate:
 class SearchResult:
     best: Candidate | None                  # None when no feasible plan was found
     baselines: tuple[Candidate, ...]
-    least_memory: Candidate                 # the plan with the lowest memory_ratio seen
+    least_memory: Candidate | None          # the simulated plan with the lowest memory_ratio (None: none routed)
     iterations: int
     evaluations: int
     stopped_by: str                         # "iterations", "no improvement" or "time limit"
@@ -187,7 +187,7 @@ class Searcher:
             feasible = bool(r.feasible) and ratio <= 1.0 and math.isfinite(t)
             c = Candidate(plan, t, feasible, peak, ratio, walk_cost(t, feasible, ratio))
             self.cache[key] = c
-            if plan.global_batch == self.p.space.global_batch and (
+            if plan.global_batch == self.p.space.global_batch and math.isfinite(t) and (
                     self.least_memory is None or ratio < self.least_memory.memory_ratio):
                 self.least_memory = c
         return replace(c, name=name) if name else c
@@ -395,7 +395,7 @@ class Searcher:
         best so far over time across them."""
         best = min((w.best for w in walks), key=lambda c: (not c.feasible, c.cost))
         least = min((c for c in [self.least_memory, *(w.least_memory for w in walks)] if c is not None),
-                    key=lambda c: c.memory_ratio)
+                    key=lambda c: c.memory_ratio, default=None)
         events, history, low = sorted(e for w in walks for e in w.history), [], math.inf
         for elapsed, t in events:
             if t < low:
@@ -663,8 +663,8 @@ def search(problem: Problem, rng: random.Random, config: SearchConfig = SearchCo
 
 def memory_error(result: SearchResult, memory_bytes: dict[str, float]) -> str:
     """One line for 'no feasible plan': the smallest memory the least hungry plan needs, and where."""
-    c = result.least_memory
-    devs = [d for d in c.peak_memory_bytes if d in memory_bytes]
+    c = result.least_memory      # None: every plan needed a link the topology lacks
+    devs = [d for d in c.peak_memory_bytes if d in memory_bytes] if c is not None else []
     if not devs:
         return "no feasible plan found (the simulator rejected every plan)"
     dev = max(devs, key=lambda d: c.peak_memory_bytes[d] / memory_bytes[d])

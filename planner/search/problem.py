@@ -126,15 +126,18 @@ CAPTURE_BATCH = 8   # graphs for planning are captured at min(global batch, this
 
 
 def plan_problem(workload, model, global_batch: int, topology, optimizer_name: str, lr: float,
-                 precisions: tuple[str, ...] = ("fp32",)):
-    """(graph, problem) for planning `workload` on `topology`: the operator graph captured at
+                 precisions: tuple[str, ...] = ("fp32",), label: str = "--model"):
+    """(graph, problem) for planning `workload` on `topology`: one training step's contract checked
+    (planner.workload.step_check; InputError starting with `label`), the operator graph captured at
     min(global_batch, CAPTURE_BATCH) samples in each allowed precision (FLOPs and activations
     scale linearly with the batch), the strategy space, and one simulator per precision with the
     cost model the topology calls for (measured on a profile of this machine, else the contract's
     roofline). The graph returned is the first precision's."""
     from planner.workload.capture import capture_graph
+    from planner.workload.step_check import check_step
     from planner.sim.simulator import ByPrecision, Simulator
 
+    check_step(workload, global_batch, label, model.spec)
     sims = {}
     for p in precisions:
         graph = capture_graph(workload, min(global_batch, CAPTURE_BATCH), p)
@@ -164,7 +167,7 @@ def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate
                          f"{', '.join(PRECISIONS)}, got {str(allowed)[:60]}")
     workload = load_plan_workload(plan.model, file, weights=measured_here(topology))
     _, problem = plan_problem(workload, plan.model, plan.global_batch, topology,
-                              plan.optimizer.name, plan.optimizer.lr, (allowed[0],))
+                              plan.optimizer.name, plan.optimizer.lr, (allowed[0],), f"{file}: model.spec")
     return Searcher(problem, random.Random(0)).baselines()
 
 

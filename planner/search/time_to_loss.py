@@ -22,6 +22,8 @@ ASYNC_MODES = (("local-sgd", 2, None), ("local-sgd", 4, None), ("local-sgd", 8, 
                ("easgd", 1, 0.1), ("easgd", 4, 0.1), ("hogwild", None, None))
 # the asynchronous pipelines tried on a one-pipeline layout: (mode, average)
 PIPELINE_MODES = (("pipedream", None), ("pipedream-2bw", None), ("pipedream", "swa"))
+MAX_HORIZON = 10_000   # emulated iterations per strategy at most (`--horizon`; default 200): a bound, not a loop
+                       # up to whatever number the flag holds
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ def rank(evaluate, workload, named_plans: list[tuple[str, Plan]], target: float,
     pipelines of the fastest one-pipeline plan, each with its time to `target`, fastest first;
     `evaluate(plan)` is the search problem's simulation. A convergence curve is emulated once
     per distinct combination (every synchronous plan shares one)."""
+    if not 16 <= horizon <= MAX_HORIZON:
+        raise InputError(f"--horizon: expected an integer from 16 to {MAX_HORIZON} iterations, got {horizon}")
     curves: dict[tuple, float] = {}
     sims = {name: evaluate(plan) for name, plan in named_plans}
     tried = (list(named_plans) + _fastest_variants(named_plans, sims, async_variants)

@@ -47,10 +47,12 @@ def predict_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tra
     from planner.sim.simulator import Simulator
     from planner.hardware.lookup import measured_here
     from planner.workload.load import load_plan_workload
+    from planner.workload.step_check import check_step
 
     names = {d.name for d in topology.devices}
     validate_plan(plan, str(plan_path), None, names)   # before the (slower) capture
     workload = load_plan_workload(plan.model, str(plan_path), weights=measured_here(topology))   # else priced by shapes
+    check_step(workload, plan.global_batch, f"{plan_path}: model.spec", plan.model.spec)
     batch = max(b // r.microbatches for b, r in zip(plan.replica_batches(), plan.replicas))
     graph = capture_graph(workload, batch, plan.precision)
     validate_plan(plan, str(plan_path), graph.num_layers, names)

@@ -59,7 +59,7 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
     except ImportError as e:
         raise InputError(f"--model: cannot import module {modname!r} of {spec!r}: {e}") from None
     except Exception as e:  # noqa: BLE001 - the user's module: a SyntaxError, or raising on import
-        raise InputError(f"--model: importing module {modname!r} of {spec!r} failed: {_why(e)}") from None
+        raise InputError(f"--model: importing module {modname!r} of {spec!r} failed: {error_line(e)}") from None
     fn = getattr(mod, fname, None)
     if not callable(fn):
         raise InputError(f"--model: {modname!r} has no function {fname!r}")
@@ -95,7 +95,7 @@ def load_workload(spec: str, args: dict[str, Any] | None = None, layers: str | N
     except (TypeError, ValueError) as e:
         raise InputError(f"--model-arg: {spec} rejected its arguments {args}: {e}") from None
     except Exception as e:  # noqa: BLE001 - the user's factory
-        raise InputError(f"--model: the factory {spec} failed: {_why(e)}") from None
+        raise InputError(f"--model: the factory {spec} failed: {error_line(e)}") from None
     w = as_workload(w, spec)
     if layers is not None:
         w.layers = layers
@@ -135,7 +135,7 @@ def as_workload(w: Any, spec: str) -> Workload:
                     metrics=getattr(w, "metrics", None))
 
 
-def _why(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
     """`Type: first line of the message` (at most 160 characters) for an error of user code."""
     line = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {line[:160]}" if line else type(e).__name__
@@ -154,7 +154,7 @@ class GuardedBatch:
         except InputError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's make_batch
-            raise InputError(f"--model: {self.spec}'s make_batch({batch_size}, {seed}) failed: {_why(e)}") from None
+            raise InputError(f"--model: {self.spec}'s make_batch({batch_size}, {seed}) failed: {error_line(e)}") from None
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise InputError(f"--model: {self.spec}'s make_batch({batch_size}, {seed}) returned "
                              f"{type(out).__name__}; expected (inputs, target)")
