@@ -284,3 +284,14 @@ def test_a_huge_horizon_is_refused_not_emulated(tmp_path):
                             "time-to-loss", "--target-loss", "1", "--horizon", 10**9, "-o", out),
                    "--horizon: expected an integer from 16 to 10000 iterations, got 1000000000")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("--horizon", "50"), "--horizon: applies only with --objective time-to-loss"),
+    (("--optimizer", ""), "--optimizer: expected sgd, adam or a torch.optim class"),
+])
+def test_plan_refuses_flags_it_would_ignore(tmp_path, flags, needle):
+    out = tmp_path / "p.json"
+    one_error_line(_hetplan("plan", "--model", "mlp", "--batch", "8", "--topology", WORKSTATION, *flags,
+                            "-o", out), needle)
+    assert not out.exists()

@@ -50,7 +50,7 @@ def add_arguments(p):
                         "time to reach --target-loss, synchronous and asynchronous plans together")
     p.add_argument("--target-loss", type=float, default=None, metavar="X",
                    help="with --objective time-to-loss: the training loss to reach")
-    p.add_argument("--horizon", type=int, default=200, metavar="N",
+    p.add_argument("--horizon", type=int, default=None, metavar="N",
                    help="with --objective time-to-loss: iterations each strategy's convergence is "
                         "emulated for on this machine before a fitted curve extrapolates (default 200)")
     p.add_argument("--confirm", action=argparse.BooleanOptionalAction, default=None,
@@ -81,10 +81,13 @@ def _check_flags(args) -> None:
         if args.target_loss is None or not 0 < args.target_loss < float("inf"):
             raise InputError(f"--target-loss: expected a positive number with --objective time-to-loss, "
                              f"got {args.target_loss}")
-        if args.horizon < 16:
-            raise InputError(f"--horizon: expected at least 16 iterations, got {args.horizon}")
-    elif args.target_loss is not None:
-        raise InputError("--target-loss: applies only with --objective time-to-loss")
+        from planner.search.time_to_loss import MAX_HORIZON
+        args.horizon = 200 if args.horizon is None else args.horizon
+        if not 16 <= args.horizon <= MAX_HORIZON:
+            raise InputError(f"--horizon: expected an integer from 16 to {MAX_HORIZON} iterations, got {args.horizon}")
+    elif args.target_loss is not None or args.horizon is not None:
+        flag = "--target-loss" if args.target_loss is not None else "--horizon"
+        raise InputError(f"{flag}: applies only with --objective time-to-loss")
 
 
 def _why(result) -> str:
@@ -422,6 +425,8 @@ def _optimizer_flags(args):
         return None
     if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
         raise InputError(f"--clip-grad-norm: expected a positive number, got {args.clip_grad_norm}")
+    if args.optimizer is not None and not args.optimizer.strip():
+        raise InputError("--optimizer: expected sgd, adam or a torch.optim class such as AdamW, got ''")
     name = args.optimizer or "adam"
     cls = DEFAULT_CLASS.get(name) or (torch_class(name).__name__ if torch_class(name) else None)
     if cls is None:
