@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 from benchmarks.accuracy import prediction, run_window  # noqa: E402
-from benchmarks.plan_sets import make_plan  # noqa: E402
+from benchmarks.plan_sets import make_plan, plan_with_hetplan  # noqa: E402
 from benchmarks.results import add_results_arguments, check_results_file, results_target, save_section  # noqa: E402
 
 # 1.5 B parameters: on an H200 capped near 19 GiB; a short context so that timing its layers on
@@ -114,16 +113,8 @@ def measure(name: str, path: Path, topo, out: Path) -> dict:
 
 
 def planner_choice(model: dict, topo_path: Path, out: Path, time_limit: float) -> Path:
-    path = out / "capped-plan.json"
-    cmd = [sys.executable, "-m", "hetplan", "plan", "--model", model["spec"], "--batch", str(model["batch"]),
-           "--topology", str(topo_path), "--precision", "bf16", "--time-limit", str(time_limit),
-           "--no-confirm", "-o", str(path)]
-    for k, v in model["args"].items():
-        cmd += ["--model-arg", f"{k}={v}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"hetplan plan failed: {proc.stderr.strip()[-300:]}")
-    return path
+    return plan_with_hetplan(model, topo_path, out / "capped-plan.json", "--precision", "bf16",
+                             "--time-limit", str(time_limit), "--no-confirm")
 
 
 def summary(rows: list[dict], chosen: str | None) -> dict:

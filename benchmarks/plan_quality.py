@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -30,22 +29,14 @@ sys.path.insert(0, str(HERE))
 import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 from accuracy import (_write_csv, ensure_topology, kendall_tau, load_avg,  # noqa: E402
                       predict, run_plan, wait_quiet)
-from benchmarks.plan_sets import workloads_for  # noqa: E402
+from benchmarks.plan_sets import plan_with_hetplan, workloads_for  # noqa: E402
 from benchmarks.results import (add_results_arguments, check_results_file,  # noqa: E402
                                 plan_quality_payload, results_target, save_section)
 from planner.hardware.lookup import default_profile_path  # noqa: E402
 
 
 def plan_workload(w: str, spec: dict, topo_path: Path, out: Path) -> Path:
-    path = out / f"{w}.plan.json"
-    cmd = ["hetplan", "plan", "--model", spec["spec"], "--batch", str(spec["batch"]),
-           "--topology", str(topo_path), "-o", str(path), "--json"]
-    for k, v in spec["args"].items():
-        cmd += ["--model-arg", f"{k}={v}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"hetplan plan {w} failed: {proc.stderr.strip()[-400:]}")
-    return path
+    return plan_with_hetplan(spec, topo_path, out / f"{w}.plan.json", "--json")
 
 
 def baseline_plans(plan_path: Path, topology, out: Path) -> dict[str, Path]:

@@ -13,6 +13,8 @@ A plan here is a plan-file dict (`hetplan.plan/1`) without `topology` and `predi
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 # Sized like training steps: iterations of ~50-200 ms on one core (history: docs/tuning.md).
 CPU_WORKLOADS = {
     "mlp": {"spec": "mlp", "args": {"hidden": 1024, "depth": 4}, "batch": 512},
@@ -92,6 +94,21 @@ def plans_for(topology, num_layers: dict[str, int]) -> dict[str, dict]:
         return cpu_plan_set(num_layers, cpus)
     raise ValueError("needs at least two CPU workers (hetplan profile --cpu-workers 2), "
                      "or a CPU worker and a GPU")
+
+
+def plan_with_hetplan(workload: dict, topology: Path, out: Path, *flags: str) -> Path:
+    """`hetplan plan` of a workload dict (spec, args, batch) on `topology`, written to `out`
+    with `flags` added; RuntimeError with the end of its stderr when it fails."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "hetplan", "plan", "--model", workload["spec"], "--batch", str(workload["batch"]),
+           "--topology", str(topology), "-o", str(out), *flags]
+    for k, v in workload["args"].items():
+        cmd += ["--model-arg", f"{k}={v}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hetplan plan {workload['spec']} failed: {proc.stderr.strip()[-400:]}")
+    return out
 
 
 def make_plan(workload: dict, replicas, schedule="1f1b", sync="coarse", opt="adam",
