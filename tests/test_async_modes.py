@@ -234,7 +234,7 @@ def test_time_to_loss_picks_an_asynchronous_plan_where_the_gradient_exchange_dom
     (["--objective", "time-to-loss"], "--target-loss: expected a positive number"),
     (["--objective", "time-to-loss", "--target-loss", "-1"], "--target-loss: expected a positive number"),
     (["--target-loss", "0.5"], "--target-loss: applies only with --objective time-to-loss"),
-    (["--objective", "time-to-loss", "--target-loss", "0.5", "--horizon", "3"], "--horizon: expected at least 16"),
+    (["--objective", "time-to-loss", "--target-loss", "0.5", "--horizon", "3"], "--horizon: expected an integer from 16 to 10000"),
     (["--objective", "time-to-loss", "--target-loss", "1e-9", "--horizon", "16"], "--target-loss: no plan reaches 1e-09"),
 ])
 def test_time_to_loss_flags_are_checked(tmp_path, flags, needle):
