@@ -1,6 +1,7 @@
-"""Layers point one way (docs/design.md, "The map"): no import circle among planner/ modules
-(imports inside functions count), and no package of planner/ imports one above it: files, then
-hardware and workload, then cost, sim, search (so planner/cost imports nothing from planner/sim)."""
+"""Layers point one way (docs/design.md, "The map"): no import circle among planner/ modules or
+among runtime/ modules (imports inside functions count), and no package of planner/ imports one
+above it: files, then hardware and workload, then cost, sim, search (so planner/cost imports
+nothing from planner/sim)."""
 from __future__ import annotations
 
 import ast
@@ -73,6 +74,10 @@ def test_no_import_circle_among_planner_modules():
     assert circles(imports("planner")) == []
 
 
+def test_no_import_circle_among_runtime_modules():
+    assert circles(imports("runtime")) == []
+
+
 def test_cost_imports_nothing_from_sim():
     got = {m: sorted(x for x in deps if x.startswith("planner.sim"))
            for m, deps in imports("planner").items() if m.startswith("planner.cost")}
@@ -110,3 +115,4 @@ def test_the_checks_see_a_circle_through_a_function_level_import(tmp_path, monke
     (pkg / "c.py").write_text("import pkg.a\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert circles(imports("pkg")) == [["pkg.a", "pkg.b", "pkg.c"]]
+
