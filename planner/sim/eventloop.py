@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import heapq
 
+from planner.sim.deadlock import Deadlock
+
 
 def shared_resources(res) -> tuple[int, ...]:
     """The resources of multi-resource tasks (`run`'s `shared_res`), in id order."""
@@ -101,7 +103,7 @@ def run(dur: list[float], res: list[tuple[int, ...]], succ: list[list[int]], nde
                 if ndeps[v] == 0:
                     newly.append(v)
     if None in start:
-        raise RuntimeError("simulator deadlock: some tasks never became ready")
+        raise Deadlock(start, res)
     return start, end
 
 

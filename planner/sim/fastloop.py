@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner.sim.deadlock import Deadlock
+
 MIN_TASKS = 1000   # graphs at least this large run compiled (where numba is installed)
 
 _numba = None      # numba once imported (on first use: a process that never runs a large graph
@@ -101,10 +103,11 @@ def from_arrays(res_ptr, res_idx, succ_ptr, succ_idx, ndeps, shared_res, n_res: 
 
 def run(p: Prepared, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(start, end) as planner.sim.eventloop.run gives them for this graph and durations."""
-    start, end, ok = _compiled()(np.ascontiguousarray(dur, np.float64), p.res_ptr, p.res_idx, p.succ_ptr,
-                                 p.succ_idx, p.ndeps.copy(), p.solo, p.cap_ptr, p.wake)
-    if not ok:
-        raise RuntimeError("simulator deadlock: some tasks never became ready")
+    start, end, started = _compiled()(np.ascontiguousarray(dur, np.float64), p.res_ptr, p.res_idx, p.succ_ptr,
+                                      p.succ_idx, p.ndeps.copy(), p.solo, p.cap_ptr, p.wake)
+    if not started.all():
+        raise Deadlock([s if k else None for s, k in zip(start.tolist(), started.tolist())],
+                       [p.res_idx[a:b].tolist() for a, b in zip(p.res_ptr[:-1], p.res_ptr[1:])])
     return start, end
 
 
@@ -187,7 +190,7 @@ def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wa
                 if ndeps[v] == 0:
                     newly[k_new] = v
                     k_new += 1
-    return start, end, bool(started.all())
+    return start, end, started
 
 
 def _loop_state(n, n_res, cap_ptr):

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner.sim import fastloop
+from planner.sim.deadlock import Deadlock
 from planner.sim.template import ReplicaCore, message_ends, replica_core
 
 COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where numba is installed)
@@ -431,7 +432,7 @@ class PipelineRun:
         start, end, link, link_zero, ok = f(lay.row_ptr, dur, lay.take_q, lay.take_i, lay.send, lay.post,
                                             lay.hop_ptr, hop_dur)
         if not ok:
-            raise ValueError(f"schedule {self.core.args[0]!r} deadlocks")
+            raise Deadlock(what=f"schedule {self.core.args[0]!r} cannot run")
         return _replica_run(self.n_res, lay.row_ptr, self.local, start, end, self.local[lay.hop_res], link, link_zero,
                             "pipeline-pass")
 

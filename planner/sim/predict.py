@@ -22,6 +22,7 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     from planner.workload.capture import capture_graph
     from planner.files.plan import validate_plan
     from planner.cost.timing import cost_model
+    from planner.sim.deadlock import Deadlock
     from planner.sim.simulator import Simulator
     from planner.hardware.lookup import measured_here
     from planner.workload.load import load_plan_workload
@@ -35,6 +36,9 @@ def simulate_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tr
     cost = cost_model(graph, topology, workload, plan.global_batch)
     try:
         return Simulator(graph, topology, cost).simulate(plan, trace=trace)
+    except Deadlock as e:   # the header line, then the grid of the tasks that ran and the blocked ones
+        head, _, grid = str(e).partition("\n")
+        raise InputError(f"{plan_path}: schedule: {head}", detail=grid) from None
     except (ValueError, KeyError) as e:
         raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
 

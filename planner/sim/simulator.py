@@ -75,6 +75,7 @@ from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention
 from planner.sim.bound import BoundCache, lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
+from planner.sim.deadlock import Deadlock
 from planner.sim.engines import DELTA, TWINS, Engine, engines_of, run_graph
 from planner.sim.eventloop import shared_resources
 from planner.sim.delta import Delta, groups as delta_groups
@@ -316,7 +317,12 @@ class Simulator:
         if g.dkey_array is None:
             g.dkey_array = np.array(g.dkey, np.int64)
         base = dur = np.asarray(values, np.float64)[g.dkey_array]
-        start, end, engine = run_graph(g, dur, self.engines)
+        try:
+            start, end, engine = run_graph(g, dur, self.engines)
+        except Deadlock as e:   # named where the graph is traced (every task labelled)
+            if not trace or e.start is None:
+                raise
+            raise e.named(self.lanes, [m.label if m else None for m in g.meta]) from None
         if contended or trace:
             base = dur = base.tolist()
             start, end = _listed(start), _listed(end)
@@ -488,6 +494,16 @@ class Simulator:
                                     f"captured in {self.graph.precision} (see ByPrecision)")
 
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
+        """One iteration of `plan`. Where it cannot finish, planner.sim.deadlock.Deadlock with the
+        step x resource grid of the plan's whole graph, traced (resources and tasks named)."""
+        try:
+            return self._simulate(plan, trace)
+        except Deadlock:
+            if not trace:
+                self._simulate(plan, trace=True)   # raises the deadlock named, where it is one there
+            raise
+
+    def _simulate(self, plan: Plan, trace: bool) -> SimResult:
         self._check_precision(plan)
         key = self._key(plan)
         if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
