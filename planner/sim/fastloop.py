@@ -54,8 +54,7 @@ def _compiled():
     """The compiled loop, with the helpers it calls."""
     global _loop
     if _loop is None:
-        _loop = jit(_loop_py, _loop_state, _ready_at_start, _begin, _hold_all, _pop_ends, _push_key, _pop_key,
-                    _push_time, _pop_time)
+        _loop = jit(_loop_py, _loop_state, _begin, _hold_all, _push_key, _pop_key, _push_time, _pop_time)
     return _loop
 
 
@@ -112,14 +111,12 @@ def run(p: Prepared, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wake):
-    """eventloop.run over arrays (see there for the rules). Waiting tasks: one binary heap of
-    keys rank * n + t per resource (its slice of `heap`); task ends: one heap of (time, task), a
-    round taking every end at the earliest time. Small helpers only: a call counts references."""
+    """eventloop.run over arrays (its rules). Waiting: a binary heap of keys rank * n + t per resource
+    (a slice of `heap`); ends: one heap of (time, task). No helper with a loop: calls count references."""
     n = dur.shape[0]
-    start, end, started, busy, free_at, heap, hlen, tt, tk, newly, touched, mark, ending = _loop_state(
-        n, solo.shape[0], cap_ptr)
+    start, end, started, busy, free_at, heap, hlen, tt, tk, newly, touched, mark, ending, k_new = _loop_state(
+        n, solo.shape[0], cap_ptr, ndeps)
     tlen, k_touch, now, base = 0, 0, 0.0, 0
-    k_new = _ready_at_start(ndeps, newly)
     while True:
         if k_new > 1:
             newly[:k_new].sort()
@@ -171,15 +168,17 @@ def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wa
             break
         e = tt[0]
         if e != now:
-            now = e
-            base += n
-        tlen, k_end = _pop_ends(tt, tk, tlen, e, ending)
+            now, base = e, base + n
+        k_end = 0
+        while tlen > 0 and tt[0] == e:          # every task ending at e, off the ends heap
+            ending[k_end] = tk[0]
+            k_end += 1
+            tlen = _pop_time(tt, tk, tlen)
         for i in range(k_end):
             t = ending[i]
             for j in range(res_ptr[t], res_ptr[t + 1]):
                 x = res_idx[j]
-                busy[x] = False
-                free_at[x] = e
+                busy[x], free_at[x] = False, e
                 if hlen[x] > 0 and not mark[x]:
                     mark[x] = True
                     touched[k_touch] = x
@@ -193,24 +192,20 @@ def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wa
     return start, end, started
 
 
-def _loop_state(n, n_res, cap_ptr):
+def _loop_state(n, n_res, cap_ptr, ndeps):
     """`_loop_py`'s arrays: per task start, end, started; per resource busy, last freed, its
     waiting heap (a slice of `heap`) and that heap's length; the ends heap (times, tasks); the
-    instant's newly ready tasks, touched resources (and their marks), ending tasks."""
+    instant's newly ready tasks (at first those without predecessors: how many, last), touched
+    resources (and their marks), ending tasks."""
     m = max(n, 1)
-    return (np.zeros(n), np.zeros(n), np.zeros(n, np.bool_), np.zeros(n_res, np.bool_), np.zeros(n_res),
-            np.zeros(max(cap_ptr[n_res], 1), np.int64), np.zeros(n_res, np.int64), np.zeros(m), np.zeros(m, np.int64),
-            np.zeros(m, np.int64), np.zeros(max(n_res, 1), np.int64), np.zeros(n_res, np.bool_), np.zeros(m, np.int64))
-
-
-def _ready_at_start(ndeps, newly):
-    """The tasks without predecessors into `newly`; how many."""
-    k = 0
-    for t in range(ndeps.shape[0]):
+    newly, k = np.zeros(m, np.int64), 0
+    for t in range(n):
         if ndeps[t] == 0:
             newly[k] = t
             k += 1
-    return k
+    return (np.zeros(n), np.zeros(n), np.zeros(n, np.bool_), np.zeros(n_res, np.bool_), np.zeros(n_res),
+            np.zeros(max(cap_ptr[n_res], 1), np.int64), np.zeros(n_res, np.int64), np.zeros(m), np.zeros(m, np.int64),
+            newly, np.zeros(max(n_res, 1), np.int64), np.zeros(n_res, np.bool_), np.zeros(m, np.int64), k)
 
 
 def _begin(start, end, started, tt, tk, tlen, t, now, e):
@@ -229,16 +224,6 @@ def _hold_all(busy, res_idx, a, b):
     for j in range(a, b):
         busy[res_idx[j]] = True
     return True
-
-
-def _pop_ends(tt, tk, tlen, e, ending):
-    """Every task ending at e, off the ends heap into `ending`: (the heap's length, how many)."""
-    k = 0
-    while tlen > 0 and tt[0] == e:
-        ending[k] = tk[0]
-        k += 1
-        tlen = _pop_time(tt, tk, tlen)
-    return tlen, k
 
 
 def _push_key(heap, off, hlen, x, key):
