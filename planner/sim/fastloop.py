@@ -111,8 +111,8 @@ def run(p: Prepared, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wake):
-    """eventloop.run over arrays (its rules). Waiting: a binary heap of keys rank * n + t per resource
-    (a slice of `heap`); ends: one heap of (time, task). No helper with a loop: calls count references."""
+    """eventloop.run over arrays. Waiting: a binary heap of keys rank * n + t per resource (a slice of
+    `heap`); ends: a heap of (time, task). A helper with a loop only off the common path: calls count."""
     n = dur.shape[0]
     start, end, started, busy, free_at, heap, hlen, tt, tk, newly, touched, mark, ending, k_new = _loop_state(
         n, solo.shape[0], cap_ptr, ndeps)
