@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         line = " ".join(str(e).split())   # one line even where a value or key held a newline
         print(f"hetplan {args.command}: error: {line}", file=sys.stderr)
+        if e.detail:
+            print(e.detail, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hetplan {args.command}: interrupted", file=sys.stderr)

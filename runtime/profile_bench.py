@@ -455,7 +455,7 @@ def iteration_overhead(repeats: int, action_s: float) -> float:
     from planner.workload import Workload
     from runtime.optim import StageOptimizer
     from runtime.pipeline import stage_actions
-    from runtime.stage import Built
+    from runtime.rank import Built
     from runtime.sync import BufferSync
     from runtime.sync_modes import NoGradSync
     from runtime.worker import _train

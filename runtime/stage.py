@@ -6,7 +6,6 @@ creation in `sync.Groups` happens in the same order everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -14,7 +13,6 @@ from planner.hardware.device import TorchDevice, standin_gpus
 from planner.files.plan import PIPEDREAM_MODES, Plan
 from planner.workload.weight_versions import WeightVersions
 from planner.hardware.topology import parse_device_name
-from planner.workload.inputs import call_args, slice_inputs
 from runtime import ddp
 from runtime.sync_modes import (NoGradSync, ParameterExchange, ParameterServer, ServerClient,
                                 ServerStepped, hogwild_parameters)
@@ -24,91 +22,8 @@ from runtime.offload import ActivationOffload
 from runtime.optim import StageOptimizer
 from runtime.pipedream import PipeDreamRunner, Stashed, StreamData, stream_iterations
 from runtime.pipeline import PeerLink, StageRunner, WholeModel, stage_actions
+from runtime.rank import Built, check_model, peer_link, tied_layers
 from runtime.sync import BufferSync, GradSync, Groups, Tied, layer_ranks
-
-
-@dataclass
-class Built:
-    plan: Plan
-    workload: Any
-    replica: int
-    stage: int
-    n_stages: int
-    offset: int                    # first sample of this replica in the global batch
-    micro: int                     # samples per microbatch
-    module: torch.nn.Module
-    runner: StageRunner
-    sync: GradSync | ddp.DDPSync | NoGradSync
-    optimizer: StageOptimizer
-    groups: Groups
-    timer: BusyTimer
-    actions: list
-    buffers: BufferSync
-    exchange: ParameterExchange | None = None   # sync.mode local-sgd / easgd
-    loss_weight: float = 1.0                    # the recorded loss's weight: the batch fraction
-                                                # where a replica's loss is its own mean
-    before_optimizer: Any = None                # called between the gradient sync and the step
-                                                # (runtime.train: clipping by the global norm)
-
-    @property
-    def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return list(self.module.named_parameters())
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for _, p in self.named_params]
-
-    def microbatches(self, global_batch: int, iteration: int):
-        """This replica's slice of make_batch(global_batch, seed=iteration), in microbatches;
-        inputs only on the first stage, targets only on the last."""
-        first, last = self.stage == 0, self.stage == self.n_stages - 1
-        if not (first or last):
-            return None, None
-        m = self.plan.replicas[self.replica].microbatches
-        read = getattr(self.workload.make_batch, "read", None)
-        if read is not None:          # a runtime.data.DataFeed: only this replica's samples
-            x, y = read(iteration, self.offset, self.offset + m * self.micro)
-            base = 0
-        else:
-            x, y = self.workload.make_batch(global_batch, iteration)
-            base = self.offset
-        bounds = [(base + k * self.micro, base + (k + 1) * self.micro) for k in range(m)]
-        ins = [self._call_args(slice_inputs(x, a, b)) for a, b in bounds] if first else None
-        tgts = [slice_inputs(y, a, b) for a, b in bounds] if last else None
-        return ins, tgts
-
-    def _call_args(self, inputs) -> tuple[tuple, dict]:
-        """(args, kwargs) for this rank's module: the model's own call for a whole model, the
-        flat leaves (planner.workload.partition.stage_inputs) for a first stage."""
-        if isinstance(self.module, WholeModel):
-            return call_args(inputs)
-        return self.module.flat_inputs(inputs), {}
-
-    def begin(self) -> None:
-        self.optimizer.zero_grad()
-        self.sync.begin()
-
-    def held_peak_bytes(self) -> int:
-        """The most bytes held at once besides parameters, gradients, optimizer state and saved
-        activations (a PipeDream stage's stashed weight versions)."""
-        return 0
-
-    def step(self, batch) -> torch.Tensor | None:
-        with self.timer.timer("buffer broadcast", "allreduce", busy=False):
-            self.buffers.broadcast()
-        loss = self.runner.run(self.actions, *batch)
-        with self.timer.timer("grad sync wait", "allreduce", busy=False):
-            self.sync.finish()
-        if self.before_optimizer is not None:
-            self.before_optimizer()
-        with self.timer.timer("optimizer", "optimizer"):
-            self.optimizer.step()
-        if self.exchange is not None:
-            with self.timer.timer("parameter exchange", "allreduce", busy=False):
-                self.exchange.after_step()
-        if loss is not None and self.loss_weight != 1.0:
-            loss = loss * self.loss_weight
-        return loss
 
 
 def _buckets(plan: Plan, names_by_layer, named: dict) -> list[tuple[int, ...]]:
@@ -137,15 +52,6 @@ def _bucket_of(plan: Plan, layout: _Layout) -> dict[torch.nn.Parameter, int]:
     if plan.sync.granularity == "coarse":
         out = dict.fromkeys(out, 0)
     return out
-
-
-def tied_layers(names_by_layer) -> dict[str, tuple[int, ...]]:
-    """Parameters used by several layers (tied weights) -> those layers."""
-    layers: dict[str, list[int]] = {}
-    for layer, names in enumerate(names_by_layer):
-        for n in names:
-            layers.setdefault(n, []).append(layer)
-    return {n: tuple(ls) for n, ls in layers.items() if len(ls) > 1}
 
 
 def _check_ownership(named: dict, names_by_layer) -> None:
@@ -209,36 +115,11 @@ def _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer) -> lis
     return [(r, next(x for x in r if x in first), bufs) for r, bufs in sorted(out.items())]
 
 
-def check_model(plan: Plan, file: str, given=None, step: bool = True):
-    """(the plan's workload, built; its layer map): the model must load, keep one training step's
-    contract (with `step`: planner.workload.step_check, one rank checks it for all) and have the
-    layers the plan's stages cover, else InputError naming `file` (the launcher turns it into
-    exit 2). The layer map comes from the layer-map cache (planner.workload.layer_cache); a miss
-    costs one export. `given`: the workload itself (hetplan.train), a Workload or a factory of
-    one, instead of the plan's model.spec."""
-    from planner.files.plan import validate_plan
-    from planner.workload.layer_cache import layer_map, plan_batch
-    from planner.workload.load import load_plan_workload
-    from planner.workload.step_check import check_step
-    if given is None:
-        workload = load_plan_workload(plan.model, file)     # torch.manual_seed(0) inside
-    else:
-        from planner.workload.load import given_workload
-        workload = given_workload(given, plan.model.spec, plan.model.args)
-    if step:
-        check_step(workload, plan.global_batch, f"{file}: model.spec", plan.model.spec)
-    found = layer_map(workload, plan.model.spec, plan.model.args, plan_batch(plan))
-    validate_plan(plan, file, num_layers=found.num_layers)
-    return workload, found
-
-
 def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None,
           marks=None, file: str = "<plan>", iterations: int = 1, given=None) -> Built:
     """What rank `rank` runs; `device` is its planner.hardware.device.TorchDevice; `marks`
     (runtime.startup.Marks) gets "model" once the workload is built and checked; `iterations`:
     how many the run trains (a PipeDream stream's length)."""
-
-    rank_of = {d: r for r, d in enumerate(names)}
     kinds = [parse_device_name(d)[1] for d in names]
     if plan.sync.mode == "parameter-server" and names[rank] == plan.sync.server:
         return _server(plan, kinds, device, timeout, marks, file, given)
@@ -248,100 +129,125 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
             for d in st.devices:
                 where.setdefault(d, (i, j))
     rep_i, st_j = where[names[rank]]
-    rep = plan.replicas[rep_i]
-    if any(st.split for st in rep.stages):      # validated: the plan's only replica
+    if any(st.split for st in plan.replicas[rep_i].stages):      # validated: the plan's only replica
         from runtime.tensor import build_rank
         return build_rank(plan, names, rank, device, timeout, marks, file, given)
-    batch = plan.replica_batches()[rep_i]
-    micro = batch // rep.microbatches
-    workload, found = check_model(plan, file, given, step=rank == 0)   # torch.manual_seed(0) inside
-    if marks is not None:
-        marks.mark("model")
-    from planner.workload.layer_cache import plan_batch
-    # on a cold layer-map cache the map's export is at this batch when micro is the plan's batch
-    exported = found.exported if micro == plan_batch(plan) else None
-    # interleaved-1f1b: this rank holds several virtual stages (runtime.interleaved)
-    mine = [j for j, st in enumerate(rep.stages) if st.device == names[rank]]
-    interleaved = len(mine) > 1
-    module = (_virtual_stages(workload, rep, mine, micro, device, exported) if interleaved
-              else _module(workload, rep, st_j, micro, device, exported))
-
-    # who holds which layer: one rank per replica
-    replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
-    ranks_of_layer = layer_ranks([[st.layers for st in r.stages] for r in plan.replicas],
-                                 replica_ranks, plan.num_layers)
-    layout = _layout(plan, workload, module, replica_ranks, ranks_of_layer, found,
-                     [rep.stages[j].layers for j in mine] if interleaved else ())
-    named = dict(module.named_parameters())
-
-    pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
-    synchronous = plan.sync.mode == "sync"    # else: no gradient all-reduce (runtime.sync_modes)
-    groups = Groups(kinds, pairs, layout.sync_sets if synchronous else [], timeout, nccl=standin_gpus() == 0)
-    my_ranks = replica_ranks[rep_i]
-
-    def link(peer: int) -> PeerLink:
-        return peer_link(groups, rank, peer, device)
-
-    timer = BusyTimer(device)
-    fraction = batch / plan.global_batch      # asynchronous: each replica's loss its own mean
-    if interleaved:
-        runner, actions = _interleaved_runner(plan, rep, module, my_ranks, rank, link, device, workload,
-                                              fraction / rep.microbatches, timer)
-        sync_mb = None
-        st_j, n_stages = rep.pipeline_devices.index(names[rank]), len(rep.pipeline_devices)   # data: first/last
-    else:
-        n_stages = len(rep.stages)
-        prev = link(my_ranks[st_j - 1]) if st_j > 0 else None
-        nxt = link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
-        actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
-        sync_mb = ddp.sync_microbatch(actions) if ddp.uses_ddp(plan) else None
-        wrapped = module if sync_mb is None else ddp.wrap(module, groups.sync[ranks_of_layer[0]],
-                                                          device.device, _bucket_of(plan, layout),
-                                                          find_unused=bool(found.unused))
-        runner = StageRunner(wrapped, device.device, workload.loss_fn, prev, nxt,
-                             scale=(fraction if synchronous else 1.0) / rep.microbatches, busy=timer.timer,
-                             recompute=plan.recompute, precision=plan.precision)
-        runner.runs_left = iterations
-    runner.saved_tracker = SavedTracker(named.values())
-    if rep.stages[st_j].offload_activations:
-        runner.offload = ActivationOffload(device, named.values())
-    optimizer = StageOptimizer(list(named.values()), plan.optimizer, device)
-    if plan.sync.mode in PIPEDREAM_MODES:
-        shared = [t for t in layout.tied if len(t.ranks) > 1]
-        if shared:        # each stage would update its own copy: refused, not trained apart
-            from planner.files.io import InputError
-            raise InputError(f"{file}: replicas[0].stages: sync.mode {plan.sync.mode!r} needs stages that share "
-                             f"no parameter in this version; the model ties a weight across stages "
-                             f"(layer {shared[0].first_layer} and later)")
-        return _pipedream(plan, workload, module, runner, optimizer, groups, timer, st_j, micro, iterations)
-    if synchronous:
-        if sync_mb is None:
-            sync = GradSync(groups, rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
-                            plan.sync.granularity, rep.microbatches, device, layout.tied)
-        else:   # plain data parallel: torch DDP syncs during backward (runtime.ddp)
-            sync = ddp.DDPSync()
-            runner.forward_context = ddp.forward_context(wrapped, sync_mb)
-        return Built(plan, workload, rep_i, st_j, n_stages, plan.replica_offsets()[rep_i], micro,
-                     module, runner, sync, optimizer, groups, timer, actions,
-                     BufferSync(groups, layout.buffers))
-    params = list(named.values())
-    exchange, sync = None, NoGradSync()   # buffers stay each replica's own (runtime.sync_modes)
-    if plan.sync.mode == "parameter-server":
-        sync, optimizer = ServerClient(params, rank_of[plan.sync.server], groups.world), ServerStepped(params)
-    elif plan.sync.period is not None:
-        exchange = ParameterExchange(plan.sync, params, fraction, groups.world, len(names))
-    else:                # hogwild: before the optimizer first touches the parameters' storage
-        hogwild_parameters(params, rank, groups.world)
-    return Built(plan, workload, rep_i, st_j, len(rep.stages), plan.replica_offsets()[rep_i], micro,
-                 module, runner, sync, optimizer, groups, timer, actions, BufferSync(groups, []),
-                 exchange, loss_weight=fraction)
+    b = _StageBuild(plan, names, rank, device, rep_i, st_j, iterations)
+    b.make_model(file, given, marks)
+    b.make_groups(kinds, timeout)
+    b.make_runner()
+    return b.make_built(file)
 
 
-def peer_link(groups: Groups, rank: int, peer: int, device: TorchDevice) -> PeerLink:
-    """The pipeline link between this rank and `peer` over the run's groups."""
-    send, recv = groups.p2p[(rank, peer)], groups.p2p[(peer, rank)]
-    return PeerLink(peer=peer, send_group=send, recv_group=recv, device=device,
-                    host_staged=device.accelerator and send is groups.world)
+class _StageBuild:
+    """A pipeline rank's build, job by job (`build` calls them in order): the model and this
+    rank's stage (or virtual stages: interleaved 1F1B), who exchanges what with whom (layout,
+    process groups), the runner, then the sync and optimizer."""
+
+    def __init__(self, plan: Plan, names: list[str], rank: int, device: TorchDevice, rep_i: int, st_j: int,
+                 iterations: int):
+        self.plan, self.names, self.rank, self.device = plan, names, rank, device
+        self.rep_i, self.st_j, self.iterations = rep_i, st_j, iterations
+        self.rep = plan.replicas[rep_i]
+        batch = plan.replica_batches()[rep_i]
+        self.micro = batch // self.rep.microbatches
+        self.fraction = batch / plan.global_batch      # asynchronous: each replica's loss its own mean
+        # interleaved-1f1b: this rank holds several virtual stages (runtime.interleaved)
+        self.mine = [j for j, st in enumerate(self.rep.stages) if st.device == names[rank]]
+        self.interleaved = len(self.mine) > 1
+        self.synchronous = plan.sync.mode == "sync"    # else: no gradient all-reduce (runtime.sync_modes)
+
+    def make_model(self, file: str, given, marks) -> None:
+        """The workload (checked against the plan) and this rank's module on its device."""
+        # torch.manual_seed(0) inside; rank 0 checks one training step for all
+        self.workload, self.found = check_model(self.plan, file, given, step=self.rank == 0)
+        if marks is not None:
+            marks.mark("model")
+        from planner.workload.layer_cache import plan_batch
+        # on a cold layer-map cache the map's export is at this batch when micro is the plan's batch
+        exported = self.found.exported if self.micro == plan_batch(self.plan) else None
+        self.module = (_virtual_stages(self.workload, self.rep, self.mine, self.micro, self.device, exported)
+                       if self.interleaved else
+                       _module(self.workload, self.rep, self.st_j, self.micro, self.device, exported))
+
+    def make_groups(self, kinds: list[str], timeout) -> None:
+        """Who holds which layer (one rank per replica), what this rank exchanges, the groups."""
+        plan, rank_of = self.plan, {d: r for r, d in enumerate(self.names)}
+        replica_ranks = [[rank_of[st.device] for st in r.stages] for r in plan.replicas]
+        self.ranks_of_layer = layer_ranks([[st.layers for st in r.stages] for r in plan.replicas],
+                                          replica_ranks, plan.num_layers)
+        self.layout = _layout(plan, self.workload, self.module, replica_ranks, self.ranks_of_layer, self.found,
+                              [self.rep.stages[j].layers for j in self.mine] if self.interleaved else ())
+        pairs = [(min(a, b), max(a, b)) for rr in replica_ranks for a, b in zip(rr, rr[1:])]
+        self.groups = Groups(kinds, pairs, self.layout.sync_sets if self.synchronous else [], timeout,
+                             nccl=standin_gpus() == 0)
+        self.my_ranks = replica_ranks[self.rep_i]
+
+    def link(self, peer: int) -> PeerLink:
+        return peer_link(self.groups, self.rank, peer, self.device)
+
+    def make_runner(self) -> None:
+        """The runner of this rank's actions (DDP-wrapped where plain data parallel runs on DDP)."""
+        plan, rep, device, st_j, my_ranks = self.plan, self.rep, self.device, self.st_j, self.my_ranks
+        self.timer, self.sync_mb, self.wrapped = BusyTimer(device), None, self.module
+        if self.interleaved:
+            self.runner, self.actions = _interleaved_runner(plan, rep, self.module, my_ranks, self.rank, self.link,
+                                                            device, self.workload, self.fraction / rep.microbatches,
+                                                            self.timer)
+            self.st_j = rep.pipeline_devices.index(self.names[self.rank])   # data: first/last
+            self.n_stages = len(rep.pipeline_devices)
+            return
+        self.n_stages = len(rep.stages)
+        prev = self.link(my_ranks[st_j - 1]) if st_j > 0 else None
+        nxt = self.link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
+        self.actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
+        self.sync_mb = ddp.sync_microbatch(self.actions) if ddp.uses_ddp(plan) else None
+        if self.sync_mb is not None:
+            self.wrapped = ddp.wrap(self.module, self.groups.sync[self.ranks_of_layer[0]], device.device,
+                                    _bucket_of(plan, self.layout), find_unused=bool(self.found.unused))
+        self.runner = StageRunner(self.wrapped, device.device, self.workload.loss_fn, prev, nxt,
+                                  scale=(self.fraction if self.synchronous else 1.0) / rep.microbatches,
+                                  busy=self.timer.timer, recompute=plan.recompute, precision=plan.precision)
+        self.runner.runs_left = self.iterations
+
+    def make_built(self, file: str) -> Built:
+        """The optimizer and the sync of the plan's sync mode, and what the rank runs."""
+        plan, runner, layout, groups = self.plan, self.runner, self.layout, self.groups
+        params = list(dict(self.module.named_parameters()).values())
+        runner.saved_tracker = SavedTracker(params)
+        if self.rep.stages[self.st_j].offload_activations:
+            runner.offload = ActivationOffload(self.device, params)
+        optimizer = StageOptimizer(params, plan.optimizer, self.device)
+        if plan.sync.mode in PIPEDREAM_MODES:
+            shared = [t for t in layout.tied if len(t.ranks) > 1]
+            if shared:        # each stage would update its own copy: refused, not trained apart
+                from planner.files.io import InputError
+                raise InputError(f"{file}: replicas[0].stages: sync.mode {plan.sync.mode!r} needs stages that "
+                                 f"share no parameter in this version; the model ties a weight across stages "
+                                 f"(layer {shared[0].first_layer} and later)")
+            return _pipedream(plan, self.workload, self.module, runner, optimizer, groups, self.timer, self.st_j,
+                              self.micro, self.iterations)
+        head = (plan, self.workload, self.rep_i, self.st_j)
+        tail = (plan.replica_offsets()[self.rep_i], self.micro, self.module, runner)
+        if self.synchronous:
+            if self.sync_mb is None:
+                sync = GradSync(groups, self.rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
+                                plan.sync.granularity, self.rep.microbatches, self.device, layout.tied)
+            else:   # plain data parallel: torch DDP syncs during backward (runtime.ddp)
+                sync = ddp.DDPSync()
+                runner.forward_context = ddp.forward_context(self.wrapped, self.sync_mb)
+            return Built(*head, self.n_stages, *tail, sync, optimizer, groups, self.timer, self.actions,
+                         BufferSync(groups, layout.buffers))
+        exchange, sync = None, NoGradSync()   # buffers stay each replica's own (runtime.sync_modes)
+        if plan.sync.mode == "parameter-server":
+            server = self.names.index(plan.sync.server)
+            sync, optimizer = ServerClient(params, server, groups.world), ServerStepped(params)
+        elif plan.sync.period is not None:
+            exchange = ParameterExchange(plan.sync, params, self.fraction, groups.world, len(self.names))
+        else:                # hogwild: before the optimizer first touches the parameters' storage
+            hogwild_parameters(params, self.rank, groups.world)
+        return Built(*head, len(self.rep.stages), *tail, sync, optimizer, groups, self.timer, self.actions,
+                     BufferSync(groups, []), exchange, loss_weight=self.fraction)
 
 
 @dataclass

@@ -26,6 +26,9 @@ RANK_MARKS = ("spawn", "entered", "imported", "rendezvous", "model", "stages", "
               "trained", "exited")
 RANK_PHASES = ("process_start", "imports", "rendezvous", "model_build", "stage_build",
                "first_iteration", "training", "teardown")
+# test only: "RANK:ITERATION:exit|raise|hang" fails that rank (runtime.worker), "RANK:STEP:kill|kill-in-save"
+# SIGKILLs it after that step or inside that step's checkpoint save (runtime.train)
+FAULT_ENV = "HETPLAN_TEST_FAULT"
 
 
 class Marks:

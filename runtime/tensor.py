@@ -34,7 +34,7 @@ from runtime.instruments import BusyTimer, SavedTracker
 from runtime.offload import ActivationOffload
 from runtime.optim import StageOptimizer
 from runtime.pipeline import FanLink, StageRunner, stage_actions
-from runtime.stage import Built, check_model, peer_link, tied_layers
+from runtime.rank import Built, check_model, peer_link, tied_layers
 from runtime.sync import BufferSync, Groups
 from runtime.sync_modes import NoGradSync
 

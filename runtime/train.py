@@ -198,9 +198,9 @@ class _Run:
 
 
 def _fault(rank: int, step: int, where: str) -> None:
-    """Test only (runtime.worker.FAULT_ENV = "RANK:STEP:kill|kill-in-save"): SIGKILL this rank
+    """Test only (runtime.startup.FAULT_ENV = "RANK:STEP:kill|kill-in-save"): SIGKILL this rank
     after step STEP, or inside the checkpoint save of step STEP once its files are written."""
-    from runtime.worker import FAULT_ENV
+    from runtime.startup import FAULT_ENV
     spec = os.environ.get(FAULT_ENV, "")
     if spec and spec.split(":")[2] == where and (int(spec.split(":")[0]), int(spec.split(":")[1])) == (rank, step):
         os.kill(os.getpid(), signal.SIGKILL)

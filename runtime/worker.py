@@ -19,8 +19,7 @@ from pathlib import Path
 
 from planner.hardware.cores import bind_worker
 from runtime.placement import local_threads, my_device, threads_affinity
-
-FAULT_ENV = "HETPLAN_TEST_FAULT"   # test only: "RANK:ITERATION:exit|raise|hang" makes that rank fail
+from runtime.startup import FAULT_ENV
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Layers point one way (docs/design.md, "The map"): no import circle among planner/ modules
-(imports inside functions count), and no package of planner/ imports one above it: files, then
-hardware and workload, then cost, sim, search (so planner/cost imports nothing from planner/sim)."""
+"""Layers point one way (docs/design.md, "The map"): no import circle among planner/ modules or
+among runtime/ modules (imports inside functions count), and no package of planner/ imports one
+above it: files, then hardware and workload, then cost, sim, search (so planner/cost imports
+nothing from planner/sim). Functions are short: at most LONGEST lines outside the reference loop."""
 from __future__ import annotations
 
 import ast
@@ -73,6 +74,10 @@ def test_no_import_circle_among_planner_modules():
     assert circles(imports("planner")) == []
 
 
+def test_no_import_circle_among_runtime_modules():
+    assert circles(imports("runtime")) == []
+
+
 def test_cost_imports_nothing_from_sim():
     got = {m: sorted(x for x in deps if x.startswith("planner.sim"))
            for m, deps in imports("planner").items() if m.startswith("planner.cost")}
@@ -110,3 +115,37 @@ def test_the_checks_see_a_circle_through_a_function_level_import(tmp_path, monke
     (pkg / "c.py").write_text("import pkg.a\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert circles(imports("pkg")) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+LONGEST = 80   # a function's lines, its decorators and docstring included
+LONG_ALLOWED = {
+    "planner/sim/reference.py",          # the specification reads top to bottom in one loop
+}
+
+
+def long_functions(packages=("planner", "runtime", "hetplan")) -> list[str]:
+    """`path:name (lines)` of each function (methods and nested functions too) over LONGEST lines."""
+    out = []
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - min([node.lineno] + [d.lineno for d in node.decorator_list]) + 1
+                    if lines > LONGEST and rel not in LONG_ALLOWED and f"{rel}:{node.name}" not in LONG_ALLOWED:
+                        out.append(f"{rel}:{node.name} ({lines})")
+    return out
+
+
+def test_no_function_over_80_lines():
+    assert long_functions() == []
+
+
+def test_the_length_check_sees_a_long_method(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    body = "".join(f"        x = {i}\n" for i in range(LONGEST - 1))
+    (tmp_path / "pkg" / "m.py").write_text(f"class A:\n    def short(self):\n        pass\n\n    def f(self):\n{body}")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert long_functions(("pkg",)) == []                 # 80 lines: allowed
+    (tmp_path / "pkg" / "m.py").write_text(f"class A:\n    def f(self):\n{body}        y = 0\n")
+    assert long_functions(("pkg",)) == ["pkg/m.py:f (81)"]

@@ -179,23 +179,8 @@ class MeasuredCost(CostModel):
                 x = tuple(t.to(dev) for t in stage_inputs(stages[0], inputs))
                 layers = stages + [_Loss(self.workload.loss_fn, target.to(dev))]
 
-                def timed() -> tuple[list[float], list[float], float]:
-                    fs, bs, y, saved, calls = [], [], x, 0.0, 0
-                    for a, b in self._windows(device, batch):
-                        seq = layers[a:b + (b == L)]
-                        f, bw, s = self._time_sequence(seq, y, sync, in_precision, data=a == 0,
-                                                       calls=not chained)
-                        if chained:
-                            f, bw = _scaled(f, bw, *self._repeat(
-                                lambda: _chained_once(seq, y, sync, in_precision, data=a == 0)))
-                        else:
-                            saved, calls = saved + s, calls + max(0, sum(t > 0 for t in bw) - 1)
-                        fs += f
-                        bs += bw
-                        y = _next_inputs(layers[a:b], y, in_precision)   # the next window's
-                    return fs, bs, max(0.0, saved) / calls if calls > 0 else 0.0
                 if fused:
-                    fwd, bwd, call = timed()
+                    fwd, bwd, call = self._time_windows(device, batch, layers, x, sync, in_precision, chained)
                 for i, stage in enumerate(layers if split else ()):
                     # the model's input is data: as in the runtime, no gradient is computed for it
                     x = _leaf_inputs(x, grad=i > 0)
@@ -225,6 +210,24 @@ class MeasuredCost(CostModel):
                 for b in (batch, *out):
                     self._measure(device, b, again=True)
         return _from_entries(keys, self._load_disk())
+
+    def _time_windows(self, device: Device, batch: int, layers: list, x: tuple, sync, in_precision,
+                      chained: bool) -> tuple[list[float], list[float], float]:
+        """Per-layer (fwd, bwd) of `layers` (the loss last) timed window by window from inputs
+        `x`, and the backward call's own time (0 where chained: an accelerator's totals)."""
+        L = self.graph.num_layers
+        fs, bs, y, saved, calls = [], [], x, 0.0, 0
+        for a, b in self._windows(device, batch):
+            seq = layers[a:b + (b == L)]
+            f, bw, s = self._time_sequence(seq, y, sync, in_precision, data=a == 0, calls=not chained)
+            if chained:
+                f, bw = _scaled(f, bw, *self._repeat(lambda: _chained_once(seq, y, sync, in_precision, data=a == 0)))
+            else:
+                saved, calls = saved + s, calls + max(0, sum(t > 0 for t in bw) - 1)
+            fs += f
+            bs += bw
+            y = _next_inputs(layers[a:b], y, in_precision)   # the next window's
+        return fs, bs, max(0.0, saved) / calls if calls > 0 else 0.0
 
     def _out_of_line(self, device: Device, batch: int, total: float) -> tuple[int, ...]:
         """The curve's sizes on record that a step of the whole model taking `total` seconds at

@@ -21,7 +21,12 @@ _MISSING = object()
 
 
 class InputError(Exception):
-    """Bad input from outside (file, flag, spec). The message is one line for the user."""
+    """Bad input from outside (file, flag, spec). The message is one line for the user; `detail`
+    (lines printed under it, e.g. a deadlocked plan's grid) where one line cannot show it."""
+
+    def __init__(self, message: str = "", detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
 
 
 MAX_INT = 2**63 - 1   # the largest integer a file may hold (int64: what torch and numpy index with)

@@ -242,66 +242,11 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
         raise err("optimizer.lr", f"expected a positive number, got {plan.optimizer.lr}")
     _validate_torch_optimizer(plan.optimizer, err)
     L = num_layers if num_layers is not None else plan.num_layers
-    seen: dict[str, str] = {}
-    total = 0.0
+    seen: dict[str, str] = {}   # device -> the first stage field naming it
     batches = plan.replica_batches()
     for i, rep in enumerate(plan.replicas):
-        where = f"replicas[{i}]"
-        if not 0 < rep.batch_fraction <= 1:
-            raise err(f"{where}.batch_fraction", f"expected a number in (0, 1], got {rep.batch_fraction}")
-        total += rep.batch_fraction
-        if rep.microbatches < 1:
-            raise err(f"{where}.microbatches", f"expected a positive integer, got {rep.microbatches}")
-        if batches[i] < 1:
-            raise err(f"{where}.batch_fraction",
-                      f"gives round({rep.batch_fraction} * {plan.global_batch}) = 0 samples; expected at least 1")
-        if batches[i] % rep.microbatches:
-            raise err(f"{where}.microbatches",
-                      f"expected a divisor of the replica's batch {batches[i]}, got {rep.microbatches}")
-        if not rep.stages:
-            raise err(f"{where}.stages", "expected at least one stage")
-        if plan.schedule in ("interleaved-1f1b", "zb-h1") and any(st.split for st in rep.stages):
-            raise err("schedule", f"expected gpipe, 1f1b or hippie with a tensor-split stage ({plan.schedule} is not "
-                                  "supported together in this version)")
-        if plan.schedule == "interleaved-1f1b":
-            _validate_interleaved(rep, where, err)
-        elif rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
-            raise err(f"{where}.microbatches",
-                      f"{plan.schedule} needs microbatches >= stages ({len(rep.stages)}), got {rep.microbatches}")
-        expect_start = 0
-        for j, st in enumerate(rep.stages):
-            sw = f"{where}.stages[{j}]"
-            start, end = st.layers
-            if start != expect_start:
-                raise err(f"{sw}.layers", f"expected to start at layer {expect_start} (stages cover [0, L) in order), got {start}")
-            if end <= start:
-                raise err(f"{sw}.layers", f"expected a non-empty range [start, end), got [{start}, {end}]")
-            expect_start = end
-            if st.split:
-                _validate_split(plan, i, j, err)
-            for k, d in enumerate(st.devices):
-                df = f"{sw}.devices[{k}].device" if st.split else f"{sw}.device"
-                if device_names is not None and d not in device_names:
-                    raise err(df, f"expected a device of the topology ({', '.join(sorted(device_names))}), got {d!r}")
-                if d in seen and not (plan.schedule == "interleaved-1f1b" and not st.split
-                                      and seen[d].startswith(where + ".")):
-                    raise err(df, f"device {d!r} is already used by {seen[d]}; expected distinct devices"
-                                  + ("" if plan.schedule == "interleaved-1f1b" else
-                                     " (a device holds several stages of one replica only under "
-                                     "schedule \"interleaved-1f1b\")"))
-                seen.setdefault(d, sw)
-            if st.offload_activations and st.device.split("/")[-1].startswith("cpu:"):
-                raise err(f"{sw}.offload_activations", f"expected only on an accelerator stage "
-                                                       f"(a CPU's activations are in host memory), got it on {st.device!r}")
-            if st.offload_activations and plan.schedule == "zb-h1":
-                raise err(f"{sw}.offload_activations", "expected false with schedule \"zb-h1\" (its "
-                                                       "weight-gradient pass reads the activations again; not supported)")
-            if st.offload_activations and plan.recompute:
-                raise err(f"{sw}.offload_activations", "expected false with recompute (recompute keeps "
-                                                       "only the stage input; offload it or recompute, not both)")
-        if expect_start != L:
-            raise err(f"{where}.stages[{len(rep.stages) - 1}].layers",
-                      f"expected the last stage to end at layer {L} (the model has {L} layers), got {expect_start}")
+        _validate_replica(plan, i, batches[i], L, seen, device_names, err)
+    total = sum(rep.batch_fraction for rep in plan.replicas)
     if abs(total - 1.0) > 1e-6:
         raise err("replicas", f"batch_fraction values sum to {total:.6g}; expected 1")
     server = plan.sync.server
@@ -310,6 +255,74 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
     if sum(batches) != plan.global_batch:
         raise err("replicas", f"replica batches {batches} (round(fraction * global_batch)) sum to "
                               f"{sum(batches)}; expected global_batch {plan.global_batch}")
+
+
+def _validate_replica(plan: Plan, i: int, batch: int, L: int, seen: dict[str, str], device_names, err) -> None:
+    """Replica i (of `batch` samples): its fraction, microbatches and stages covering [0, L) in order."""
+    rep = plan.replicas[i]
+    where = f"replicas[{i}]"
+    if not 0 < rep.batch_fraction <= 1:
+        raise err(f"{where}.batch_fraction", f"expected a number in (0, 1], got {rep.batch_fraction}")
+    if rep.microbatches < 1:
+        raise err(f"{where}.microbatches", f"expected a positive integer, got {rep.microbatches}")
+    if batch < 1:
+        raise err(f"{where}.batch_fraction",
+                  f"gives round({rep.batch_fraction} * {plan.global_batch}) = 0 samples; expected at least 1")
+    if batch % rep.microbatches:
+        raise err(f"{where}.microbatches",
+                  f"expected a divisor of the replica's batch {batch}, got {rep.microbatches}")
+    if not rep.stages:
+        raise err(f"{where}.stages", "expected at least one stage")
+    if plan.schedule in ("interleaved-1f1b", "zb-h1") and any(st.split for st in rep.stages):
+        raise err("schedule", f"expected gpipe, 1f1b or hippie with a tensor-split stage ({plan.schedule} is not "
+                              "supported together in this version)")
+    if plan.schedule == "interleaved-1f1b":
+        _validate_interleaved(rep, where, err)
+    elif rep.microbatches < min_microbatches(len(rep.stages), plan.schedule):
+        raise err(f"{where}.microbatches",
+                  f"{plan.schedule} needs microbatches >= stages ({len(rep.stages)}), got {rep.microbatches}")
+    expect_start = 0
+    for j, st in enumerate(rep.stages):
+        sw = f"{where}.stages[{j}]"
+        start, end = st.layers
+        if start != expect_start:
+            raise err(f"{sw}.layers", f"expected to start at layer {expect_start} (stages cover [0, L) in order), got {start}")
+        if end <= start:
+            raise err(f"{sw}.layers", f"expected a non-empty range [start, end), got [{start}, {end}]")
+        expect_start = end
+        _validate_stage(plan, i, j, seen, device_names, err)
+    if expect_start != L:
+        raise err(f"{where}.stages[{len(rep.stages) - 1}].layers",
+                  f"expected the last stage to end at layer {L} (the model has {L} layers), got {expect_start}")
+
+
+def _validate_stage(plan: Plan, i: int, j: int, seen: dict[str, str], device_names, err) -> None:
+    """Stage j of replica i: its split, its devices (of the topology, each in one stage but
+    for interleaved 1F1B), its activation offload."""
+    where, st = f"replicas[{i}]", plan.replicas[i].stages[j]
+    sw = f"{where}.stages[{j}]"
+    if st.split:
+        _validate_split(plan, i, j, err)
+    for k, d in enumerate(st.devices):
+        df = f"{sw}.devices[{k}].device" if st.split else f"{sw}.device"
+        if device_names is not None and d not in device_names:
+            raise err(df, f"expected a device of the topology ({', '.join(sorted(device_names))}), got {d!r}")
+        if d in seen and not (plan.schedule == "interleaved-1f1b" and not st.split
+                              and seen[d].startswith(where + ".")):
+            raise err(df, f"device {d!r} is already used by {seen[d]}; expected distinct devices"
+                          + ("" if plan.schedule == "interleaved-1f1b" else
+                             " (a device holds several stages of one replica only under "
+                             "schedule \"interleaved-1f1b\")"))
+        seen.setdefault(d, sw)
+    if st.offload_activations and st.device.split("/")[-1].startswith("cpu:"):
+        raise err(f"{sw}.offload_activations", f"expected only on an accelerator stage "
+                                               f"(a CPU's activations are in host memory), got it on {st.device!r}")
+    if st.offload_activations and plan.schedule == "zb-h1":
+        raise err(f"{sw}.offload_activations", "expected false with schedule \"zb-h1\" (its "
+                                               "weight-gradient pass reads the activations again; not supported)")
+    if st.offload_activations and plan.recompute:
+        raise err(f"{sw}.offload_activations", "expected false with recompute (recompute keeps "
+                                               "only the stage input; offload it or recompute, not both)")
 
 
 def _validate_split(plan: Plan, i: int, j: int, err) -> None:

@@ -10,10 +10,13 @@ numba).
 """
 from __future__ import annotations
 
+import types
 from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
+
+from planner.sim.deadlock import Deadlock
 
 MIN_TASKS = 1000   # graphs at least this large run compiled (where numba is installed)
 
@@ -34,20 +37,24 @@ def available() -> bool:
     return _numba is not False
 
 
-def jit(f):
-    """f compiled by numba (cached on disk); call only where `available()`."""
-    return _numba.njit(cache=True)(f)
+def jit(f, *helpers):
+    """f compiled by numba (cached on disk), and the `helpers` it calls by name compiled with it
+    (the module keeps its Python functions for the Python path); call only where `available()`."""
+    if not helpers:
+        return _numba.njit(cache=True)(f)
+    names = dict(f.__globals__)   # f and its helpers see each other compiled here
+    for g in (f, *helpers):
+        names[g.__name__] = types.FunctionType(g.__code__, names, g.__name__, g.__defaults__)
+    for g in (f, *helpers):
+        names[g.__name__] = _numba.njit(cache=True)(names[g.__name__])
+    return names[f.__name__]
 
 
 def _compiled():
-    """The compiled loop (its helpers compiled first: the loop calls them by their names)."""
+    """The compiled loop, with the helpers it calls."""
     global _loop
     if _loop is None:
-        jit = _numba.njit(cache=True)
-        g = globals()
-        for name in ("_push_key", "_pop_key", "_push_time", "_pop_time"):
-            g[name] = jit(g[name])
-        _loop = jit(_loop_py)
+        _loop = jit(_loop_py, _loop_state, _begin, _hold_all, _push_key, _pop_key, _push_time, _pop_time)
     return _loop
 
 
@@ -95,62 +102,36 @@ def from_arrays(res_ptr, res_idx, succ_ptr, succ_idx, ndeps, shared_res, n_res: 
 
 def run(p: Prepared, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(start, end) as planner.sim.eventloop.run gives them for this graph and durations."""
-    start, end, ok = _compiled()(np.ascontiguousarray(dur, np.float64), p.res_ptr, p.res_idx, p.succ_ptr,
-                                 p.succ_idx, p.ndeps.copy(), p.solo, p.cap_ptr, p.wake)
-    if not ok:
-        raise RuntimeError("simulator deadlock: some tasks never became ready")
+    start, end, started = _compiled()(np.ascontiguousarray(dur, np.float64), p.res_ptr, p.res_idx, p.succ_ptr,
+                                      p.succ_idx, p.ndeps.copy(), p.solo, p.cap_ptr, p.wake)
+    if not started.all():
+        raise Deadlock([s if k else None for s, k in zip(start.tolist(), started.tolist())],
+                       [p.res_idx[a:b].tolist() for a, b in zip(p.res_ptr[:-1], p.res_ptr[1:])])
     return start, end
 
 
 def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wake):
-    """eventloop.run over arrays (see there for the rules). Waiting tasks: one binary heap of
-    keys rank * n + t per resource (its slice of `heap`); task ends: one heap of (time, task),
-    a round taking every end at the earliest time."""
+    """eventloop.run over arrays. Waiting: a binary heap of keys rank * n + t per resource (a slice of
+    `heap`); ends: a heap of (time, task). A helper with a loop only off the common path: calls count."""
     n = dur.shape[0]
-    n_res = solo.shape[0]
-    start = np.zeros(n)
-    end = np.zeros(n)
-    started = np.zeros(n, np.bool_)
-    busy = np.zeros(n_res, np.bool_)
-    free_at = np.zeros(n_res)
-    heap = np.zeros(max(cap_ptr[n_res], 1), np.int64)
-    hlen = np.zeros(n_res, np.int64)
-    tt = np.zeros(max(n, 1))                 # the ends heap: times
-    tk = np.zeros(max(n, 1), np.int64)       # and their tasks
-    tlen = 0
-    newly = np.zeros(max(n, 1), np.int64)
-    k_new = 0
-    for t in range(n):
-        if ndeps[t] == 0:
-            newly[k_new] = t
-            k_new += 1
-    touched = np.zeros(max(n_res, 1), np.int64)
-    mark = np.zeros(n_res, np.bool_)
-    k_touch = 0
-    ending = np.zeros(max(n, 1), np.int64)
-    now = 0.0
-    base = 0
+    start, end, started, busy, free_at, heap, hlen, tt, tk, newly, touched, mark, ending, k_new = _loop_state(
+        n, solo.shape[0], cap_ptr, ndeps)
+    tlen, k_touch, now, base = 0, 0, 0.0, 0
     while True:
         if k_new > 1:
             newly[:k_new].sort()
-        for i in range(k_new):
+        for i in range(k_new):                  # the newly ready, in id order
             t = newly[i]
             a, b = res_ptr[t], res_ptr[t + 1]
             if b - a == 1:
                 x = res_idx[a]
                 if solo[x] and not busy[x] and hlen[x] == 0:
                     busy[x] = True
-                    start[t] = now
-                    started[t] = True
                     e = now + dur[t] + (wake[t] if free_at[x] < now else 0.0)
-                    end[t] = e
-                    tlen = _push_time(tt, tk, tlen, e, t)
+                    tlen = _begin(start, end, started, tt, tk, tlen, t, now, e)
                     continue
             elif b == a:                       # a pure join completes at once
-                start[t] = now
-                end[t] = now
-                started[t] = True
-                tlen = _push_time(tt, tk, tlen, now, t)
+                tlen = _begin(start, end, started, tt, tk, tlen, t, now, now)
                 continue
             for j in range(a, b):
                 x = res_idx[j]
@@ -174,34 +155,22 @@ def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wa
             t = heap[off] % n
             a, b = res_ptr[t], res_ptr[t + 1]
             if b - a > 1:
-                free = True
-                for j in range(a, b):
-                    if busy[res_idx[j]]:
-                        free = False
-                        break
-                if not free:
+                if not _hold_all(busy, res_idx, a, b):
                     continue
-                for j in range(a, b):
-                    busy[res_idx[j]] = True
                 e = now + dur[t]
             else:
                 _pop_key(heap, off, hlen, x)
                 busy[x] = True
                 e = now + dur[t] + (wake[t] if free_at[x] < now else 0.0)
-            start[t] = now
-            started[t] = True
-            end[t] = e
-            tlen = _push_time(tt, tk, tlen, e, t)
-        k_touch = 0
-        k_new = 0
+            tlen = _begin(start, end, started, tt, tk, tlen, t, now, e)
+        k_touch = k_new = 0
         if tlen == 0:
             break
         e = tt[0]
         if e != now:
-            now = e
-            base += n
+            now, base = e, base + n
         k_end = 0
-        while tlen > 0 and tt[0] == e:
+        while tlen > 0 and tt[0] == e:          # every task ending at e, off the ends heap
             ending[k_end] = tk[0]
             k_end += 1
             tlen = _pop_time(tt, tk, tlen)
@@ -209,8 +178,7 @@ def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wa
             t = ending[i]
             for j in range(res_ptr[t], res_ptr[t + 1]):
                 x = res_idx[j]
-                busy[x] = False
-                free_at[x] = e
+                busy[x], free_at[x] = False, e
                 if hlen[x] > 0 and not mark[x]:
                     mark[x] = True
                     touched[k_touch] = x
@@ -221,7 +189,41 @@ def _loop_py(dur, res_ptr, res_idx, succ_ptr, succ_idx, ndeps, solo, cap_ptr, wa
                 if ndeps[v] == 0:
                     newly[k_new] = v
                     k_new += 1
-    return start, end, bool(started.all())
+    return start, end, started
+
+
+def _loop_state(n, n_res, cap_ptr, ndeps):
+    """`_loop_py`'s arrays: per task start, end, started; per resource busy, last freed, its
+    waiting heap (a slice of `heap`) and that heap's length; the ends heap (times, tasks); the
+    instant's newly ready tasks (at first those without predecessors: how many, last), touched
+    resources (and their marks), ending tasks."""
+    m = max(n, 1)
+    newly, k = np.zeros(m, np.int64), 0
+    for t in range(n):
+        if ndeps[t] == 0:
+            newly[k] = t
+            k += 1
+    return (np.zeros(n), np.zeros(n), np.zeros(n, np.bool_), np.zeros(n_res, np.bool_), np.zeros(n_res),
+            np.zeros(max(cap_ptr[n_res], 1), np.int64), np.zeros(n_res, np.int64), np.zeros(m), np.zeros(m, np.int64),
+            newly, np.zeros(max(n_res, 1), np.int64), np.zeros(n_res, np.bool_), np.zeros(m, np.int64), k)
+
+
+def _begin(start, end, started, tt, tk, tlen, t, now, e):
+    """Task t starts now and ends at e; the ends heap's new length."""
+    start[t] = now
+    started[t] = True
+    end[t] = e
+    return _push_time(tt, tk, tlen, e, t)
+
+
+def _hold_all(busy, res_idx, a, b):
+    """Whether every resource res_idx[a:b] is free; if so they are now busy."""
+    for j in range(a, b):
+        if busy[res_idx[j]]:
+            return False
+    for j in range(a, b):
+        busy[res_idx[j]] = True
+    return True
 
 
 def _push_key(heap, off, hlen, x, key):

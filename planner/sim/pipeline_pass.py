@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner.sim import fastloop
+from planner.sim.deadlock import Deadlock
 from planner.sim.template import ReplicaCore, message_ends, replica_core
 
 COMPILED_FROM = 200   # compute tasks from which the pass runs compiled (where numba is installed)
@@ -199,63 +200,96 @@ def _times(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur):
     return start, end, link, link_zero, True
 
 
-def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, hop_link, n_links, link_ptr,
-                  link_hop, hop_q, q_src, q_m, first_hop, stride):
-    """`_times` where hop slots share links (`hop_link`: each slot's link; a link's slots
-    link_hop[link_ptr[k]:link_ptr[k + 1]], each slot's queue `hop_q`, each queue's sending row
-    `q_src` and its messages `q_m`, for several replicas' rows and queues): a shared link
-    serves a hop only once no other hop can come to it with a lower (ready time, task id):
-    each other slot's next hop there is ready at a known time or at the earliest when its
-    message is, its send task ends or its sender's row can run its next task. Messages
-    move as soon as they can. ok False where nothing can move (a bound too weak, or a
-    deadlock). Also returns each hop's ready time, whether it became ready in a later round of
-    that instant than the loop's first (a task taking no time made it ready), and its place on
-    its link."""
-    n_tasks, n_rows, n_q = len(dur), len(row_ptr) - 1, send.shape[0]
-    m = send.shape[1]
-    n_hops = len(hop_dur)
-    start, end = np.zeros(n_tasks), np.zeros(n_tasks)
-    done = np.zeros(n_tasks, np.bool_)
-    free_at = np.zeros(n_rows)
-    pos = row_ptr[:-1].copy()
-    last, last_zero = np.zeros(n_links), np.zeros(n_links, np.bool_)
-    served = np.zeros(n_links, np.int64)
-    ready = np.zeros((n_hops, m))
-    late = np.zeros((n_hops, m), np.bool_)
-    place = np.zeros((n_hops, m), np.int64)
-    arrive = np.zeros(send.shape)
-    nxt = np.zeros(n_q, np.int64)       # per queue: its message under way
-    hk = np.full(n_q, -1, np.int64)     # and that message's next hop (-1: not left yet)
-    rq = np.zeros(n_q)                  # and when it is ready for that hop
-    lq = np.zeros(n_q, np.bool_)        # and whether in a later round of that instant
-    lb_row = np.zeros(n_rows)   # per row, the earliest its next task can start (made when asked)
-    left = n_tasks
+class LinkedState(NamedTuple):
+    """`_times_linked`'s arrays, its results among them: each compute task's start, end and
+    whether it ran; per row when it is free and its next task; per link its last end, whether
+    the hop ending then took no time, and how many hops it served; per hop slot and microbatch
+    the hop's ready time, whether it became ready in a later round of that instant than the
+    loop's first (a task taking no time made it ready), and its place on its link; per queue
+    and microbatch when the message arrives; per queue its message under way (`nxt`), that
+    message's next hop (`hk`, -1: not left yet), when it is ready for it (`rq`) and whether in
+    a later round of that instant (`lq`); per row the earliest its next task can start
+    (`lb_row`, made when asked: `lb_made[0]`)."""
+    start: np.ndarray
+    end: np.ndarray
+    done: np.ndarray
+    free_at: np.ndarray
+    pos: np.ndarray
+    last: np.ndarray
+    last_zero: np.ndarray
+    served: np.ndarray
+    ready: np.ndarray
+    late: np.ndarray
+    place: np.ndarray
+    arrive: np.ndarray
+    nxt: np.ndarray
+    hk: np.ndarray
+    rq: np.ndarray
+    lq: np.ndarray
+    lb_row: np.ndarray
+    lb_made: np.ndarray
+
+
+class LinkedTimes(NamedTuple):
+    """The linked pass's times (`LinkedState`'s fields of the same names); `ok` False where
+    nothing could move (a bound too weak, or a deadlock)."""
+    start: np.ndarray
+    end: np.ndarray
+    last: np.ndarray
+    last_zero: np.ndarray
+    ready: np.ndarray
+    late: np.ndarray
+    place: np.ndarray
+    ok: bool
+
+
+def linked_pass(lay, dur, hop_dur) -> LinkedTimes:
+    """The linked pass over `lay` (a `LinkedLayout`) for the compute tasks' durations `dur` and
+    the hop slots' `hop_dur` (compiled as one: `_pass_linked`)."""
+    st = linked_state(lay)
+    ok = _times_linked(lay, dur, hop_dur, st)
+    return LinkedTimes(st.start, st.end, st.last, st.last_zero, st.ready, st.late, st.place, ok)
+
+
+def linked_state(lay) -> LinkedState:
+    """A fresh `LinkedState` for `lay`."""
+    n, n_rows, n_q, m = len(lay.task_slot), len(lay.row_ptr) - 1, lay.send.shape[0], lay.send.shape[1]
+    n_hops, n_links = len(lay.hop_slot), lay.n_links
+    return LinkedState(np.zeros(n), np.zeros(n), np.zeros(n, np.bool_), np.zeros(n_rows), lay.row_ptr[:-1].copy(),
+                       np.zeros(n_links), np.zeros(n_links, np.bool_), np.zeros(n_links, np.int64),
+                       np.zeros((n_hops, m)), np.zeros((n_hops, m), np.bool_), np.zeros((n_hops, m), np.int64),
+                       np.zeros(lay.send.shape), np.zeros(n_q, np.int64), np.full(n_q, -1, np.int64), np.zeros(n_q),
+                       np.zeros(n_q, np.bool_), np.zeros(n_rows), np.zeros(1, np.bool_))
+
+
+def _times_linked(lay, dur, hop_dur, st) -> bool:
+    """`_times` where hop slots share links (`lay`: a `LinkedLayout`), into `st` (a `LinkedState`),
+    a shared link serving a hop once no other can come first (`LinkedRun`); False where nothing
+    can move. One loop: compiled, each call in it would count references to every array it takes."""
+    row_ptr, take_q, take_i, send, post, q_m, q_src, hop_ptr, hop_link, link_ptr, link_hop, hop_q, first_hop, stride = (
+        lay.row_ptr, lay.take_q, lay.take_i, lay.send, lay.post, lay.q_m, lay.q_src, lay.hop_ptr, lay.hop_link,
+        lay.link_ptr, lay.link_hop, lay.hop_q, lay.first_hop, lay.stride)
+    (start, end, done, free_at, pos, last, last_zero, served, ready, late, place, arrive, nxt, hk, rq, lq, lb_row,
+     lb_made) = st   # every field, in order
+    n_rows, n_q, left = len(row_ptr) - 1, send.shape[0], len(dur)
     while left > 0:
-        moved = False
-        lb_made = False
+        moved = lb_made[0] = False
         for step in range(n_rows + 1):   # every queue, then each row and the queues it sends on
             lo, hi = 0, n_q
             if step > 0:
                 d = step - 1
                 lo, hi = max(2 * d - 1, 0), min(2 * d + 1, n_q)
-                while pos[d] < row_ptr[d + 1]:
+                while pos[d] < row_ptr[d + 1]:   # row d's tasks as far as their messages have arrived
                     t = pos[d]
-                    r = free_at[d]
-                    q = take_q[t]
-                    if q >= 0:
-                        i = take_i[t]
-                        if nxt[q] <= i:
-                            break
-                        if arrive[q, i] > r:
-                            r = arrive[q, i]
-                    start[t] = r
-                    end[t] = r + dur[t]
-                    done[t] = True
+                    r, q, i = free_at[d], take_q[t], take_i[t]
+                    if q >= 0 and nxt[q] <= i:
+                        break
+                    if q >= 0 and arrive[q, i] > r:
+                        r = arrive[q, i]
+                    start[t], end[t], done[t] = r, r + dur[t], True
                     free_at[d] = end[t]
-                    pos[d] += 1
-                    left -= 1
-                    moved = True
-            for q in range(lo, hi):
+                    pos[d], left, moved = pos[d] + 1, left - 1, True
+            for q in range(lo, hi):   # the queue's messages sent and moved hop by hop as far as they can go
                 while nxt[q] < q_m[q]:
                     j = nxt[q]
                     if hk[q] < 0:
@@ -271,53 +305,24 @@ def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, ho
                         moved = True
                     h, r = hk[q], rq[q]
                     while h < hop_ptr[q + 1]:
-                        k = hop_link[h]
-                        go = True
-                        mine = first_hop[q] + stride[q] * j + h - hop_ptr[q]
-                        for a in range(link_ptr[k], link_ptr[k + 1]):
+                        k, go, mine = hop_link[h], True, first_hop[q] + stride[q] * j + h - hop_ptr[q]
+                        for a in range(link_ptr[k], link_ptr[k + 1]):   # another slot's hop first?
                             h2 = link_hop[a]
                             q2 = hop_q[h2]
-                            if h2 == h:
-                                continue
                             j2 = nxt[q2] + (1 if hk[q2] > h2 else 0)   # its next message through h2
-                            if j2 >= q_m[q2]:
+                            if h2 == h or j2 >= q_m[q2]:
                                 continue
                             if j2 == nxt[q2] and hk[q2] == h2:         # waiting there: known exactly
-                                lb = rq[q2]
-                                if lb < r or (lb == r and first_hop[q2] + stride[q2] * j2 + h2 - hop_ptr[q2] < mine):
-                                    go = False
-                                    break
-                                continue
-                            if j2 == nxt[q2] and hk[q2] >= 0:          # on its way, before h2
-                                lb = rq[q2] + hop_dur[hk[q2]]
+                                lb, tie = rq[q2], first_hop[q2] + stride[q2] * j2 + h2 - hop_ptr[q2] < mine
+                            elif j2 == nxt[q2] and hk[q2] >= 0:        # on its way, before h2
+                                lb, tie = rq[q2] + hop_dur[hk[q2]], True
                             elif done[send[q2, j2]]:
-                                lb = end[send[q2, j2]]
+                                lb, tie = end[send[q2, j2]], True
                             else:                                       # not sent: its row's next task first
-                                if not lb_made:   # a row waiting for a message: not before it can come
-                                    lb_made = True
-                                    lb_row[:] = free_at
-                                    for _ in range(n_rows):
-                                        changed = False
-                                        for d2 in range(n_rows):
-                                            if pos[d2] >= row_ptr[d2 + 1] or take_q[pos[d2]] < 0:
-                                                continue
-                                            q3, i3 = take_q[pos[d2]], take_i[pos[d2]]
-                                            if nxt[q3] > i3:
-                                                continue
-                                            if i3 == nxt[q3] and hk[q3] >= 0:
-                                                b = rq[q3] + hop_dur[hk[q3]]
-                                            elif done[send[q3, i3]]:
-                                                b = end[send[q3, i3]]
-                                            else:
-                                                b = lb_row[q_src[q3]] + dur[pos[q_src[q3]]]
-                                            if b > lb_row[d2]:
-                                                lb_row[d2] = b
-                                                changed = True
-                                        if not changed:
-                                            break
-                                c = q_src[q2]
-                                lb = lb_row[c] + dur[pos[c]]
-                            if lb <= r:
+                                if not lb_made[0]:
+                                    _linked_bounds(lay, dur, hop_dur, st)
+                                lb, tie = lb_row[q_src[q2]] + dur[pos[q_src[q2]]], True
+                            if lb < r or (lb == r and tie):
                                 go = False
                                 break
                         if not go:
@@ -326,21 +331,46 @@ def _times_linked(row_ptr, dur, take_q, take_i, send, post, hop_ptr, hop_dur, ho
                         if last[k] > r:
                             r = last[k]
                         e = r + hop_dur[h]
-                        last_zero[k] = e == r
-                        lq[q] = e == r
-                        last[k] = e
-                        served[k] += 1
-                        r = e
-                        h += 1
-                        moved = True
+                        last_zero[k] = lq[q] = e == r
+                        last[k], r = e, e
+                        served[k], h, moved = served[k] + 1, h + 1, True
                     if h < hop_ptr[q + 1]:
                         hk[q], rq[q] = h, r
                         break
                     arrive[q, j] = r
                     nxt[q], hk[q] = j + 1, -1
         if not moved:
-            return start, end, last, last_zero, ready, late, place, False
-    return start, end, last, last_zero, ready, late, place, True
+            return False
+    return True
+
+
+def _linked_bounds(lay, dur, hop_dur, st) -> None:
+    """Per row the earliest its next task can start (`st.lb_row`, made once a round: `lb_made`):
+    a row waiting for a message not before the message can come."""
+    row_ptr, take_q, take_i, send, q_src = lay.row_ptr, lay.take_q, lay.take_i, lay.send, lay.q_src
+    nxt, hk, rq, end, done, pos, lb_row = st.nxt, st.hk, st.rq, st.end, st.done, st.pos, st.lb_row
+    n_rows = len(row_ptr) - 1
+    st.lb_made[0] = True
+    lb_row[:] = st.free_at
+    for _ in range(n_rows):
+        changed = False
+        for d2 in range(n_rows):
+            if pos[d2] >= row_ptr[d2 + 1] or take_q[pos[d2]] < 0:
+                continue
+            q3, i3 = take_q[pos[d2]], take_i[pos[d2]]
+            if nxt[q3] > i3:
+                continue
+            if i3 == nxt[q3] and hk[q3] >= 0:
+                b = rq[q3] + hop_dur[hk[q3]]
+            elif done[send[q3, i3]]:
+                b = end[send[q3, i3]]
+            else:
+                b = lb_row[q_src[q3]] + dur[pos[q_src[q3]]]
+            if b > lb_row[d2]:
+                lb_row[d2] = b
+                changed = True
+        if not changed:
+            break
 
 
 _compiled_linked = None
@@ -349,7 +379,7 @@ _compiled_linked = None
 def _pass_linked():
     global _compiled_linked
     if _compiled_linked is None:
-        _compiled_linked = fastloop.jit(_times_linked)
+        _compiled_linked = fastloop.jit(linked_pass, linked_state, _times_linked, _linked_bounds)
     return _compiled_linked
 
 
@@ -374,9 +404,7 @@ def warm() -> None:
     v = np.linspace(1.0, 2.0, core.n_values)
     lay, ln = layout(*core.args), LinkedRun([core], [canon]).lay
     _pass()(lay.row_ptr, v[lay.task_slot], lay.take_q, lay.take_i, lay.send, lay.post, lay.hop_ptr, v[lay.hop_slot])
-    _pass_linked()(ln.row_ptr, v[ln.task_slot], ln.take_q, ln.take_i, ln.send, ln.post, ln.hop_ptr, v[ln.hop_slot],
-                   ln.hop_link, ln.n_links, ln.link_ptr, ln.link_hop, ln.hop_q, ln.q_src, ln.q_m, ln.first_hop,
-                   ln.stride)
+    _pass_linked()(ln, v[ln.task_slot], v[ln.hop_slot])
     g = graph(*core.args)
     fastloop.run(fastloop.from_arrays(np.arange(len(g.res_slot) + 1, dtype=np.int64), g.res_slot, g.succ_ptr,
                                       g.succ_idx, g.ndeps, (), int(g.res_slot.max()) + 1, np.zeros(len(g.res_slot))),
@@ -404,7 +432,7 @@ class PipelineRun:
         start, end, link, link_zero, ok = f(lay.row_ptr, dur, lay.take_q, lay.take_i, lay.send, lay.post,
                                             lay.hop_ptr, hop_dur)
         if not ok:
-            raise ValueError(f"schedule {self.core.args[0]!r} deadlocks")
+            raise Deadlock(what=f"schedule {self.core.args[0]!r} cannot run")
         return _replica_run(self.n_res, lay.row_ptr, self.local, start, end, self.local[lay.hop_res], link, link_zero,
                             "pipeline-pass")
 
@@ -543,14 +571,12 @@ class LinkedRun:
         lay = self.lay
         v = np.asarray(values, np.float64)
         dur, hop_dur = v[lay.task_slot], v[lay.hop_slot]
-        f = (_pass_linked() if len(dur) >= COMPILED_FROM and fastloop.available() else _times_linked)
-        start, end, link, link_zero, ready, late, place, ok = f(
-            lay.row_ptr, dur, lay.take_q, lay.take_i, lay.send, lay.post, lay.hop_ptr, hop_dur, lay.hop_link,
-            lay.n_links, lay.link_ptr, lay.link_hop, lay.hop_q, lay.q_src, lay.q_m, lay.first_hop, lay.stride)
-        if not ok or not self._served_in_order(ready, late, place):
+        f = (_pass_linked() if len(dur) >= COMPILED_FROM and fastloop.available() else linked_pass)
+        st = f(lay, dur, hop_dur)
+        if not st.ok or not self._served_in_order(st.ready, st.late, st.place):
             return None
-        return _replica_run(self.n_res, lay.row_ptr, self.row_res, start, end, self.links, link, link_zero,
-                            "linked-pass")
+        return _replica_run(self.n_res, lay.row_ptr, self.row_res, st.start, st.end, self.links, st.last,
+                            st.last_zero, "linked-pass")
 
     def _served_in_order(self, ready: np.ndarray, late: np.ndarray, place: np.ndarray) -> bool:
         """Whether each shared link served its hops by (ready time, task id), none of a tie

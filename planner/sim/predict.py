@@ -44,6 +44,7 @@ def predict_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tra
     from planner.workload.capture import capture_graph
     from planner.files.plan import validate_plan
     from planner.cost.timing import cost_model
+    from planner.sim.deadlock import Deadlock
     from planner.sim.simulator import Simulator
     from planner.hardware.lookup import measured_here
     from planner.workload.load import load_plan_workload
@@ -60,6 +61,9 @@ def predict_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tra
     sim = Simulator(graph, topology, cost)
     try:
         result = sim.simulate(plan, trace=trace)
+    except Deadlock as e:   # the header line, then the grid of the tasks that ran and the blocked ones
+        head, _, grid = str(e).partition("\n")
+        raise InputError(f"{plan_path}: schedule: {head}", detail=grid) from None
     except (ValueError, KeyError) as e:
         raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
     if not interval:

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import heapq
 
+from planner.sim.deadlock import Deadlock
+
 
 def run(dur, res, succ, ndeps, n_res: int, wake: dict[int, float] | None = None) -> tuple[list[float], list[float]]:
     """(start, end) of every task; `dur`, `res` (resource ids), `succ` and `ndeps` (number of
-    predecessors) per task id, `wake` per task that wakes up. Raises on a deadlock."""
+    predecessors) per task id, `wake` per task that wakes up. Raises planner.sim.deadlock.Deadlock
+    where some task never becomes ready."""
     wake, waiting = wake or {}, list(ndeps)
     n = len(dur)
     start: list[float | None] = [None] * n
@@ -68,7 +71,7 @@ def run(dur, res, succ, ndeps, n_res: int, wake: dict[int, float] | None = None)
                 if waiting[v] == 0:
                     ready.append(v)
     if None in start:
-        raise RuntimeError("simulator deadlock: some tasks never became ready")
+        raise Deadlock(start, res)
     return start, end
 
 

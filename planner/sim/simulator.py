@@ -75,6 +75,7 @@ from planner.cost.model import CostModel, RooflineCost
 from planner.sim import contention
 from planner.sim.bound import BoundCache, lower_bound_s
 from planner.sim.build import STREAM_ITERATIONS, Builder
+from planner.sim.deadlock import Deadlock
 from planner.sim.engines import DELTA, TWINS, Engine, engines_of, run_graph
 from planner.sim.eventloop import shared_resources
 from planner.sim.delta import Delta, groups as delta_groups
@@ -285,7 +286,7 @@ class Simulator:
         if len(self._structures) >= STRUCTURE_CACHE_SIZE:
             self._structures.clear()
         self._wakes(g)   # also numbers the devices' wake-ups (_wake_at)
-        g.delta = Delta.of_parts(g, g.wake, self._structures, self._wake_at, self._links, self.engines) or False
+        g.cache.delta = Delta.of_parts(g, g.wake, self._structures, self._wake_at, self._links, self.engines) or False
         return g
 
     def _wakes(self, g: TaskGraph) -> dict[int, float]:
@@ -313,10 +314,15 @@ class Simulator:
         whole graph g by the graph engines; contended CPU workers' durations follow the
         timeline (planner.sim.contention: a run per pass). Lists where contended or traced."""
         self._wakes(g)
-        if g.dkey_array is None:
-            g.dkey_array = np.array(g.dkey, np.int64)
-        base = dur = np.asarray(values, np.float64)[g.dkey_array]
-        start, end, engine = run_graph(g, dur, self.engines)
+        if g.cache.dkey_array is None:
+            g.cache.dkey_array = np.array(g.dkey, np.int64)
+        base = dur = np.asarray(values, np.float64)[g.cache.dkey_array]
+        try:
+            start, end, engine = run_graph(g, dur, self.engines)
+        except Deadlock as e:   # named where the graph is traced (every task labelled)
+            if not trace or e.start is None:
+                raise
+            raise e.named(self.lanes, [m.label if m else None for m in g.meta]) from None
         if contended or trace:
             base = dur = base.tolist()
             start, end = _listed(start), _listed(end)
@@ -336,12 +342,12 @@ class Simulator:
                 or self._coupled(plan)):
             return None
         g = self._shape(plan, False, delta=True)
-        if not g.delta:
+        if not g.cache.delta:
             return None
         values = self._evaluate(plan, g)
         if self._plan_facts(plan, g):   # contended: durations depend on the timeline
             return None
-        out = g.delta.run(values, self._replica_runs)
+        out = g.cache.delta.run(values, self._replica_runs)
         return None if out is None else (g, values, *out)
 
     def _coupled(self, plan: Plan) -> bool:
@@ -375,12 +381,13 @@ class Simulator:
 
     def _plan_facts(self, plan: Plan, g: TaskGraph) -> dict[str, list[str]]:
         """g's contended CPU workers (contention.contended), buffer broadcasts and iteration
-        overhead, kept on g: they depend on the plan's shape only. Returns the former."""
-        if g.contended is None:
-            g.contended = contention.contended(self.topology, self.cost, plan)
-            g.buffer_s = self.buffer_sync_s(plan)
-            g.overhead_s = self.cost.iteration_overhead_s(len(plan.devices)) + max(g.buffer_s.values(), default=0.0)
-        return g.contended
+        overhead, kept in g.cache: they depend on the plan's shape only. Returns the former."""
+        if g.cache.contended is None:
+            g.cache.contended = contention.contended(self.topology, self.cost, plan)
+            g.cache.buffer_s = self.buffer_sync_s(plan)
+            g.cache.overhead_s = (self.cost.iteration_overhead_s(len(plan.devices))
+                                  + max(g.cache.buffer_s.values(), default=0.0))
+        return g.cache.contended
 
     def buffer_sync_s(self, plan: Plan) -> dict[str, float]:
         """Per device, its seconds in the buffer broadcasts before each iteration
@@ -413,12 +420,12 @@ class Simulator:
         is applied per task by `contention.contend`."""
         cost, graph = self.cost, self.graph
         mbs = [b / rep.microbatches for b, rep in zip(plan.replica_batches(), plan.replicas)]
-        if g.by_replica is None:
+        if g.cache.by_replica is None:
             # a Const depends on no batch; a recipe with a `replica` on that replica's microbatch
             # only; any other kind is evaluated for every plan; blocks below
-            g.by_replica = [([], {}) for _ in mbs]
-            g.fixed = [None] * len(g.recipes)
-            g.unkept = []
+            g.cache.by_replica = [([], {}) for _ in mbs]
+            g.cache.fixed = [None] * len(g.recipes)
+            g.cache.unkept = []
             blocked = bytearray(len(g.recipes))
             for base, recipes, _ in g.value_blocks:
                 blocked[base:base + len(recipes)] = b"\x01" * len(recipes)
@@ -427,15 +434,15 @@ class Simulator:
                 if blocked[k]:
                     continue
                 if isinstance(rc, Const):
-                    g.fixed[k] = rc.seconds(cost, graph, mbs)
+                    g.cache.fixed[k] = rc.seconds(cost, graph, mbs)
                 elif isinstance(r, int):
-                    g.by_replica[r][0].append(k)
+                    g.cache.by_replica[r][0].append(k)
                 else:
-                    g.unkept.append(k)
-        values = g.fixed.copy()
-        for k in g.unkept:
+                    g.cache.unkept.append(k)
+        values = g.cache.fixed.copy()
+        for k in g.cache.unkept:
             values[k] = g.recipes[k].seconds(cost, graph, mbs)
-        for (ks, seen), mb in zip(g.by_replica, mbs):
+        for (ks, seen), mb in zip(g.cache.by_replica, mbs):
             vs = seen.get(mb)
             if vs is None:   # values per microbatch size: a search moves batches back and forth
                 if len(seen) >= 32:
@@ -488,6 +495,16 @@ class Simulator:
                                     f"captured in {self.graph.precision} (see ByPrecision)")
 
     def simulate(self, plan: Plan, trace: bool = False) -> SimResult:
+        """One iteration of `plan`. Where it cannot finish, planner.sim.deadlock.Deadlock with the
+        step x resource grid of the plan's whole graph, traced (resources and tasks named)."""
+        try:
+            return self._simulate(plan, trace)
+        except Deadlock:
+            if not trace:
+                self._simulate(plan, trace=True)   # raises the deadlock named, where it is one there
+            raise
+
+    def _simulate(self, plan: Plan, trace: bool) -> SimResult:
         self._check_precision(plan)
         key = self._key(plan)
         if not trace and self._cache and key in self._cache:   # (hashing a plan takes microseconds)
@@ -509,14 +526,14 @@ class Simulator:
                     self._plan_facts(plan, g)   # its own graph: its iteration overhead too
             last, base, dur, start, end, engine = self._run(g, values, contended, trace)
             engine = f"twins/{engine}" if twins else engine
-        iteration_s = last + g.overhead_s
+        iteration_s = last + g.cache.overhead_s
         slowed = contention.slowdown(self.rid, contended, g, base, dur)
         per_iteration = 1.0 / STREAM_ITERATIONS if g.iteration_ends else 1.0
         peaks = self._peak(plan, key)
         stats: dict[str, dict[str, float]] = {}
-        if g.stat_rows is None:
-            g.stat_rows = StatRows.of(g)
-        sums = g.stat_rows.sums(values, per_iteration)
+        if g.cache.stat_rows is None:
+            g.cache.stat_rows = StatRows.of(g)
+        sums = g.cache.stat_rows.sums(values, per_iteration)
         for k, d in enumerate(g.devices):
             v = stats[d] = dict(zip(_STATS, sums[k]))
             if d in slowed:
@@ -526,7 +543,7 @@ class Simulator:
             v["busy_s"] = v["compute_s"]
             v["idle_s"] = iteration_s - v["busy_s"]
             v["peak_memory_bytes"] = peaks.get(d, 0.0)
-        for d, spent in g.buffer_s.items():
+        for d, spent in g.cache.buffer_s.items():
             stats[d]["comm_s"] += spent
         for d, steps in staleness(plan).items():
             stats[d]["staleness_steps"] = float(steps)

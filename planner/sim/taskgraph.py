@@ -260,6 +260,30 @@ class EngineState:
         self.runs, self.static, self.fast, self.coupling = 0, None, None, coupling
 
 
+class ShapeCache:
+    """What the simulator keeps for a plan shape besides its graph: recipe values that depend on
+    no replica (None elsewhere), per replica its recipes and their values per microbatch size,
+    the recipes of other kinds (evaluated for every plan); the CPU workers slowed by contention
+    (planner.sim.contention.contended), per device its buffer broadcasts, the iteration overhead
+    (cost.iteration_overhead_s of the plan's devices and the broadcasts'); the statistics' rows
+    (planner.sim.simulator.StatRows); dkey as an array, once run; the delta build's `Delta`
+    (planner.sim.delta; False where it does not apply, None: not built)."""
+
+    __slots__ = ("fixed", "by_replica", "unkept", "contended", "buffer_s", "overhead_s", "stat_rows", "dkey_array",
+                 "delta")
+
+    def __init__(self):
+        self.fixed: list[float | None] | None = None
+        self.by_replica: list[tuple[list[int], dict[float, list[float]]]] | None = None
+        self.unkept: list[int] = []
+        self.contended: dict[str, list[str]] | None = None
+        self.buffer_s: dict[str, float] = {}
+        self.overhead_s = 0.0
+        self.stat_rows = None
+        self.dkey_array: np.ndarray | None = None
+        self.delta = None
+
+
 class TaskGraph:
     """A plan shape's task graph without durations: parallel lists indexed by task id.
 
@@ -303,20 +327,9 @@ class TaskGraph:
         self.collapsible = False
         self._ghost: list[int] | None = None
         self.wake: dict[int, float] | None = None   # receivers' wake-ups (Simulator._wakes)
-        # per plan shape, filled by the simulator: recipe values that depend on no replica (None
-        # elsewhere), per replica its recipes and their values per microbatch size; the CPU
-        # workers slowed by contention (planner.sim.contention.contended)
-        self.fixed: list[float | None] | None = None
-        self.by_replica: list[tuple[list[int], dict[float, list[float]]]] | None = None
-        self.unkept: list[int] = []   # recipes of other kinds: evaluated for every plan
-        self.contended: dict[str, list[str]] | None = None
-        self.overhead_s = 0.0   # cost.iteration_overhead_s of the plan's devices, the broadcasts'
-        self.buffer_s: dict[str, float] = {}   # per device its buffer broadcasts (Simulator.buffer_sync_s)
-        self.stat_rows = None   # planner.sim.simulator.StatRows: stat_seq as arrays
-        self.state = EngineState()   # the engines' caches for this graph (planner.sim.engines)
+        self.state = EngineState()   # the graph engines' caches (planner.sim.engines)
+        self.cache = ShapeCache()    # the simulator's, for the plan shape (planner.sim.simulator)
         self.n_res = 0   # the resources its tasks may hold (the simulator's), set once built
-        self.dkey_array: np.ndarray | None = None   # dkey as an array, once run
-        self.delta = None   # planner.sim.delta.Delta, False where it does not apply, None: not built
         self.parts: list[tuple] = []   # a delta build's replicas (planner.sim.build.Builder.releases)
         # a PipeDream / 2BW stream (planner.sim.build.Builder.stream): per stage, its last task
         # of each iteration
@@ -486,6 +499,6 @@ class TaskGraph:
         return res_ptr, res_idx, succ_ptr, succ_idx
 
 
-__all__ = ["TaskGraph", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "HeldSend", "SavedCopy",
+__all__ = ["TaskGraph", "ShapeCache", "TIMED", "COUNTED", "Const", "LayerRange", "Recompute", "HopRecipe", "HeldSend", "SavedCopy",
            "SplitRange", "SplitPart", "SplitSync",
            "Recipe", "RouteHop", "ComputeLabel", "TransferLabel", "TaskMeta"]
