@@ -107,6 +107,7 @@ def test_simulate_shows_the_grid_under_its_error_line(backward_first, tmp_path, 
     g, topo, pl = _case()
     monkeypatch.setattr("planner.workload.capture.capture_graph", lambda *a, **k: g)
     monkeypatch.setattr("planner.workload.load.load_plan_workload", lambda *a, **k: None)
+    monkeypatch.setattr("planner.workload.step_check.check_step", lambda *a, **k: None)
     monkeypatch.setattr("planner.cost.timing.cost_model", lambda *a, **k: None)
     with pytest.raises(InputError) as e:
         predict.simulate_plan_file(pl, "plan.json", topo)
