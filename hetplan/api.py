@@ -27,7 +27,7 @@ def train(plan: str | os.PathLike, workload: Callable[..., Any] | Any = None, *,
     `planner.files.io.InputError` (one line naming the argument or file) before training starts.
     """
     from planner.files.plan import load_plan
-    from hetplan.commands.run import train_config
+    from runtime.train_flags import train_config
     from runtime.worker import RunConfig, run_worker
     path = str(Path(plan))
     p = load_plan(path)

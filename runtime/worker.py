@@ -289,7 +289,7 @@ def _cli(argv=None) -> int:
     p.add_argument("--save-params", default=None)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads of every worker (default: see default_threads)")
     p.add_argument("--timeout", type=float, default=60.0)
-    from hetplan.commands.run import add_training_arguments
+    from runtime.train_flags import add_training_arguments
     add_training_arguments(p)                     # --steps / --epochs: train on the workload's data
     a = p.parse_args(argv)
     threads = {}
@@ -297,7 +297,7 @@ def _cli(argv=None) -> int:
     from planner.files.plan import load_plan
     try:
         plan = load_plan(a.plan)
-        from hetplan.commands.run import train_config
+        from runtime.train_flags import train_config
         training = train_config(a, plan)
     except InputError as e:
         print(f"hetplan run: error: {e}", file=sys.stderr)

@@ -8,6 +8,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -149,3 +151,17 @@ def test_the_length_check_sees_a_long_method(tmp_path, monkeypatch):
     assert long_functions(("pkg",)) == []                 # 80 lines: allowed
     (tmp_path / "pkg" / "m.py").write_text(f"class A:\n    def f(self):\n{body}        y = 0\n")
     assert long_functions(("pkg",)) == ["pkg/m.py:f (81)"]
+
+
+@pytest.mark.parametrize("package,above", [("planner", ("runtime", "hetplan", "benchmarks")),
+                                           ("runtime", ("hetplan", "benchmarks"))])
+def test_no_package_imports_a_layer_above_it(package, above):
+    """planner below runtime below the CLI (hetplan): a circle across them starts with such an
+    import (runtime.worker once took the training flags from hetplan.commands.run)."""
+    bad = []
+    for name, path in _modules(package).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{name} imports {n}" for n in names if n.split(".")[0] in above]
+    assert bad == []
