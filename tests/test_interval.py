@@ -190,3 +190,19 @@ def test_confirm_keeps_the_measured_fastest_when_the_predicted_best_is_slow(tmp_
     assert [c.name for c in got] == ["predicted best", "baseline"]
     assert got[0].median_s > got[1].median_s
     assert fastest(got).name == "baseline"
+
+
+def test_a_searched_plan_replaces_a_baseline_of_as_many_parts_only_when_surely_faster():
+    r = Residual(0.0, 0.05, "")
+    dp = plan([(0.5, 1, [("cuda:0", 0, 2)]), (0.5, 1, [("cuda:1", 0, 2)])], 2)
+    shares = plan([(0.45, 1, [("cuda:0", 0, 2)]), (0.55, 1, [("cuda:1", 0, 2)])], 2)
+    base = Judged("data parallel", dp, [0.100], r, baseline=True)
+    assert choose([base, Judged("search's best", shares, [0.099], r)]).name == "data parallel"
+    assert choose([base, Judged("search's best", shares, [0.080], r)]).name == "search's best"
+
+
+def test_confirming_keeps_the_pick_unless_another_is_clearly_faster():
+    from hetplan.confirm import Confirmed, fastest
+    pick = Confirmed("pick", 0.01, (0.0100, 0.0101))
+    assert fastest([pick, Confirmed("other", 0.01, (0.0099, 0.0099))]).name == "pick"     # 2 %: noise
+    assert fastest([pick, Confirmed("other", 0.01, (0.0090, 0.0091))]).name == "other"    # 10 %

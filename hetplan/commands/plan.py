@@ -199,7 +199,7 @@ def _choose(args, problem, topology, result) -> _Choice:
     for c in [*(b for b in result.baselines if b.feasible), replace(result.best, name="search's best")]:
         key = plan_key(c.plan)
         if key not in by_key:
-            by_key[key] = judge(draws, c.name, c.plan, measured)
+            by_key[key] = judge(draws, c.name, c.plan, measured, baseline=c.name != "search's best")
             cands[c.name] = c
     judged = {j.name: j for j in by_key.values()}
     kept = cands[choose(list(judged.values())).name]

@@ -188,12 +188,12 @@ def beat_probability(a: list[float], res_a: Residual, b: list[float], res_b: Res
     return sum(out) / len(out)
 
 
-def judge(draws: Draws, name: str, plan, measured: bool) -> Judged:
+def judge(draws: Draws, name: str, plan, measured: bool, baseline: bool = False) -> Judged:
     """`plan` simulated on `draws`, with the residual of its class."""
     times = draws.times(plan)
     base = getattr(draws.simulator, "simulators", {}).get(plan.precision, draws.simulator)
     kinds = {base.topology.device(d).kind for d in plan.devices}
-    return Judged(name, plan, times, residual(median(times), kinds, measured))
+    return Judged(name, plan, times, residual(median(times), kinds, measured), baseline)
 
 
 def parts(plan) -> int:
@@ -213,6 +213,7 @@ class Judged:
     plan: object
     times: list[float]
     residual: Residual
+    baseline: bool = False      # one of the obvious plans (planner.search.baselines)
 
     @property
     def middle(self) -> float:
@@ -223,14 +224,16 @@ class Judged:
 
 
 def choose(candidates: list[Judged], beats: float = BEATS) -> Judged:
-    """From the simplest candidate up (fewest `parts`, then fastest), a plan replaces the one
-    kept so far when it measures faster with probability at least `beats` (more than 1/2 when it
-    has no more parts)."""
-    order = sorted(candidates, key=lambda c: (parts(c.plan), c.middle))
+    """From the simplest candidate up (fewest `parts`, a baseline before a searched plan of as
+    many, then fastest), a plan replaces the one kept so far when it measures faster with
+    probability at least `beats`; more than 1/2 is enough where it has no more parts and is not
+    a searched plan replacing a baseline (a baseline above all)."""
+    order = sorted(candidates, key=lambda c: (parts(c.plan), not c.baseline, c.middle))
     kept = order[0]
     for c in order[1:]:
         p = beat_probability(c.times, c.residual, kept.times, kept.residual)
-        if p >= beats or (parts(c.plan) <= parts(kept.plan) and p > 0.5):
+        richer = parts(c.plan) > parts(kept.plan) or (kept.baseline and not c.baseline)
+        if p >= beats or (not richer and p > 0.5):
             kept = c
     return kept
 
