@@ -43,14 +43,14 @@ class Residual:
         return self.sd if self.own is None else self.own
 
 
-# CPU workers, by predicted iteration time (benchmarks/accuracy.py on the 2-core VM, 51 plans;
-# docs/tuning.md): two plans' errors independent. Accelerators and what-if topologies have no
+# CPU workers, by predicted iteration time (benchmarks/accuracy.py on the 2-core VM, two runs of
+# 51 plans pooled; docs/tuning.md): two plans' errors independent. Accelerators and what-if topologies have no
 # accuracy run yet: a wide, unbiased interval; two plans' errors assumed to differ as much as
 # two CPU plans' of 20 ms and over do (the formulas' common error is shared by both).
-CPU_RESIDUALS = ((0.020, Residual(-0.069, 0.084, "cpu, under 20 ms")),
-                 (math.inf, Residual(-0.014, 0.044, "cpu, 20 ms and over")))
-ACCELERATOR_RESIDUAL = Residual(0.0, 0.15, "with an accelerator (not yet measured)", own=0.044)
-ROOFLINE_RESIDUAL = Residual(0.0, 0.30, "what-if topology, priced by the roofline", own=0.044)
+CPU_RESIDUALS = ((0.020, Residual(-0.061, 0.121, "cpu, under 20 ms")),
+                 (math.inf, Residual(0.004, 0.056, "cpu, 20 ms and over")))
+ACCELERATOR_RESIDUAL = Residual(0.0, 0.15, "with an accelerator (not yet measured)", own=0.056)
+ROOFLINE_RESIDUAL = Residual(0.0, 0.30, "what-if topology, priced by the roofline", own=0.056)
 
 
 def residual(iteration_s: float, kinds: set[str], measured: bool) -> Residual:
