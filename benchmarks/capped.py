@@ -91,9 +91,8 @@ def hand_plans(model: dict, L: int, cpu: str, gpu: str) -> dict[str, dict]:
 def measure(name: str, path: Path, topo, out: Path) -> dict:
     """Predict and run one plan file (through this process's launcher: runtime.launch); a run
     that fails is a row with its error."""
+    from hetplan.confirm import run_here
     from planner.files.plan import load_plan
-    from runtime.launch import launch, thread_shares
-    from runtime.worker import RunConfig
     t0 = time.perf_counter()
     row = {"name": name}
     try:
@@ -101,10 +100,7 @@ def measure(name: str, path: Path, topo, out: Path) -> dict:
         row.update(predicted_s=got.iteration_s, iteration_s_interval=list(got.interval),
                    feasible=bool(got.result.feasible))
         iters, warmup = run_window(got.iteration_s, 6, 2)
-        plan = load_plan(path)
-        cfg = RunConfig(plan=str(path), iters=iters, warmup=warmup, out=str(out / "measured.json"),
-                        threads=thread_shares(plan, topo), quiet=True)
-        row["measured_s"] = launch(cfg, plan.devices)["iteration_s"]
+        row["measured_s"] = run_here(path, load_plan(path), topo, iters, warmup, out)
     except Exception as e:   # noqa: BLE001 - an OOM or a refused plan is a finding, kept as a row
         row["error"] = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
     row["seconds"] = time.perf_counter() - t0

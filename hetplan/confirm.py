@@ -53,6 +53,17 @@ def estimate_s(predicted: list[float], rounds: int = ROUNDS) -> float:
     return FIRST_LAUNCH_S + runs
 
 
+def run_here(path: Path, plan, topology, iters: int, warmup: int, out: Path) -> float:
+    """The median iteration of the plan file at `path` (`plan`, loaded) run on this machine
+    through this process's launcher (runtime.launch), quietly, `iters` iterations of which the
+    first `warmup` are left out; the measured file goes into the folder `out`."""
+    from runtime.launch import launch, thread_shares
+    from runtime.worker import RunConfig
+    cfg = RunConfig(plan=str(path), iters=iters, warmup=warmup, out=str(out / "measured.json"),
+                    threads=thread_shares(plan, topology), quiet=True)
+    return launch(cfg, plan.devices)["iteration_s"]
+
+
 def confirm(candidates: list[tuple[str, object, float]], topology, rounds: int = ROUNDS,
             log=lambda msg: print(f"hetplan plan: {msg}", file=sys.stderr)) -> tuple[list[Confirmed], float]:
     """Run each (name, plan, predicted seconds) `rounds` times, interleaved, on this machine
@@ -60,8 +71,7 @@ def confirm(candidates: list[tuple[str, object, float]], topology, rounds: int =
     the CPU other processes used meanwhile (runtime.host_load.ForeignCPU)."""
     from planner.files.plan import save_plan
     from runtime.host_load import ForeignCPU
-    from runtime.launch import launch, prestart, thread_shares
-    from runtime.worker import RunConfig
+    from runtime.launch import prestart
 
     prestart()
     measured: dict[str, list[float]] = {name: [] for name, _, _ in candidates}
@@ -73,10 +83,7 @@ def confirm(candidates: list[tuple[str, object, float]], topology, rounds: int =
         for r in range(rounds):
             for name, plan, predicted_s in candidates:
                 warmup, iters = window(predicted_s)
-                cfg = RunConfig(plan=str(paths[name]), iters=warmup + iters, warmup=warmup,
-                                out=str(Path(tmp, "measured.json")), threads=thread_shares(plan, topology),
-                                quiet=True)
-                got = launch(cfg, plan.devices)["iteration_s"]
+                got = run_here(paths[name], plan, topology, warmup + iters, warmup, Path(tmp))
                 measured[name].append(got)
                 log(f"confirm round {r + 1}/{rounds}: {name}: {got * 1e3:.2f} ms "
                     f"(predicted {predicted_s * 1e3:.2f})")
@@ -90,4 +97,4 @@ def fastest(confirmed: list[Confirmed], margin: float = MARGIN) -> Confirmed:
     return best if best.median_s < (1 - margin) * confirmed[0].median_s else confirmed[0]
 
 
-__all__ = ["Confirmed", "confirm", "estimate_s", "fastest", "window", "DEFAULT_BUDGET_S"]
+__all__ = ["Confirmed", "run_here", "confirm", "estimate_s", "fastest", "window", "DEFAULT_BUDGET_S"]

@@ -84,7 +84,8 @@ def _row_sd(rows: list[dict], repeats: int | None = None) -> float:
 
 def _fit_sd(rows: list[dict], predict) -> float:
     """Root mean square of the rows' log distance from a fit (`predict(bytes) -> s`)."""
-    logs = [math.log(predict(r["bytes"]) / r["s"]) for r in rows if r.get("s", 0) > 0 and predict(r["bytes"]) > 0]
+    pairs = [(predict(r["bytes"]), r["s"]) for r in rows if r.get("s", 0) > 0]
+    logs = [math.log(p / s) for p, s in pairs if p > 0]
     return math.sqrt(sum(x * x for x in logs) / len(logs)) if logs else 0.0
 
 
@@ -111,12 +112,16 @@ class Draws:
     def __init__(self, simulator, spread: Spread, n: int = DRAWS, seed: int = 0):
         self.simulator, self.spread = simulator, spread
         rng = random.Random(seed)
-        empty = not (spread.compute or spread.links or spread.collective)
-        self.n = 1 if empty else n
+        self.drawn = bool(spread.compute or spread.links or spread.collective)   # else: the prediction alone
+        self.n = n if self.drawn else 1
         self.z = [({d: rng.gauss(0, 1) for d in sorted(spread.compute)},
                    {k: rng.gauss(0, 1) for k in sorted(spread.links)}, rng.gauss(0, 1))
                   for _ in range(self.n)]
         self._sims: dict[tuple[str, int], object] = {}
+
+    def base(self, plan):
+        """The simulator that prices `plan` undrawn (ByPrecision: its precision's)."""
+        return getattr(self.simulator, "simulators", {}).get(plan.precision, self.simulator)
 
     def _sim(self, base, k: int):
         from planner.sim.simulator import Simulator
@@ -137,11 +142,8 @@ class Draws:
     def times(self, plan) -> list[float]:
         """The plan's simulated iteration on each draw (its prediction alone when nothing is
         drawn); inf on every draw for a plan the simulator refuses."""
-        base = getattr(self.simulator, "simulators", {}).get(plan.precision, self.simulator)
-        if self.n == 1 and not self.z[0][0] and not self.z[0][1]:
-            sims = [base]
-        else:
-            sims = [self._sim(base, k) for k in range(self.n)]
+        base = self.base(plan)
+        sims = [self._sim(base, k) for k in range(self.n)] if self.drawn else [base]
         try:
             return [s.simulate(plan).iteration_s for s in sims]
         except ValueError:
@@ -191,8 +193,7 @@ def beat_probability(a: list[float], res_a: Residual, b: list[float], res_b: Res
 def judge(draws: Draws, name: str, plan, measured: bool, baseline: bool = False) -> Judged:
     """`plan` simulated on `draws`, with the residual of its class."""
     times = draws.times(plan)
-    base = getattr(draws.simulator, "simulators", {}).get(plan.precision, draws.simulator)
-    kinds = {base.topology.device(d).kind for d in plan.devices}
+    kinds = {draws.base(plan).topology.device(d).kind for d in plan.devices}
     return Judged(name, plan, times, residual(median(times), kinds, measured), baseline)
 
 
