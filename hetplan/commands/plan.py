@@ -179,6 +179,7 @@ class _Choice:
     confirmed: list = field(default_factory=list)   # hetplan.confirm.Confirmed
     note: str = ""
     explained: list = field(default_factory=list)   # planner.sim.explain.summary_lines of the kept plan
+    judgements: dict = field(default_factory=dict)  # every feasible candidate's name -> its plan's Judged
 
     def to_json(self) -> dict:
         return {"kept": self.kept.name, "best_baseline": self.best_baseline,
@@ -213,12 +214,13 @@ def _choose(args, problem, topology, result) -> _Choice:
         j = by_key.get(plan_key(c.plan)) if c.feasible else None
         if c.name not in rows and (j is None or j.name != kept.name):
             rows[c.name] = (c, j)
-    bases = [by_key[plan_key(b.plan)] for b in result.baselines if b.feasible]
+    judgements = {c.name: by_key[plan_key(c.plan)] for c in result.baselines if c.feasible}
+    bases = list(judgements.values())
     best_base = min(bases, key=lambda j: j.middle) if bases else None
     beats = (None if best_base is None or best_base.name == kept.name else
              beat_probability(k.times, k.residual, best_base.times, best_base.residual))
     return _Choice(rows, kept, beats, best_base.name if best_base else None, confirmed, note,
-                   _explained(problem.simulator, kept.plan, topology))
+                   _explained(problem.simulator, kept.plan, topology), judgements)
 
 
 def _explained(simulator, plan, topology) -> list[str]:
@@ -318,10 +320,8 @@ def _predicted(args, best, result, choice, objective, precisions, problem):
     and the search's record."""
     from planner.files.plan import Predicted
     from planner.sim.interval import PROBABILITY
-    judged = {n: j for n, (_, j) in choice.rows.items() if j is not None} if choice else {}
-    if choice:      # the baseline the plan is, under its own name too
-        judged.update({choice.kept.name: choice.rows["chosen"][1]})
     import math
+    judged = choice.judgements if choice else {}
     baselines = [{"name": c.name, "iteration_s": c.iteration_s if math.isfinite(c.iteration_s) else None,
                   "feasible": c.feasible,
                   "peak_memory_bytes": c.peak_memory_bytes,
@@ -331,7 +331,7 @@ def _predicted(args, best, result, choice, objective, precisions, problem):
               "chains": result.chains, "simulations": result.evaluations,
               "bound_rejections": result.bound_rejections, "stopped_by": result.stopped_by,
               "acceptance_rate": result.acceptance_rate, "patience": result.patience}
-    span = judged["chosen"].interval() if "chosen" in judged else None
+    span = choice.rows["chosen"][1].interval() if choice else None
     return Predicted(best.iteration_s, best.peak_memory_bytes, extra={
         **objective, "baselines": baselines, **({"choice": choice.to_json()} if choice else {}),
         "search": search, **_cost_fit(problem.cost, best.plan.devices)},
