@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.plan_sets import plan_class, plan_devices
-from planner.files.io import InputError, Reader, read_json, write_json_atomic
+from hetplan.planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("accuracy", "plan_quality", "capped")

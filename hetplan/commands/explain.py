@@ -17,8 +17,8 @@ def add_arguments(p):
 
 def explain_plan(plan, plan_path: str, topology, baselines: bool = True) -> dict:
     """The explanation as `explain --json` prints it."""
-    from planner.sim.explain import binding, by_kind, critical_path
-    from planner.sim.predict import predict_plan_file
+    from hetplan.planner.sim.explain import binding, by_kind, critical_path
+    from hetplan.planner.sim.predict import predict_plan_file
 
     pred = predict_plan_file(plan, plan_path, topology, trace=True)
     result = pred.result
@@ -38,10 +38,10 @@ def explain_plan(plan, plan_path: str, topology, baselines: bool = True) -> dict
 def _next_best(plan, plan_path: str, topology, mine: dict[str, float]) -> list[dict]:
     """The plan's baselines (regenerated as `plan` made them), each simulated: its time and the
     kinds of work it spends more on than this plan."""
-    from planner.files.plan import plan_key
-    from planner.search.problem import plan_baselines
-    from planner.sim.explain import by_kind, critical_path
-    from planner.sim.predict import simulate_plan_file
+    from hetplan.planner.files.plan import plan_key
+    from hetplan.planner.search.problem import plan_baselines
+    from hetplan.planner.sim.explain import by_kind, critical_path
+    from hetplan.planner.sim.predict import simulate_plan_file
 
     seen, rows = {plan_key(plan)}, []
     for c in plan_baselines(plan, topology, plan_path):
@@ -58,8 +58,8 @@ def _next_best(plan, plan_path: str, topology, mine: dict[str, float]) -> list[d
 
 
 def main(args) -> int:
-    from planner.files.plan import load_plan
-    from planner.hardware.lookup import plan_topology
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.planner.hardware.lookup import plan_topology
 
     plan = load_plan(args.plan)
     topology = plan_topology(plan, args.plan, args.topology, "hetplan explain")
