@@ -39,6 +39,7 @@ def test_only_hetplan_at_the_top(installed):
     top = {p.name for p in installed.iterdir() if not p.name.endswith((".dist-info", ".egg-info"))}
     assert top - {"bin", "__pycache__"} == {"hetplan"}
     assert (installed / "hetplan" / "topologies" / "dgx-8gpu.json").is_file()
+    assert (installed / "hetplan" / "schemas" / "plan.schema.json").is_file()
 
 
 @pytest.mark.slow

@@ -31,13 +31,14 @@ def explain_plan(plan, plan_path: str, topology, baselines: bool = True) -> dict
                                      for d, v in result.per_device.items()},
            "per_device": {d: {"busy_s": v["busy_s"], "idle_s": v["idle_s"]} for d, v in result.per_device.items()}}
     if baselines:
-        out["next_best"] = _next_best(plan, plan_path, topology, out["by_kind"])
+        out["next_best"] = _next_best(plan, plan_path, topology, out["by_kind"], pred.simulator)
     return out
 
 
-def _next_best(plan, plan_path: str, topology, mine: dict[str, float]) -> list[dict]:
-    """The plan's baselines (regenerated as `plan` made them), each simulated: its time and the
-    kinds of work it spends more on than this plan."""
+def _next_best(plan, plan_path: str, topology, mine: dict[str, float], simulator) -> list[dict]:
+    """The plan's baselines (regenerated as `plan` made them), each simulated on the explained
+    plan's simulator (one capture) unless in another precision: its time and the kinds of work it
+    spends more on than this plan."""
     from hetplan.planner.files.plan import plan_key
     from hetplan.planner.search.problem import plan_baselines
     from hetplan.planner.sim.explain import by_kind, critical_path
@@ -48,7 +49,8 @@ def _next_best(plan, plan_path: str, topology, mine: dict[str, float]) -> list[d
         if not c.feasible or plan_key(c.plan) in seen:
             continue
         seen.add(plan_key(c.plan))
-        r = simulate_plan_file(c.plan, plan_path, topology, trace=True)
+        r = (simulator.simulate(c.plan, trace=True) if c.plan.precision == plan.precision
+             else simulate_plan_file(c.plan, plan_path, topology, trace=True))
         theirs = by_kind(critical_path(r.tasks, r.iteration_s))
         more = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in set(theirs) | set(mine)}
         rows.append({"name": c.name, "iteration_s": r.iteration_s,

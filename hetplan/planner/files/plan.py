@@ -1,7 +1,7 @@
 """The plan file (`hetplan.plan/1`): one schema, one loader, read by simulate, run and compare.
 
 A plan is a set of data-parallel replicas; each replica is a pipeline of stages over distinct
-devices; each stage holds a half-open layer range [start, end). See ../shared/CONTRACT.md.
+devices; each stage holds a half-open layer range [start, end). See docs/formats.md.
 """
 from __future__ import annotations
 

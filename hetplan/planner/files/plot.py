@@ -1,7 +1,8 @@
 """The timeline of `hetplan compare --plot`: simulated lanes above measured lanes, one per device.
 
-Top panel: the simulator's tasks (Simulator.simulate(plan, trace=True)) on each device's compute
-queue, each link direction ("cpu:0->cpu:1") and each all-reduce ring ("cpu:0+cpu:1").
+Top panel: the simulator's tasks (Simulator.simulate(plan, trace=True)), one row per device as
+below: its compute, and in the row's lower half its communication: an all-reduce on the row of
+every device of its ring ("cpu:0+cpu:1"), a transfer on its receiver's row ("cpu:0->cpu:1").
 Bottom panel: the runtime's spans of one post-warm-up iteration on each device
 (`per_device[dev]["events"]` of the measured file): forward / backward / optimizer compute, and,
 hatched, waits for received tensors and for the gradient sync (time the device was not computing).
@@ -21,22 +22,36 @@ COLORS = {"forward": "#4c78a8", "backward": "#f58518", "optimizer": "#54a24b",
 WAITS = ("transfer", "allreduce")   # measured spans that are waits, not compute
 
 
-def _lanes(tasks: list[dict[str, Any]], devices: list[str]) -> list[str]:
-    """Devices first in plan order, then link and ring lanes in name order."""
-    extra = sorted({t["lane"] for t in tasks} - set(devices))
-    return [d for d in devices] + extra
+def _rows_of(lane: str) -> list[str]:
+    """The device rows a simulated lane is drawn on: a ring's devices, a link's receiver."""
+    if "->" in lane:
+        return [lane.split("->", 1)[1]]
+    return lane.split("+")
+
+
+def device_rows(tasks: list[dict[str, Any]], devices: list[str]) -> tuple[list[str], dict[str, list[dict]]]:
+    """The simulated tasks by device row: the plan's devices in order, then any other device a
+    task names (a parameter server) in name order."""
+    by_row: dict[str, list[dict]] = {}
+    for t in tasks:
+        for row in _rows_of(t["lane"]):
+            by_row.setdefault(row, []).append(t)
+    return list(devices) + sorted(set(by_row) - set(devices)), by_row
 
 
 def _draw(ax, lanes: list[str], spans_by_lane: dict[str, list[dict]], measured: bool, end_s: float) -> None:
     for y, lane in enumerate(lanes):
         for t in spans_by_lane.get(lane, []):
             a, b = t["start_s"] * 1e3, t["end_s"] * 1e3
-            wait = measured and t["kind"] in WAITS
-            ax.barh(y, max(b - a, 1e-6), left=a, height=0.6, color=COLORS.get(t["kind"], "#bab0ac"),
-                    alpha=0.45 if wait else 0.9, hatch="//" if wait else None,
+            comm = t["kind"] in WAITS
+            wait = measured and comm
+            inside = comm and not measured   # simulated communication: the row's lower half
+            ax.barh(y + 0.15 if inside else y, max(b - a, 1e-6), left=a, height=0.3 if inside else 0.6,
+                    color=COLORS.get(t["kind"], "#bab0ac"),
+                    alpha=0.45 if comm else 0.9, hatch="//" if comm else None,
                     edgecolor="black", linewidth=0.3)
             label = t["name"].split(":", 1)[-1] if not measured else t["name"]
-            if (b - a) > 0.012 * len(label) * end_s * 1e3 and not wait:   # only where it fits
+            if (b - a) > 0.012 * len(label) * end_s * 1e3 and not comm:   # only where it fits
                 ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.axvline(end_s * 1e3, color="black", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(lanes)))
@@ -54,12 +69,9 @@ def plot_timeline(tasks: list[dict[str, Any]], simulated_s: float, devices: list
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    sim_lanes = _lanes(tasks, devices)
+    sim_lanes, by_lane = device_rows(tasks, devices)
     meas_lanes = [d for d in devices if measured_events.get(d)] + \
         sorted(d for d in measured_events if d not in devices and measured_events[d])
-    by_lane: dict[str, list[dict]] = {}
-    for t in tasks:
-        by_lane.setdefault(t["lane"], []).append(t)
     rows = len(sim_lanes) + max(len(meas_lanes), 1)
     fig, axes = plt.subplots(2, 1, sharex=True, figsize=(9, 1.4 + 0.32 * rows),
                              gridspec_kw={"height_ratios": [len(sim_lanes), max(len(meas_lanes), 1)]})
@@ -77,7 +89,7 @@ def plot_timeline(tasks: list[dict[str, Any]], simulated_s: float, devices: list
     axes[1].set_xlabel("time from iteration start (ms)", fontsize=8)
     axes[1].tick_params(axis="x", labelsize=7)
     kinds = ["forward", "backward", "optimizer", "transfer", "allreduce"]
-    handles = [Patch(color=COLORS[k], label=k if k not in WAITS else f"{k} (measured: wait)") for k in kinds]
+    handles = [Patch(color=COLORS[k], label=k if k not in WAITS else f"{k} (measured: a wait)") for k in kinds]
     fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=9)
@@ -88,4 +100,4 @@ def plot_timeline(tasks: list[dict[str, Any]], simulated_s: float, devices: list
         plt.close(fig)
 
 
-__all__ = ["plot_timeline"]
+__all__ = ["plot_timeline", "device_rows"]

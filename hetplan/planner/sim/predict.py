@@ -23,6 +23,7 @@ class Prediction:
     interval: tuple[float, float]
     probability: float
     basis: str                          # the class whose residual error widened it
+    simulator: object = None            # the Simulator it was priced on (its graph and cost model)
 
     @property
     def iteration_s(self) -> float:
@@ -67,9 +68,9 @@ def predict_plan_file(plan: Plan, plan_path: str | Path, topology: Topology, tra
     except (ValueError, KeyError) as e:
         raise InputError(f"{plan_path}: replicas: {str(e).strip(chr(39))}") from None
     if not interval:
-        return Prediction(result, (result.iteration_s, result.iteration_s), PROBABILITY, "")
+        return Prediction(result, (result.iteration_s, result.iteration_s), PROBABILITY, "", sim)
     j = judge(Draws(sim, spread_of(topology)), "plan", plan, measured_here(topology))
-    return Prediction(result, j.interval(), PROBABILITY, j.residual.basis)
+    return Prediction(result, j.interval(), PROBABILITY, j.residual.basis, sim)
 
 
 __all__ = ["Prediction", "simulate_plan_file", "predict_plan_file"]

@@ -1,7 +1,7 @@
 """The model side: workloads and built-in models, layers, graph capture, FLOPs, stages.
 
 `from hetplan.planner.workload import Workload` is the documented way to write a `--model pkg.mod:fn`
-factory (see shared/CONTRACT.md); the class lives here, and this file imports nothing from
+factory (see docs/contract.md); the class lives here, and this file imports nothing from
 planner, so `load` and `builtin` can both import it without a circle.
 """
 from __future__ import annotations
