@@ -220,6 +220,9 @@ def test_time_to_loss_picks_an_asynchronous_plan_where_the_gradient_exchange_dom
     pipes = {(c["sync"], c["average"]) for c in ttl["candidates"] if c["sync"].startswith("pipedream")}
     assert pipes == {("pipedream", None), ("pipedream-2bw", None), ("pipedream", "swa")}
     assert ttl["time_s"] == pytest.approx(ttl["iterations"] * p.predicted.iteration_s)
+    lo, hi = p.predicted.iteration_s_interval           # the iterations' time has its interval too
+    assert lo <= p.predicted.iteration_s <= hi and lo < hi
+    assert ttl["time_s_interval"] == pytest.approx([ttl["iterations"] * lo, ttl["iterations"] * hi])
     assert "time to loss s" in r.stdout and f"sync mode {p.sync.mode}" in r.stdout
     # run it, and compare the predicted time to the loss with the measured one
     assert _hetplan("run", out, "--iters", 40, "-o", tmp_path / "m.json").returncode == 0

@@ -156,6 +156,13 @@ def _time_to_loss(args, problem, workload, best, baselines):
     return ranked
 
 
+def _judged(problem, topology, plan):
+    """`plan` judged on draws of the topology's measured inputs (its interval), as `_choose` does."""
+    from hetplan.planner.hardware.lookup import measured_here
+    from hetplan.planner.sim.interval import Draws, judge, spread_of
+    return judge(Draws(problem.simulator, spread_of(topology)), "chosen", plan, measured_here(topology))
+
+
 def _loss_table(ranked) -> str:
     import pandas as pd
     df = pd.DataFrame([{"plan": c.name, "iteration ms": c.iteration_s * 1e3, "iterations": c.iterations,
@@ -331,7 +338,8 @@ def _predicted(args, best, result, choice, objective, precisions, problem):
               "chains": result.chains, "simulations": result.evaluations,
               "bound_rejections": result.bound_rejections, "stopped_by": result.stopped_by,
               "acceptance_rate": result.acceptance_rate, "patience": result.patience}
-    span = choice.rows["chosen"][1].interval() if choice else None
+    span = (choice.rows["chosen"][1].interval() if choice else
+            objective.get("time_to_loss", {}).get("iteration_s_interval"))
     return Predicted(best.iteration_s, best.peak_memory_bytes, extra={
         **objective, "baselines": baselines, **({"choice": choice.to_json()} if choice else {}),
         "search": search, **_cost_fit(problem.cost, best.plan.devices)},
@@ -353,8 +361,11 @@ def main(args) -> int:
     if args.objective == "time-to-loss":
         ranked = _time_to_loss(args, problem, workload, replace(result.best, name="chosen"), result.baselines)
         best = ranked[0]
+        lo, hi = _judged(problem, topology, best.plan).interval()
         objective = {"time_to_loss": {"target_loss": args.target_loss, "horizon": args.horizon,
                                       "iterations": best.iterations, "time_s": best.time_s,
+                                      "iteration_s_interval": (lo, hi),
+                                      "time_s_interval": [best.iterations * lo, best.iterations * hi],
                                       "candidates": [c.to_json() for c in ranked]}}
     else:
         choice = _choose(args, problem, topology, result)
@@ -385,8 +396,10 @@ def _report(args, plan, best, ranked, choice, result) -> None:
           f"{f' ({plan.optimizer.cpu_fraction:.0%} of the bytes on the CPU)' if plan.optimizer.cpu_fraction else ''}, recompute {'on' if plan.recompute else 'off'}, "
           f"precision {plan.precision}")
     if ranked is not None:
+        lo, hi = plan.predicted.extra["time_to_loss"]["time_s_interval"]
         print(f"  sync mode {plan.sync.mode}; predicted to reach loss {args.target_loss:g} in "
-              f"{best.iterations:.0f} iterations, {best.time_s:.3g} s")
+              f"{best.iterations:.0f} iterations, {best.time_s:.3g} s (90% interval of the iterations' "
+              f"time {lo:.3g}-{hi:.3g} s; the iteration count's own error not included)")
         print(_loss_table(ranked))
     else:
         print(_table(choice.rows, choice.rows["chosen"]))
