@@ -44,10 +44,10 @@ import benchmarks.paths  # noqa: E402,F401  (the commands it starts import bench
 from benchmarks.plan_sets import plans_for, size_classes, workloads_for  # noqa: E402
 from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa: E402
                                 check_results_file, results_target, save_section)
-from planner.cost.timing import cache_path  # noqa: E402
-from planner.files.io import replace_atomically  # noqa: E402
-from planner.hardware.lookup import default_profile_path  # noqa: E402
-from runtime.host_load import ForeignCPU, busy_fraction  # noqa: E402
+from hetplan.planner.cost.timing import cache_path  # noqa: E402
+from hetplan.planner.files.io import replace_atomically  # noqa: E402
+from hetplan.planner.hardware.lookup import default_profile_path  # noqa: E402
+from hetplan.runtime.host_load import ForeignCPU, busy_fraction  # noqa: E402
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8,
            # the 90 % intervals: the share of measured medians inside, and their median width
@@ -92,9 +92,9 @@ def predict(plan_path: Path, topology) -> float:
 
 
 def prediction(plan_path: Path, topology):
-    """What `hetplan simulate` predicts: planner.sim.predict.Prediction (time and interval)."""
-    from planner.files.plan import load_plan
-    from planner.sim.predict import predict_plan_file
+    """What `hetplan simulate` predicts: hetplan.planner.sim.predict.Prediction (time and interval)."""
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.planner.sim.predict import predict_plan_file
     return predict_plan_file(load_plan(plan_path), plan_path, topology)
 
 
@@ -156,7 +156,7 @@ def summarise(rows: list[dict]) -> dict:
             "worst_plan": rows[errs.index(max(errs))]["plan"],
             "tau": kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
             "mean_signed_pct": statistics.fmean(r["error_pct"] for r in rows),
-            # e = log(predicted / measured): what planner.sim.interval.CPU_RESIDUALS holds per class
+            # e = log(predicted / measured): what hetplan.planner.sim.interval.CPU_RESIDUALS holds per class
             "log_error_mean": statistics.fmean(es := [math.log(r["predicted_s"] / r["measured_s"]) for r in rows]),
             "log_error_sd": statistics.stdev(es) if len(es) > 1 else 0.0,
             **({"coverage_pct": 100.0 * statistics.fmean(r["lo_s"] <= r["measured_s"] <= r["hi_s"] for r in spans),
@@ -194,8 +194,8 @@ def missed_targets(summary: dict, targets: dict = TARGETS) -> list[str]:
 def select_plans(topology, only: str | None) -> dict[str, dict]:
     """The plan set for the topology's devices (plan_sets.plans_for), restricted to the
     comma-separated workloads or plan names of `only`. ValueError when no set fits."""
-    from planner.workload.layers import num_layers
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.layers import num_layers
+    from hetplan.planner.workload.load import load_workload
     layers = {w: num_layers(load_workload(s["spec"], s["args"]), 1)
               for w, s in workloads_for(topology).items()}
     plans = plans_for(topology, layers)
@@ -247,7 +247,7 @@ def _parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 def _topology(a):
     """(path, Topology) to predict on: --topology or profiles/<hostname>.json, profiled when
     missing (or with --reprofile); without its calibration under --without-calibration."""
-    from planner.hardware.topology import load_topology
+    from hetplan.planner.hardware.topology import load_topology
     topo_path = Path(a.topology) if a.topology else default_profile_path(ROOT)
     ensure_topology(topo_path, 2, again=a.reprofile, wait=not a.quick)
     topology = load_topology(topo_path)
@@ -283,7 +283,7 @@ def _reused(p, a, plans: dict) -> dict[str, dict]:
 
 def _row(name: str, plan: dict, a, topology, topo_path: Path, tmp: Path, reused: dict) -> dict:
     """One plan: write it, predict it, then run it (or take its earlier measurement)."""
-    from planner.files.io import write_json_atomic
+    from hetplan.planner.files.io import write_json_atomic
     plan["topology"] = {"name": topology.name, "sha256": topology.sha256}
     path = tmp / (name.replace("/", "__") + ".json")
     write_json_atomic(path, plan)

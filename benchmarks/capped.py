@@ -42,7 +42,7 @@ SMOKE_MODEL = {"spec": "gpt", "args": {"layers": 4, "d_model": 64, "heads": 4, "
 
 
 def parameters(model: dict) -> int:
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.load import load_workload
     w = load_workload(model["spec"], model["args"])
     return sum(p.numel() for p in w.model.parameters())
 
@@ -50,7 +50,7 @@ def parameters(model: dict) -> int:
 def cap_between(model: dict, L: int, profile: Path, gpu: str, out: Path) -> tuple[int, dict]:
     """Halfway between the predicted peak GPU memory of the model on the GPU alone (its Adam state
     there) and with its optimizer on the CPU, and both peaks."""
-    from planner.hardware.topology import load_topology
+    from hetplan.planner.hardware.topology import load_topology
     topo = load_topology(profile)
     peaks = {}
     for name, placement in (("gpu-alone", "device"), ("zero-offload", "cpu")):
@@ -89,10 +89,10 @@ def hand_plans(model: dict, L: int, cpu: str, gpu: str) -> dict[str, dict]:
 
 
 def measure(name: str, path: Path, topo, out: Path) -> dict:
-    """Predict and run one plan file (through this process's launcher: runtime.launch); a run
+    """Predict and run one plan file (through this process's launcher: hetplan.runtime.launch); a run
     that fails is a row with its error."""
     from hetplan.confirm import run_here
-    from planner.files.plan import load_plan
+    from hetplan.planner.files.plan import load_plan
     t0 = time.perf_counter()
     row = {"name": name}
     try:
@@ -135,14 +135,14 @@ def main(argv=None) -> int:
     results_path = results_target(a)
     if not check_results_file("capped", results_path):
         return 2
-    from planner.hardware.device import MEMORY_CAP_ENV
-    from planner.hardware.topology import load_topology
-    from planner.workload.layers import num_layers
-    from planner.workload.load import load_workload
+    from hetplan.planner.hardware.device import MEMORY_CAP_ENV
+    from hetplan.planner.hardware.topology import load_topology
+    from hetplan.planner.workload.layers import num_layers
+    from hetplan.planner.workload.load import load_workload
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from runtime.launch import prestart
+    from hetplan.runtime.launch import prestart
     prestart()              # the workers' server starts while the model is counted
     model = SMOKE_MODEL if a.smoke else MODEL
     n = parameters(model)

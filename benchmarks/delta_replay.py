@@ -1,4 +1,4 @@
-"""Delta simulation (planner.sim.delta) against the whole graph on a search's own plans.
+"""Delta simulation (hetplan.planner.sim.delta) against the whole graph on a search's own plans.
 
 Records every plan a 64 x 96 rails search simulates (benchmarks/search.py's case, seed 0, one
 walk: its first 600 proposals, or `--proposals`; 20000 lets the walk stop by itself, as each of
@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 
 from search import cluster_64, synthetic_graph  # noqa: E402
-from planner.files.plan import ModelRef  # noqa: E402
-from planner.search.mcmc import SearchConfig, search  # noqa: E402
-from planner.search.problem import make_space, simulator_problem  # noqa: E402
-from planner.sim.simulator import Simulator  # noqa: E402
+from hetplan.planner.files.plan import ModelRef  # noqa: E402
+from hetplan.planner.search.mcmc import SearchConfig, search  # noqa: E402
+from hetplan.planner.search.problem import make_space, simulator_problem  # noqa: E402
+from hetplan.planner.sim.simulator import Simulator  # noqa: E402
 
 
 SIDES = {"on": "delta simulation", "off": "whole graphs, kept across plans",
@@ -71,7 +71,7 @@ def warm_up() -> None:
     """What a process pays once, whichever path it takes: torch (the DDP bucket layout) and the
     compiled loops, loaded by simulating a small plan; then the template caches emptied, so the
     replay builds its structures cold, as a search does."""
-    from planner.sim import fastloop
+    from hetplan.planner.sim import fastloop
     pipeline = _pipeline_pass()
     if fastloop.available():
         fastloop._compiled()
@@ -84,15 +84,15 @@ def warm_up() -> None:
 
 
 def _pipeline_pass():
-    """planner.sim.pipeline_pass (planner.sim.pipeline in earlier revisions; absent in the
+    """hetplan.planner.sim.pipeline_pass (hetplan.planner.sim.pipeline in earlier revisions; absent in the
     first ones this benchmark compares)."""
     try:
-        from planner.sim import pipeline_pass
+        from hetplan.planner.sim import pipeline_pass
         return pipeline_pass
     except ImportError:
         pass
     try:
-        from planner.sim import pipeline
+        from hetplan.planner.sim import pipeline
         return pipeline
     except ImportError:
         return None
@@ -100,11 +100,11 @@ def _pipeline_pass():
 
 def clear_caches() -> None:
     """The simulator's module-level caches (templates, schedules) emptied."""
-    from planner.sim import template
+    from hetplan.planner.sim import template
     try:   # where this revision keeps the schedules
-        from planner.files import schedule
+        from hetplan.planner.files import schedule
     except ImportError:
-        from planner.sim import schedule
+        from hetplan.planner.sim import schedule
     pipeline = _pipeline_pass()
     kept = [pipeline.layout, pipeline.graph] if pipeline is not None else []
     for f in [template.replica_template, getattr(template, "replica_core", None), template._skeleton,

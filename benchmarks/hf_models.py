@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from planner.workload import Workload
+from hetplan.planner.workload import Workload
 
 
 def llama(layers: int = 4, d_model: int = 64, heads: int = 4, vocab: int = 512,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from planner.workload import Workload
-from planner.workload.builtin import gpt as builtin_gpt, mlp as builtin_mlp
+from hetplan.planner.workload import Workload
+from hetplan.planner.workload.builtin import gpt as builtin_gpt, mlp as builtin_mlp
 
 
 def mlp(hidden: int = 256, depth: int = 2) -> Workload:

@@ -1,7 +1,7 @@
 """Plan quality: the planner's plan vs the plans a user would try, all measured for real.
 
 For each workload (mlp, gpt, cnn, sized for the topology in benchmarks/plan_sets.py): `hetplan plan` on this
-machine's profile, then every baseline of planner/search/baselines.py regenerated as the search does
+machine's profile, then every baseline of hetplan/planner/search/baselines.py regenerated as the search does
 (`Searcher.baselines`), then each distinct plan predicted and run (`hetplan run`, median after
 warm-up, on a quiet machine). Reports the measured speedup of the chosen plan over the best
 measured baseline (target >= 1.0 within noise) and every pair of plans whose predicted and
@@ -32,7 +32,7 @@ from accuracy import (_write_csv, ensure_topology, kendall_tau, load_avg,  # noq
 from benchmarks.plan_sets import plan_with_hetplan, workloads_for  # noqa: E402
 from benchmarks.results import (add_results_arguments, check_results_file,  # noqa: E402
                                 plan_quality_payload, results_target, save_section)
-from planner.hardware.lookup import default_profile_path  # noqa: E402
+from hetplan.planner.hardware.lookup import default_profile_path  # noqa: E402
 
 
 def plan_workload(w: str, spec: dict, topo_path: Path, out: Path) -> Path:
@@ -42,8 +42,8 @@ def plan_workload(w: str, spec: dict, topo_path: Path, out: Path) -> Path:
 def baseline_plans(plan_path: Path, topology, out: Path) -> dict[str, Path]:
     """Every baseline of the search for the plan's workload, saved as plan files (name -> path);
     the ones identical to the chosen plan are left out (they would be measured twice)."""
-    from planner.files.plan import Predicted, TopologyRef, load_plan, plan_key, save_plan
-    from planner.search.problem import plan_baselines
+    from hetplan.planner.files.plan import Predicted, TopologyRef, load_plan, plan_key, save_plan
+    from hetplan.planner.search.problem import plan_baselines
 
     plan = load_plan(plan_path)
     seen = {plan_key(plan): "chosen"}
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     results_path = results_target(a)
     if not check_results_file("plan_quality", results_path):   # fail now, not after the runs
         return 2
-    from planner.hardware.topology import load_topology
+    from hetplan.planner.hardware.topology import load_topology
 
     topo_path = Path(a.topology) if a.topology else default_profile_path(HERE.parent)
     ensure_topology(topo_path, 2, wait=not a.quick)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             print(f"plan_quality: {w}: hetplan plan", file=sys.stderr)
             chosen = plan_workload(w, specs[w], topo_path, tmp)
             from hetplan.commands.plan import describe
-            from planner.files.plan import load_plan
+            from hetplan.planner.files.plan import load_plan
             print(f"plan_quality: {w}: chosen {describe(load_plan(chosen))}", file=sys.stderr)
             plans = {"chosen": chosen, **baseline_plans(chosen, topology, tmp)}
             res = []

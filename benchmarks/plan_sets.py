@@ -58,7 +58,7 @@ STANDIN_GPU_WORKLOADS = {
 
 def gpu_workloads() -> dict[str, dict]:
     """GPU_WORKLOADS, or STANDIN_GPU_WORKLOADS where the CPU stands in for the GPU."""
-    from planner.hardware.device import standin_gpus
+    from hetplan.planner.hardware.device import standin_gpus
     return STANDIN_GPU_WORKLOADS if standin_gpus() else GPU_WORKLOADS
 
 
@@ -166,7 +166,7 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
             out[f"{w}/hippie-4mb"] = make_plan(W[w], [(1.0, 4, pipe)], schedule="hippie")
     out["mlp/single-2mb"] = make_plan(W["mlp"], [(1.0, 2, [(a, (0, num_layers["mlp"]))])])
     out["mlp/tensor-40-60"] = make_plan(W["mlp"], [(1.0, 1, [([(a, 0.4), (b, 0.6)], (0, num_layers["mlp"]))])])
-    # asynchronous modes (their iteration time; planner/search/time_to_loss ranks them by loss)
+    # asynchronous modes (their iteration time; hetplan/planner/search/time_to_loss ranks them by loss)
     for w, sync in (("mlp", {"mode": "local-sgd", "period": 4}), ("gpt", {"mode": "hogwild"})):
         if w in num_layers:
             L = num_layers[w]

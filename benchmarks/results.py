@@ -1,5 +1,5 @@
-"""The benchmark results file, `benchmarks/results/<hostname>.json` (CONTRACT.md, "Benchmark
-results file"): this host's facts and the last run of each benchmark, one section each.
+"""The benchmark results file, `benchmarks/results/<hostname>.json` (docs/formats.md, "Benchmark
+results"): this host's facts and the last run of each benchmark, one section each.
 
     {"host": {"hostname", "gpu" (absent without a GPU), "cpu_cores", "torch"},
      "accuracy": {"mape_pct", "worst_pct", "kendall_tau",
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.plan_sets import plan_class, plan_devices
-from planner.files.io import InputError, Reader, read_json, write_json_atomic
+from hetplan.planner.files.io import InputError, Reader, read_json, write_json_atomic
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTIONS = ("accuracy", "plan_quality", "capped")

@@ -3,7 +3,7 @@
 1. one device: our single-stage run vs a plain training loop (same model, batch, threads);
 2. two devices, even data parallel: our run (fine sync) vs torch DDP on the same two workers.
 
-Both sides time the same way (runtime.results): one barrier, then each rank times from the end
+Both sides time the same way (hetplan.runtime.results): one barrier, then each rank times from the end
 of one iteration to the end of the next, less the time spent making its batch; iteration 0 is
 the max over ranks, a later one the mean; a run's figure is the median after warm-up. The two
 sides alternate (`--repeats` runs each, interleaved, so load from other processes hits both);
@@ -30,11 +30,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
-from planner.workload.load import load_workload  # noqa: E402
-from runtime.launch import launch  # noqa: E402
-from runtime.rendezvous import env_vars, free_port  # noqa: E402
-from runtime.results import iteration_times  # noqa: E402
-from runtime.worker import RunConfig  # noqa: E402
+from hetplan.planner.workload.load import load_workload  # noqa: E402
+from hetplan.runtime.launch import launch  # noqa: E402
+from hetplan.runtime.rendezvous import env_vars, free_port  # noqa: E402
+from hetplan.runtime.results import iteration_times  # noqa: E402
+from hetplan.runtime.worker import RunConfig  # noqa: E402
 
 
 BUCKET_BYTES = 5 * 2**20   # same gradient bucket cap on both sides (DDP's bucket_cap_mb)

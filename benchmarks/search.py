@@ -1,4 +1,4 @@
-"""Benchmark of `hetplan plan`'s search (planner.search.mcmc) on this machine.
+"""Benchmark of `hetplan plan`'s search (hetplan.planner.search.mcmc) on this machine.
 
 Clusters (issue 16): 64 GPUs (8 nodes x 8, rail-optimised; and with one NIC per node) x 96 layers
 and 16 GPUs (2 nodes x 8, rails) x 48 layers,
@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import benchmarks.paths  # noqa: E402,F401  (the commands it starts import benchmarks.* too)
 
-from planner.workload.graph import Layer, ModelGraph  # noqa: E402
-from planner.files.plan import ModelRef  # noqa: E402
-from planner.search.mcmc import SearchConfig, search  # noqa: E402
-from planner.search.problem import make_space, simulator_problem  # noqa: E402
-from planner.sim.simulator import Simulator  # noqa: E402
-from planner.hardware.topology import Device, Link, Topology, load_topology  # noqa: E402
+from hetplan.planner.workload.graph import Layer, ModelGraph  # noqa: E402
+from hetplan.planner.files.plan import ModelRef  # noqa: E402
+from hetplan.planner.search.mcmc import SearchConfig, search  # noqa: E402
+from hetplan.planner.search.problem import make_space, simulator_problem  # noqa: E402
+from hetplan.planner.sim.simulator import Simulator  # noqa: E402
+from hetplan.planner.hardware.topology import Device, Link, Topology, load_topology  # noqa: E402
 
 
 def synthetic_graph(num_layers: int, batch: int, d_model: int = 2048, seq: int = 512) -> ModelGraph:
@@ -64,8 +64,8 @@ def cluster_64(nodes: int = 8, rails: bool = True) -> Topology:
 
 
 def gpt_graph(batch: int, layers: int):
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     return capture_graph(load_workload("gpt", {"layers": layers}), batch)
 
 
@@ -128,7 +128,7 @@ def real_model_case(time_limit_s: float) -> None:
     import resource
     import subprocess
     import tempfile
-    from planner.hardware.topology import save_topology
+    from hetplan.planner.hardware.topology import save_topology
     with tempfile.TemporaryDirectory() as tmp:
         topo, out = Path(tmp) / "cluster-64.json", Path(tmp) / "plan.json"
         save_topology(cluster_64(8), topo)
@@ -172,7 +172,7 @@ def main() -> int:
         return 0
     gseeds = [0, 1] if args.quick else [0, 1, 2, 3, 4]
     big = 4000 if args.quick else 10000
-    examples = ROOT / "profiles" / "examples"
+    examples = ROOT / "hetplan" / "topologies"
     g12 = gpt_graph(32, 12)
     for fname in ("workstation-gtx1650.json", "dgx-8gpu.json"):
         bench_case(f"gpt-12, batch 32, {fname}", g12, load_topology(examples / fname), gseeds, big)

@@ -1,4 +1,4 @@
-"""Simulations per second of planner.sim.simulator on synthetic graphs (roofline costs, fine sync).
+"""Simulations per second of hetplan.planner.sim.simulator on synthetic graphs (roofline costs, fine sync).
 
 (a) 4 devices (2 replicas x 2 stages), 8 layers, 8 microbatches   target >= 20,000/s (issue 16)
 (b) 64 devices (8 replicas x 8 stages), 96 layers, 16 microbatches target >= 500/s (issue 16)
@@ -17,10 +17,10 @@ import argparse
 import statistics
 import time
 
-from planner.workload.graph import Layer, ModelGraph
-from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
-from planner.sim.simulator import Simulator
-from planner.hardware.topology import Device, Link, Topology
+from hetplan.planner.workload.graph import Layer, ModelGraph
+from hetplan.planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from hetplan.planner.sim.simulator import Simulator
+from hetplan.planner.hardware.topology import Device, Link, Topology
 
 
 def synthetic(replicas: int, stages: int, layers: int):
@@ -72,9 +72,9 @@ def search_plans_rate(runs: int) -> tuple[float, int]:
     """(median CPU-time simulations per second, plans) replaying a search's simulations."""
     import random
     from search import cluster_64, synthetic_graph   # benchmarks/search.py
-    from planner.search.mcmc import SearchConfig, search
-    from planner.search.problem import make_space, simulator_problem
-    from planner.sim.template import _skeleton, replica_template
+    from hetplan.planner.search.mcmc import SearchConfig, search
+    from hetplan.planner.search.problem import make_space, simulator_problem
+    from hetplan.planner.sim.template import _skeleton, replica_template
     graph, topo = synthetic_graph(96, 256), cluster_64(8, rails=False)
     sim = Simulator(graph, topo)
     seen = []

@@ -1,7 +1,7 @@
 """Time to a target loss: synchronous and asynchronous plans, predicted and measured.
 
 For each learnable workload (benchmarks/learnable.py) on this machine's profile: the planner's
-candidates for `--objective time-to-loss` (planner.search.time_to_loss: the best synchronous
+candidates for `--objective time-to-loss` (hetplan.planner.search.time_to_loss: the best synchronous
 plan the search finds, its baselines, local SGD, EASGD and Hogwild on the fastest
 data-parallel layout, and PipeDream, 2BW and PipeDream+SWA on the fastest one-pipeline layout,
 the balanced pipeline baseline at least), each predicted (emulated iterations to the target x simulated iteration
@@ -46,12 +46,12 @@ def _parse_args(argv):
 
 def candidates(spec: str, batch: int, topology, iters: int, target_at: float):
     """(target loss, ranked candidates) for one workload."""
-    from planner.files.plan import ModelRef
-    from planner.search.convergence import emulate, smoothed
-    from planner.search.mcmc import SearchConfig, search
-    from planner.search.problem import plan_problem
-    from planner.search.time_to_loss import rank
-    from planner.workload.load import load_workload
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.search.convergence import emulate, smoothed
+    from hetplan.planner.search.mcmc import SearchConfig, search
+    from hetplan.planner.search.problem import plan_problem
+    from hetplan.planner.search.time_to_loss import rank
+    from hetplan.planner.workload.load import load_workload
 
     workload = load_workload(spec, {})
     _, problem = plan_problem(workload, ModelRef(spec, {}), batch, topology, workload.optimizer, workload.lr)
@@ -63,7 +63,7 @@ def candidates(spec: str, batch: int, topology, iters: int, target_at: float):
 
 def measure(plan, iters: int) -> dict:
     """`hetplan run` of the plan: its losses and median iteration."""
-    from planner.files.plan import save_plan
+    from hetplan.planner.files.plan import save_plan
     with tempfile.TemporaryDirectory() as d:
         path, out = Path(d) / "plan.json", Path(d) / "measured.json"
         save_plan(plan, path)
@@ -73,9 +73,9 @@ def measure(plan, iters: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from planner.hardware.lookup import default_profile_path
-    from planner.hardware.topology import load_topology
-    from planner.search.convergence import iterations_to
+    from hetplan.planner.hardware.lookup import default_profile_path
+    from hetplan.planner.hardware.topology import load_topology
+    from hetplan.planner.search.convergence import iterations_to
 
     a = _parse_args(argv)
     topo_path = Path(a.topology) if a.topology else default_profile_path()

@@ -38,7 +38,7 @@ class InMemory(torch.utils.data.Dataset):
 
 
 def data_mlp(hidden: int = 1024, depth: int = 4, n: int = 16384):
-    from planner.workload.builtin import mlp
+    from hetplan.planner.workload.builtin import mlp
     w = mlp(hidden=hidden, depth=depth)
     w.train_data = InMemory(n)
     return w
@@ -60,10 +60,10 @@ def plans(hidden: int, depth: int, batch: int) -> dict[str, dict]:
 
 
 def run(path: Path, steps: int, data: bool, ck: str | None = None, resume: bool = False) -> dict:
-    from planner.files.plan import load_plan
-    from runtime.launch import launch
-    from runtime.train import TrainConfig
-    from runtime.worker import RunConfig
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.runtime.launch import launch
+    from hetplan.runtime.train import TrainConfig
+    from hetplan.runtime.worker import RunConfig
     train = TrainConfig(steps=steps, log_every=steps, checkpoint_dir=ck, checkpoint_every=steps if ck else None,
                         resume=resume).to_dict() if data else None
     cfg = RunConfig(plan=str(path), iters=steps, warmup=min(5, steps - 1), timeout_s=120, train=train,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hetplan
-from planner.workload import Workload
+from hetplan.planner.workload import Workload
 
 
 class Digits(torch.utils.data.Dataset):

@@ -2,7 +2,7 @@
 
 Every process of the run calls it, launched by torchrun (one node or several, one process per
 plan device: `torchrun --nproc_per_node N script.py`); a plan of one device also runs without
-torchrun. The command line's `hetplan run --steps` is the same loop (runtime.train).
+torchrun. The command line's `hetplan run --steps` is the same loop (hetplan.runtime.train).
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ def train(plan: str | os.PathLike, workload: Callable[..., Any] | Any = None, *,
     """Train this process's part of `plan` (a plan file) and return the logged rows (every rank
     gets the same rows: step, loss, lr, samples_per_s, eta_s, eval_* ...).
 
-    `workload`: a function returning a `planner.workload.Workload` (called with the plan's
+    `workload`: a function returning a `hetplan.planner.workload.Workload` (called with the plan's
     model.args after torch.manual_seed(0) on every rank), or a Workload; None: the plan's
     model.spec. The other arguments are `hetplan run`'s flags of the same names. Bad input raises
-    `planner.files.io.InputError` (one line naming the argument or file) before training starts.
+    `hetplan.planner.files.io.InputError` (one line naming the argument or file) before training starts.
     """
-    from planner.files.plan import load_plan
-    from runtime.train_flags import train_config
-    from runtime.worker import RunConfig, run_worker
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.runtime.train_flags import train_config
+    from hetplan.runtime.worker import RunConfig, run_worker
     path = str(Path(plan))
     p = load_plan(path)
     args = Namespace(plan=path, steps=steps, epochs=epochs, seed=seed, log_every=log_every, metrics=metrics,
@@ -37,7 +37,7 @@ def train(plan: str | os.PathLike, workload: Callable[..., Any] | Any = None, *,
                      lr_schedule_arg=None, lr_schedule_args=dict(lr_schedule_args or {}),
                      warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, tensorboard=tensorboard)
     if steps is None and epochs is None:
-        from planner.files.io import InputError
+        from hetplan.planner.files.io import InputError
         raise InputError("steps, epochs: expected one of them")
     tcfg = train_config(args, p, given=workload)
     _single_process_env(p)
@@ -51,8 +51,8 @@ def _single_process_env(plan) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
     if len(plan.devices) != 1:
-        from planner.files.io import InputError
+        from hetplan.planner.files.io import InputError
         raise InputError(f"the plan has {len(plan.devices)} devices; expected the script launched with "
                          f"torchrun --nproc_per_node {len(plan.devices)} (one process per device)")
-    from runtime.rendezvous import env_vars, free_port
+    from hetplan.runtime.rendezvous import env_vars, free_port
     os.environ.update(env_vars(0, 1, "127.0.0.1", free_port()))

@@ -2,7 +2,7 @@
 
 Each command is a module in `hetplan.commands` with HELP, add_arguments(parser) and
 main(args) -> int; `args.hetplan` is this module's `main`, for a command that runs others (demo),
-so no command imports the registry. Bad input from outside raises `planner.files.io.InputError`; it is printed here as
+so no command imports the registry. Bad input from outside raises `hetplan.planner.files.io.InputError`; it is printed here as
 one line on stderr with exit code 2, never as a traceback.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from planner.files.io import InputError
+from hetplan.planner.files.io import InputError
 
 # name -> module; order is the order of `hetplan --help`
 COMMANDS = {

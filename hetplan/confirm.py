@@ -4,7 +4,7 @@ fastest kept.
 Each candidate runs `rounds` times for a short window (at least WARMUP_S warm-up and MEASURED_S
 measured, at its predicted iteration), the runs interleaved (A B C A B C) so that a slow spell of
 the machine falls on every candidate alike; a candidate's time is the median of its runs' medians.
-All runs go through one launcher process (runtime.launch), so only the first pays the start of
+All runs go through one launcher process (hetplan.runtime.launch), so only the first pays the start of
 the worker processes' server.
 """
 from __future__ import annotations
@@ -55,10 +55,10 @@ def estimate_s(predicted: list[float], rounds: int = ROUNDS) -> float:
 
 def run_here(path: Path, plan, topology, iters: int, warmup: int, out: Path) -> float:
     """The median iteration of the plan file at `path` (`plan`, loaded) run on this machine
-    through this process's launcher (runtime.launch), quietly, `iters` iterations of which the
+    through this process's launcher (hetplan.runtime.launch), quietly, `iters` iterations of which the
     first `warmup` are left out; the measured file goes into the folder `out`."""
-    from runtime.launch import launch, thread_shares
-    from runtime.worker import RunConfig
+    from hetplan.runtime.launch import launch, thread_shares
+    from hetplan.runtime.worker import RunConfig
     cfg = RunConfig(plan=str(path), iters=iters, warmup=warmup, out=str(out / "measured.json"),
                     threads=thread_shares(plan, topology), quiet=True)
     return launch(cfg, plan.devices)["iteration_s"]
@@ -68,10 +68,10 @@ def confirm(candidates: list[tuple[str, object, float]], topology, rounds: int =
             log=lambda msg: print(f"hetplan plan: {msg}", file=sys.stderr)) -> tuple[list[Confirmed], float]:
     """Run each (name, plan, predicted seconds) `rounds` times, interleaved, on this machine
     (whose profile `topology` is); their measured times, in the order given, and the share of
-    the CPU other processes used meanwhile (runtime.host_load.ForeignCPU)."""
-    from planner.files.plan import save_plan
-    from runtime.host_load import ForeignCPU
-    from runtime.launch import prestart
+    the CPU other processes used meanwhile (hetplan.runtime.host_load.ForeignCPU)."""
+    from hetplan.planner.files.plan import save_plan
+    from hetplan.runtime.host_load import ForeignCPU
+    from hetplan.runtime.launch import prestart
 
     prestart()
     measured: dict[str, list[float]] = {name: [] for name, _, _ in candidates}

@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.cuda)])
 def gpu(request, monkeypatch):
-    """One GPU for a test: 'standin': the CPU standing in for cuda:0 (planner.hardware.device); 'real': this GPU."""
+    """One GPU for a test: 'standin': the CPU standing in for cuda:0 (hetplan.planner.hardware.device); 'real': this GPU."""
     if request.param == "standin":
-        from planner.hardware.device import STANDIN_ENV
+        from hetplan.planner.hardware.device import STANDIN_ENV
         monkeypatch.setenv(STANDIN_ENV, "1")
     return request.param

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.workload import Workload
+from hetplan.planner.workload import Workload
 
 
 def _batch(shape, classes=None):

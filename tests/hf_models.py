@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.workload import Workload
+from hetplan.planner.workload import Workload
 
 VOCAB, SEQ, HIDDEN = 64, 8, 16
 

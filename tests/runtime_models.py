@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.workload import Workload
+from hetplan.planner.workload import Workload
 
 
 class SkipNet(nn.Module):
@@ -173,7 +173,7 @@ def mlp_data(hidden: int = 16, depth: int = 3, n: int = 60, n_eval: int = 25, lo
              features: int = 784) -> Workload:
     """The built-in mlp (4 layers at depth 3) on a dataset of `n` samples, `n_eval` to evaluate
     (`features` other than 784: items that do not fit the model)."""
-    from planner.workload.builtin import mlp
+    from hetplan.planner.workload.builtin import mlp
     w = mlp(hidden=hidden, depth=depth)
     w.train_data, w.eval_data, w.metrics = Samples(n, features=features), Samples(n_eval, seed=1), accuracy
     w.train_data.log = log or None

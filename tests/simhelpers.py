@@ -1,9 +1,9 @@
 """Hand-built graphs, topologies and plans for exact-time simulator tests (not a test file)."""
 from __future__ import annotations
 
-from planner.workload.graph import Layer, ModelGraph
-from planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
-from planner.hardware.topology import Device, Link, Topology
+from hetplan.planner.workload.graph import Layer, ModelGraph
+from hetplan.planner.files.plan import ModelRef, Optimizer, Plan, Replica, Stage, Sync
+from hetplan.planner.hardware.topology import Device, Link, Topology
 
 
 def layer(i: int, fwd_flops=1e9, bwd_flops=2e9, param_bytes=0, saved_bytes=0) -> Layer:
@@ -45,7 +45,7 @@ def with_timed_steps(topo: Topology, fixed_s: float = 2e-3) -> Topology:
     """`topo` with each GPU's optimizer steps timed by a profile (`optimizer_table`): `fixed_s`
     per step (the host's launches) + 1e-5 s per tensor + the device's memory traffic."""
     from dataclasses import replace
-    from planner.cost.model import OPTIMIZER_BYTES_PER_PARAM_BYTE
+    from hetplan.planner.cost.model import OPTIMIZER_BYTES_PER_PARAM_BYTE
 
     def rows(d, name):
         per_byte = OPTIMIZER_BYTES_PER_PARAM_BYTE[name] / d.memory_bytes_per_s

@@ -1,7 +1,7 @@
 """Replica templates as first written, and random plans, for equivalence tests (the reference
-event loop is planner.sim.reference).
+event loop is hetplan.planner.sim.reference).
 
-`replica_template_one_by_one` is the template builder before arrays (planner.sim.template).
+`replica_template_one_by_one` is the template builder before arrays (hetplan.planner.sim.template).
 Not a test file.
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ import random
 from dataclasses import replace
 from typing import NamedTuple
 
-from planner.files.schedule import Action
-from planner.files.schedule import make_schedule as _make_schedule, receives as _receives
-from planner.files.schedule import split_backward as _split_backward
-from planner.sim.template import Slots, Stream, _slots, accumulates
+from hetplan.planner.files.schedule import Action
+from hetplan.planner.files.schedule import make_schedule as _make_schedule, receives as _receives
+from hetplan.planner.files.schedule import split_backward as _split_backward
+from hetplan.planner.sim.template import Slots, Stream, _slots, accumulates
 
 from simhelpers import device, graph, layer, link, plan, topology
 
@@ -58,7 +58,7 @@ def random_case(rng: random.Random):
 
 def held_sends(pl, topo):
     """`topo`, for half the plans, with a calibration whose CPU worker's sends can be held
-    (planner.sim.template), on the scale of these cases' seconds-long tasks; drawn from the
+    (hetplan.planner.sim.template), on the scale of these cases' seconds-long tasks; drawn from the
     plan, not from the cases' generator, which makes the same cases as before."""
     if random.Random(repr(pl)).random() < 0.5:
         return topo
@@ -92,7 +92,7 @@ def random_twin_case(rng: random.Random):
 
 def random_cpu_pipelines(rng: random.Random):
     """(graph, topology, plan): 1-2 replicas of 2-4 stages on CPU workers cpu:0..cpu:7 of a
-    calibrated host whose sends can be held (planner.sim.template) and whose workers wake up
+    calibrated host whose sends can be held (hetplan.planner.sim.template) and whose workers wake up
     late, 2-8 microbatches, every schedule but interleaved, every sync granularity."""
     nl = rng.randint(2, 6)
     g = graph([layer(i, fwd_flops=rng.choice([0, 1e9, 3e9]), bwd_flops=rng.choice([1e9, 2e9, 5e9]),
@@ -120,13 +120,13 @@ def random_cpu_pipelines(rng: random.Random):
 
 def build_one_by_one(builder, r, rep):
     """Replica r's tasks added one at a time, as the builder did before templates
-    (planner.sim.template): each stage's compute in schedule order, then per stage pair and
+    (hetplan.planner.sim.template): each stage's compute in schedule order, then per stage pair and
     microbatch the activation's hops and the gradient's hops. For equivalence tests. A split
     backward (zb-h1): an I task per I action (the gradient leaves and arrives there) and the
     backward's pieces per W action; its I values are numbered after the hops."""
-    from planner.sim.build import Chunk
-    from planner.files.schedule import make_schedule, receives, split_backward
-    from planner.sim.taskgraph import HeldSend
+    from hetplan.planner.sim.build import Chunk
+    from hetplan.planner.files.schedule import make_schedule, receives, split_backward
+    from hetplan.planner.sim.taskgraph import HeldSend
     g, sim, m = builder.g, builder.sim, rep.microbatches
     pairs = [(a.device, b.device) for a, b in zip(rep.stages, rep.stages[1:])]
     g.begin_replica((m, tuple(st.layers for st in rep.stages),
@@ -193,7 +193,7 @@ def build_one_by_one(builder, r, rep):
         routes.append((builder.route(src, dst, r, cut), builder.route(dst, src, r, cut)))
 
     def hold(msg, sender: int, kind: str, sent: int, route) -> int:
-        """The hold task msg passes before its hops (planner.sim.template), after `sent`; or
+        """The hold task msg passes before its hops (hetplan.planner.sim.template), after `sent`; or
         `sent` where it passes none."""
         st = rep.stages[sender]
         if not (route and not st.split and sim.cost.holds_sends(st.device) and recv[msg][2] is not None):
@@ -216,11 +216,11 @@ def build_one_by_one(builder, r, rep):
     g.end_replica()
 
 
-# --- planner.sim.template.replica_template as first written: one task at a time ------------------
+# --- hetplan.planner.sim.template.replica_template as first written: one task at a time ------------------
 
 
 class OneByOne(NamedTuple):
-    """planner.sim.template.ReplicaTemplate's fields (ReplicaTemplate.FIELDS)."""
+    """hetplan.planner.sim.template.ReplicaTemplate's fields (ReplicaTemplate.FIELDS)."""
     slots: Slots
     value: tuple[int, ...]
     res: tuple[int, ...]
@@ -259,7 +259,7 @@ def _backward_tasks(add, counts, slots: Slots, stream: Stream | None, act: Actio
 def replica_template_one_by_one(schedule: str, m: int, pieces: tuple[int, ...],
                                 hops: tuple[tuple[int, int], ...], devices: int | None = None,
                                 stream: Stream | None = None, holds: tuple[bool, ...] | None = None) -> OneByOne:
-    """planner.sim.template.replica_template built task by task (the reference of its tests).
+    """hetplan.planner.sim.template.replica_template built task by task (the reference of its tests).
 
     The template of a replica with len(pieces) stages (stage s's last microbatch's backward
     in pieces[s] pieces) and m microbatches; hops[p] = (hops ahead, hops back) between stages

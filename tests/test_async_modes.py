@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from planner.files.io import InputError
-from planner.files.plan import Sync, plan_from_dict
-from planner.sim.simulator import simulate
+from hetplan.planner.files.io import InputError
+from hetplan.planner.files.plan import Sync, plan_from_dict
+from hetplan.planner.sim.simulator import simulate
 from simhelpers import device, graph, layer, link, plan, topology
 
 
@@ -73,14 +73,14 @@ def test_a_local_mode_needs_one_stage_replicas():
 def test_modes_round_trip_and_a_sync_plan_file_is_unchanged():
     d = _plan_dict({"mode": "easgd", "period": 3, "alpha": 0.25, "bucket_bytes": 1000})
     p = plan_from_dict(d)
-    from planner.files.plan import plan_to_dict
+    from hetplan.planner.files.plan import plan_to_dict
     assert plan_from_dict(plan_to_dict(p)) == p
     assert p.sync == Sync("coarse", 1000, "easgd", period=3, alpha=0.25)
     assert "mode" not in plan_to_dict(plan_from_dict(_plan_dict({"bucket_bytes": 1000})))["sync"]
 
 
 def test_easgd_workers_also_hold_the_center_variable():
-    from planner.cost.memory import peak_memory
+    from hetplan.planner.cost.memory import peak_memory
     g = graph([layer(0, param_bytes=10**6)], batch=4)
     t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1")])
     sync_plan = plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4)   # SGD: no state
@@ -111,7 +111,7 @@ def test_local_sgd_with_period_1_is_synchronous_data_parallel(tmp_path):
 def _alone(p: dict, samples: int, iters: int) -> dict:
     """Replica 0 trained alone on its slice [0, samples) of every global batch (plain SGD)."""
     import torch
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.load import load_workload
     w = load_workload(p["model"]["spec"], p["model"]["args"])
     o = torch.optim.SGD(w.model.parameters(), lr=p["optimizer"]["lr"])
     for i in range(iters):
@@ -172,7 +172,7 @@ def test_simulate_and_run_refuse_an_unknown_mode_in_one_line(tmp_path, command):
 
 def test_hogwild_workers_see_each_others_updates_through_one_mapping(tmp_path):
     import torch
-    from runtime.sync_modes import share_parameters
+    from hetplan.runtime.sync_modes import share_parameters
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     path = str(tmp_path / "params")
     share_parameters(list(a.parameters()), path, create=True)
@@ -204,7 +204,7 @@ def test_time_to_loss_picks_an_asynchronous_plan_where_the_gradient_exchange_dom
     # compute takes microseconds, an all-reduce of the parameters ~30 ms: the asynchronous
     # modes reach the loss in about as many iterations, each much faster
     from test_cli_inputs import _hetplan
-    from planner.files.plan import load_plan
+    from hetplan.planner.files.plan import load_plan
     topo = tmp_path / "slow.json"
     topo.write_text(json.dumps(SLOW_LINK))
     out = tmp_path / "plan.json"
@@ -220,6 +220,9 @@ def test_time_to_loss_picks_an_asynchronous_plan_where_the_gradient_exchange_dom
     pipes = {(c["sync"], c["average"]) for c in ttl["candidates"] if c["sync"].startswith("pipedream")}
     assert pipes == {("pipedream", None), ("pipedream-2bw", None), ("pipedream", "swa")}
     assert ttl["time_s"] == pytest.approx(ttl["iterations"] * p.predicted.iteration_s)
+    lo, hi = p.predicted.iteration_s_interval           # the iterations' time has its interval too
+    assert lo <= p.predicted.iteration_s <= hi and lo < hi
+    assert ttl["time_s_interval"] == pytest.approx([ttl["iterations"] * lo, ttl["iterations"] * hi])
     assert "time to loss s" in r.stdout and f"sync mode {p.sync.mode}" in r.stdout
     # run it, and compare the predicted time to the loss with the measured one
     assert _hetplan("run", out, "--iters", 40, "-o", tmp_path / "m.json").returncode == 0
@@ -247,12 +250,12 @@ def test_time_to_loss_flags_are_checked(tmp_path, flags, needle):
     assert not (tmp_path / "plan.json").exists()
 
 
-# --- the convergence model (planner.search.convergence) -----------------------------------------
+# --- the convergence model (hetplan.planner.search.convergence) -----------------------------------------
 @pytest.mark.parametrize("sync", [{"mode": "local-sgd", "period": 2}, {"mode": "easgd", "period": 2, "alpha": 0.3}])
 def test_the_emulated_losses_are_those_the_runtime_measures(tmp_path, sync):
-    from planner.files.plan import plan_from_dict
-    from planner.search.convergence import emulate
-    from planner.workload.load import load_workload
+    from hetplan.planner.files.plan import plan_from_dict
+    from hetplan.planner.search.convergence import emulate
+    from hetplan.planner.workload.load import load_workload
     from test_runtime import run_plan
     p = _runtime_plan(sync)
     p["model"], p["optimizer"]["lr"] = LEARNABLE, 0.3
@@ -262,9 +265,9 @@ def test_the_emulated_losses_are_those_the_runtime_measures(tmp_path, sync):
 
 
 def test_local_sgd_every_iteration_emulates_as_synchronous_training():
-    from planner.files.plan import plan_from_dict
-    from planner.search.convergence import emulate
-    from planner.workload.load import load_workload
+    from hetplan.planner.files.plan import plan_from_dict
+    from hetplan.planner.search.convergence import emulate
+    from hetplan.planner.workload.load import load_workload
     w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
     p = _runtime_plan({"mode": "local-sgd", "period": 1})
     p["model"] = LEARNABLE
@@ -273,7 +276,7 @@ def test_local_sgd_every_iteration_emulates_as_synchronous_training():
 
 
 def test_iterations_to_a_target_counted_on_the_curve_or_extrapolated_by_a_power_law():
-    from planner.search.convergence import SMOOTH_WINDOW, iterations_to
+    from hetplan.planner.search.convergence import SMOOTH_WINDOW, iterations_to
     flat_then_drop = [1.0] * 20 + [0.1] * 20
     assert iterations_to(flat_then_drop, 0.5) == 20 + SMOOTH_WINDOW // 2 + 1  # the running mean crosses
     law = [0.2 + 2.0 * (i + 1) ** -0.5 for i in range(200)]   # reaches 0.3 at i + 1 = 400
@@ -295,7 +298,7 @@ def _ps_case():
 def test_a_parameter_server_steps_each_workers_gradients_in_turn():
     # both push from 1.5 s to 2.5 s; the server steps 2.5-2.53 and 2.53-2.56; the pulls end
     # at 3.53 and 3.56
-    from planner.cost.memory import peak_memory
+    from hetplan.planner.cost.memory import peak_memory
     g, t, p = _ps_case()
     r = simulate(p, g, t, trace=True)
     assert r.iteration_s == approx(1.5 + 1.0 + 2 * 0.03 + 1.0)
@@ -312,7 +315,7 @@ def test_a_parameter_server_is_a_device_no_replica_uses():
     with pytest.raises(InputError, match="sync.server: expected a device no replica uses"):
         plan_from_dict(d, "p.json")
     d = _plan_dict({"mode": "parameter-server", "server": "cpu:7"})
-    from planner.files.plan import validate_plan
+    from hetplan.planner.files.plan import validate_plan
     with pytest.raises(InputError, match="sync.server: expected a device of the topology"):
         validate_plan(plan_from_dict(d, "p.json"), "p.json", device_names={"cpu:0", "cpu:1", "cpu:2"})
 
@@ -345,9 +348,9 @@ def test_a_parameter_server_with_two_workers_learns(tmp_path):
 
 
 def test_a_parameter_server_with_one_worker_emulates_as_synchronous_training():
-    from planner.files.plan import plan_from_dict
-    from planner.search.convergence import emulate
-    from planner.workload.load import load_workload
+    from hetplan.planner.files.plan import plan_from_dict
+    from hetplan.planner.search.convergence import emulate
+    from hetplan.planner.workload.load import load_workload
     from test_runtime import plan as runtime_plan
     w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
     p = runtime_plan([(1.0, 1, [("cpu:0", (0, 4))])], model=LEARNABLE)

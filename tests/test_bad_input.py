@@ -1,14 +1,14 @@
-"""Bad files through the one reader (planner.files.io.read_json) and the plan, topology and
+"""Bad files through the one reader (hetplan.planner.files.io.read_json) and the plan, topology and
 measured loaders: one InputError line naming the file and field, never another exception."""
 import json
 import os
 
 import pytest
 
-from planner.files.io import InputError, read_json
-from planner.files.measured import load_measured
-from planner.files.plan import load_plan
-from planner.hardware.topology import load_topology
+from hetplan.planner.files.io import InputError, read_json
+from hetplan.planner.files.measured import load_measured
+from hetplan.planner.files.plan import load_plan
+from hetplan.planner.hardware.topology import load_topology
 
 PLAN = {"schema": "hetplan.plan/1", "model": {"spec": "mlp", "args": {}}, "global_batch": 8,
         "replicas": [{"batch_fraction": 1.0, "microbatches": 1, "stages": [{"device": "cpu:0", "layers": [0, 3]}]}],

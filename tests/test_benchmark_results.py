@@ -12,11 +12,11 @@ from benchmarks.plan_sets import (GPU_WORKLOADS, gpu_transformer_plans, hybrid_k
                                   plan_class, plans_for, size_classes, workloads_for)
 from benchmarks.results import (accuracy_payload, plan_quality_payload, read_results,
                                 update_results, validate_results)
-from planner.files.io import InputError
-from planner.workload.layers import num_layers
-from planner.files.plan import plan_from_dict, validate_plan
-from planner.hardware.topology import topology_from_dict
-from planner.workload.load import load_workload
+from hetplan.planner.files.io import InputError
+from hetplan.planner.workload.layers import num_layers
+from hetplan.planner.files.plan import plan_from_dict, validate_plan
+from hetplan.planner.hardware.topology import topology_from_dict
+from hetplan.planner.workload.load import load_workload
 
 ACCURACY = {"mape_pct": 7.9, "worst_pct": 22.9, "kendall_tau": 0.92,
             "plans": [{"name": "mlp/single", "devices": ["cpu:0"], "predicted_s": 0.1,

@@ -1,5 +1,5 @@
-"""planner.sim.bound (a lower bound on the simulated iteration) and the search's early rejection
-with it (planner.search.mcmc): the bound never exceeds the simulation, and the walk with early
+"""hetplan.planner.sim.bound (a lower bound on the simulated iteration) and the search's early rejection
+with it (hetplan.planner.search.mcmc): the bound never exceeds the simulation, and the walk with early
 rejection takes exactly the decisions of the walk that simulates every proposal."""
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from planner.files.plan import ModelRef, plan_key
-from planner.hardware.topology import load_topology
-from planner.search.mcmc import SearchConfig, Searcher
-from planner.search.problem import make_space, simulator_problem
-from planner.search.space import Strategy, Pipeline, fits, min_batch, propose, to_plan
-from planner.sim.simulator import Simulator
+from hetplan.planner.files.plan import ModelRef, plan_key
+from hetplan.planner.hardware.topology import load_topology
+from hetplan.planner.search.mcmc import SearchConfig, Searcher
+from hetplan.planner.search.problem import make_space, simulator_problem
+from hetplan.planner.search.space import Strategy, Pipeline, fits, min_batch, propose, to_plan
+from hetplan.planner.sim.simulator import Simulator
 from simhelpers import device, graph, layer, link, plan, topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from search import cluster_64, synthetic_graph  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parent.parent / "hetplan" / "topologies"
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b")
 
 
@@ -136,8 +136,8 @@ def test_a_bound_past_its_limit_stops_short_above_it(gpt4):
 
 @pytest.fixture(scope="module")
 def gpt4():
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     return capture_graph(load_workload("gpt", {"layers": 4}), 8)
 
 
@@ -163,7 +163,7 @@ def test_bound_below_the_simulation_where_the_gpus_timed_their_steps(gpt4):
 def test_bound_below_the_simulation_with_calibrated_cpu_workers():
     # a calibrated host (message issue, wake-up, cold start, iteration overhead, held sends)
     # whose contention is 1: the bound counts the messages and the overhead, and stays below
-    from planner.hardware.calibration import calibration_to_dict, Calibration
+    from hetplan.planner.hardware.calibration import calibration_to_dict, Calibration
     g = synthetic_graph(8, 16, d_model=256, seq=64)
     cal = Calibration(cpu_workers=2, cpu_contention_factor=1.0, iteration_overhead_s=1e-3, wake_latency_s=2e-4,
                       cold_compute_s=1e-4, send_issue_s=3e-5, recv_post_s=2e-5,
@@ -237,8 +237,8 @@ def test_link_resources_are_numbered_before_any_route_is_asked():
 
 
 def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_backward():
-    from planner.sim.bound import HEAD_SCHEDULES
-    from planner.files.schedule import Action, make_schedule
+    from hetplan.planner.sim.bound import HEAD_SCHEDULES
+    from hetplan.planner.files.schedule import Action, make_schedule
     for name in HEAD_SCHEDULES:
         for p, m in ((2, 2), (3, 5), (4, 8)):
             for s, acts in enumerate(make_schedule(name, p, m)):
@@ -249,8 +249,8 @@ def test_the_schedules_the_bound_relies_on_start_with_f0_and_end_with_the_last_b
 
 def test_zb_h1s_trailing_w_passes_are_those_of_its_schedule():
     """The bound counts per stage the W passes after its last I without building the schedule."""
-    from planner.sim.bound import trailing_w
-    from planner.files.schedule import make_schedule
+    from hetplan.planner.sim.bound import trailing_w
+    from hetplan.planner.files.schedule import make_schedule
     for p in range(1, 9):
         for m in range(p, 3 * p + 2):
             rows = make_schedule("zb-h1", p, m)
@@ -279,7 +279,7 @@ def test_cached_buckets_are_those_of_each_plan_sync_and_layout():
     # Simulator.exchanged keys its cache by sync and layer layout: plans sharing a layout but not
     # a bucket cap or a granularity get their own buckets, and every simulation and bound of a
     # walk's plans equals a fresh simulator's (which has seen no other plan)
-    from planner.cost.buckets import exchanged_buckets
+    from hetplan.planner.cost.buckets import exchanged_buckets
     g = synthetic_graph(24, 64)
     topo = cluster_64(2)
     space = make_space(topo, g.num_layers, g.batch, ModelRef("bench"), "adam", 1e-3)

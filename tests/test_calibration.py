@@ -7,15 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from planner.hardware.calibration import (Calibration, calibration_from_dict,
+from hetplan.planner.hardware.calibration import (Calibration, calibration_from_dict,
                                           calibration_to_dict, topology_calibration)
-from planner.hardware.fit import (contention_factor, fit_latency_bandwidth, fit_optimizer,
+from hetplan.planner.hardware.fit import (contention_factor, fit_latency_bandwidth, fit_optimizer,
                                   lower_envelope, memory_contention_factor)
-from planner.cost.model import RooflineCost
-from planner.files.io import InputError
-from planner.cost.timing import MeasuredCost
-from planner.sim.simulator import Simulator
-from planner.hardware.topology import load_topology, save_topology
+from hetplan.planner.cost.model import RooflineCost
+from hetplan.planner.files.io import InputError
+from hetplan.planner.cost.timing import MeasuredCost
+from hetplan.planner.sim.simulator import Simulator
+from hetplan.planner.hardware.topology import load_topology, save_topology
 from simhelpers import device, graph, layer, link, plan, topology
 
 CAL = {"cpu_workers": 2, "cpu_contention_factor": 2.0, "allreduce_latency_s": 1e-4,
@@ -397,7 +397,7 @@ def test_a_message_of_several_tensors_pays_an_isend_and_an_irecv_post_per_tensor
     assert spans["0:1B0"] == pytest.approx((2 + 3 * s + 3 * p, 4 + 5 * s + 3 * p))
     assert spans["0:0B0"] == pytest.approx((4 + 5 * s + 3 * p, 6 + 5 * s + 5 * p))
     # the early-rejection bound prices the same messages (it stays below the simulation)
-    from planner.sim.bound import lower_bound_s
+    from hetplan.planner.sim.bound import lower_bound_s
     sim = Simulator(g, t, _Contended(g, t))
     assert lower_bound_s(sim, pipe) == pytest.approx(6 + 5 * s + 5 * p)
 

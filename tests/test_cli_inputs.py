@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.files.io import InputError, write_json_atomic
+from hetplan.planner.files.io import InputError, write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKSTATION = ROOT / "profiles" / "examples" / "workstation-gtx1650.json"
+WORKSTATION = ROOT / "hetplan" / "topologies" / "workstation-gtx1650.json"
 
 
 def _hetplan(*args, cwd=None):
@@ -67,7 +67,7 @@ def test_plan_file_model_errors_name_the_plan_field(tmp_path):
 def test_user_factory_in_the_working_directory(tmp_path):
     (tmp_path / "mymodels.py").write_text(
         "import torch\n"
-        "from planner.workload import Workload\n"
+        "from hetplan.planner.workload import Workload\n"
         "def tiny(width=4):\n"
         "    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 2))\n"
         "    def make_batch(b, seed):\n"
@@ -98,7 +98,7 @@ def test_fifo_huge_batch_and_typo_are_one_line(tmp_path):
 
 GOOD_FACTORY = (
     "import torch\n"
-    "from planner.workload import Workload\n"
+    "from hetplan.planner.workload import Workload\n"
     "def f():\n"
     "    def make_batch(b, seed):\n"
     "        return MAKE\n"
@@ -116,7 +116,7 @@ GOOD_FACTORY = (
 def test_user_code_that_fails_is_one_line(tmp_path, monkeypatch, source, spec, needle):
     """A model module or factory that fails names which part failed. Broken by: load.py letting
     the user's exception through (a traceback, exit 1)."""
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.load import load_workload
     name = f"usermod_{abs(hash((source, spec))) % 10**8}"     # a fresh module each case
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -129,7 +129,7 @@ def test_user_code_that_fails_is_one_line(tmp_path, monkeypatch, source, spec, n
 
 STEP_FACTORY = (
     "import torch\n"
-    "from planner.workload import Workload\n"
+    "from hetplan.planner.workload import Workload\n"
     "def f():\n"
     "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
     "    def make_batch(b, seed):\n"
@@ -163,8 +163,8 @@ def test_one_training_step_is_checked(tmp_path, monkeypatch, source, needle, wei
     model as plan builds it for a what-if topology) and on values. Broken by: a forward or loss
     called unguarded (a traceback), a batch size not checked on every tensor, or no real step
     for a small model (the NaN loss passes)."""
-    from planner.workload.load import load_workload
-    from planner.workload.step_check import check_step
+    from hetplan.planner.workload.load import load_workload
+    from hetplan.planner.workload.step_check import check_step
     name = f"stepmod_{abs(hash(source)) % 10**8}"
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -178,7 +178,7 @@ def test_one_training_step_is_checked(tmp_path, monkeypatch, source, needle, wei
 def test_plan_simulate_and_run_check_the_step(tmp_path):
     """A loss returning None: `plan` exits 2 before writing, `simulate` of a plan naming it exits 2,
     and `run` of that plan exits 2 with the worker's one line (not 'worker failed', exit 1). Broken
-    by: plan_problem, simulate_plan_file or runtime.stage.check_model not calling check_step, or the
+    by: plan_problem, simulate_plan_file or hetplan.runtime.stage.check_model not calling check_step, or the
     launcher (or a torchrun worker, exit 1) losing a worker's InputError."""
     (tmp_path / "lossmod.py").write_text(step_factory(loss="lambda o, t: None"))
     out = tmp_path / "plan.json"
@@ -196,7 +196,7 @@ def test_plan_simulate_and_run_check_the_step(tmp_path):
     assert "worker failed" not in r.stderr and not measured.exists()
     env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")    # one rank as torchrun starts it
-    r = subprocess.run([sys.executable, "-m", "runtime.worker", str(out), "-o", str(measured), "--iters", "2"],
+    r = subprocess.run([sys.executable, "-m", "hetplan.runtime.worker", str(out), "-o", str(measured), "--iters", "2"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     one_error_line(r, f"{out}: model.spec: lossmod:f's loss_fn returned NoneType")
     assert not measured.exists()
@@ -211,7 +211,7 @@ def test_plan_at_the_largest_batch_stops_at_its_time_limit(tmp_path):
     out = tmp_path / "p.json"
     t0 = time.monotonic()
     r = _hetplan("plan", "--model", "mlp", "--model-arg", "hidden=16", "--model-arg", "depth=1", "--batch", 2**20,
-                 "--time-limit", "2", "--topology", ROOT / "profiles" / "examples" / "dgx-8gpu.json", "-o", out)
+                 "--time-limit", "2", "--topology", ROOT / "hetplan" / "topologies" / "dgx-8gpu.json", "-o", out)
     assert r.returncode == 0 and out.exists(), r.stderr
     searched = float(re.search(r"simulations in ([0-9.]+) s", r.stdout).group(1))
     assert searched < 4.0 and time.monotonic() - t0 < 90, (searched, r.stdout)

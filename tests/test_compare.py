@@ -1,4 +1,4 @@
-"""`hetplan compare`: the comparison arithmetic (planner/files/report.py) and a real tiny run end to end."""
+"""`hetplan compare`: the comparison arithmetic (hetplan/planner/files/report.py) and a real tiny run end to end."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from hetplan.cli import main as cli_main
-from planner.files.measured import Measured
-from planner.files.report import compare, error_pct, measured_phases, table_rows
+from hetplan.planner.files.measured import Measured
+from hetplan.planner.files.report import compare, error_pct, measured_phases, table_rows
 
 TOPOLOGY = {"schema": "hetplan.topology/1", "name": "two-cpu what-if", "devices": [
     {"name": f"cpu:{i}", "kind": "cpu", "threads": 1, "memory_bytes": 4e9, "matmul_flops_per_s": 2e10,
@@ -61,7 +61,7 @@ def test_compare_rows_from_hand_made_inputs():
 @pytest.fixture(scope="module")
 def run_files(tmp_path_factory):
     """A two-stage pipeline of a tiny MLP on cpu:0 and cpu:1, run for 3 iterations with gloo."""
-    from planner.files.io import file_sha256
+    from hetplan.planner.files.io import file_sha256
     d = tmp_path_factory.mktemp("compare")
     topo = d / "topo.json"
     topo.write_text(json.dumps(TOPOLOGY))

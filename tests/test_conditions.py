@@ -17,7 +17,7 @@ def _hetplan(*args, cwd):
 
 
 def test_a_plan_records_its_threads_and_runs_with_them_anywhere(tmp_path):
-    topo = json.loads((ROOT / "profiles/examples/cpu-server-2socket.json").read_text())
+    topo = json.loads((ROOT / "hetplan/topologies/cpu-server-2socket.json").read_text())
     for d in topo["devices"]:
         d["threads"] = 2                                  # priced at two threads a worker
     topo["host"] = {"hostname": "elsewhere", "cores": 96}          # as `profile` writes it

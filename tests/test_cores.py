@@ -1,4 +1,4 @@
-"""Core binding (planner.hardware.cores): the rule, the switch, and `hetplan run`'s workers
+"""Core binding (hetplan.planner.hardware.cores): the rule, the switch, and `hetplan run`'s workers
 really bound (each worker's threads read back from the worker processes)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from planner.files.io import InputError
-from planner.hardware.cores import BIND_ENV, assign_cores, binding_enabled, bound_to_first, describe
+from hetplan.planner.files.io import InputError
+from hetplan.planner.hardware.cores import BIND_ENV, assign_cores, binding_enabled, bound_to_first, describe
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
 
@@ -50,8 +50,8 @@ def test_layer_timing_binding_is_restored(monkeypatch):
 
 
 def _run(tmp_path, threads: dict[str, int]) -> dict:
-    from runtime.launch import launch
-    from runtime.worker import RunConfig
+    from hetplan.runtime.launch import launch
+    from hetplan.runtime.worker import RunConfig
     from tests.test_runtime import plan
     p = plan([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])])
     path = tmp_path / "plan.json"
@@ -90,16 +90,16 @@ def _kernel_takes_slices() -> bool:
     child process (the test process keeps its own)."""
     import subprocess
     import sys
-    probe = ("from runtime.gloo_threads import SLICE_NS, short_slices, thread_slice_ns; "
+    probe = ("from hetplan.runtime.gloo_threads import SLICE_NS, short_slices, thread_slice_ns; "
              "short_slices(); print(thread_slice_ns() == SLICE_NS)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     return out.stdout.strip() == "True"
 
 
 def test_run_gives_every_thread_of_every_worker_a_short_slice(tmp_path):
-    # runtime.gloo_threads: a gloo work thread woken by its peer's data runs within one short
+    # hetplan.runtime.gloo_threads: a gloo work thread woken by its peer's data runs within one short
     # slice instead of waiting out the compute thread's (fine data parallel's slow iterations)
-    from runtime.gloo_threads import SLICE_NS
+    from hetplan.runtime.gloo_threads import SLICE_NS
     if not _kernel_takes_slices():
         pytest.skip("this kernel has no per-thread scheduler slice")
     per = _run(tmp_path, {"cpu:0": 1, "cpu:1": 1})

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cost.model import (RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s,
+from hetplan.planner.cost.model import (RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s,
                                 split_host_count)
-from planner.cost.timing import interpolate
-from planner.hardware.lookup import measured_here
-from planner.hardware.topology import Topology
+from hetplan.planner.cost.timing import interpolate
+from hetplan.planner.hardware.lookup import measured_here
+from hetplan.planner.hardware.topology import Topology
 from simhelpers import device, graph, layer, link, topology
 
 
@@ -15,7 +15,7 @@ def _here(memory: float = 1e9) -> Topology:
     """One CPU worker (one thread) of a topology profiled on this host: layers are timed."""
     import socket
 
-    from planner.hardware.topology import Device
+    from hetplan.planner.hardware.topology import Device
     return Topology("h", (Device("cpu:0", "cpu", memory, 1e10, 1e9, 0.0, 1),), (),
                     {"host": {"hostname": socket.gethostname()}})
 
@@ -110,9 +110,9 @@ def test_interpolation_and_host_check():
 
 
 def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
-    from planner.workload.capture import capture_graph
-    from planner.cost.timing import MeasuredCost, cache_path
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.cost.timing import MeasuredCost, cache_path
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     g = capture_graph(w, 4)
@@ -130,9 +130,9 @@ def test_measured_costs_are_timed_and_cached_on_disk(tmp_path, monkeypatch):
 def test_a_measured_cost_model_asks_once_whether_a_device_is_here(tmp_path, monkeypatch):
     # prepare() asks before a search; the search's forked chains then never ask CUDA, which a
     # forked process cannot use once its parent has
-    import planner.cost.timing as timing
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    import hetplan.planner.cost.timing as timing
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     g, t = capture_graph(w, 4), _here()
@@ -146,10 +146,10 @@ def test_a_measured_cost_model_asks_once_whether_a_device_is_here(tmp_path, monk
 def test_the_split_backward_is_timed_per_layer_by_the_runtimes_passes_and_cached(tmp_path, monkeypatch):
     import json
 
-    import planner.workload.split_backward as split_backward
-    from planner.cost.timing import SPLIT, MeasuredCost, cache_path
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    import hetplan.planner.workload.split_backward as split_backward
+    from hetplan.planner.cost.timing import SPLIT, MeasuredCost, cache_path
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 2})     # layers.0, layers.1, out: all hold weights
     g = capture_graph(w, 4)
@@ -189,8 +189,8 @@ def test_the_split_backward_is_timed_per_layer_by_the_runtimes_passes_and_cached
 def test_roofline_prices_the_graphs_precision_from_the_device_table():
     from dataclasses import replace
 
-    from planner.files.plan import ModelRef, Plan, Replica, Stage
-    from planner.sim.simulator import ByPrecision, PrecisionMismatch, Simulator
+    from hetplan.planner.files.plan import ModelRef, Plan, Replica, Stage
+    from hetplan.planner.sim.simulator import ByPrecision, PrecisionMismatch, Simulator
     fast_bf16 = replace(device("cpu:0", flops=1e9), matmul_flops_per_s_by_precision={"fp32": 1e9, "bf16": 4e9})
     what_if = device("cpu:0", flops=1e9)                      # no table: matmul_flops_per_s for all
     l = layer(0, fwd_flops=4e9, bwd_flops=8e9)
@@ -217,10 +217,10 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
 
     import torch
 
-    from planner.workload.capture import capture_graph
-    from planner.cost import timing
-    from planner.cost.timing import MeasuredCost, cache_path
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.cost import timing
+    from hetplan.planner.cost.timing import MeasuredCost, cache_path
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     t = _here()
@@ -244,7 +244,7 @@ def test_measured_costs_are_keyed_by_precision(tmp_path, monkeypatch):
 
 
 def test_batch_grid_and_the_cost_curve_between_and_beyond_measured_sizes():
-    from planner.cost.timing import MeasuredCost, batch_grid
+    from hetplan.planner.cost.timing import MeasuredCost, batch_grid
     assert batch_grid(1) == (1,)
     assert batch_grid(12) == (1, 2, 4, 8, 12)
     assert batch_grid(16) == (1, 2, 4, 8, 16)
@@ -271,12 +271,12 @@ def test_planning_on_a_measured_host_times_layers_once_before_the_search(tmp_pat
     import random
     import socket
 
-    from planner.cost.timing import MeasuredCost, batch_grid
-    from planner.files.plan import ModelRef
-    from planner.hardware.topology import Device, Link
-    from planner.search.mcmc import SearchConfig, search
-    from planner.search.problem import plan_problem
-    from planner.workload.load import load_workload
+    from hetplan.planner.cost.timing import MeasuredCost, batch_grid
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.hardware.topology import Device, Link
+    from hetplan.planner.search.mcmc import SearchConfig, search
+    from hetplan.planner.search.problem import plan_problem
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 2})
     cpus = tuple(Device(f"cpu:{i}", "cpu", 1e9, 1e10, 1e9, 0.0, 1) for i in range(2))
@@ -315,9 +315,9 @@ _fail_after_prepare.armed = False
 def test_layers_are_timed_in_steps_over_windows_that_fit_half_the_memory(tmp_path, monkeypatch):
     # a model whose activations at the whole batch do not fit one device is timed in windows of
     # consecutive layers, each a training step of its own; with room for all, one step
-    from planner.cost.timing import MeasuredCost, cache_path
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.cost.timing import MeasuredCost, cache_path
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 2})
     g = capture_graph(w, 4)
@@ -347,9 +347,9 @@ def test_a_size_timed_out_of_line_with_the_curve_is_timed_again_and_the_faster_k
     # a passing slowdown (the VM slow for a moment) made one size of the curve 50 % slow: more
     # samples never take less time, so a size whose step takes longer than the next larger
     # size's (or less than the next smaller's) is timed again and the faster median kept
-    from planner.cost.timing import MeasuredCost
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.cost.timing import MeasuredCost
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     g = capture_graph(w, 4)
@@ -377,9 +377,9 @@ def test_a_size_timed_out_of_line_with_the_curve_is_timed_again_and_the_faster_k
 def test_a_size_timed_far_above_the_line_through_its_neighbours_is_timed_again_with_them(tmp_path, monkeypatch):
     # a slow spell made one size 50 % slow without passing the next larger size's time (Llama's
     # batch 8 at 12.2 ms between 5.8 at 4 and 13.7 at 16): the three sizes are timed again
-    from planner.cost.timing import KINK, MeasuredCost
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.cost.timing import KINK, MeasuredCost
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 1})
     g = capture_graph(w, 4)
@@ -413,7 +413,7 @@ def test_a_size_timed_far_above_the_line_through_its_neighbours_is_timed_again_w
 
 class _Calls(RooflineCost):
     """Roofline layer times with a backward call of `call` seconds in each layer's backward, as
-    layers timed one at a time measure it (planner.cost.timing)."""
+    layers timed one at a time measure it (hetplan.planner.cost.timing)."""
 
     def __init__(self, g, t, call: float):
         super().__init__(g, t)
@@ -448,7 +448,7 @@ def test_a_layer_is_timed_with_a_gradient_only_for_inputs_that_carry_one():
 
     import torch
 
-    from planner.cost.timing import _next_inputs, _sequence_once
+    from hetplan.planner.cost.timing import _next_inputs, _sequence_once
     seen = []
 
     class Pair(torch.nn.Module):
@@ -479,9 +479,9 @@ def test_a_layer_is_timed_with_a_gradient_only_for_inputs_that_carry_one():
 def test_a_cpus_backward_call_is_measured_against_one_chained_call(tmp_path, monkeypatch):
     # the layers' separate backward calls against one chained call of the same layers, in the
     # same runs: the difference per call saved prices a stage's backward (CostModel.bwd_s)
-    from planner.cost import timing
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.cost import timing
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 2})
     g = capture_graph(w, 4)

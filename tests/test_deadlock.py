@@ -1,4 +1,4 @@
-"""planner.sim.deadlock: a task graph that cannot finish is reported as the step x resource grid with
+"""hetplan.planner.sim.deadlock: a task graph that cannot finish is reported as the step x resource grid with
 each resource's blocked task marked, by every engine and by the simulator (named), and `simulate`
 shows the grid under its one error line."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.files import schedule as schedules
-from planner.files.io import InputError
-from planner.sim import eventloop, fastloop, pipeline_pass, reference, template
-from planner.sim.deadlock import Deadlock
-from planner.sim.simulator import Simulator
+from hetplan.planner.files import schedule as schedules
+from hetplan.planner.files.io import InputError
+from hetplan.planner.sim import eventloop, fastloop, pipeline_pass, reference, template
+from hetplan.planner.sim.deadlock import Deadlock
+from hetplan.planner.sim.simulator import Simulator
 from simhelpers import device, graph, layer, link, plan, topology
 
 # A hand-made graph: cpu:0 runs F0, then B0, which waits for the gradient over the link; the
@@ -103,12 +103,12 @@ def test_the_simulator_names_resources_and_tasks_in_the_grid(backward_first, del
 
 
 def test_simulate_shows_the_grid_under_its_error_line(backward_first, tmp_path, monkeypatch):
-    from planner.sim import predict
+    from hetplan.planner.sim import predict
     g, topo, pl = _case()
-    monkeypatch.setattr("planner.workload.capture.capture_graph", lambda *a, **k: g)
-    monkeypatch.setattr("planner.workload.load.load_plan_workload", lambda *a, **k: None)
-    monkeypatch.setattr("planner.workload.step_check.check_step", lambda *a, **k: None)
-    monkeypatch.setattr("planner.cost.timing.cost_model", lambda *a, **k: None)
+    monkeypatch.setattr("hetplan.planner.workload.capture.capture_graph", lambda *a, **k: g)
+    monkeypatch.setattr("hetplan.planner.workload.load.load_plan_workload", lambda *a, **k: None)
+    monkeypatch.setattr("hetplan.planner.workload.step_check.check_step", lambda *a, **k: None)
+    monkeypatch.setattr("hetplan.planner.cost.timing.cost_model", lambda *a, **k: None)
     with pytest.raises(InputError) as e:
         predict.simulate_plan_file(pl, "plan.json", topo)
     assert str(e.value).startswith("plan.json: schedule: simulator deadlock: ") and "\n" not in str(e.value)

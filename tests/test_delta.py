@@ -1,4 +1,4 @@
-"""planner.sim.delta: delta simulation gives exactly the whole graph's results (repr of every
+"""hetplan.planner.sim.delta: delta simulation gives exactly the whole graph's results (repr of every
 SimResult), is the path plans of independent replicas take, runs each distinct replica once,
 and falls back where a replica could be delayed by something outside it."""
 from __future__ import annotations
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from planner.files.plan import ModelRef, Sync
-from planner.hardware.calibration import calibration_to_dict
-from planner.hardware.topology import load_topology
-from planner.search.mcmc import SearchConfig, Searcher, search
-from planner.search.problem import make_space, simulator_problem
-from planner.search.space import propose, to_plan
-from planner.sim import delta as delta_sim
-from planner.sim.pipeline_pass import PipelineRun
-from planner.sim.simulator import Simulator
+from hetplan.planner.files.plan import ModelRef, Sync
+from hetplan.planner.hardware.calibration import calibration_to_dict
+from hetplan.planner.hardware.topology import load_topology
+from hetplan.planner.search.mcmc import SearchConfig, Searcher, search
+from hetplan.planner.search.problem import make_space, simulator_problem
+from hetplan.planner.search.space import propose, to_plan
+from hetplan.planner.sim import delta as delta_sim
+from hetplan.planner.sim.pipeline_pass import PipelineRun
+from hetplan.planner.sim.simulator import Simulator
 from simhelpers import device, graph, layer, link, plan, topology
 from simreference import random_case, random_twin_case
 from test_bound import random_plans
@@ -28,7 +28,7 @@ from test_listsched import CALIBRATION
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from search import cluster_64, synthetic_graph  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parent.parent / "hetplan" / "topologies"
 
 
 class Paths(Counter):
@@ -114,8 +114,8 @@ def grid_plans(g, topo, space, rng: random.Random, steps: int) -> list:
 
 @pytest.fixture(scope="module")
 def gpt4():
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     return capture_graph(load_workload("gpt", {"layers": 4}), 8)
 
 
@@ -171,7 +171,7 @@ def test_delta_simulation_equals_the_whole_graph_on_edge_cases(paths):
 
 
 def test_delta_simulation_equals_the_whole_graph_with_held_sends(paths):
-    # CPU pipelines whose sends can be held (planner.sim.template: hold tasks on the links)
+    # CPU pipelines whose sends can be held (hetplan.planner.sim.template: hold tasks on the links)
     from simreference import random_cpu_pipelines
     rng = random.Random(6)
     for _ in range(60):
@@ -207,7 +207,7 @@ def test_replica_values_kept_across_plans_are_those_evaluated_afresh(monkeypatch
     # Simulator._evaluate keeps a replica's block of values per microbatch size across plan
     # shapes: the plans of a short rails search (replicas coming back at other batches) give
     # every result bit for bit as with each recipe evaluated in its own graph (Builder.BLOCKS off)
-    from planner.sim.build import Builder
+    from hetplan.planner.sim.build import Builder
     g, topo, seen = rails_search_plans(1, 80)
     for pl in list(seen):   # the same shapes with the batch moved: the same replicas at other microbatches
         b = pl.replica_batches()
@@ -295,7 +295,7 @@ def _two_replicas_and_coupling(z_s: float):
     """Replica 0: P (1 s, resource 0) then Z (z_s, resource 0); replica 1: Q (1 s, resource 1).
     Coupling: A after Z and B after Q (1 s each, both on resource 2; A the lower id), C after A
     (5 s, resource 3). Values: [1, z_s, 5]."""
-    from planner.sim.taskgraph import TaskGraph
+    from hetplan.planner.sim.taskgraph import TaskGraph
     g = TaskGraph(trace=False)
     g.begin_replica((0,), None)
     z = g.add(1, (0,), (g.add(0, (0,)),))
@@ -311,7 +311,7 @@ def _two_replicas_and_coupling(z_s: float):
 def test_a_zero_length_task_before_the_coupling_takes_the_whole_graph():
     # the event loop ends Z (0 s at 1 s) a round after Q, so B starts at 1 s and A at 2 s, C
     # ends at 8 s; a release task would end in Q's round and A would go first (C at 7 s)
-    from planner.sim.eventloop import run as run_tasks
+    from hetplan.planner.sim.eventloop import run as run_tasks
     g, values = _two_replicas_and_coupling(0.0)
     dur = [values[k] for k in g.dkey]
     assert max(run_tasks(dur, g.res, g.succ, list(g.ndeps), (), 4)[1]) == 8.0
@@ -330,8 +330,8 @@ def test_a_step_ready_as_a_zero_length_task_ends_on_its_device_takes_the_whole_g
     # At 1 s S takes resource 0 first (Z is ready a round later), so Z waits for it: W ends at
     # 7 s. Alone, replica 0's Z ends at 1 s, when S is ready: the release would not show the
     # round, delta simulation must give up (else it says 6 s).
-    from planner.sim.eventloop import run as run_tasks
-    from planner.sim.taskgraph import TaskGraph
+    from hetplan.planner.sim.eventloop import run as run_tasks
+    from hetplan.planner.sim.taskgraph import TaskGraph
     g = TaskGraph(trace=False)
     g.begin_replica((0,), None)
     z0 = g.add(1, (5,), (g.add(0, (0,)),))
@@ -409,9 +409,9 @@ def test_an_all_reduce_over_a_pipelines_link_splits_only_when_it_comes_after_the
 
 @pytest.mark.skipif(not delta_sim.fastloop.available(), reason="numba is not installed")
 def test_coupling_graphs_run_compiled_give_the_whole_graphs_results(paths, monkeypatch):
-    # every coupling graph of two tasks or more through planner.sim.fastloop (the search's
+    # every coupling graph of two tasks or more through hetplan.planner.sim.fastloop (the search's
     # take it from engines.COUPLING_COMPILED tasks): the same results, rails grid plans and edge cases
-    from planner.sim import engines
+    from hetplan.planner.sim import engines
     monkeypatch.setattr(engines, "COUPLING_COMPILED", 2)
     compiled = []
     run = delta_sim.Delta.run
@@ -432,12 +432,12 @@ def test_coupling_graphs_run_compiled_give_the_whole_graphs_results(paths, monke
 
 def test_a_coupling_graph_run_again_takes_the_fixed_order_pass(paths, monkeypatch):
     # the same plan shapes with the batch moved between replicas (simulator_speed's small
-    # case): after two runs the coupling graph takes planner.sim.listsched's pass, the same
+    # case): after two runs the coupling graph takes hetplan.planner.sim.listsched's pass, the same
     # results as the whole graph's event loop
     from simulator_speed import plans as speed_plans, synthetic
     g, topo = synthetic(2, 2, 8)
     passes = []
-    from planner.sim.listsched import Static
+    from hetplan.planner.sim.listsched import Static
     run = Static.run
 
     def counted(self, dur, wake):

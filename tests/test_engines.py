@@ -1,4 +1,4 @@
-"""Every engine (planner.sim.engines) gives the reference loop's result bit for bit, or declines."""
+"""Every engine (hetplan.planner.sim.engines) gives the reference loop's result bit for bit, or declines."""
 from __future__ import annotations
 
 import random
@@ -6,15 +6,15 @@ from dataclasses import replace
 
 import pytest
 
-from planner.files.plan import ModelRef, validate_plan
-from planner.hardware.calibration import calibration_to_dict
-from planner.hardware.topology import load_topology
-from planner.search.problem import make_space
-from planner.sim import engines, fastloop, reference
-from planner.sim.engines import (DELTA, EVENT_LOOP, LINKED_PASS, PIPELINE_PASS, REFERENCE, TWINS, Compiled,
+from hetplan.planner.files.plan import ModelRef, validate_plan
+from hetplan.planner.hardware.calibration import calibration_to_dict
+from hetplan.planner.hardware.topology import load_topology
+from hetplan.planner.search.problem import make_space
+from hetplan.planner.sim import engines, fastloop, reference
+from hetplan.planner.sim.engines import (DELTA, EVENT_LOOP, LINKED_PASS, PIPELINE_PASS, REFERENCE, TWINS, Compiled,
                                  FixedOrder)
-from planner.sim.eventloop import run as event_loop
-from planner.sim.simulator import Simulator
+from hetplan.planner.sim.eventloop import run as event_loop
+from hetplan.planner.sim.simulator import Simulator
 from simreference import random_case, random_cpu_pipelines, random_twin_case
 from test_bound import random_plans
 from test_listsched import CALIBRATION, EXAMPLES
@@ -53,8 +53,8 @@ def cases():
     all-reduces beside transfers, twins, held sends, wake-ups, every schedule, sync mode and
     optimizer placement), and search walks of gpt-4 with tensor splits on calibrated CPU workers
     and on GPUs."""
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     rng = random.Random(40)
     out = []
     for make, n in ((random_case, 30), (random_twin_case, 12), (random_cpu_pipelines, 12)):

@@ -1,4 +1,4 @@
-"""Where a predicted iteration goes (planner.sim.explain, `hetplan explain`): the critical path's
+"""Where a predicted iteration goes (hetplan.planner.sim.explain, `hetplan explain`): the critical path's
 segments, hand-computed, add up to the prediction."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.cost.model import RooflineCost
-from planner.sim.explain import Segment, binding, by_kind, critical_path, summary_lines
-from planner.sim.simulator import Simulator
+from hetplan.planner.cost.model import RooflineCost
+from hetplan.planner.sim.explain import Segment, binding, by_kind, critical_path, summary_lines
+from hetplan.planner.sim.simulator import Simulator
 from tests.simhelpers import device, graph, layer, link, plan, topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def test_gaps_are_waits_and_the_tail_is_fixed():
 
 
 def test_explain_json_adds_up_to_the_prediction(tmp_path):
-    topo = str(ROOT / "profiles/examples/dgx-8gpu.json")
+    topo = str(ROOT / "hetplan/topologies/dgx-8gpu.json")
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "hetplan", "plan", "--model", "gpt", "--batch", "16", "--topology",
                         topo, "--iterations", "300", "-o", "p.json"], capture_output=True, text=True, cwd=tmp_path, env=env)

@@ -1,4 +1,4 @@
-"""planner.sim.fastloop: the compiled event loop gives planner.sim.eventloop.run's times bit for bit,
+"""hetplan.planner.sim.fastloop: the compiled event loop gives hetplan.planner.sim.eventloop.run's times bit for bit,
 on random graphs with what the rules single out (tasks holding several resources, pure joins,
 zero-length tasks, wake-ups, ties), and in the simulator on random plans."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from planner.sim import fastloop
-from planner.sim.eventloop import run as python_loop, shared_resources
+from hetplan.planner.sim import fastloop
+from hetplan.planner.sim.eventloop import run as python_loop, shared_resources
 
 pytestmark = pytest.mark.skipif(not fastloop.available(), reason="numba is not installed")
 
@@ -66,7 +66,7 @@ def test_a_deadlock_is_reported_as_the_python_loop_reports_it():
 
 
 def _results(g, topo, plans, delta: bool) -> list[str]:
-    from planner.sim.simulator import Simulator
+    from hetplan.planner.sim.simulator import Simulator
     sim = Simulator(g, topo, cache_size=0, delta=delta)
     out = []
     for pl in plans:
@@ -84,15 +84,15 @@ def test_the_simulator_gives_the_same_results_compiled_and_in_python(monkeypatch
     from dataclasses import replace
     from pathlib import Path
 
-    from planner.files.plan import ModelRef
-    from planner.hardware.topology import load_topology
-    from planner.search.problem import make_space
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.hardware.topology import load_topology
+    from hetplan.planner.search.problem import make_space
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     from simreference import random_case, random_cpu_pipelines
     from test_bound import random_plans
     from test_listsched import CALIBRATION, EXAMPLES
-    from planner.hardware.calibration import calibration_to_dict
+    from hetplan.planner.hardware.calibration import calibration_to_dict
 
     g = capture_graph(load_workload("gpt", {"layers": 4}), 8)
     topo = load_topology(EXAMPLES / "cpu-server-2socket.json")
@@ -113,7 +113,7 @@ def test_a_graphs_arrays_are_its_lists_flattened(seed):
     # TaskGraph.arrays, assembled from the stamped templates' arrays and the tasks and edges
     # added one by one, is what flattening its res and succ lists gives (the compiled loop's
     # input); on whole graphs and on graphs whose twin replicas are collapsed into one
-    from planner.sim.simulator import Simulator
+    from hetplan.planner.sim.simulator import Simulator
     from simreference import random_case, random_twin_case
     rng = random.Random(seed)
     made = collapsed = 0
@@ -146,13 +146,13 @@ def test_successors_made_when_asked_are_those_made_while_stamping():
     # and tensor-split stages (blocks without arrays)
     from dataclasses import replace
 
-    from planner.files.plan import ModelRef
-    from planner.hardware.topology import load_topology
-    from planner.search.problem import make_space
-    from planner.sim.simulator import Simulator
-    from planner.sim.taskgraph import TaskGraph
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.hardware.topology import load_topology
+    from hetplan.planner.search.problem import make_space
+    from hetplan.planner.sim.simulator import Simulator
+    from hetplan.planner.sim.taskgraph import TaskGraph
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     from test_bound import random_plans
     from test_listsched import EXAMPLES
 

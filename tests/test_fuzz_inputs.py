@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.files.io import InputError
+from hetplan.planner.files.io import InputError
 from test_bad_input import LOADERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def test_fuzz_cli_a_few(tmp_path):
     """Six mutated plans that the loader refuses, through `simulate`: exit 2, one line, no traceback, no
     output file (--trace). Broken by: an exception escaping the CLI's InputError handler."""
     rng = random.Random(SEED)
-    topology = ROOT / "profiles" / "examples" / "workstation-gtx1650.json"
+    topology = ROOT / "hetplan" / "topologies" / "workstation-gtx1650.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     loader, plan = LOADERS["plan"]
     plan = {k: v for k, v in plan.items() if k != "topology"}
@@ -130,7 +130,7 @@ def _bad_float(rng):
 
 def _flag_tables(tmp_path):
     """({command: base argv}, {command: {flag: rng -> a value it refuses}}, the output folder)."""
-    ws = str(ROOT / "profiles" / "examples" / "workstation-gtx1650.json")
+    ws = str(ROOT / "hetplan" / "topologies" / "workstation-gtx1650.json")
     out = tmp_path / "out"
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model": {"spec": "mlp", "args": {"hidden": 16, "depth": 1}}, "global_batch": 8,

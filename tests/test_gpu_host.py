@@ -1,5 +1,5 @@
 """A host with a GPU, on any machine: `profile`, `plan`, `simulate` and `demo` with a CPU stand-in
-for `cuda:0` (planner.hardware.device), so every accelerator branch before the runtime runs in CI too:
+for `cuda:0` (hetplan.planner.hardware.device), so every accelerator branch before the runtime runs in CI too:
 layer timing on the accelerator (a copy of the model, its stages moved there), the profile's
 host-copy and staging measurements, planning over CPU + GPU."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hetplan.cli import main as cli_main
-from planner.hardware.device import STANDIN_ENV, gpu_count, torch_device
-from planner.workload.partition import build_stages, place_stages
-from planner.workload.load import load_workload
+from hetplan.planner.hardware.device import STANDIN_ENV, gpu_count, torch_device
+from hetplan.planner.workload.partition import build_stages, place_stages
+from hetplan.planner.workload.load import load_workload
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +54,16 @@ def test_profile_measures_the_gpu_and_its_host_copies(gpu_host):
 def test_the_gpus_optimizer_step_is_priced_from_its_own_timings(gpu_host):
     # a GPU's Adam step on a small model is its host's work and launches (H200: 0.28 ms measured
     # against 0.03 ms by memory traffic): the profile times it there, the cost model fits it
-    from planner.cost.model import CostModel, optimizer_s
-    from planner.hardware.fit import fit_optimizer
-    from planner.hardware.topology import load_topology
+    from hetplan.planner.cost.model import CostModel, optimizer_s
+    from hetplan.planner.hardware.fit import fit_optimizer
+    from hetplan.planner.hardware.topology import load_topology
     _, profile = gpu_host
     topo = load_topology(profile)
     gpu = topo.device("cuda:0")
     rows = gpu.measured["optimizer_table"]["adam"]
     assert len(rows) == 6 and all(r["s"] > 0 for r in rows) and "sgd" in gpu.measured["optimizer_table"]
     fit = fit_optimizer(rows, fixed=True)
-    from planner.workload.capture import capture_graph
+    from hetplan.planner.workload.capture import capture_graph
     cost = CostModel(capture_graph(load_workload("mlp", {"hidden": 32, "depth": 2}), 4), topo)
     step = cost.optimizer_s("cuda:0", 4e6, "adam", n_tensors=8)
     assert step == pytest.approx(fit.s_fixed + 8 * fit.s_per_tensor + 4e6 * fit.s_per_byte)
@@ -145,9 +145,9 @@ def test_an_accelerators_layers_are_scaled_to_their_chained_step(name, tmp_path,
     # 1.62 ms predicted by the layers alone, 0.62 ms measured): the layers keep their shares of
     # the chained step's forward and backward; a CPU's layers stay as timed
     import socket
-    from planner.cost import timing
-    from planner.hardware.topology import Device, Topology
-    from planner.workload.capture import capture_graph
+    from hetplan.planner.cost import timing
+    from hetplan.planner.hardware.topology import Device, Topology
+    from hetplan.planner.workload.capture import capture_graph
     monkeypatch.setenv(STANDIN_ENV, "1")
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(timing, "_chained_once", lambda *a, **k: (0.25, 0.5))

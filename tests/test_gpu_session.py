@@ -32,7 +32,7 @@ def test_the_smoke_session_runs_every_phase_and_writes_its_files(tmp_path):
 
 def test_the_memory_cap_is_read_and_applied_only_to_a_real_gpu(monkeypatch):
     import pytest
-    from planner.hardware.device import MEMORY_CAP_ENV, STANDIN_ENV, cap_fraction, memory_cap, torch_device
+    from hetplan.planner.hardware.device import MEMORY_CAP_ENV, STANDIN_ENV, cap_fraction, memory_cap, torch_device
     monkeypatch.delenv(MEMORY_CAP_ENV, raising=False)
     assert memory_cap() is None
     monkeypatch.setenv(MEMORY_CAP_ENV, "20000000000")

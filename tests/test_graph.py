@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.workload.capture import capture_graph
-from planner.files.io import InputError
-from planner.workload.load import load_workload
+from hetplan.planner.workload.capture import capture_graph
+from hetplan.planner.files.io import InputError
+from hetplan.planner.workload.load import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,7 +111,7 @@ class _Recurrent(torch.nn.Module):
 def test_recurrent_layer_flops_are_its_gates_matmuls():
     # nn.LSTM on CPU runs oneDNN's mkldnn_rnn_layer, which torch's counter has no formula for:
     # per time step and sample 2·(W_ih + W_hh), 4 gates each; backward twice that
-    from planner.workload import Workload
+    from hetplan.planner.workload import Workload
     B, T, d, h = 2, 5, 6, 4
     w = Workload(model=_Recurrent(d, h), loss_fn=torch.nn.functional.cross_entropy,
                  make_batch=lambda b, seed: (torch.randn(b, T, d), torch.zeros(b, dtype=torch.long)))
@@ -146,8 +146,8 @@ class _Positions(torch.nn.Module):
 
 
 def test_cut_tensors_and_those_carrying_gradients_match_what_a_stage_sends():
-    from planner.workload import Workload
-    from planner.workload.partition import build_stages, stage_inputs
+    from hetplan.planner.workload import Workload
+    from hetplan.planner.workload.partition import build_stages, stage_inputs
     w = Workload(model=_PositionNet(), make_batch=lambda b, seed: (torch.randn(b, 4), torch.randn(b, 4)),
                  loss_fn=torch.nn.functional.mse_loss)
     g = capture_graph(w, 2)
@@ -194,8 +194,8 @@ def test_op_graph_nodes_and_edges():
 
 
 def test_bf16_capture_halves_activations_and_keeps_weight_casts_apart():
-    from planner.cost.memory import activation_bytes
-    from planner.files.plan import ModelRef, Plan, Replica, Stage
+    from hetplan.planner.cost.memory import activation_bytes
+    from hetplan.planner.files.plan import ModelRef, Plan, Replica, Stage
     w = load_workload("mlp", {"hidden": 16, "depth": 3})   # every parameter belongs to a Linear
     g32, g16 = capture_graph(w, 8), capture_graph(w, 8, "bf16")
     assert g32.precision == "fp32" and g16.precision == "bf16"
@@ -216,7 +216,7 @@ def test_bf16_capture_halves_activations_and_keeps_weight_casts_apart():
 
 
 def _counted_in_real_tensors(monkeypatch, workload, batch, precision="fp32"):
-    from planner.workload import capture
+    from hetplan.planner.workload import capture
     with monkeypatch.context() as m:
         m.setattr(capture, "FAKE_COUNTING", False)
         return capture_graph(workload, batch, precision)
@@ -243,7 +243,7 @@ def test_the_counting_run_in_fake_tensors_counts_what_the_real_one_does(monkeypa
 
 
 def test_a_model_the_fake_run_cannot_count_is_counted_in_real_tensors(monkeypatch):
-    from planner.workload import capture
+    from hetplan.planner.workload import capture
     w = load_workload("mlp", {"hidden": 16, "depth": 2})
 
     def no_fake(self, mode, params):
@@ -265,7 +265,7 @@ def _same_graph(a, b):
                                        ("tests.hf_models:gpt2", {}),      # tied embedding and head
                                        ("tests.factories:shape_dependent", {"n": 8})])
 def test_a_model_built_for_its_shapes_only_is_captured_as_the_whole_one(spec, args):
-    from planner.workload.load import with_values
+    from hetplan.planner.workload.load import with_values
     shapes = load_workload(spec, args, weights=False)
     whole = load_workload(spec, args)
     assert all(t.device.type == "cpu" for t in [*shapes.model.parameters(), *shapes.model.buffers()])
@@ -277,7 +277,7 @@ def test_a_model_built_for_its_shapes_only_is_captured_as_the_whole_one(spec, ar
 
 
 def test_a_factory_that_needs_values_is_built_whole():
-    from planner.workload.load import with_values
+    from hetplan.planner.workload.load import with_values
     # its gate reads a tensor's value while being built; its data made in the factory
     for spec in ("tests.factories:built_from_values", "tests.factories:data_made_in_the_factory"):
         w = load_workload(spec, weights=False)
@@ -286,7 +286,7 @@ def test_a_factory_that_needs_values_is_built_whole():
 
 
 def test_a_shapes_only_model_the_fake_run_cannot_count_is_counted_built_whole(monkeypatch):
-    from planner.workload import capture
+    from hetplan.planner.workload import capture
     shapes = load_workload("mlp", {"hidden": 16, "depth": 2}, weights=False)
     whole = capture_graph(load_workload("mlp", {"hidden": 16, "depth": 2}), 4)
     seen = []

@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from planner.cost.memory import in_flight, peak_memory
-from planner.hardware.topology import Device, Link, Topology
-from planner.files.schedule import dry_run, format_schedule, make_schedule
-from planner.sim.simulator import Simulator, simulate
+from hetplan.planner.cost.memory import in_flight, peak_memory
+from hetplan.planner.hardware.topology import Device, Link, Topology
+from hetplan.planner.files.schedule import dry_run, format_schedule, make_schedule
+from hetplan.planner.sim.simulator import Simulator, simulate
 from simhelpers import device, graph, layer, link, plan, topology
 
 # p = 3 stages, m = 4 microbatches: the first two run ahead like GPipe, the last alternates
@@ -214,7 +214,7 @@ def test_search_picks_hippie_over_a_slow_latency_link_to_a_small_last_device():
 
 # --- command line --------------------------------------------------------------------------------
 def test_cli_simulates_a_hippie_plan(tmp_path):
-    from planner.hardware.topology import save_topology
+    from hetplan.planner.hardware.topology import save_topology
     topo = tmp_path / "t.json"
     save_topology(Topology("pair", (Device("cpu:0", "cpu", 1e10, 1e11, 1e10), Device("cpu:1", "cpu", 1e10, 1e11, 1e10)),
                            (Link("cpu:0", "cpu:1", 1e9, 1e-3),)), topo)

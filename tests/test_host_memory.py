@@ -1,4 +1,4 @@
-"""The runtime's allocator setting (planner.hardware.host_memory): freed memory stays with the
+"""The runtime's allocator setting (hetplan.planner.hardware.host_memory): freed memory stays with the
 process, so an iteration does not fault its tensors in again and costs what layer timing measured."""
 import subprocess
 import sys
@@ -17,7 +17,7 @@ class MallInfo2(ctypes.Structure):
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-from planner.hardware.host_memory import keep_freed_memory
+from hetplan.planner.hardware.host_memory import keep_freed_memory
 if {keep}:
     assert keep_freed_memory()
 before = libc.mallinfo2().hblkhd
@@ -30,10 +30,10 @@ print(libc.mallinfo2().hblkhd - before)
 # (a step that faults now and then, when the host reclaims pages under load, does not count).
 _TRAIN = """
 import resource, torch
-from planner.hardware.host_memory import keep_freed_memory
+from hetplan.planner.hardware.host_memory import keep_freed_memory
 assert keep_freed_memory()
 torch.set_num_threads(1)
-from planner.workload.load import load_workload
+from hetplan.planner.workload.load import load_workload
 w = load_workload("cnn", {})
 opt = torch.optim.Adam(w.model.parameters())
 x, y = w.make_batch(128, 0)

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from planner.cost.memory import in_flight, peak_memory
-from planner.files.io import InputError
-from planner.files.plan import plan_from_dict
-from planner.files.schedule import dry_run, format_schedule, interleaved_1f1b, make_schedule
-from planner.sim.simulator import simulate
+from hetplan.planner.cost.memory import in_flight, peak_memory
+from hetplan.planner.files.io import InputError
+from hetplan.planner.files.plan import plan_from_dict
+from hetplan.planner.files.schedule import dry_run, format_schedule, interleaved_1f1b, make_schedule
+from hetplan.planner.sim.simulator import simulate
 from simhelpers import device, graph, layer, link, plan, topology
 
 # p = 2 devices, v = 2 virtual stages each, m = 4 microbatches (Megatron's order)
@@ -132,7 +132,7 @@ def test_receives_are_posted_two_ahead_per_peer_in_its_send_order():
     # device's send order, act1.0 act1.1 act3.0 act3.1 act1.2 grad1.0 act1.3 grad1.1 act3.2
     # act3.3 grad1.2 grad1.3; with two posted, each is posted as the action after the take of
     # the one two before it starts (None: at the iteration's start)
-    from planner.files.schedule import receives
+    from hetplan.planner.files.schedule import receives
     sched = make_schedule("interleaved-1f1b", 4, 4, 2)
     got = {m: (str(sched[d][take]), None if after is None else str(sched[d][after]))
            for m, (d, take, after) in receives(sched).items() if d == 1}
@@ -182,10 +182,10 @@ def test_two_workers_with_two_virtual_stages_each_train_like_one_device(tmp_path
         # 3x16x4 B = 9600 B, stage 1 384 B. cpu:0's peak comes after 0F3 (GOLDEN_2x2x4): four of
         # stage 0 and one of stage 2 (2B0 freed the other); cpu:1's after 1F2: three of stage 1.
         # The memory model, walking the same schedule over the captured graph, says the same.
-        from planner.cost.memory import device_activation_bytes
-        from planner.files.plan import plan_from_dict as load
-        from planner.workload.capture import capture_graph
-        from planner.workload.load import load_workload
+        from hetplan.planner.cost.memory import device_activation_bytes
+        from hetplan.planner.files.plan import plan_from_dict as load
+        from hetplan.planner.workload.capture import capture_graph
+        from hetplan.planner.workload.load import load_workload
         saved = {d: v["saved_activation_peak_bytes"] for d, v in r["per_device"].items()}
         assert saved == {"cpu:0": 4 * 9600 + 384, "cpu:1": 3 * 384}
         g = capture_graph(load_workload(model["spec"], model["args"]), 12)
@@ -206,7 +206,7 @@ def test_a_tied_weight_on_two_virtual_stages_of_one_device_is_held_once():
     # layers 1 and 3 share a 1000 B weight (counted in layer 1); cuda:1 holds stages 1 and 3, so
     # one copy: SGD params + grads 2 x 1000 B; no activations saved; nothing to exchange (one
     # replica, one device holding it). Two stages on different devices would each hold one.
-    from planner.workload.graph import TiedParam
+    from hetplan.planner.workload.graph import TiedParam
     base = graph([layer(i, param_bytes=1000 if i == 1 else 0) for i in range(4)], batch=4)
     g = type(base)(layers=base.layers, batch=4, cut_bytes=base.cut_bytes,
                    tied=(TiedParam("l1.weight", 1000, (1, 3)),))
@@ -223,9 +223,9 @@ def test_search_picks_interleaving_where_the_bubble_dominates():
     # only a pipeline fits. The batch of 4 allows at most 4 microbatches, so 1F1B idles
     # (p - 1) / m = 1/4 of its compute; interleaving (v = 2) halves that: 27 slots against 30.
     import random
-    from planner.hardware.topology import Device, Link, Topology
-    from planner.search.space import from_plan, interleave, to_plan
-    from planner.sim.simulator import Simulator
+    from hetplan.planner.hardware.topology import Device, Link, Topology
+    from hetplan.planner.search.space import from_plan, interleave, to_plan
+    from hetplan.planner.sim.simulator import Simulator
     from test_search import sim_search, uniform_graph
     g = uniform_graph(num_layers=8, batch=4, param_bytes=1e8)
     topo = Topology("two-gpus", (Device("cuda:0", "cuda", 1e9, 1e12, 1e12), Device("cuda:1", "cuda", 1e9, 1e12, 1e12)),
@@ -252,8 +252,8 @@ def test_search_picks_interleaving_where_the_bubble_dominates():
 
 def test_interleave_move_keeps_each_devices_layers_and_goes_back():
     import random
-    from planner.files.plan import ModelRef, validate_plan
-    from planner.search.space import Pipeline, Space, Strategy, fits, interleave, to_plan
+    from hetplan.planner.files.plan import ModelRef, validate_plan
+    from hetplan.planner.search.space import Pipeline, Space, Strategy, fits, interleave, to_plan
     sp = Space(devices=("cuda:0", "cuda:1"), kinds={"cuda:0": "cuda", "cuda:1": "cuda"}, num_layers=8,
                global_batch=8, model=ModelRef("mlp"))
     s = Strategy((Pipeline(("cuda:0", "cuda:1"), (3,), 4),))
@@ -292,7 +292,7 @@ def test_two_gpus_interleaved(tmp_path, gpus):
 
 
 def test_interleaved_plan_round_trips(tmp_path):
-    from planner.files.plan import load_plan, save_plan
+    from hetplan.planner.files.plan import load_plan, save_plan
     p = plan_from_dict(_plan_dict(["cpu:0", "cpu:1", "cpu:0", "cpu:1"]))
     save_plan(p, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json") == p
@@ -302,9 +302,9 @@ def test_every_proposal_around_interleaving_gives_a_valid_plan():
     # the walk from a two-GPU 1F1B pipeline reaches interleaved strategies and leaves them; every
     # proposal's plan (its batch split solved) passes the plan file's validation
     import random
-    from planner.files.plan import validate_plan
-    from planner.search.mcmc import Searcher
-    from planner.search.space import Pipeline, Strategy, propose, to_plan
+    from hetplan.planner.files.plan import validate_plan
+    from hetplan.planner.search.mcmc import Searcher
+    from hetplan.planner.search.space import Pipeline, Strategy, propose, to_plan
     from test_search import BIG, toy_problem
     devices = ("cuda:0", "cuda:1", "cuda:2", "cpu:0")
     p = toy_problem(dict(zip(devices, (1.0, 2.0, 1.0, 0.5))), dict.fromkeys(devices, BIG), batch=8, layers=8)

@@ -1,4 +1,4 @@
-"""How sure a prediction is (planner.sim.interval): draws of the measured inputs, the interval,
+"""How sure a prediction is (hetplan.planner.sim.interval): draws of the measured inputs, the interval,
 the rule that keeps the simpler plan unless the richer one is surely faster, and `plan --confirm`."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from planner.cost.model import RooflineCost
-from planner.files.plan import load_plan, plan_to_dict, save_plan
-from planner.sim.interval import (Draws, Judged, Residual, Spread, beat_probability, choose, interval,
+from hetplan.planner.cost.model import RooflineCost
+from hetplan.planner.files.plan import load_plan, plan_to_dict, save_plan
+from hetplan.planner.sim.interval import (Draws, Judged, Residual, Spread, beat_probability, choose, interval,
                                   parts, spread_of)
-from planner.sim.simulator import Simulator
+from hetplan.planner.sim.simulator import Simulator
 from tests.simhelpers import device, graph, layer, link, plan, topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,8 +110,8 @@ def test_shared_draws_compare_two_plans_alike():
 
 
 def test_spread_of_reads_the_profile_tables():
-    topo = json.loads((ROOT / "profiles/examples/workstation-gtx1650.json").read_text())
-    from planner.hardware.topology import topology_from_dict
+    topo = json.loads((ROOT / "hetplan/topologies/workstation-gtx1650.json").read_text())
+    from hetplan.planner.hardware.topology import topology_from_dict
     t = topology_from_dict(topo)
     assert spread_of(t) == Spread()          # a what-if file measured nothing
     dev = dict(topo["devices"][0])
@@ -132,7 +132,7 @@ def _hetplan(*args, cwd):
 
 def test_plan_records_the_interval_and_a_what_if_topology_cannot_confirm(tmp_path):
     r = _hetplan("plan", "--model", "mlp", "--batch", "32", "--topology",
-                 str(ROOT / "profiles/examples/workstation-gtx1650.json"), "--iterations", "300",
+                 str(ROOT / "hetplan/topologies/workstation-gtx1650.json"), "--iterations", "300",
                  "--confirm", "-o", "p.json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "not confirmed: the topology is not this machine's profile" in r.stdout
@@ -141,7 +141,7 @@ def test_plan_records_the_interval_and_a_what_if_topology_cannot_confirm(tmp_pat
     lo, hi = p.predicted.iteration_s_interval
     assert lo < p.predicted.iteration_s < hi and p.predicted.interval_probability == 0.9
     assert p.predicted.extra["choice"]["kept"]
-    s = _hetplan("simulate", "p.json", "--topology", str(ROOT / "profiles/examples/workstation-gtx1650.json"),
+    s = _hetplan("simulate", "p.json", "--topology", str(ROOT / "hetplan/topologies/workstation-gtx1650.json"),
                  "--json", cwd=tmp_path)
     assert s.returncode == 0, s.stderr
     # simulate captures the graph at the plan's microbatch, plan at a small batch scaled: close
@@ -175,8 +175,8 @@ def test_confirm_keeps_the_measured_fastest_when_the_predicted_best_is_slow(tmp_
     from dataclasses import replace
 
     from hetplan.confirm import confirm, fastest
-    from planner.files.plan import ModelRef, TopologyRef
-    from planner.hardware.topology import load_topology
+    from hetplan.planner.files.plan import ModelRef, TopologyRef
+    from hetplan.planner.hardware.topology import load_topology
 
     _here_topology(tmp_path / "t.json")
     topo = load_topology(tmp_path / "t.json")

@@ -1,4 +1,4 @@
-"""planner.sim.listsched: the fixed-order pass gives exactly the event loop's results, on random
+"""hetplan.planner.sim.listsched: the fixed-order pass gives exactly the event loop's results, on random
 plans of every space the search draws from, and it is the path those plans take."""
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from planner.files.plan import ModelRef
-from planner.hardware.calibration import Calibration, calibration_to_dict
-from planner.hardware.topology import load_topology
-from planner.search.problem import make_space
-from planner.sim import listsched
-from planner.sim.engines import run_graph
-from planner.sim.eventloop import run as run_tasks
-from planner.sim.simulator import Simulator
+from hetplan.planner.files.plan import ModelRef
+from hetplan.planner.hardware.calibration import Calibration, calibration_to_dict
+from hetplan.planner.hardware.topology import load_topology
+from hetplan.planner.search.problem import make_space
+from hetplan.planner.sim import listsched
+from hetplan.planner.sim.engines import run_graph
+from hetplan.planner.sim.eventloop import run as run_tasks
+from hetplan.planner.sim.simulator import Simulator
 from simhelpers import device, graph, layer, link, plan, topology
 from simreference import random_case, random_twin_case
 from test_bound import SCHEDULES, random_plans
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parent.parent / "hetplan" / "topologies"
 CALIBRATION = Calibration(cpu_workers=2, cpu_contention_factor=1.0, iteration_overhead_s=1e-3,
                           wake_latency_s=2e-4, cold_compute_s=1e-4, send_issue_s=3e-5, recv_post_s=2e-5,
                           held_send_curve=((2e-4, 1e-4), (1e-3, 3e-4), (4e-3, 8e-4)))
@@ -45,7 +45,7 @@ def passes(monkeypatch):
 def same_results(g, topo, plans, passes) -> None:
     """Every plan simulates to the same result (repr: every float bit for bit, or the same
     refusal) with the fixed-order pass and with the event loop alone."""
-    fast = Simulator(g, topo, cache_size=0, static_after=0, delta=False)   # whole graphs (not planner.sim.delta)
+    fast = Simulator(g, topo, cache_size=0, static_after=0, delta=False)   # whole graphs (not hetplan.planner.sim.delta)
     loop = Simulator(g, topo, cache_size=0, static_after=None, delta=False)
     for pl in plans:
         passes.set(pl.schedule)
@@ -60,8 +60,8 @@ def same_results(g, topo, plans, passes) -> None:
 
 @pytest.fixture(scope="module")
 def gpt4():
-    from planner.workload.capture import capture_graph
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.workload.load import load_workload
     return capture_graph(load_workload("gpt", {"layers": 4}), 8)
 
 
@@ -96,9 +96,9 @@ def test_fixed_order_pass_equals_the_event_loop_on_edge_cases(passes):
 
 
 def test_fixed_order_pass_equals_the_event_loop_with_held_sends(passes, monkeypatch):
-    # CPU pipelines whose sends can be held (planner.sim.template: hold tasks on the links),
-    # none of them compiled (planner.sim.fastloop)
-    from planner.sim import fastloop
+    # CPU pipelines whose sends can be held (hetplan.planner.sim.template: hold tasks on the links),
+    # none of them compiled (hetplan.planner.sim.fastloop)
+    from hetplan.planner.sim import fastloop
     from simreference import random_cpu_pipelines
     monkeypatch.setattr(fastloop, "MIN_TASKS", 10**9)
     rng = random.Random(7)
@@ -158,7 +158,7 @@ def test_a_shape_takes_the_pass_from_its_third_simulation(passes):
 def _zero_length_case(t1_after_zero_first: bool):
     """A (1 s on resource 0), then Z (0 s on resource 1) after A; T1 and T2 (1 s each) share
     resource 2, one after Z and one after A: both ready at 1 s, the one after Z a round later."""
-    from planner.sim.taskgraph import TaskGraph
+    from hetplan.planner.sim.taskgraph import TaskGraph
     g = TaskGraph(trace=False)
     a = g.add(0, (0,))
     z = g.add(0, (1,), (a,))
@@ -185,7 +185,7 @@ def test_kept_duration_values_follow_each_plans_batches_and_unknown_kinds_are_al
     # recipe of another kind (one wrapping another, say) is evaluated for every plan
     from dataclasses import dataclass
     from typing import Any
-    from planner.sim.taskgraph import Const
+    from hetplan.planner.sim.taskgraph import Const
 
     @dataclass(frozen=True)
     class Wrapped:

@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from planner.workload.capture import capture_graph  # noqa: E402
-from planner.workload.inputs import call_model, slice_inputs  # noqa: E402
-from planner.workload.load import load_workload  # noqa: E402
+from hetplan.planner.workload.capture import capture_graph  # noqa: E402
+from hetplan.planner.workload.inputs import call_model, slice_inputs  # noqa: E402
+from hetplan.planner.workload.load import load_workload  # noqa: E402
 from tests.equivalence import AdamSlack, Trained, assert_params_match  # noqa: E402
 from tests.test_cli_inputs import one_error_line  # noqa: E402
 from tests.test_runtime import plan, run_plan  # noqa: E402
@@ -33,7 +33,7 @@ HEAD = {"gpt2": ["hf.transformer.ln_f", "hf.lm_head"], "llama": ["hf.model.norm"
         "bert": ["hf.bert.pooler", "hf.dropout", "hf.classifier"],
         "resnet": ["hf.resnet.pooler", "hf.classifier.0", "hf.classifier.1"],
         "vit": ["hf.vit.layernorm", "hf.classifier"]}
-# embedding(s), one layer per block, head pieces (the automatic rule of planner.workload.layers)
+# embedding(s), one layer per block, head pieces (the automatic rule of hetplan.planner.workload.layers)
 LAYERS = {
     "gpt2": ["hf.transformer.wte", "hf.transformer.wpe", "hf.transformer.drop",
              "hf.transformer.h.0", "hf.transformer.h.1", *HEAD["gpt2"]],
@@ -196,7 +196,7 @@ def two_cpus(tmp_path) -> Path:
 @pytest.mark.parametrize("name", MODELS)
 def test_plan_on_two_cpu_workers(tmp_path, name):
     from hetplan.cli import main as cli_main
-    from planner.files.plan import load_plan
+    from hetplan.planner.files.plan import load_plan
     out = tmp_path / "plan.json"
     layers = ["--layers", "hf.transformer.h.*"] if name == "gpt2" else []
     assert cli_main(["plan", "--model", f"tests.hf_models:{name}", *layers, "--batch", "8", "--topology",

@@ -1,13 +1,13 @@
-"""Stages built by planner.workload.partition compose to the original model: bit-identical outputs and
+"""Stages built by hetplan.planner.workload.partition compose to the original model: bit-identical outputs and
 gradients (by parameter name), shared parameters, live values across cuts, any batch size."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from planner.workload.layers import export_model as trace
-from planner.workload.partition import build_stages
-from planner.workload.load import load_workload
+from hetplan.planner.workload.layers import export_model as trace
+from hetplan.planner.workload.partition import build_stages
+from hetplan.planner.workload.load import load_workload
 
 GPT_ARGS = {"layers": 2, "heads": 2, "d_model": 32, "vocab": 64, "context": 8}
 
@@ -117,8 +117,8 @@ def test_bad_ranges_rejected(ranges):
 
 
 def test_layer_map_cache_hits_the_same_workload_and_misses_another(tmp_path, monkeypatch):
-    from planner.workload import layer_cache
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload import layer_cache
+    from hetplan.planner.workload.load import load_workload
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     computed = []
     real = layer_cache.compute_layer_map
@@ -142,7 +142,7 @@ def test_layer_map_cache_hits_the_same_workload_and_misses_another(tmp_path, mon
 
 def test_cold_layer_map_export_is_reused_for_the_stages(tmp_path, monkeypatch):
     # a pipeline worker on a cold cache exports once: the map's export cuts its stages too
-    from planner.workload import layer_cache, partition
+    from hetplan.planner.workload import layer_cache, partition
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     exports = []
     real = partition.export_model

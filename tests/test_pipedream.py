@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from planner.files.io import InputError
-from planner.files.plan import plan_from_dict
-from planner.sim.simulator import simulate
+from hetplan.planner.files.io import InputError
+from hetplan.planner.files.plan import plan_from_dict
+from hetplan.planner.sim.simulator import simulate
 from simhelpers import device, graph, layer, link, plan as sim_plan, topology
 
 SCALARS = {"spec": "tests.runtime_models:scalars", "args": {}}
@@ -75,7 +75,7 @@ def by_hand(mode: str, swa: bool, batches, w0, lr: float, m: int, stash: bool = 
 
 
 def _batches(p: dict, iters: int):
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.load import load_workload
     w = load_workload(p["model"]["spec"], p["model"]["args"])
     out = []
     for i in range(iters):
@@ -104,8 +104,8 @@ def test_each_stage_runs_backward_with_the_weights_its_forward_used(tmp_path, mo
 @pytest.mark.parametrize("mode,swa", [("pipedream", False), ("pipedream-2bw", False), ("pipedream", True)])
 def test_the_emulated_losses_are_those_the_runtime_measures(tmp_path, mode, swa):
     # SkipNet's cut after layer 1 carries two tensors; Adam; 4 microbatches on 2 stages
-    from planner.search.convergence import emulate
-    from planner.workload.load import load_workload
+    from hetplan.planner.search.convergence import emulate
+    from hetplan.planner.workload.load import load_workload
     from test_runtime import run_plan
     p = _pipeline(LEARNABLE, _sync(mode, swa), m=4, global_batch=12, lr=0.01, opt="adam", ranges=((0, 2), (2, 4)))
     r, _ = run_plan(tmp_path, p, iters=5)
@@ -139,8 +139,8 @@ from test_runtime_cuda import gpus  # noqa: E402,F401  (the fixture: CPU stand-i
 @pytest.mark.parametrize("mode,swa", [("pipedream", False), ("pipedream-2bw", False), ("pipedream", True)])
 def test_a_cpu_gpu_pipeline_runs_each_mode_as_emulated(tmp_path, gpus, mode, swa):
     # stage 0 on the CPU, stage 1 on cuda:0 (a stand-in without a GPU): the stream crosses host memory
-    from planner.search.convergence import emulate
-    from planner.workload.load import load_workload
+    from hetplan.planner.search.convergence import emulate
+    from hetplan.planner.workload.load import load_workload
     from test_runtime import run_plan
     p = _pipeline(LEARNABLE, _sync(mode, swa), m=4, global_batch=12, lr=0.01, opt="adam",
                   ranges=((0, 2), (2, 4)), devices=("cpu:0", "cuda:0"))
@@ -194,7 +194,7 @@ def test_simulate_and_run_refuse_a_pipedream_plan_of_two_replicas_in_one_line(tm
 
 
 def test_a_plan_file_round_trips_with_its_mode_and_average():
-    from planner.files.plan import plan_to_dict
+    from hetplan.planner.files.plan import plan_to_dict
     p = plan_from_dict(_dict(sync=_sync("pipedream", swa=True)))
     assert plan_from_dict(plan_to_dict(p)) == p
     assert plan_to_dict(p)["sync"] == {**_sync("pipedream", swa=True), "bucket_bytes": p.sync.bucket_bytes}
@@ -235,7 +235,7 @@ def test_no_flush_bubble_in_the_steady_state_and_updates_per_mode():
 def test_stashed_weight_versions_are_counted_in_memory():
     # 1e6 B of parameters per stage, SGD (no state), no activations: params + grads = 2e6;
     # PipeDream stashes p - s versions (2 on stage 0, 1 on stage 1), 2BW at most 2, SWA one more
-    from planner.cost.memory import peak_memory
+    from hetplan.planner.cost.memory import peak_memory
     g, t, p = _sim_case("sync")
     assert peak_memory(p, g, t) == {"cuda:0": 2e6, "cuda:1": 2e6}
     assert peak_memory(_sim_case("pipedream")[2], g, t) == {"cuda:0": 4e6, "cuda:1": 3e6}
@@ -254,10 +254,10 @@ def test_a_trace_of_the_stream_shows_each_stages_updates():
 def test_time_to_loss_ranks_the_asynchronous_pipelines_of_the_fastest_pipeline():
     # a two-stage pipeline of the learnable SkipNet, priced on a hand-made graph: each variant's
     # time to the target = its emulated iterations x its simulated iteration
-    from planner.search.convergence import emulate, iterations_to, smoothed
-    from planner.search.time_to_loss import pipeline_variants, rank
-    from planner.sim.simulator import Simulator
-    from planner.workload.load import load_workload
+    from hetplan.planner.search.convergence import emulate, iterations_to, smoothed
+    from hetplan.planner.search.time_to_loss import pipeline_variants, rank
+    from hetplan.planner.sim.simulator import Simulator
+    from hetplan.planner.workload.load import load_workload
     w = load_workload(LEARNABLE["spec"], LEARNABLE["args"])
     pipe = plan_from_dict(_pipeline(LEARNABLE, {"granularity": "coarse"}, m=4, global_batch=12, lr=0.3,
                                     ranges=((0, 2), (2, 4))))
@@ -279,8 +279,8 @@ def test_time_to_loss_ranks_the_asynchronous_pipelines_of_the_fastest_pipeline()
 
 def test_stages_that_tie_a_weight_are_refused_by_run_and_not_emulated(tmp_path):
     # each stage would update its own copy of the shared weight: refused, not silently untied
-    from planner.search.convergence import emulate
-    from planner.workload.load import load_workload
+    from hetplan.planner.search.convergence import emulate
+    from hetplan.planner.workload.load import load_workload
     from test_cli_inputs import _hetplan, one_error_line
     tied = {"spec": "tests.runtime_models:tiednet", "args": {}}     # layers 1 and 3 share a weight
     p = _pipeline(tied, _sync("pipedream"), m=2, global_batch=4, lr=0.1, ranges=((0, 2), (2, 5)))
@@ -295,8 +295,8 @@ def test_stages_that_tie_a_weight_are_refused_by_run_and_not_emulated(tmp_path):
 
 def test_three_stages_run_as_emulated(tmp_path):
     # a middle stage (no data of its own), stage 0 two updates stale, 8 iterations of the stream
-    from planner.search.convergence import emulate
-    from planner.workload.load import load_workload
+    from hetplan.planner.search.convergence import emulate
+    from hetplan.planner.workload.load import load_workload
     from test_runtime import run_plan
     p = _pipeline(LEARNABLE, _sync("pipedream"), m=3, global_batch=12, lr=0.01, opt="adam",
                   ranges=((0, 1), (1, 2), (2, 4)), devices=("cpu:0", "cpu:1", "cpu:2"))

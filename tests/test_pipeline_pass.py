@@ -1,8 +1,8 @@
-"""planner.sim.pipeline_pass: a replica timed by one pass over its schedule gives the event loop's
+"""hetplan.planner.sim.pipeline_pass: a replica timed by one pass over its schedule gives the event loop's
 times bit for bit (each compute task's end, each resource's last end and whether a task taking
 no time ends there, the iteration's end), compiled and in Python; `fits` refuses what the pass
 does not model; a replica's graph laid out without its template (`graph`, run by
-planner.sim.delta.GraphRun where links are shared) is the template's; where routes share links,
+hetplan.planner.sim.delta.GraphRun where links are shared) is the template's; where routes share links,
 the linked pass (`LinkedRun`) gives the event loop's times or declines."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import random
 import numpy as np
 import pytest
 
-from planner.sim import fastloop, pipeline_pass as pipeline
-from planner.sim.pipeline_pass import LinkedRun, PipelineRun, fits, graph, linked_fits
-from planner.sim.delta import GraphRun, Linked, Structure
-from planner.sim.template import Stream, replica_core, replica_template
+from hetplan.planner.sim import fastloop, pipeline_pass as pipeline
+from hetplan.planner.sim.pipeline_pass import LinkedRun, PipelineRun, fits, graph, linked_fits
+from hetplan.planner.sim.delta import GraphRun, Linked, Structure
+from hetplan.planner.sim.template import Stream, replica_core, replica_template
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "hippie")
 
@@ -255,7 +255,7 @@ def test_the_linked_pass_times_a_group_of_replicas_as_their_graphs_run_together(
 
 
 def test_warm_compiles_the_passes_and_the_event_loop():
-    # a search calls it before forking its chains (planner.search.mcmc.Problem.before_fork)
+    # a search calls it before forking its chains (hetplan.planner.search.mcmc.Problem.before_fork)
     if not fastloop.available():
         pytest.skip("numba is not installed")
     pipeline.warm()

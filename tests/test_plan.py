@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from planner.files.io import InputError
-from planner.files.plan import (Plan, Predicted, TopologyRef, load_plan, plan_from_dict, plan_key,
+from hetplan.planner.files.io import InputError
+from hetplan.planner.files.plan import (Plan, Predicted, TopologyRef, load_plan, plan_from_dict, plan_key,
                                 plan_to_dict, save_plan, validate_plan)
 
 BASE = {

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from planner.files.io import InputError
-from planner.hardware.calibration import calibration_from_dict
-from planner.hardware.topology import load_topology
-from runtime import profile
-from planner.hardware.fit import fit_latency_bandwidth
-from runtime.profile_bench import stats
+from hetplan.planner.files.io import InputError
+from hetplan.planner.hardware.calibration import calibration_from_dict
+from hetplan.planner.hardware.topology import load_topology
+from hetplan.runtime import profile
+from hetplan.planner.hardware.fit import fit_latency_bandwidth
+from hetplan.runtime.profile_bench import stats
 
 
 def _hetplan(*args, env=None, timeout=120):
@@ -43,7 +43,7 @@ def test_stats_median_and_relative_iqr():
 
 
 def test_trimmed_mean_prices_both_modes_of_a_bimodal_sample():
-    from runtime.profile_bench import trimmed_mean
+    from hetplan.runtime.profile_bench import trimmed_mean
     # a queued burst on bound workers: ~0.6 ms or ~3 ms; 11 fast and 9 slow draws, one outlier
     fast, slow = [0.6] * 11, [3.0] * 8 + [50.0]
     assert stats(fast + slow)[0] == 0.6                       # the median sees one mode
@@ -128,7 +128,7 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
         bf16 = d.measured["matmul_bf16_table"]   # measured for real; no TF32 on a CPU
         assert "matmul_tf32_table" not in d.measured
         # n=1024 is timed unless one call would exceed the cap (a CPU without native bf16)
-        from runtime.profile_worker import MAX_LOW_PRECISION_CALL_S
+        from hetplan.runtime.profile_worker import MAX_LOW_PRECISION_CALL_S
         skip = 2 * 1024 ** 3 / bf16[0]["flops_per_s"] > MAX_LOW_PRECISION_CALL_S   # per worker
         assert [row["n"] for row in bf16] == ([256] if skip else [256, 1024])
         assert d.matmul_flops_per_s_by_precision == {"fp32": d.matmul_flops_per_s, "tf32": d.matmul_flops_per_s,
@@ -143,7 +143,7 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     assert host["cpu_bf16_native"] == profile._cpu_bf16_native()
     assert host["torch"] == torch.__version__ and host["cores"] >= 1 and host["cpu_model"]
     assert {"python", "profiled_at", "duration_s"} <= set(host)
-    # the runtime's own work per schedule action (runtime.profile_bench.action_overhead): a few
+    # the runtime's own work per schedule action (hetplan.runtime.profile_bench.action_overhead): a few
     # µs of Python per action, timed around the runtime's StageRunner
     cal = t.measured["calibration"]
     assert 0 < cal["action_overhead_s"] < 1e-3
@@ -152,10 +152,10 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     # run for real; ~25 µs on the VM; noise may make it 0, never negative)
     assert 0 <= cal["iteration_overhead_s"] < 1e-3
     assert calibration_from_dict(cal).iteration_overhead_s == cal["iteration_overhead_s"]
-    # a backward adding into existing gradients (runtime.profile_bench.grad_accumulate): tens of
+    # a backward adding into existing gradients (hetplan.runtime.profile_bench.grad_accumulate): tens of
     # ps per parameter byte in cache (2.3e-11 on the VM); noise may make it 0, never negative
     assert 0 <= cal["grad_accumulate_s_per_byte"] < 1e-9
-    # DDP's own work per forward and the per-byte gradient copy (runtime.profile_bench.ddp_costs):
+    # DDP's own work per forward and the per-byte gradient copy (hetplan.runtime.profile_bench.ddp_costs):
     # tens of µs; tens of ps per byte (6e-11 on the VM, loaded), never 0: a copy moves bytes
     assert 0 <= cal.get("ddp_forward_s", 0.0) < 1e-2 and 0 < cal["grad_copy_s_per_byte"] < 1e-8
     assert calibration_from_dict(cal).grad_copy_s_per_byte == cal["grad_copy_s_per_byte"]
@@ -168,7 +168,7 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     assert 0 <= cal.get("cold_compute_s", 0.0) < 5e-3
     # a send held while its sender computes (profile_bench.held_send): an expected hold per
     # window of compute, never more than the window, never less for a longer one
-    from runtime.profile_bench import HELD_WINDOWS_S
+    from hetplan.runtime.profile_bench import HELD_WINDOWS_S
     windows, held = zip(*cal["held_send_curve"])
     assert windows == HELD_WINDOWS_S and all(0 <= h <= w for w, h in zip(windows, held))
     assert list(held) == sorted(held)
@@ -229,7 +229,7 @@ def test_gpus_are_profiled_with_host_copies(tmp_path):
 
 
 def test_a_busy_machine_gets_a_warning_and_a_quiet_one_none():
-    from runtime.host_load import busy_warning
+    from hetplan.runtime.host_load import busy_warning
     assert busy_warning(0.1) is None and busy_warning(None) is None
     assert "90% of the CPU" in busy_warning(0.9) and "profile a quiet one" in busy_warning(0.9)
 
@@ -240,7 +240,7 @@ def test_foreign_cpu_counts_other_processes_and_not_this_ones_children():
     import subprocess
     import sys
     import time
-    from runtime.host_load import ForeignCPU
+    from hetplan.runtime.host_load import ForeignCPU
     spin = f"{sys.executable} -c 'import time\nt = time.time() + 1.0\nwhile time.time() < t: pass'"
     with ForeignCPU(period_s=0.05) as mine:
         subprocess.run(spin, shell=True, check=True)
@@ -255,8 +255,8 @@ def test_low_precision_sweep_stops_where_one_call_would_take_too_long(tmp_path, 
     the larger sizes (minutes each); the smaller size's rate stands for the device."""
     import torch.distributed as dist
     from dataclasses import replace
-    from planner.hardware.device import torch_device
-    from runtime import profile_worker
+    from hetplan.planner.hardware.device import torch_device
+    from hetplan.runtime import profile_worker
     settings = replace(profile_worker.Settings.quick(), cpu_low_precision_sizes=(32, 256),
                        repeats=1, min_time_s=0.001)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)

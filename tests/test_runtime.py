@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from equivalence import AdamSlack, Trained, assert_params_match
-from planner.workload.precision import autocast
-from planner.workload.load import load_workload
-from runtime.launch import launch
-from runtime.worker import RunConfig
+from hetplan.planner.workload.precision import autocast
+from hetplan.planner.workload.load import load_workload
+from hetplan.runtime.launch import launch
+from hetplan.runtime.worker import RunConfig
 
 MLP = {"spec": "mlp", "args": {"hidden": 16, "depth": 3}}          # 4 layers
 SKIP = {"spec": "tests.runtime_models:skipnet", "args": {"width": 16}}   # 4 layers, skip across cuts
@@ -62,7 +62,7 @@ def run_plan(tmp_path, p: dict, iters: int = ITERS):
     params = tmp_path / "params.pt"
     cfg = RunConfig(plan=str(path), iters=iters, warmup=1, save_params=str(params),
                     threads={}, timeout_s=30)
-    from planner.files.plan import load_plan
+    from hetplan.planner.files.plan import load_plan
     result = launch(cfg, load_plan(path).devices)       # a parameter server's device too
     return result, torch.load(params)
 
@@ -163,7 +163,7 @@ def test_bf16_matches_single_process_bf16_training(tmp_path, replicas):
 
 
 def test_gpt_dp_on_ddp_tied_weight_and_gpipe_fallback(tmp_path):
-    # plain data parallel runs on torch DDP (runtime.ddp): the tied embedding/head weight in a
+    # plain data parallel runs on torch DDP (hetplan.runtime.ddp): the tied embedding/head weight in a
     # bucket of its own, 1F1B microbatches under no_sync(); the GPipe replica's order allows no
     # no_sync() microbatch, so that plan falls back to GradSync and must agree too
     for schedule in ("1f1b", "gpipe"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hetplan.cli import main as cli_main
-from runtime.rendezvous import free_port
+from hetplan.runtime.rendezvous import free_port
 from equivalence import assert_params_match
 from test_runtime import plan, reference
 
@@ -104,8 +104,8 @@ def test_cli_writes_measured_file(tmp_path):
     out = tmp_path / "plan.measured.json"          # default: next to the plan
     summary = json.loads(r.stdout)
     assert summary["measured"] == str(out)
-    from planner.files.measured import load_measured
-    from planner.files.io import file_sha256 as plan_sha256
+    from hetplan.planner.files.measured import load_measured
+    from hetplan.planner.files.io import file_sha256 as plan_sha256
     m = load_measured(out)
     assert m.plan_sha256 == plan_sha256(p)
     assert len(m.iterations_s) == 5 and len(m.losses) == 5
@@ -133,7 +133,7 @@ def test_torchrun_two_nodes(tmp_path):
     for node, nproc in ((0, 1), (1, 2)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
-               "-m", "runtime.worker", str(p), "-o", str(out), "--iters", "3", "--warmup", "1",
+               "-m", "hetplan.runtime.worker", str(p), "-o", str(out), "--iters", "3", "--warmup", "1",
                "--threads", "1", "--save-params", str(params)]
         agents.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, start_new_session=True))

@@ -1,7 +1,7 @@
 """CUDA paths of the runtime: CUDA stages, CPU<->CUDA exchange through host memory over gloo,
 NCCL between GPUs, CPU optimizer placement of a CUDA stage.
 
-Each test runs twice: with the CPU standing in for the GPUs (planner.hardware.device: `cuda:N` tensors
+Each test runs twice: with the CPU standing in for the GPUs (hetplan.planner.hardware.device: `cuda:N` tensors
 in host memory, the same host staging, side streams, events and offload code, gloo instead of
 NCCL), on every machine; and on real GPUs (marked `cuda`, skipped without one), where kernels
 round differently from the CPU reference, hence the looser tolerances there.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.hardware.device import STANDIN_ENV
+from hetplan.planner.hardware.device import STANDIN_ENV
 from equivalence import assert_params_match
 from test_runtime import ITERS, SKIP, plan, reference, run_plan
 
@@ -63,9 +63,9 @@ def test_split_optimizer_pipeline(tmp_path, gpus):
 
 
 def test_split_optimizer_puts_the_last_tensors_on_the_host(gpus):
-    from planner.files.plan import Optimizer
-    from planner.hardware.device import torch_device
-    from runtime.optim import StageOptimizer
+    from hetplan.planner.files.plan import Optimizer
+    from hetplan.planner.hardware.device import torch_device
+    from hetplan.runtime.optim import StageOptimizer
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch_device("cuda:0").device)
     params = list(net.parameters())   # 256, 32, 64, 8 bytes
     opt = StageOptimizer(params, Optimizer("adam", 0.01, "split", 0.2), torch_device("cuda:0"))
@@ -87,8 +87,8 @@ def test_offloaded_activations_pipeline(tmp_path, gpus):
 
 
 def test_offload_hooks_copy_what_backward_needs_and_not_the_weights(gpus):
-    from planner.hardware.device import torch_device
-    from runtime.offload import ActivationOffload
+    from hetplan.planner.hardware.device import torch_device
+    from hetplan.runtime.offload import ActivationOffload
     dev = torch_device("cuda:0")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(dev.device)

@@ -1,15 +1,15 @@
-"""Plain data parallel on torch DDP (runtime.ddp): which plans, which microbatch syncs, and
-DDP's buckets equal to the simulator's (planner.cost.buckets)."""
+"""Plain data parallel on torch DDP (hetplan.runtime.ddp): which plans, which microbatch syncs, and
+DDP's buckets equal to the simulator's (hetplan.planner.cost.buckets)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from planner.files.plan import plan_from_dict
-from runtime import ddp
-from runtime.pipeline import stage_actions
-from runtime.stage import _buckets
+from hetplan.planner.files.plan import plan_from_dict
+from hetplan.runtime import ddp
+from hetplan.runtime.pipeline import stage_actions
+from hetplan.runtime.stage import _buckets
 
 
 def _plan(stages_per_replica, placement="device", bucket_bytes=1024, devices=("cpu:0", "cpu:1"),
@@ -44,7 +44,7 @@ def test_uses_ddp_is_one_decision_for_all_replicas():
 def test_plain_dp_runs_on_gradsync_where_ddp_takes_no_bucket_caps(monkeypatch):
     # an older torch's DDP cannot be given the plan's buckets: GradSync runs them, and the
     # simulator, deciding with the same function, prices GradSync's copies
-    from planner.cost import grad_sync
+    from hetplan.planner.cost import grad_sync
     without = ddp.ddp_parameters() - {"bucket_cap_mb_list", "forward_sync_buffers"}
     monkeypatch.setattr(grad_sync, "ddp_parameters", lambda: without)
     assert ddp.is_plain_dp(_plan([1, 1])) and not ddp.uses_ddp(_plan([1, 1]))
@@ -104,8 +104,8 @@ def test_a_parameter_without_gradient_trains_on_ddp_as_in_one_process(tmp_path, 
     # Hugging Face encoder's pooler): the pooler's parameters get no gradient; DDP refused the
     # second iteration ("Expected to have finished reduction") until told to look for them
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path / "cache"))
-    from planner.workload.layer_cache import layer_map
-    from planner.workload.load import load_workload
+    from hetplan.planner.workload.layer_cache import layer_map
+    from hetplan.planner.workload.load import load_workload
     from test_runtime import check_equivalent, plan
     model = {"spec": "tests.runtime_models:pooled", "args": {}}
     def found():

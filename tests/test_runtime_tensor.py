@@ -1,5 +1,5 @@
 """A tensor-split stage trains exactly like one device: two CPU gloo workers, each holding its
-share of every linear pair (runtime.tensor); losses within rel 1e-4 over 4 iterations and the
+share of every linear pair (hetplan.runtime.tensor); losses within rel 1e-4 over 4 iterations and the
 final parameters, the slices joined, to 1e-5 under SGD. The split sums a pair's output in another
 order; under Adam that rounding, on an element whose gradient is near zero, moves it by up to ~lr
 a step on some CPUs (4.5e-4 seen), which tests/equivalence.py allows there and only there; the
@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from planner.files.plan import load_plan
-from runtime.launch import launch
-from runtime.worker import RunConfig
+from hetplan.planner.files.plan import load_plan
+from hetplan.runtime.launch import launch
+from hetplan.runtime.worker import RunConfig
 from equivalence import assert_params_match
 from test_runtime import reference
 
@@ -95,7 +95,7 @@ def test_split_stage_then_a_pipeline_stage_under_gpipe(tmp_path):
 
 
 def test_weights_tied_across_stages_beside_a_split_are_refused(tmp_path):
-    from planner.files.io import InputError
+    from hetplan.planner.files.io import InputError
     # tiednet: layers 1 and 3 use one weight (a.weight), here in different stages
     p = _pipeline([("cpu:0", (0, 2)), ([("cpu:1", 0.5), ("cpu:2", 0.5)], (2, 5))], 2)
     p["model"] = {"spec": "tests.runtime_models:tiednet", "args": {}}
@@ -106,10 +106,10 @@ def test_weights_tied_across_stages_beside_a_split_are_refused(tmp_path):
 
 
 def test_a_split_device_not_on_this_machine_is_named(monkeypatch):
-    from planner.files.io import InputError
-    from planner.files.plan import plan_from_dict
-    from planner.hardware.device import STANDIN_ENV
-    from runtime.launch import check_devices
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.files.plan import plan_from_dict
+    from hetplan.planner.hardware.device import STANDIN_ENV
+    from hetplan.runtime.launch import check_devices
     monkeypatch.setenv(STANDIN_ENV, "1")          # cuda:0 here (a stand-in), no cuda:1
     p = plan_from_dict(split_plan({"spec": "mlp", "args": {}, "num_layers": 5}, devices=("cuda:0", "cuda:1")))
     with pytest.raises(InputError, match=r"p\.json: replicas\[0\]\.stages\[0\]\.devices\[1\]\.device: 'cuda:1' is not"):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from planner.files.plan import plan_from_dict
-from planner.hardware.topology import topology_from_dict
-from runtime.launch import thread_shares
-from runtime.results import build_measured
-from runtime.pipeline import stage_actions
-from runtime.sync import _split_by_ranks, layer_ranks
-from runtime.placement import default_threads, my_device
+from hetplan.planner.files.plan import plan_from_dict
+from hetplan.planner.hardware.topology import topology_from_dict
+from hetplan.runtime.launch import thread_shares
+from hetplan.runtime.results import build_measured
+from hetplan.runtime.pipeline import stage_actions
+from hetplan.runtime.sync import _split_by_ranks, layer_ranks
+from hetplan.runtime.placement import default_threads, my_device
 
 
 def test_default_threads():
@@ -84,7 +84,7 @@ def test_build_measured():
 
 def test_adam_is_the_fused_kernel_and_steps_as_the_default_one():
     import torch
-    from planner.workload.optimizer import make_optimizer
+    from hetplan.planner.workload.optimizer import make_optimizer
     torch.manual_seed(0)
     a, b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
     b.load_state_dict(a.state_dict())
@@ -101,7 +101,7 @@ def test_adam_is_the_fused_kernel_and_steps_as_the_default_one():
 
 _LOOP_PROBE = """
 import json, os, sys, torch.distributed as dist
-from runtime.gloo_threads import LOOP_THREAD, lower_gloo_loop_priority
+from hetplan.runtime.gloo_threads import LOOP_THREAD, lower_gloo_loop_priority
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 dist.new_group([0])                                  # the pipelines' own groups share the loop
 def nice():
@@ -119,7 +119,7 @@ dist.destroy_process_group()
 
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_gloo_loop_thread_is_lowered_and_nothing_else(tmp_path):
-    # gloo's TCP event loop spins while a worker's thread holds a pair (runtime.gloo_threads);
+    # gloo's TCP event loop spins while a worker's thread holds a pair (hetplan.runtime.gloo_threads);
     # at nice 19 it stops taking that thread's core. The worker's own threads keep their priority.
     import json
     import subprocess
@@ -143,11 +143,11 @@ class _Link:
 
 
 def test_a_stage_keeps_two_receives_posted_per_link_never_more_than_it_still_receives():
-    # planner.files.schedule.POSTED_AHEAD: the simulator moves a message once its receive is posted
+    # hetplan.planner.files.schedule.POSTED_AHEAD: the simulator moves a message once its receive is posted
     import torch
 
-    from planner.files.schedule import POSTED_AHEAD
-    from runtime.pipeline import StageRunner
+    from hetplan.planner.files.schedule import POSTED_AHEAD
+    from hetplan.runtime.pipeline import StageRunner
     prev, nxt = _Link(["act"]), _Link(["grad"])
     r = StageRunner(torch.nn.Linear(1, 1), torch.device("cpu"), None, prev, nxt, 1.0, None)
     r._left = {"act": 3, "grad": 1}
@@ -196,7 +196,7 @@ def test_the_next_iterations_first_receives_are_posted_once_this_ones_last_are_t
 
     import torch
 
-    from runtime.pipeline import StageRunner
+    from hetplan.runtime.pipeline import StageRunner
     prev = _Receiving(["act"])
     prev.headers["act"] = [(torch.float32, (2, 1), True)]
     r = StageRunner(torch.nn.Linear(1, 1), torch.device("cpu"), torch.nn.functional.mse_loss, prev, None,
@@ -213,7 +213,7 @@ def test_the_next_iterations_first_receives_are_posted_once_this_ones_last_are_t
 def test_an_interleaved_rank_posts_two_ahead_in_the_peers_send_order_up_to_an_unknown_header():
     import torch
 
-    from runtime.interleaved import InterleavedRunner
+    from hetplan.runtime.interleaved import InterleavedRunner
     link = _Link(["act1", "act3"])          # grad1's header not received yet
     seq = [("act", 1, 0), ("act", 3, 0), ("grad", 1, 0), ("act", 1, 1)]
     r = InterleavedRunner({0: torch.nn.Linear(1, 1)}, 4, torch.device("cpu"), None, {1: link},

@@ -1,4 +1,4 @@
-"""Tests of the strategy space, the baselines and the MCMC search (planner.search.space, baselines, search).
+"""Tests of the strategy space, the baselines and the MCMC search (hetplan.planner.search.space, baselines, search).
 
 Most tests use a small analytic model instead of the simulator (`toy_evaluate`), so they pin the
 search itself: exhaustive enumeration gives the true optimum of a small space. The tests at the
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.search.baselines import partition_min_max, proportional_batches
-from planner.files.plan import ModelRef, validate_plan
-from planner.search.mcmc import Problem, SearchConfig, Searcher, search, search_key
-from planner.search.space import (Pipeline, Space, Strategy, enumerate_plans, from_plan, global_neighbours,
+from hetplan.planner.search.baselines import partition_min_max, proportional_batches
+from hetplan.planner.files.plan import ModelRef, validate_plan
+from hetplan.planner.search.mcmc import Problem, SearchConfig, Searcher, search, search_key
+from hetplan.planner.search.space import (Pipeline, Space, Strategy, enumerate_plans, from_plan, global_neighbours,
                                   propose, realise_microbatches, to_plan, toggle_global)
 
 # --- a toy analytic cost model --------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_microbatch_counts_are_not_enumerated_up_to_the_batch():
     batch (plan --batch 1048576 spent tens of seconds past --time-limit)."""
     import time
 
-    from planner.search.space import divisors
+    from hetplan.planner.search.space import divisors
 
     def slow(desired, batch, stages, schedule, devices=None):
         low = devices if schedule == "interleaved-1f1b" else (stages if schedule in ("1f1b", "zb-h1") else 1)
@@ -281,7 +281,7 @@ def test_chains_that_cannot_be_forked_run_here(monkeypatch):
 
 
 def test_a_space_beyond_one_node_gets_four_chains():
-    from planner.search.mcmc import chains
+    from hetplan.planner.search.mcmc import chains
     big = Space(devices=tuple(f"d{i}" for i in range(64)), kinds={}, num_layers=96, global_batch=256,
                 model=ModelRef("toy"))
     assert [chains(replace(big, devices=big.devices[:n])) for n in (64, 16, 9, 8, 2)] == [4, 4, 4, 1, 1]
@@ -298,18 +298,18 @@ def test_nothing_fits_reports_least_memory():
     problem = toy_problem({"cuda:0": 1.0, "cuda:1": 1.0}, {"cuda:0": 1e6, "cuda:1": 1e6}, batch=4)
     result = search(problem, random.Random(0), SearchConfig(iterations=100, time_limit_s=60))
     assert result.best is None
-    from planner.search.mcmc import memory_error
+    from hetplan.planner.search.mcmc import memory_error
     msg = memory_error(result, problem.memory_bytes)
     assert "cuda:" in msg and "bytes" in msg
     assert result.least_memory.memory_ratio > 1
 
 
 # --- with the real simulator -------------------------------------------------------------------
-from planner.workload.graph import Layer, ModelGraph  # noqa: E402
-from planner.files.plan import load_plan  # noqa: E402
-from planner.search.problem import make_space, simulator_problem  # noqa: E402
-from planner.sim.simulator import Simulator  # noqa: E402
-from planner.hardware.topology import Device, Link, Topology, save_topology  # noqa: E402
+from hetplan.planner.workload.graph import Layer, ModelGraph  # noqa: E402
+from hetplan.planner.files.plan import load_plan  # noqa: E402
+from hetplan.planner.search.problem import make_space, simulator_problem  # noqa: E402
+from hetplan.planner.sim.simulator import Simulator  # noqa: E402
+from hetplan.planner.hardware.topology import Device, Link, Topology, save_topology  # noqa: E402
 
 
 def uniform_graph(num_layers=6, batch=64, flops_per_sample=1e9, param_bytes=4e5, act_per_sample=1e4):
@@ -558,7 +558,7 @@ def _two_nodes(batch=16, layers=8):
 
 
 def test_grid_shapes_cover_every_degree_node_by_node_and_rail_by_rail():
-    from planner.search.baselines import grid_shapes
+    from hetplan.planner.search.baselines import grid_shapes
     problem = _two_nodes()
     shapes = grid_shapes(problem.space, {d: 1.0 for d in problem.space.devices}, problem.shares)
     got = {(g.degree, g.order): [p.devices for p in g.strategy.pipelines] for g in shapes}
@@ -577,7 +577,7 @@ def test_grid_shapes_cover_every_degree_node_by_node_and_rail_by_rail():
 
 
 def test_search_is_never_slower_than_any_grid_and_reports_its_stop():
-    from planner.search.mcmc import patience
+    from hetplan.planner.search.mcmc import patience
     problem = _two_nodes()
     r = search(problem, random.Random(3), SearchConfig(iterations=100000, time_limit_s=600, patience=40))
     assert r.stopped_by == "no improvement" and r.patience == 40
@@ -602,7 +602,7 @@ def test_a_default_walk_stops_after_a_neighbourhood_of_proposals_without_improve
     # 32 GPUs: patience 32·31/2 + 4·32 + 2·8 + 16 = 656; seed 0's best comes at proposal 246 and
     # the walk stops 656 proposals later, not sooner for an early best (the rule before stopped
     # at max(500, twice 246))
-    from planner.search.mcmc import patience
+    from hetplan.planner.search.mcmc import patience
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from search import cluster_64, synthetic_graph
     g, topo = synthetic_graph(8, 32, d_model=256, seq=64), cluster_64(4)
@@ -623,7 +623,7 @@ def _rails(nodes: int, layers: int):
 
 
 def test_twin_replicas_have_one_key_and_the_same_simulated_time():
-    # planner.search.problem.twin_keys on the rail cluster: random one-replica plans grouped by
+    # hetplan.planner.search.problem.twin_keys on the rail cluster: random one-replica plans grouped by
     # key all simulate alike; renamings that keep the routes' shape share a key, others do not
     g, topo, space = _rails(2, 8)
     sim = Simulator(g, topo)

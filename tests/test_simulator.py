@@ -5,9 +5,9 @@ import itertools
 
 import pytest
 
-from planner.cost.buckets import Bucket, grad_buckets
-from planner.cost.memory import peak_memory
-from planner.sim.simulator import Simulator, simulate
+from hetplan.planner.cost.buckets import Bucket, grad_buckets
+from hetplan.planner.cost.memory import peak_memory
+from hetplan.planner.sim.simulator import Simulator, simulate
 from simhelpers import device, graph, layer, link, plan, topology
 
 
@@ -36,7 +36,7 @@ def test_uniform_pipeline_takes_m_plus_p_minus_1_slots(schedule, p, m):
 def test_zb_h1_fills_the_cool_down_with_weight_gradients(p, m):
     # one layer per stage holding weights: t_f = 0.25 s, t_b = 0.5 s split into I = W = 0.25 s
     # (cost.model.weight_grad_share); stage 0 has no input gradient: I = 0, W = 0.5 s.
-    # Hand-run (planner.files.schedule.grid): every stage is busy 3m quarter-slots after its warm-up,
+    # Hand-run (hetplan.planner.files.schedule.grid): every stage is busy 3m quarter-slots after its warm-up,
     # and the pipeline fills and drains in p - 1 slots of F + I - W = 0.25 s: (3m + p - 1) * 0.25
     # against 1F1B's (m + p - 1) * 0.75; the same work per device.
     g = graph([layer(i, param_bytes=4) for i in range(p)], batch=4)
@@ -56,7 +56,7 @@ def test_zb_h1_prices_the_measured_split_passes_where_the_cost_model_has_them():
     # gradient, cuda:0 runs stage 0's whole fused backward [0.8, 1.3] (its input needs no
     # gradient; the table's first layer is not used), W cuda:1 [0.8, 1.1]: 1.3 s. Priced by the
     # share (I = 0.25 s) it would be 1.25 s.
-    from planner.cost.model import RooflineCost
+    from hetplan.planner.cost.model import RooflineCost
 
     class Measured(RooflineCost):
         def split_times(self, device, batch):
@@ -139,11 +139,11 @@ def test_clipping_adds_its_gradient_passes_and_the_norms_all_reduce_before_each_
 
 def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_set_and_dtype():
     # the coarse case above with buffers (BatchNorm statistics): the runtime broadcasts them from
-    # the first replica before each iteration, per device set and dtype (runtime.sync.BufferSync):
+    # the first replica before each iteration, per device set and dtype (hetplan.runtime.sync.BufferSync):
     # float32 of layers 0 and 1 together (1e5 + 3e5 B), int64 apart (16 B), each priced as an
     # all-reduce of its bytes: 2*1*0.01 + 4e5/1e6 = 0.42 s and 2*1*0.01 + 16/1e6 s
     from dataclasses import replace
-    from planner.cost.buckets import buffer_broadcasts
+    from hetplan.planner.cost.buckets import buffer_broadcasts
     bn = (("torch.float32", 10**5), ("torch.int64", 8))
     bn1 = (("torch.float32", 3 * 10**5), ("torch.int64", 8))
     g = graph([replace(layer(0, param_bytes=10**6), buffer_bytes=bn),
@@ -158,7 +158,7 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
     assert r.iteration_s == approx(0.5 + 1.0 + 1.02 + 0.03 + broadcasts)
     assert r.per_device["cuda:1"]["comm_s"] == approx(1.02 + broadcasts)   # as the runtime's events count them
     # the same whole graph, its twin replicas collapsed or not, and by delta simulation
-    from planner.sim.simulator import Simulator
+    from hetplan.planner.sim.simulator import Simulator
     for delta, collapse in ((False, True), (False, False), (True, True)):
         assert Simulator(g, t, delta=delta, collapse=collapse).simulate(pl).iteration_s == approx(r.iteration_s)
     # one device holds the layers (a pipeline of one replica): nothing to broadcast
@@ -171,7 +171,7 @@ def test_buffers_are_broadcast_before_each_iteration_one_collective_per_device_s
                    (0.5, 1, [("cuda:1", 0, 1), ("cuda:3", 1, 2)])], 2)
     assert [b.devices for b in buffer_broadcasts(hybrid, g)] == \
         [("cuda:0", "cuda:1")] * 2 + [("cuda:2", "cuda:3")] * 2
-    from planner.cost.model import RooflineCost
+    from hetplan.planner.cost.model import RooflineCost
     sim = Simulator(g, t4, RooflineCost(g, t4))
     spent = sim.buffer_sync_s(hybrid)
     assert spent["cuda:2"] == spent["cuda:3"] == approx(0.02 + 0.3 + 0.02 + 8 / 1e6)
@@ -380,7 +380,7 @@ def test_a_message_moves_once_its_receive_is_posted_two_ahead_per_peer():
     # GPipe, 2 stages, m = 3 of 1 sample: stage 0's F 0.5 s, stage 1's F 2 s, no backward work,
     # each activation 0.5 s on the link. A gloo message moves only once its receive is posted,
     # and a worker keeps POSTED_AHEAD = 2 receives per peer posted, the next one posted as an
-    # action starts after one is taken (planner.files.schedule.receives): act0 0.5-1.0 and act1
+    # action starts after one is taken (hetplan.planner.files.schedule.receives): act0 0.5-1.0 and act1
     # 1.0-1.5 were posted at the start; act2, sent at 1.5, is posted when 1F0 (1.0-3.0), which
     # took act0, ends: 3.0-3.5 (dropping the rule: 1.5-2.0); hidden by 1F1 3.0-5.0, 1F2 5.0-7.0.
     # The gradients (0.5 s each, backwards of no time at 7.0): 7.0-7.5, 7.5-8.0, 8.0-8.5: 8.5 s.
@@ -397,7 +397,7 @@ def test_a_message_moves_once_its_receive_is_posted_two_ahead_per_peer():
 def test_a_message_posted_while_its_cpu_sender_computes_is_held_for_the_senders_window():
     # GPipe, 2 CPU workers, m = 4 of 1 sample: F 1 s, B 2 s on each stage, 0.1 s per message.
     # gloo sends a message once the sender's loop thread has read the receive's notice, which
-    # it may do only when the worker waits (planner.sim.template). act2's receive is posted
+    # it may do only when the worker waits (hetplan.planner.sim.template). act2's receive is posted
     # during the iteration (after 1F0); stage 0 goes on computing F3 (1 s) after its isend
     # before it waits (B0 takes a gradient): held held_send_s(1 s) = 0.5 s on the link, 3.0-3.5,
     # then 3.5-3.6. act3: stage 0 waits right after: not held. grad2 (after 0B0 took grad0):
@@ -468,7 +468,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-WORKSTATION = Path(__file__).resolve().parent.parent / "profiles" / "examples" / "workstation-gtx1650.json"
+WORKSTATION = Path(__file__).resolve().parent.parent / "hetplan" / "topologies" / "workstation-gtx1650.json"
 CLI_PLAN = {
     "schema": "hetplan.plan/1", "model": {"spec": "mlp", "args": {"hidden": 32, "depth": 2}},
     "global_batch": 8,
@@ -505,7 +505,7 @@ def test_cli_json_and_trace(tmp_path):
 
 
 def test_cli_finds_topology_by_sha256_and_prints_grid(tmp_path):
-    from planner.files.io import file_sha256
+    from hetplan.planner.files.io import file_sha256
     (tmp_path / "profiles" / "x").mkdir(parents=True)
     (tmp_path / "profiles" / "x" / "ws.json").write_bytes(WORKSTATION.read_bytes())
     plan = {**CLI_PLAN, "topology": {"name": "ws", "sha256": file_sha256(WORKSTATION)}}
@@ -541,8 +541,8 @@ def test_cli_rejects_plan_that_does_not_fit_graph_or_topology(tmp_path):
 import random  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
-from planner.sim.eventloop import run as run_tasks  # noqa: E402
-from planner.sim.reference import run as reference_run  # noqa: E402
+from hetplan.planner.sim.eventloop import run as run_tasks  # noqa: E402
+from hetplan.planner.sim.reference import run as reference_run  # noqa: E402
 from simreference import random_case, random_twin_case  # noqa: E402
 
 
@@ -578,7 +578,7 @@ def test_plans_of_one_shape_share_the_task_graph_and_match_a_fresh_simulator(mon
         assert repr(shared) == repr(fresh) == repr(traced)
         assert max(x["end_s"] for x in traced.tasks) == shared.iteration_s
     # one shared build; fresh and traced simulators build their own (and a delta build each,
-    # planner.sim.delta, which this plan's host optimizer steps refuse)
+    # hetplan.planner.sim.delta, which this plan's host optimizer steps refuse)
     assert builds.count(False) == 1 + 3 + 3 and builds.count(True) == 1 + 3
     other = replace(pl, schedule="gpipe", recompute=True)   # another shape: built anew
     assert repr(sim.simulate(other)) == repr(Simulator(g, t).simulate(other))
@@ -663,7 +663,7 @@ def test_tied_weight_copy_and_its_allreduce_between_two_stages():
     # the activation and its gradient (0 B) at 10 ms latency each: stage 0's backward ends at
     # 6.02 s. The tied all-reduce over cuda:0 + cuda:1 at 1e6 B/s and 10 ms:
     # 2*1*0.01 + 2*1/2*1e6/1e6 = 1.02 s; then SGD on 1e6 B at 1e8 B/s: 3 * 1e6 / 1e8 = 0.03 s.
-    from planner.workload.graph import TiedParam
+    from hetplan.planner.workload.graph import TiedParam
     base = graph([layer(0, param_bytes=10**6), layer(1)], batch=2)
     g = type(base)(layers=base.layers, batch=2, cut_bytes=base.cut_bytes,
                    tied=(TiedParam("l0.weight", 10**6, (0, 1)),))
@@ -683,8 +683,8 @@ def test_tied_weight_copy_and_its_allreduce_between_two_stages():
 def _stamped_and_built_one_by_one(g, t, pl, monkeypatch) -> list[tuple]:
     """The plan's task graph (ids, durations, resources, edges, recipes, statistics, replica
     bookkeeping) and result, stamped from templates and then built task by task."""
-    from planner.sim.build import Builder
-    from planner.sim.taskgraph import TaskGraph
+    from hetplan.planner.sim.build import Builder
+    from hetplan.planner.sim.taskgraph import TaskGraph
     from simreference import build_one_by_one
     graphs = []
     for one_by_one in (False, True):
@@ -703,7 +703,7 @@ def _stamped_and_built_one_by_one(g, t, pl, monkeypatch) -> list[tuple]:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
-    # planner.sim.template: same task ids, durations, resources, edges and statistics order
+    # hetplan.planner.sim.template: same task ids, durations, resources, edges and statistics order
     rng = random.Random(seed)
     for _ in range(60):
         g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
@@ -715,8 +715,8 @@ def test_stamped_replicas_give_the_graph_built_task_by_task(seed, monkeypatch):
 def test_replicas_as_value_blocks_give_the_same_tasks_and_results(seed, monkeypatch):
     # Builder.BLOCKS: each replica's recipes added as one block, its statistics as arrays; every
     # task the same recipe, resources and edges, every statistic and result the same bit for bit
-    from planner.sim.build import Builder
-    from planner.sim.taskgraph import TaskGraph
+    from hetplan.planner.sim.build import Builder
+    from hetplan.planner.sim.taskgraph import TaskGraph
     rng, blocked = random.Random(seed), 0
     for _ in range(60):
         g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
@@ -737,7 +737,7 @@ def test_replicas_as_value_blocks_give_the_same_tasks_and_results(seed, monkeypa
 def test_held_sends_stamp_the_graph_built_task_by_task(monkeypatch):
     # CPU pipelines whose sends can be held: the templates' hold tasks (ids, windows, edges,
     # links) are those of adding them one by one, and the results the same
-    from planner.sim.taskgraph import HeldSend
+    from hetplan.planner.sim.taskgraph import HeldSend
     from simreference import random_cpu_pipelines
     rng, held = random.Random(3), 0
     for _ in range(40):
@@ -749,10 +749,10 @@ def test_held_sends_stamp_the_graph_built_task_by_task(monkeypatch):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b"])
 def test_templates_laid_out_with_arrays_equal_those_built_task_by_task(schedule):
-    # planner.sim.template.replica_template against the builder it replaced, field by field:
+    # hetplan.planner.sim.template.replica_template against the builder it replaced, field by field:
     # task values, resources, successors in wiring order, dependencies, statistics, labels,
     # held sends' windows
-    from planner.sim.template import ReplicaTemplate, Stream, replica_template
+    from hetplan.planner.sim.template import ReplicaTemplate, Stream, replica_template
     from simreference import replica_template_one_by_one
     rng = random.Random(schedule)
     shapes = 0
@@ -779,7 +779,7 @@ def test_templates_laid_out_with_arrays_equal_those_built_task_by_task(schedule)
 @pytest.mark.parametrize("seed", range(2))
 def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(seed):
     # TaskGraph.replica_recipes, which Simulator._like compares replicas by, against its definition
-    from planner.sim.taskgraph import TaskGraph
+    from hetplan.planner.sim.taskgraph import TaskGraph
     rng = random.Random(seed)
     for _ in range(30):
         g, t, pl = random_case(rng) if rng.random() < 0.5 else random_twin_case(rng)
@@ -796,9 +796,9 @@ def test_replica_bookkeeping_lists_each_replicas_recipes_pattern_and_resources(s
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "hippie", "interleaved-1f1b"])
 def test_schedule_arrays_are_the_schedules_actions(schedule):
-    # planner.files.schedule.schedule_arrays (what the templates are laid out from) against
+    # hetplan.planner.files.schedule.schedule_arrays (what the templates are laid out from) against
     # make_schedule's actions, row by row
-    from planner.files.schedule import KINDS, make_schedule, schedule_arrays
+    from hetplan.planner.files.schedule import KINDS, make_schedule, schedule_arrays
     cases = 0
     for n in range(1, 9):
         for m in range(1, 13):

@@ -1,4 +1,4 @@
-"""The split backward of zero-bubble schedules (planner.workload.split_backward) and zb-h1 runs.
+"""The split backward of zero-bubble schedules (hetplan.planner.workload.split_backward) and zb-h1 runs.
 
 Unit tier: the I pass gives exactly the fused backward's input gradients and the W pass its
 weight gradients, with post-accumulate-grad hooks fired once per weight. Run tier: zb-h1 plans
@@ -12,10 +12,10 @@ import copy
 import pytest
 import torch
 
-from planner.cost.memory import in_flight
-from planner.workload.load import load_workload
-from planner.workload.partition import build_stages
-from planner.workload.split_backward import input_pass
+from hetplan.planner.cost.memory import in_flight
+from hetplan.planner.workload.load import load_workload
+from hetplan.planner.workload.partition import build_stages
+from hetplan.planner.workload.split_backward import input_pass
 from equivalence import assert_params_match
 from test_runtime import GPT, SKIP, plan, reference, run_plan
 
@@ -86,7 +86,7 @@ def test_split_backward_of_a_gpt_stage_matches_the_fused_one():
 def test_the_two_passes_add_up_to_the_fused_backward_flops_about_half_each():
     # nothing runs twice (one backward call per weight group, not one from every intermediate,
     # which would run the input-gradient path again), and W is about half of the backward, the
-    # rule of planner.cost.model.weight_grad_share
+    # rule of hetplan.planner.cost.model.weight_grad_share
     from torch.utils.flop_counter import FlopCounterMode
     torch.manual_seed(0)
     w = load_workload(GPT["spec"], {**GPT["args"], "d_model": 32})
@@ -136,7 +136,7 @@ def test_a_weight_off_the_input_path_leaves_a_whole_backward_to_the_weight_pass(
 
 
 def test_weight_groups_run_last_layer_first():
-    # post-accumulate-grad hooks fire in a fused backward's order: runtime.sync's buckets become
+    # post-accumulate-grad hooks fire in a fused backward's order: hetplan.runtime.sync's buckets become
     # final from the last layer down, as the simulator's backward chunks assume
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.cost.memory import peak_memory
-from planner.files.io import InputError
-from planner.files.plan import Share, load_plan, plan_from_dict, plan_to_dict, validate_plan
-from planner.sim.simulator import simulate
-from planner.workload.graph import SplitPair
-from planner.workload.tensor_split import find_pairs, split_bounds
+from hetplan.planner.cost.memory import peak_memory
+from hetplan.planner.files.io import InputError
+from hetplan.planner.files.plan import Share, load_plan, plan_from_dict, plan_to_dict, validate_plan
+from hetplan.planner.sim.simulator import simulate
+from hetplan.planner.workload.graph import SplitPair
+from hetplan.planner.workload.tensor_split import find_pairs, split_bounds
 from simhelpers import device, graph, layer, link, plan, topology
 
 
@@ -90,8 +90,8 @@ def test_cli_refuses_a_bad_split_with_exit_2(tmp_path):
 
 # --- pairs in a model -----------------------------------------------------------------------
 def test_pairs_of_the_builtins_and_share_bounds():
-    from planner.workload.builtin import gpt, mlp
-    from planner.workload.partition import build_stages
+    from hetplan.planner.workload.builtin import gpt, mlp
+    from hetplan.planner.workload.partition import build_stages
     torch.manual_seed(0)
     st = build_stages(mlp(hidden=16, depth=4), [(0, 5)])[0]
     pairs = find_pairs(st.graph, dict(st.named_parameters()))
@@ -164,7 +164,7 @@ def test_split_stage_shares_trade_compute_between_devices():
 # --- search: a what-if workstation where the split wins ---------------------------------------
 def _slow_gpu_workstation():
     """A CPU and a GPU of about the same speed (1e11 and 1.2e11 FLOP/s), 10 GB/s between them."""
-    from planner.hardware.topology import Device, Link, Topology
+    from hetplan.planner.hardware.topology import Device, Link, Topology
     return Topology("slow-gpu", (Device("cpu:0", "cpu", 64e9, 1e11, 1e11),
                                  Device("cuda:0", "cuda", 8e9, 1.2e11, 2e11)),
                     (Link("cpu:0", "cuda:0", 1e10, 1e-5),))
@@ -176,10 +176,10 @@ def test_search_splits_a_wide_mlp_between_a_cpu_and_a_slow_gpu():
     # pipeline cannot balance the 2048 x 2048 layer against the rest, while the split
     # exchanges 128 KB of activations and halves both the compute and the Adam step.
     import random
-    from planner.files.plan import ModelRef
-    from planner.search.mcmc import SearchConfig, search
-    from planner.search.problem import plan_problem
-    from planner.workload.load import load_workload
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.search.mcmc import SearchConfig, search
+    from hetplan.planner.search.problem import plan_problem
+    from hetplan.planner.workload.load import load_workload
     args = {"hidden": 2048, "depth": 2}
     _, problem = plan_problem(load_workload("mlp", args), ModelRef("mlp", args), 16, _slow_gpu_workstation(),
                               "adam", 1e-3)
@@ -198,7 +198,7 @@ def test_search_splits_a_wide_mlp_between_a_cpu_and_a_slow_gpu():
 
 
 def test_cli_plan_writes_a_split_plan_that_simulates(tmp_path):
-    from planner.hardware.topology import save_topology
+    from hetplan.planner.hardware.topology import save_topology
     save_topology(_slow_gpu_workstation(), tmp_path / "t.json")
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "hetplan", "plan", "--model", "mlp", "--model-arg", "hidden=2048",
@@ -257,7 +257,7 @@ def test_split_stage_before_a_pipeline_stage_gets_the_gradient_on_every_device()
 def test_cpu_workers_of_one_host_in_a_split_compute_at_once_under_contention():
     # the cost model's contention (a measured host's calibration) applies to a split's CPU
     # devices of one node, all busy at once; a GPU beside one CPU slows nothing
-    from planner.cost.model import RooflineCost
+    from hetplan.planner.cost.model import RooflineCost
 
     class Contended(RooflineCost):
         def contention(self, device, busy):
@@ -276,8 +276,8 @@ def test_cpu_workers_of_one_host_in_a_split_compute_at_once_under_contention():
 
 def test_tensor_moves_give_valid_plans_whole_model_and_pipeline_splits():
     import random
-    from planner.files.plan import ModelRef
-    from planner.search.space import Pipeline, Space, Strategy, from_plan, propose, to_plan
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.search.space import Pipeline, Space, Strategy, from_plan, propose, to_plan
     devices = ("cuda:0", "cuda:1", "cpu:0", "cpu:1")
     space = Space(devices=devices, kinds={d: d.split(":")[0] for d in devices}, num_layers=6, global_batch=24,
                   model=ModelRef("toy"), tensor_split=True)
@@ -301,9 +301,9 @@ def test_tensor_moves_give_valid_plans_whole_model_and_pipeline_splits():
 
 def test_shift_share_moves_a_few_percent_and_keeps_the_sum():
     import random
-    from planner.files.plan import ModelRef
-    from planner.search.mcmc import Problem, Searcher
-    from planner.search.space import Pipeline, Space, Strategy
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.search.mcmc import Problem, Searcher
+    from hetplan.planner.search.space import Pipeline, Space, Strategy
     space = Space(devices=("cuda:0", "cpu:0", "cpu:1"), kinds={"cuda:0": "cuda", "cpu:0": "cpu", "cpu:1": "cpu"},
                   num_layers=3, global_batch=8, model=ModelRef("toy"), tensor_split=True)
     searcher = Searcher(Problem(space, lambda p: None, {}, {}), random.Random(1))

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.files.io import InputError
-from planner.hardware.topology import Device, Link, Topology, load_topology, save_topology
+from hetplan.planner.files.io import InputError
+from hetplan.planner.hardware.topology import Device, Link, Topology, load_topology, save_topology
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "hetplan" / "topologies"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.json"))
 
 VALID = {

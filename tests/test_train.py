@@ -1,4 +1,4 @@
-"""Training with a plan on the workload's data (runtime.train, `hetplan run --steps`, hetplan.train):
+"""Training with a plan on the workload's data (hetplan.runtime.train, `hetplan run --steps`, hetplan.train):
 plans train like one device with AdamW, clipping and an LR schedule; a stopped or killed run resumed
 from its checkpoint ends with the uninterrupted run's parameters, also under another plan; an epoch
 reads every sample once; bad input is one line and exit 2 with nothing written."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from equivalence import AdamSlack, Trained, assert_params_match
-from planner.files.plan import load_plan
-from runtime.launch import RunError, launch
-from runtime.train import TrainConfig
-from runtime.worker import FAULT_ENV, RunConfig
+from hetplan.planner.files.plan import load_plan
+from hetplan.runtime.launch import RunError, launch
+from hetplan.runtime.train import TrainConfig
+from hetplan.runtime.worker import FAULT_ENV, RunConfig
 from test_cli_inputs import one_error_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,8 +51,8 @@ def train(tmp_path: Path, p: dict, name: str = "run", **train_args) -> tuple[lis
 
 def reference(steps: int, optimizer: dict, schedule=None, clip=None, seed: int = 0) -> Trained:
     """One process on the whole global batch of each step, the same shuffles."""
-    from runtime.data import DataFeed
-    from runtime.lr_schedule import factor
+    from hetplan.runtime.data import DataFeed
+    from hetplan.runtime.lr_schedule import factor
     from tests.runtime_models import mlp_data
     torch.manual_seed(0)
     w = mlp_data()
@@ -211,7 +211,7 @@ def test_torchrun_workers_take_the_training_flags(tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps(plan(PLANS["dp-unequal"])))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                        "runtime.worker", str(p), "-o", str(tmp_path / "out.json"), "--steps", "4",
+                        "hetplan.runtime.worker", str(p), "-o", str(tmp_path / "out.json"), "--steps", "4",
                         "--log-every", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -219,6 +219,6 @@ def test_torchrun_workers_take_the_training_flags(tmp_path):
     assert [row["step"] for row in out["rows"]] == [2, 4]
     assert out["rows"][-1]["loss"] == pytest.approx(reference(4, {"name": "adam", "lr": 0.01}).losses[3], rel=1e-5)
     assert (tmp_path / "ck" / "step-00000004" / "hetplan.json").is_file()
-    bad = subprocess.run([sys.executable, "-m", "runtime.worker", str(p), "--steps", "2", "--epochs", "1"],
+    bad = subprocess.run([sys.executable, "-m", "hetplan.runtime.worker", str(p), "--steps", "2", "--epochs", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--steps, --epochs" in bad.stderr

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.files.io import InputError
-from planner.workload import Workload
-from planner.workload.load import convert_arg, load_workload, parse_model_args
+from hetplan.planner.files.io import InputError
+from hetplan.planner.workload import Workload
+from hetplan.planner.workload.load import convert_arg, load_workload, parse_model_args
 
 
 def test_convert_and_parse_args():

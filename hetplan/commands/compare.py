@@ -2,8 +2,8 @@
 
 The prediction is the plan's recorded `predicted.iteration_s` (what the planner chose on) when
 present, else the simulator's; per-device figures come from simulating the plan again on its
-topology (found as `hetplan simulate` finds it: planner.sim.predict). See planner/files/report.py for
-what each side measures and planner/files/plot.py for the timeline of `--plot`.
+topology (found as `hetplan simulate` finds it: hetplan.planner.sim.predict). See hetplan/planner/files/report.py for
+what each side measures and hetplan/planner/files/plot.py for the timeline of `--plot`.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ def add_arguments(p):
 
 def compare_files(plan_path: str, measured_path: str, topology_path: str | None = None,
                   plot_path: str | None = None, command: str = "hetplan compare"):
-    """Load, simulate and compare; optionally write the plot. Returns planner.files.report.Comparison."""
-    from planner.files.io import InputError, file_sha256
-    from planner.files.measured import load_measured
-    from planner.files.plan import load_plan
-    from planner.hardware.lookup import plan_topology
-    from planner.sim.predict import predict_plan_file
-    from planner.files.report import compare
+    """Load, simulate and compare; optionally write the plot. Returns hetplan.planner.files.report.Comparison."""
+    from hetplan.planner.files.io import InputError, file_sha256
+    from hetplan.planner.files.measured import load_measured
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.planner.hardware.lookup import plan_topology
+    from hetplan.planner.sim.predict import predict_plan_file
+    from hetplan.planner.files.report import compare
 
     if plot_path is not None and not str(plot_path).lower().endswith(".png"):
         raise InputError(f"--plot: expected a file name ending in .png, got {plot_path!r}")
@@ -54,7 +54,7 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
         span, prob = plan.predicted.iteration_s_interval, plan.predicted.interval_probability
     comparison = compare(recorded, result.to_json(), measured, matches, span, prob)
     if plot_path is not None:
-        from planner.files.plot import plot_timeline
+        from hetplan.planner.files.plot import plot_timeline
         events = {d: v.get("events") or [] for d, v in measured.per_device.items()}
         it = next((v["events_iteration"] for v in measured.per_device.values()
                    if isinstance(v.get("events_iteration"), int)), None)
@@ -88,7 +88,7 @@ def conditions_differ(plan, measured) -> list[str]:
 def format_table(comparison) -> str:
     import pandas as pd
 
-    from planner.files.report import table_rows
+    from hetplan.planner.files.report import table_rows
     df = pd.DataFrame(table_rows(comparison))
     return df.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3f}")
 
@@ -111,9 +111,9 @@ def time_to_loss(plan_path: str, measured_path: str) -> dict | None:
     losses with the planner's running mean (None when the run did not reach the target)."""
     import math
 
-    from planner.files.measured import load_measured
-    from planner.files.plan import load_plan
-    from planner.search.convergence import iterations_to
+    from hetplan.planner.files.measured import load_measured
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.planner.search.convergence import iterations_to
 
     plan = load_plan(plan_path)
     ttl = plan.predicted.extra.get("time_to_loss") if plan.predicted is not None else None

@@ -49,7 +49,7 @@ class _StepFailed(Exception):
 
 
 def _default_cpu_workers() -> int:
-    from planner.hardware.device import gpu_count
+    from hetplan.planner.hardware.device import gpu_count
     return 1 if gpu_count() else max(1, min(2, os.cpu_count() or 1))
 
 
@@ -58,10 +58,10 @@ def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str,
     it next to the plan; returns (name, path), path None when it is the chosen plan itself."""
     from dataclasses import replace
 
-    from planner.files.io import InputError
-    from planner.files.plan import Predicted, load_plan, plan_key, save_plan
-    from planner.search.problem import plan_baselines
-    from planner.hardware.topology import load_topology
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.files.plan import Predicted, load_plan, plan_key, save_plan
+    from hetplan.planner.search.problem import plan_baselines
+    from hetplan.planner.hardware.topology import load_topology
 
     plan = load_plan(plan_path)
     recorded = [b for b in (plan.predicted.extra.get("baselines", []) if plan.predicted else [])
@@ -84,9 +84,9 @@ def best_baseline(plan_path: Path, topology_path: Path, out: Path) -> tuple[str,
 def main(args) -> int:
     from hetplan.commands.compare import compare_files, format_table, summary_line
     from hetplan.commands.profile import default_path
-    from planner.files.io import InputError
+    from hetplan.planner.files.io import InputError
 
-    from planner.files.plan import check_batch
+    from hetplan.planner.files.plan import check_batch
     check_batch(args.batch, "--batch")
     if args.iters < 2:
         raise InputError(f"--iters: expected an integer >= 2 (one warm-up, one measured), got {args.iters}")
@@ -152,5 +152,5 @@ def main(args) -> int:
 
 
 def write_summary(path: Path, summary: dict) -> None:
-    from planner.files.io import write_json_atomic
+    from hetplan.planner.files.io import write_json_atomic
     write_json_atomic(path, summary)

@@ -17,8 +17,8 @@ def add_arguments(p):
 
 def explain_plan(plan, plan_path: str, topology, baselines: bool = True) -> dict:
     """The explanation as `explain --json` prints it."""
-    from planner.sim.explain import binding, by_kind, critical_path
-    from planner.sim.predict import predict_plan_file
+    from hetplan.planner.sim.explain import binding, by_kind, critical_path
+    from hetplan.planner.sim.predict import predict_plan_file
 
     pred = predict_plan_file(plan, plan_path, topology, trace=True)
     result = pred.result
@@ -31,24 +31,26 @@ def explain_plan(plan, plan_path: str, topology, baselines: bool = True) -> dict
                                      for d, v in result.per_device.items()},
            "per_device": {d: {"busy_s": v["busy_s"], "idle_s": v["idle_s"]} for d, v in result.per_device.items()}}
     if baselines:
-        out["next_best"] = _next_best(plan, plan_path, topology, out["by_kind"])
+        out["next_best"] = _next_best(plan, plan_path, topology, out["by_kind"], pred.simulator)
     return out
 
 
-def _next_best(plan, plan_path: str, topology, mine: dict[str, float]) -> list[dict]:
-    """The plan's baselines (regenerated as `plan` made them), each simulated: its time and the
-    kinds of work it spends more on than this plan."""
-    from planner.files.plan import plan_key
-    from planner.search.problem import plan_baselines
-    from planner.sim.explain import by_kind, critical_path
-    from planner.sim.predict import simulate_plan_file
+def _next_best(plan, plan_path: str, topology, mine: dict[str, float], simulator) -> list[dict]:
+    """The plan's baselines (regenerated as `plan` made them), each simulated on the explained
+    plan's simulator (one capture) unless in another precision: its time and the kinds of work it
+    spends more on than this plan."""
+    from hetplan.planner.files.plan import plan_key
+    from hetplan.planner.search.problem import plan_baselines
+    from hetplan.planner.sim.explain import by_kind, critical_path
+    from hetplan.planner.sim.predict import simulate_plan_file
 
     seen, rows = {plan_key(plan)}, []
     for c in plan_baselines(plan, topology, plan_path):
         if not c.feasible or plan_key(c.plan) in seen:
             continue
         seen.add(plan_key(c.plan))
-        r = simulate_plan_file(c.plan, plan_path, topology, trace=True)
+        r = (simulator.simulate(c.plan, trace=True) if c.plan.precision == plan.precision
+             else simulate_plan_file(c.plan, plan_path, topology, trace=True))
         theirs = by_kind(critical_path(r.tasks, r.iteration_s))
         more = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in set(theirs) | set(mine)}
         rows.append({"name": c.name, "iteration_s": r.iteration_s,
@@ -58,8 +60,8 @@ def _next_best(plan, plan_path: str, topology, mine: dict[str, float]) -> list[d
 
 
 def main(args) -> int:
-    from planner.files.plan import load_plan
-    from planner.hardware.lookup import plan_topology
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.planner.hardware.lookup import plan_topology
 
     plan = load_plan(args.plan)
     topology = plan_topology(plan, args.plan, args.topology, "hetplan explain")

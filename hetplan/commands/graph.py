@@ -39,12 +39,12 @@ def to_json(graph) -> dict:
 
 
 def main(args) -> int:
-    from planner.workload.capture import capture_graph
-    from planner.files.io import InputError
-    from planner.workload.load import load_workload, parse_model_args
-    from planner.workload.step_check import check_step
+    from hetplan.planner.workload.capture import capture_graph
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.workload.load import load_workload, parse_model_args
+    from hetplan.planner.workload.step_check import check_step
 
-    from planner.files.plan import check_batch
+    from hetplan.planner.files.plan import check_batch
     check_batch(args.batch, "--batch")
     workload = load_workload(args.model, parse_model_args(args.model_arg), args.layers, weights=False)
     check_step(workload, args.batch, "--model", args.model)

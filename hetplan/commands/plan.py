@@ -61,8 +61,8 @@ def add_arguments(p):
 
 
 def _check_flags(args) -> None:
-    from planner.files.io import InputError
-    from planner.files.plan import check_batch
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.files.plan import check_batch
     check_batch(args.batch, "--batch")
     if not 0 < args.time_limit < float("inf"):
         raise InputError(f"--time-limit: expected a positive number of seconds, got {args.time_limit}")
@@ -81,7 +81,7 @@ def _check_flags(args) -> None:
         if args.target_loss is None or not 0 < args.target_loss < float("inf"):
             raise InputError(f"--target-loss: expected a positive number with --objective time-to-loss, "
                              f"got {args.target_loss}")
-        from planner.search.time_to_loss import MAX_HORIZON
+        from hetplan.planner.search.time_to_loss import MAX_HORIZON
         args.horizon = 200 if args.horizon is None else args.horizon
         if not 16 <= args.horizon <= MAX_HORIZON:
             raise InputError(f"--horizon: expected an integer from 16 to {MAX_HORIZON} iterations, got {args.horizon}")
@@ -99,8 +99,8 @@ def _why(result) -> str:
 
 def parse_precisions(text: str) -> tuple[str, ...]:
     """'fp32,bf16' -> ('fp32', 'bf16'); InputError naming --precision on an unknown or repeated one."""
-    from planner.files.io import InputError
-    from planner.files.plan import PRECISIONS
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.files.plan import PRECISIONS
     out = tuple(p.strip() for p in text.split(","))
     if not all(p in PRECISIONS for p in out) or len(set(out)) != len(out):
         raise InputError(f"--precision: expected a comma-separated list of distinct values among "
@@ -123,9 +123,9 @@ def describe(plan) -> str:
 
 
 def _table(rows, chosen):
-    """Each candidate judged (planner.sim.interval.Judged, by name) against the chosen one."""
+    """Each candidate judged (hetplan.planner.sim.interval.Judged, by name) against the chosen one."""
     import pandas as pd
-    from planner.sim.interval import PROBABILITY, beat_probability
+    from hetplan.planner.sim.interval import PROBABILITY, beat_probability
     out = []
     for name, (cand, j) in rows.items():
         lo, hi = j.interval() if j is not None else (float("nan"),) * 2
@@ -141,12 +141,12 @@ def _table(rows, chosen):
 
 
 def _time_to_loss(args, problem, workload, best, baselines):
-    """The candidates ranked by time to --target-loss (planner.search.time_to_loss); InputError
+    """The candidates ranked by time to --target-loss (hetplan.planner.search.time_to_loss); InputError
     when none reaches it."""
     import math
 
-    from planner.files.io import InputError
-    from planner.search.time_to_loss import rank
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.search.time_to_loss import rank
     print(f"hetplan plan: emulating convergence for {args.horizon} iterations per strategy", file=sys.stderr)
     named = [("chosen (synchronous)", best.plan)] + [(c.name, c.plan) for c in baselines if c.feasible]
     ranked = rank(problem.evaluate, workload, named, args.target_loss, args.horizon)
@@ -154,6 +154,13 @@ def _time_to_loss(args, problem, workload, best, baselines):
         raise InputError(f"--target-loss: no plan reaches {args.target_loss:g}, in {args.horizon} emulated "
                          f"iterations or on the curve fitted to them")
     return ranked
+
+
+def _judged(problem, topology, plan):
+    """`plan` judged on draws of the topology's measured inputs (its interval), as `_choose` does."""
+    from hetplan.planner.hardware.lookup import measured_here
+    from hetplan.planner.sim.interval import Draws, judge, spread_of
+    return judge(Draws(problem.simulator, spread_of(topology)), "chosen", plan, measured_here(topology))
 
 
 def _loss_table(ranked) -> str:
@@ -178,7 +185,7 @@ class _Choice:
     best_baseline: str | None = None
     confirmed: list = field(default_factory=list)   # hetplan.confirm.Confirmed
     note: str = ""
-    explained: list = field(default_factory=list)   # planner.sim.explain.summary_lines of the kept plan
+    explained: list = field(default_factory=list)   # hetplan.planner.sim.explain.summary_lines of the kept plan
     judgements: dict = field(default_factory=dict)  # every feasible candidate's name -> its plan's Judged
 
     def to_json(self) -> dict:
@@ -189,11 +196,11 @@ class _Choice:
 
 def _choose(args, problem, topology, result) -> _Choice:
     """The search's best and the feasible baselines judged on the same draws of the measured
-    inputs; a plan with more parts kept only when surely faster (planner.sim.interval.choose);
+    inputs; a plan with more parts kept only when surely faster (hetplan.planner.sim.interval.choose);
     then, on this machine, the few best confirmed by running them."""
-    from planner.files.plan import plan_key
-    from planner.hardware.lookup import measured_here
-    from planner.sim.interval import Draws, beat_probability, choose, judge, spread_of
+    from hetplan.planner.files.plan import plan_key
+    from hetplan.planner.hardware.lookup import measured_here
+    from hetplan.planner.sim.interval import Draws, beat_probability, choose, judge, spread_of
     measured = measured_here(topology)
     draws = Draws(problem.simulator, spread_of(topology))
     cands, by_key = {}, {}          # name -> candidate judged; plan key -> its judgement
@@ -225,7 +232,7 @@ def _choose(args, problem, topology, result) -> _Choice:
 
 def _explained(simulator, plan, topology) -> list[str]:
     """Three lines on where the plan's predicted iteration goes (`hetplan explain` says more)."""
-    from planner.sim.explain import critical_path, summary_lines
+    from hetplan.planner.sim.explain import critical_path, summary_lines
     r = simulator.simulate(plan, trace=True)
     headroom = {d: topology.device(d).memory_bytes - v["peak_memory_bytes"] for d, v in r.per_device.items()}
     return summary_lines(critical_path(r.tasks, r.iteration_s), r.iteration_s, headroom)
@@ -246,20 +253,20 @@ def _confirm(args, topology, measured, kept, cands, judged) -> tuple[list, str]:
     need = estimate_s([p for _, _, p in picked])
     if args.confirm is None and need > DEFAULT_BUDGET_S:
         return [], f"not confirmed: running the candidates would take about {need:.0f} s (--confirm runs them)"
-    from planner.files.io import InputError
-    from runtime.launch import check_devices
+    from hetplan.planner.files.io import InputError
+    from hetplan.runtime.launch import check_devices
     try:
         for _, plan, _ in picked:
             check_devices(plan, args.output)
     except InputError as e:   # a device this machine lacks (a profile carried from a larger host)
         return [], f"not confirmed: {e}"
     print(f"hetplan plan: confirming {len(picked)} candidates on this machine (about {need:.0f} s)", file=sys.stderr)
-    from runtime.launch import RunError
+    from hetplan.runtime.launch import RunError
     try:
         confirmed, foreign = confirm(picked, topology)
     except RunError as e:
         return [], f"not confirmed: a candidate failed to run: {e}"
-    from runtime.host_load import BUSY_WARNING
+    from hetplan.runtime.host_load import BUSY_WARNING
     busy = (f"other processes used {foreign:.0%} of the CPU while confirming: the runs measured "
             f"that load" if foreign > BUSY_WARNING else "")
     return confirmed, busy
@@ -267,12 +274,12 @@ def _confirm(args, topology, measured, kept, cands, judged) -> tuple[list, str]:
 
 def _setup(args):
     """(topology, workload, optimizer flags, precisions, graph, problem) for the search."""
-    from planner.files.io import InputError
-    from planner.files.plan import ModelRef
-    from planner.hardware.lookup import measured_here
-    from planner.hardware.topology import load_topology
-    from planner.search.problem import CAPTURE_BATCH, plan_problem
-    from planner.workload.load import load_workload, parse_model_args
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.hardware.lookup import measured_here
+    from hetplan.planner.hardware.topology import load_topology
+    from hetplan.planner.search.problem import CAPTURE_BATCH, plan_problem
+    from hetplan.planner.workload.load import load_workload, parse_model_args
 
     _check_flags(args)
     model_args = parse_model_args(args.model_arg)
@@ -297,8 +304,8 @@ def _setup(args):
 def _search(args, problem, graph, topology):
     import random
 
-    from planner.files.io import InputError
-    from planner.search.mcmc import SearchConfig, chains, memory_error, search
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.search.mcmc import SearchConfig, chains, memory_error, search
     space = problem.space
     config = SearchConfig(iterations=args.iterations, time_limit_s=args.time_limit,
                           chains=args.chains if args.chains is not None else chains(space), workers=args.workers)
@@ -318,8 +325,8 @@ def _search(args, problem, graph, topology):
 def _predicted(args, best, result, choice, objective, precisions, problem):
     """The plan file's `predicted`: the kept plan's time and interval, the baselines, the choice
     and the search's record."""
-    from planner.files.plan import Predicted
-    from planner.sim.interval import PROBABILITY
+    from hetplan.planner.files.plan import Predicted
+    from hetplan.planner.sim.interval import PROBABILITY
     import math
     judged = choice.judgements if choice else {}
     baselines = [{"name": c.name, "iteration_s": c.iteration_s if math.isfinite(c.iteration_s) else None,
@@ -331,7 +338,8 @@ def _predicted(args, best, result, choice, objective, precisions, problem):
               "chains": result.chains, "simulations": result.evaluations,
               "bound_rejections": result.bound_rejections, "stopped_by": result.stopped_by,
               "acceptance_rate": result.acceptance_rate, "patience": result.patience}
-    span = choice.rows["chosen"][1].interval() if choice else None
+    span = (choice.rows["chosen"][1].interval() if choice else
+            objective.get("time_to_loss", {}).get("iteration_s_interval"))
     return Predicted(best.iteration_s, best.peak_memory_bytes, extra={
         **objective, "baselines": baselines, **({"choice": choice.to_json()} if choice else {}),
         "search": search, **_cost_fit(problem.cost, best.plan.devices)},
@@ -341,8 +349,8 @@ def _predicted(args, best, result, choice, objective, precisions, problem):
 def main(args) -> int:
     import gc
 
-    from planner.files.plan import TopologyRef, plan_to_dict, save_plan, validate_plan
-    from runtime.launch import priced_conditions
+    from hetplan.planner.files.plan import TopologyRef, plan_to_dict, save_plan, validate_plan
+    from hetplan.runtime.launch import priced_conditions
 
     topology, workload, optimizer, precisions, graph, problem = _setup(args)
     if args.objective != "time-to-loss":
@@ -353,8 +361,11 @@ def main(args) -> int:
     if args.objective == "time-to-loss":
         ranked = _time_to_loss(args, problem, workload, replace(result.best, name="chosen"), result.baselines)
         best = ranked[0]
+        lo, hi = _judged(problem, topology, best.plan).interval()
         objective = {"time_to_loss": {"target_loss": args.target_loss, "horizon": args.horizon,
                                       "iterations": best.iterations, "time_s": best.time_s,
+                                      "iteration_s_interval": (lo, hi),
+                                      "time_s_interval": [best.iterations * lo, best.iterations * hi],
                                       "candidates": [c.to_json() for c in ranked]}}
     else:
         choice = _choose(args, problem, topology, result)
@@ -385,8 +396,10 @@ def _report(args, plan, best, ranked, choice, result) -> None:
           f"{f' ({plan.optimizer.cpu_fraction:.0%} of the bytes on the CPU)' if plan.optimizer.cpu_fraction else ''}, recompute {'on' if plan.recompute else 'off'}, "
           f"precision {plan.precision}")
     if ranked is not None:
+        lo, hi = plan.predicted.extra["time_to_loss"]["time_s_interval"]
         print(f"  sync mode {plan.sync.mode}; predicted to reach loss {args.target_loss:g} in "
-              f"{best.iterations:.0f} iterations, {best.time_s:.3g} s")
+              f"{best.iterations:.0f} iterations, {best.time_s:.3g} s (90% interval of the iterations' "
+              f"time {lo:.3g}-{hi:.3g} s; the iteration count's own error not included)")
         print(_loss_table(ranked))
     else:
         print(_table(choice.rows, choice.rows["chosen"]))
@@ -417,10 +430,10 @@ def _report_choice(choice) -> None:
 
 def _optimizer_flags(args):
     """--optimizer, --optimizer-arg and --clip-grad-norm as a plan Optimizer (None: none given)."""
-    from planner.files.io import InputError
-    from planner.files.plan import Optimizer, frozen_args
-    from planner.workload.load import parse_model_args
-    from planner.files.optimizer_spec import DEFAULT_CLASS, OptimizerSpecError, check_spec, priced_as, torch_class
+    from hetplan.planner.files.io import InputError
+    from hetplan.planner.files.plan import Optimizer, frozen_args
+    from hetplan.planner.workload.load import parse_model_args
+    from hetplan.planner.files.optimizer_spec import DEFAULT_CLASS, OptimizerSpecError, check_spec, priced_as, torch_class
     if args.optimizer is None and not args.optimizer_arg and args.clip_grad_norm is None:
         return None
     if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):

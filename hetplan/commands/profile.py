@@ -6,8 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from planner.files.io import InputError
-from planner.hardware.lookup import default_profile_path as default_path  # demo and tests import it here
+from hetplan.planner.files.io import InputError
+from hetplan.planner.hardware.lookup import default_profile_path as default_path  # demo and tests import it here
 
 HELP = "measure this machine's devices and links for real and write a topology file"
 
@@ -53,7 +53,7 @@ def main(args) -> int:
     path = Path(args.output) if args.output else default_path()
     if path.is_dir():
         raise InputError(f"{path}: -o: expected a file path, got a directory")
-    from runtime import profile  # heavy (torch): only when the command runs
+    from hetplan.runtime import profile  # heavy (torch): only when the command runs
 
     t0 = time.perf_counter()
     try:
@@ -61,7 +61,7 @@ def main(args) -> int:
     except profile.ProfileError as e:
         print(f"hetplan profile: error: {e} (no file written)", file=sys.stderr)
         return 1
-    from planner.hardware.topology import save_topology
+    from hetplan.planner.hardware.topology import save_topology
     save_topology(topology, path)
     s = _summary(topology, path, time.perf_counter() - t0, profile.max_spread(topology))
     if args.json:

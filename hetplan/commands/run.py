@@ -2,7 +2,7 @@
 
 One process per plan device (CPU workers get their thread share, GPUs cuda:N), rendezvous on
 127.0.0.1 unless --master-addr is given. For several nodes, run
-`torchrun --nnodes N --node_rank I ... -m runtime.worker PLAN -o MEASURED` on each node.
+`torchrun --nnodes N --node_rank I ... -m hetplan.runtime.worker PLAN -o MEASURED` on each node.
 The measured file defaults to `<plan name>.measured.json` next to the plan.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.train_flags import add_training_arguments, train_config
+from hetplan.runtime.train_flags import add_training_arguments, train_config
 
 HELP = "execute a plan with torch.distributed on this machine and write the measured file"
 
@@ -48,9 +48,9 @@ def default_output(plan_path: str) -> str:
 
 
 def main(args) -> int:
-    """SIGINT/SIGTERM stop every worker (runtime.launch.stop_on_signals): exit 130/143, one line
+    """SIGINT/SIGTERM stop every worker (hetplan.runtime.launch.stop_on_signals): exit 130/143, one line
     on stderr, no measured file."""
-    from runtime.launch import Stopped, stop_on_signals
+    from hetplan.runtime.launch import Stopped, stop_on_signals
     try:
         with stop_on_signals():
             return _run(args)
@@ -60,12 +60,12 @@ def main(args) -> int:
 
 
 def _run(args) -> int:
-    from planner.files.io import InputError, write_json_atomic
-    from planner.files.plan import load_plan, validate_plan
-    from planner.hardware.lookup import local_topology
-    from runtime.launch import RunError, check_devices, launch, prestart, thread_shares
-    from runtime.startup import Marks, format_lines, process_start_time
-    from runtime.worker import RunConfig
+    from hetplan.planner.files.io import InputError, write_json_atomic
+    from hetplan.planner.files.plan import load_plan, validate_plan
+    from hetplan.planner.hardware.lookup import local_topology
+    from hetplan.runtime.launch import RunError, check_devices, launch, prestart, thread_shares
+    from hetplan.runtime.startup import Marks, format_lines, process_start_time
+    from hetplan.runtime.worker import RunConfig
 
     marks = Marks(process=process_start_time() or time.time())
     marks.mark("main")
@@ -78,13 +78,13 @@ def _run(args) -> int:
     check_paths(args)
     if not args.timeout > 0 or args.timeout == float("inf"):
         raise InputError(f"--timeout: expected a positive number, got {args.timeout}")
-    from planner.hardware.cores import binding_enabled
-    binding_enabled()   # HETPLAN_BIND_CORES is 0 or 1 (the workers bind, runtime.placement)
+    from hetplan.planner.hardware.cores import binding_enabled
+    binding_enabled()   # HETPLAN_BIND_CORES is 0 or 1 (the workers bind, hetplan.runtime.placement)
     plan = load_plan(args.plan)
     training = train_config(args, plan)
     check_devices(plan, args.plan)
     prestart()          # the workers' imports overlap the rest; the model is checked by them
-    # (runtime.stage.check_model: a bad model, training step or layer range there is exit 2 as well)
+    # (hetplan.runtime.stage.check_model: a bad model, training step or layer range there is exit 2 as well)
     topology = local_topology(plan, args.topology)
     if topology is not None:    # the plan's devices must be the topology's, as `simulate` asks
         validate_plan(plan, args.plan, None, {d.name for d in topology.devices})
@@ -137,7 +137,7 @@ def _trained(args, result: dict) -> int:
 def check_paths(args) -> None:
     """The port and the output paths, before any worker starts: a run must not fail at its end
     because `--save-params` names a folder or `--trace` a file."""
-    from planner.files.io import InputError
+    from hetplan.planner.files.io import InputError
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise InputError(f"--master-port: expected a port in [1, 65535], got {args.master_port}")
     for flag, path, want_dir in (("--save-params", args.save_params, False), ("--trace", args.trace, True),

@@ -31,13 +31,13 @@ def _summary(pred, topology) -> str:
 
 
 def main(args) -> int:
-    from planner.files.plan import load_plan
-    from planner.hardware.lookup import plan_topology
-    from planner.sim.predict import predict_plan_file
-    from planner.files.plan import PIPEDREAM_MODES
-    from planner.sim.build import STREAM_ITERATIONS
-    from planner.files.schedule import grid, make_schedule
-    from planner.sim.chrome_trace import write_chrome_trace
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.planner.hardware.lookup import plan_topology
+    from hetplan.planner.sim.predict import predict_plan_file
+    from hetplan.planner.files.plan import PIPEDREAM_MODES
+    from hetplan.planner.sim.build import STREAM_ITERATIONS
+    from hetplan.planner.files.schedule import grid, make_schedule
+    from hetplan.planner.sim.chrome_trace import write_chrome_trace
 
     plan = load_plan(args.plan)
     topology = plan_topology(plan, args.plan, args.topology, "hetplan simulate")
@@ -49,7 +49,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({**result.to_json(), "iteration_s_interval": list(pred.interval),
                           "interval_probability": pred.probability, "interval_basis": pred.basis,
-                          "engine": result.engine}))   # planner.sim.engines
+                          "engine": result.engine}))   # hetplan.planner.sim.engines
         return 0
     print(_summary(pred, topology))
     if args.grid:

@@ -1,0 +1,82 @@
+"""The optimizer step of one stage: SGD or Adam (torch.optim), on the device, on the CPU, or split.
+
+Placement "cpu" is ZeRO-Offload style: the stage keeps fp32 master copies of its parameters in
+host memory (pinned on a real accelerator, like the gradient buffers); each step copies the
+gradients to the host with non-blocking copies, waits for them once, runs the update there and
+copies the parameters back without blocking. Placement "split" (CoTrain) does this for the last
+tensors of the stage (hetplan.planner.cost.model.split_host_count: cpu_fraction of the bytes, whole
+tensors) while the device updates the others: the device's update is queued after the gradient
+copies and runs while the host CPU updates its part. For a stage on a CPU device both are the
+same as "device" (nothing to move).
+Not modelled: ZeRO's overlap of the copies with backward, and partitioning of optimizer state.
+"""
+from __future__ import annotations
+
+import torch
+
+from hetplan.planner.cost.model import split_host_count
+from hetplan.planner.hardware.device import TorchDevice
+from hetplan.planner.files.plan import Optimizer
+from hetplan.planner.workload.optimizer import make_optimizer
+
+
+def _make(params, spec: Optimizer) -> torch.optim.Optimizer | None:
+    return make_optimizer(params, spec.name, spec.lr, spec.torch_class, spec.kwargs) if params else None
+
+
+def host_count(params: list[torch.Tensor], spec: Optimizer, device: TorchDevice) -> int:
+    """How many of the stage's last parameters its host CPU updates (0: all on the device)."""
+    if not device.accelerator or spec.placement == "device":
+        return 0
+    if spec.placement == "cpu":
+        return len(params)
+    return split_host_count([p.numel() * p.element_size() for p in params], spec.cpu_fraction)
+
+
+class StageOptimizer:
+    """`zero_grad()` before an iteration, `step()` after the gradients are synced."""
+
+    def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice):
+        self.params = [p for p in params if p.requires_grad]
+        self.device = device
+        k = host_count(self.params, spec, device)
+        self.on_device, self.on_host = self.params[:len(self.params) - k], self.params[len(self.params) - k:]
+        self.master = [self._host_copy(p).requires_grad_(True) for p in self.on_host]
+        self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.on_host]
+        self.device_opt = _make(self.on_device, spec)
+        self.host_opt = _make(self.master, spec)
+
+    def _host_copy(self, p: torch.Tensor) -> torch.Tensor:
+        h = self.device.host_buffer(p.shape, torch.float32)
+        h.copy_(p.detach())
+        return h
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m, g in zip(self.on_host, self.master, self.host_grads):   # gradients to host
+            if p.grad is None:
+                m.grad = None
+            else:
+                m.grad = g.copy_(p.grad, non_blocking=True)
+        copied = self.device.event()
+        copied.record()
+        if self.device_opt is not None:
+            self.device_opt.step()                          # queued on the device
+        if self.host_opt is None:
+            return
+        copied.synchronize()
+        self.host_opt.step()                                # meanwhile on the CPU
+        for p, m in zip(self.on_host, self.master):         # parameters back
+            p.copy_(m, non_blocking=True)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (Adam moments; master copies of the host's part)."""
+        n = 0
+        for opt in (self.device_opt, self.host_opt):
+            for st in (opt.state.values() if opt is not None else ()):
+                n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        return n + sum(m.numel() * m.element_size() for m in self.master)
