@@ -18,7 +18,7 @@ def add_arguments(p) -> None:
     p.add_argument("-o", "--output", metavar="PATH", default=None,
                    help="topology file to write (default profiles/<hostname>.json)")
     p.add_argument("--quick", action="store_true",
-                   help="fewer sizes and repeats (~20 s instead of ~2 min on 2 cores)")
+                   help="fewer sizes and repeats: faster, noisier (times in docs/status.md)")
 
 
 def _summary(t, path: Path, elapsed_s: float, spread: float) -> dict:
