@@ -11,7 +11,7 @@ cnn, a small-microbatch mlp and two Hugging Face models (Llama, ResNet; when `tr
 installed); with a GPU, plans of the GPU alone and of the CPU and the GPU together (batch split,
 CPU pipeline stage, optimizer on the CPU).
 
-    python benchmarks/accuracy.py [--topology profiles/<host>.json] [--csv out/accuracy.csv]
+    python benchmarks/accuracy.py [--topology FILE] [--csv out/accuracy.csv]
                                   [--iters 12] [--warmup 3] [--repeats 3] [--only mlp,gpt] [--check]
                                   [--quick] [--results PATH | --no-results]
 
@@ -46,7 +46,7 @@ from benchmarks.results import (accuracy_payload, add_results_arguments,  # noqa
                                 check_results_file, results_target, save_section)
 from hetplan.planner.cost.timing import cache_path  # noqa: E402
 from hetplan.planner.files.io import replace_atomically  # noqa: E402
-from hetplan.planner.hardware.lookup import default_profile_path  # noqa: E402
+from benchmarks.paths import benchmark_profile  # noqa: E402
 from hetplan.runtime.host_load import ForeignCPU, busy_fraction  # noqa: E402
 
 TARGETS = {"mape_pct": 5.0, "worst_pct": 10.0, "tau": 0.8,
@@ -207,7 +207,7 @@ def select_plans(topology, only: str | None) -> dict[str, dict]:
 
 def _parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
+    p.add_argument("--topology", default=None, help="default: the benchmarks' profile of this machine, two CPU workers (benchmarks/paths.py), measured when missing")
     p.add_argument("--csv", default="out/accuracy.csv")
     p.add_argument("--iters", type=int, default=12,
                    help="iterations per run, at least (short plans run more: run_window)")
@@ -245,10 +245,10 @@ def _parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 
 def _topology(a):
-    """(path, Topology) to predict on: --topology or profiles/<hostname>.json, profiled when
+    """(path, Topology) to predict on: --topology or the benchmarks' profile, profiled when
     missing (or with --reprofile); without its calibration under --without-calibration."""
     from hetplan.planner.hardware.topology import load_topology
-    topo_path = Path(a.topology) if a.topology else default_profile_path(ROOT)
+    topo_path = Path(a.topology) if a.topology else a.default_topology
     ensure_topology(topo_path, 2, again=a.reprofile, wait=not a.quick)
     topology = load_topology(topo_path)
     if a.without_calibration:
@@ -351,6 +351,7 @@ def main(argv=None) -> int:
     results_path = results_target(a)
     if not check_results_file("accuracy", results_path):   # fail now, not after the runs
         return 2
+    a.default_topology = benchmark_profile()   # in the user's cache: before --cache-dir moves it
     os.environ["HETPLAN_CACHE_DIR"] = a.cache_dir
     if not a.keep_cache:
         cache_path().unlink(missing_ok=True)

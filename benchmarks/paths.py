@@ -7,5 +7,14 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def benchmark_profile(cpu_workers: int = 2) -> Path:
+    """The benchmarks' own profile of this machine, named (not `hetplan profile`'s default, which
+    may have another worker count): <cache>/profiles/<fingerprint>-<N>cpu.json."""
+    from hetplan.planner.hardware.lookup import profiles_dir
+    from hetplan.planner.hardware.machine import this_machine
+    return profiles_dir() / f"{this_machine()}-{cpu_workers}cpu.json"
+
 if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

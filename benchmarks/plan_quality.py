@@ -7,7 +7,7 @@ warm-up, on a quiet machine). Reports the measured speedup of the chosen plan ov
 measured baseline (target >= 1.0 within noise) and every pair of plans whose predicted and
 measured order disagree (Kendall tau per workload).
 
-    python benchmarks/plan_quality.py [--topology profiles/<host>.json] [--only gpt]
+    python benchmarks/plan_quality.py [--topology FILE] [--only gpt]
                                       [--iters 12] [--warmup 3] [--csv out/plan_quality.csv]
                                       [--check] [--quick] [--results PATH | --no-results]
 
@@ -32,7 +32,7 @@ from accuracy import (_write_csv, ensure_topology, kendall_tau, load_avg,  # noq
 from benchmarks.plan_sets import plan_with_hetplan, workloads_for  # noqa: E402
 from benchmarks.results import (add_results_arguments, check_results_file,  # noqa: E402
                                 plan_quality_payload, results_target, save_section)
-from hetplan.planner.hardware.lookup import default_profile_path  # noqa: E402
+from benchmarks.paths import benchmark_profile  # noqa: E402
 
 
 def plan_workload(w: str, spec: dict, topo_path: Path, out: Path) -> Path:
@@ -63,7 +63,7 @@ def baseline_plans(plan_path: Path, topology, out: Path) -> dict[str, Path]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
+    p.add_argument("--topology", default=None, help="default: the benchmarks' profile of this machine, two CPU workers (benchmarks/paths.py), measured when missing")
     p.add_argument("--only", default=None, help="comma-separated workloads")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         return 2
     from hetplan.planner.hardware.topology import load_topology
 
-    topo_path = Path(a.topology) if a.topology else default_profile_path(HERE.parent)
+    topo_path = Path(a.topology) if a.topology else benchmark_profile()
     ensure_topology(topo_path, 2, wait=not a.quick)
     topology = load_topology(topo_path)
     specs = workloads_for(topology)

@@ -10,7 +10,7 @@ measured losses with the same running mean, x the measured median iteration). Th
 loss synchronous training reaches after `--target-at` of the iterations. Prints both rankings
 and Kendall's tau between predicted and measured times to the target.
 
-    python benchmarks/time_to_loss.py [--topology profiles/<host>.json] [--iters 150]
+    python benchmarks/time_to_loss.py [--topology FILE] [--iters 150]
                                       [--target-at 0.5] [--only mlp,gpt] [--csv out/time_to_loss.csv]
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ WORKLOADS = {"mlp": ("benchmarks.learnable:mlp", 64), "gpt": ("benchmarks.learna
 
 def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--topology", default=None, help="default profiles/<hostname>.json")
+    p.add_argument("--topology", default=None, help="default: the benchmarks' profile of this machine, two CPU workers (benchmarks/paths.py), measured when missing")
     p.add_argument("--iters", type=int, default=150, help="iterations run and emulated per plan")
     p.add_argument("--target-at", type=float, default=0.5,
                    help="the target: synchronous training's smoothed loss after this fraction of --iters")
@@ -73,12 +73,12 @@ def measure(plan, iters: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from hetplan.planner.hardware.lookup import default_profile_path
+    from benchmarks.paths import benchmark_profile
     from hetplan.planner.hardware.topology import load_topology
     from hetplan.planner.search.convergence import iterations_to
 
     a = _parse_args(argv)
-    topo_path = Path(a.topology) if a.topology else default_profile_path()
+    topo_path = Path(a.topology) if a.topology else benchmark_profile()
     ensure_topology(topo_path, 2)
     topology = load_topology(topo_path)
     rows = []

@@ -1,6 +1,8 @@
-"""Shared pytest setup: the repository root on sys.path (so `tests.factories:...` specs import),
-and CUDA tests skipped without a GPU."""
+"""Shared pytest setup: the repository root on sys.path (so `tests.factories:...` specs import), a
+cache folder of the session's own, and CUDA tests skipped without a GPU."""
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# tests never read or write the user's cache (~/.cache/hetplan): profiles and layer timings of this
+# session go to a folder of its own, which the commands the tests start inherit
+if not os.environ.get("HETPLAN_CACHE_DIR"):
+    os.environ["HETPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetplan-test-cache-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from hetplan.planner.hardware.machine import this_machine
 from hetplan.planner.cost.model import (RooflineCost, host_cpu, layer_bwd_s, layer_fwd_s, optimizer_s, roofline_s,
                                 split_host_count)
 from hetplan.planner.cost.timing import interpolate
@@ -17,7 +18,7 @@ def _here(memory: float = 1e9) -> Topology:
 
     from hetplan.planner.hardware.topology import Device
     return Topology("h", (Device("cpu:0", "cpu", memory, 1e10, 1e9, 0.0, 1),), (),
-                    {"host": {"hostname": socket.gethostname()}})
+                    {"host": {"hostname": socket.gethostname(), "fingerprint": this_machine()}})
 
 
 def test_roofline_takes_the_bound_plus_overheads():
@@ -105,7 +106,7 @@ def test_interpolation_and_host_check():
     assert interpolate(4, 4, 1.0, 4, 1.0) == 1.0
     assert not measured_here(topology([device("cpu:0")]))
     import socket
-    here = Topology("h", (device("cpu:0"),), (), {"host": {"hostname": socket.gethostname()}})
+    here = Topology("h", (device("cpu:0"),), (), {"host": {"hostname": socket.gethostname(), "fingerprint": this_machine()}})
     assert measured_here(here)
 
 
@@ -280,7 +281,7 @@ def test_planning_on_a_measured_host_times_layers_once_before_the_search(tmp_pat
     monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
     w = load_workload("mlp", {"hidden": 32, "depth": 2})
     cpus = tuple(Device(f"cpu:{i}", "cpu", 1e9, 1e10, 1e9, 0.0, 1) for i in range(2))
-    t = Topology("h", cpus, (Link("cpu:0", "cpu:1", 1e9, 1e-5),), {"host": {"hostname": socket.gethostname()}})
+    t = Topology("h", cpus, (Link("cpu:0", "cpu:1", 1e9, 1e-5),), {"host": {"hostname": socket.gethostname(), "fingerprint": this_machine()}})
     timed = []
     real = MeasuredCost._measure
 

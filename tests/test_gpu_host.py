@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from hetplan.planner.hardware.machine import this_machine
 from hetplan.cli import main as cli_main
 from hetplan.planner.hardware.device import STANDIN_ENV, gpu_count, torch_device
 from hetplan.planner.workload.partition import build_stages, place_stages
@@ -154,7 +155,7 @@ def test_an_accelerators_layers_are_scaled_to_their_chained_step(name, tmp_path,
     w = load_workload("mlp", {"hidden": 32, "depth": 2})
     g = capture_graph(w, 4)
     topo = Topology("h", (Device(name, name[:-2], 1e9, 1e10, 1e9, 0.0, 1),), (),
-                    {"host": {"hostname": socket.gethostname()}})
+                    {"host": {"hostname": socket.gethostname(), "fingerprint": this_machine()}})
     f, b = timing.MeasuredCost(g, topo, w, repeats=1).layer_times(topo.device(name), 4)
     if name == "cuda:0":
         assert sum(f) == pytest.approx(0.25) and sum(b) == pytest.approx(0.5)

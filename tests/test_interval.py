@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hetplan.planner.hardware.machine import this_machine
 from hetplan.planner.cost.model import RooflineCost
 from hetplan.planner.files.plan import load_plan, plan_to_dict, save_plan
 from hetplan.planner.sim.interval import (Draws, Judged, Residual, Spread, beat_probability, choose, interval,
@@ -162,7 +163,7 @@ def test_a_bad_interval_in_a_plan_file_is_one_line(tmp_path, bad, why):
 
 def _here_topology(path: Path) -> None:
     """One CPU worker, profiled here as far as the cost model can tell (its host is this one)."""
-    topo = {"schema": "hetplan.topology/1", "name": "here", "host": {"hostname": socket.gethostname()},
+    topo = {"schema": "hetplan.topology/1", "name": "here", "host": {"hostname": socket.gethostname(), "fingerprint": this_machine()},
             "devices": [{"name": "cpu:0", "kind": "cpu", "threads": 1, "memory_bytes": 8e9,
                          "matmul_flops_per_s": 5e10, "memory_bytes_per_s": 1e10, "op_overhead_s": 1e-5}],
             "links": []}

@@ -90,9 +90,14 @@ def test_assemble_takes_scalars_from_the_tables():
     assert "matmul_flops_per_s_by_precision" not in t.device("cpu:0").measured
 
 
-def test_default_path_is_profiles_hostname():
+def test_default_path_is_this_machines_in_the_cache(tmp_path, monkeypatch):
     from hetplan.commands.profile import default_path
-    assert str(default_path()) == f"profiles/{socket.gethostname()}.json"
+    from hetplan.planner.hardware.machine import this_machine
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path))
+    assert default_path() == tmp_path / "profiles" / f"{this_machine()}.json"
+    monkeypatch.delenv("HETPLAN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_path() == tmp_path / "xdg" / "hetplan" / "profiles" / f"{this_machine()}.json"
 
 
 def test_output_that_is_a_directory_exits_2(tmp_path):

@@ -17,7 +17,7 @@ def add_arguments(p):
     p.add_argument("plan", metavar="PLAN", help="plan file (hetplan.plan/1)")
     p.add_argument("measured", metavar="MEASURED", help="measured file written by `hetplan run` (hetplan.measured/1)")
     p.add_argument("--topology", metavar="T",
-                   help="topology file; default: the file under profiles/ whose sha256 the plan records")
+                   help="topology file or shipped name; default: the cached profile or file under profiles/ whose sha256 the plan records")
     p.add_argument("--plot", metavar="FILE.png",
                    help="write a timeline: simulated lanes above measured lanes, one per device")
 

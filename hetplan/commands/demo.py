@@ -26,7 +26,7 @@ def add_arguments(p):
     p.add_argument("--iters", type=int, default=10, help="iterations per run (default 10)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: 2, fewer for short runs)")
     p.add_argument("--profile", metavar="T", default=None,
-                   help="topology of this machine (default profiles/<hostname>.json, measured if missing)")
+                   help="topology of this machine (default: its cached profile, measured if missing; `hetplan profile --list`)")
     p.add_argument("--cpu-workers", type=int, default=None, metavar="N",
                    help="CPU workers when profiling (default: min(2, cores) without a GPU, else 1)")
     p.add_argument("--out", default="out/demo", metavar="DIR", help="where the demo's files go (default out/demo/)")

@@ -10,7 +10,7 @@ HELP = "where a plan's predicted iteration goes: its critical path, what binds i
 def add_arguments(p):
     p.add_argument("plan", metavar="PLAN", help="plan file (hetplan.plan/1)")
     p.add_argument("--topology", metavar="T",
-                   help="topology file; default: the file under profiles/ whose sha256 the plan records")
+                   help="topology file or shipped name; default: the cached profile or file under profiles/ whose sha256 the plan records")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the next-best plans (they are regenerated and simulated: a few seconds)")
 

@@ -22,7 +22,9 @@ def add_arguments(p):
                         "'hf.model.layers.*' (comma-separated for several; default: every element "
                         "of the model's outermost module lists, see docs/guide.md)")
     p.add_argument("--batch", required=True, type=int, metavar="B", help="global batch size (samples)")
-    p.add_argument("--topology", required=True, metavar="T", help="topology file (hetplan.topology/1)")
+    p.add_argument("--topology", default=None, metavar="T",
+                   help="topology file (hetplan.topology/1) or a shipped one's name (dgx-8gpu); default: "
+                        "this machine's cached profile (`hetplan profile`)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the search (default 0)")
     p.add_argument("--iterations", type=int, default=20000,
                    help="most proposals to try; the deterministic budget (default 20000; the search "
@@ -283,6 +285,9 @@ def _setup(args):
 
     _check_flags(args)
     model_args = parse_model_args(args.model_arg)
+    if args.topology is None:
+        from hetplan.planner.hardware.lookup import this_machines_profile
+        args.topology = str(this_machines_profile())
     topology = load_topology(args.topology)
     optimizer = _optimizer_flags(args)
     # the weights' values only where something runs the model: layers timed on this machine,

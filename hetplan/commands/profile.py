@@ -16,7 +16,10 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-workers", type=int, default=1, metavar="N",
                    help="CPU worker processes cpu:0..N-1 splitting the cores (default 1)")
     p.add_argument("-o", "--output", metavar="PATH", default=None,
-                   help="topology file to write (default profiles/<hostname>.json)")
+                   help="topology file to write (default: this machine's profile in the cache, "
+                        "~/.cache/hetplan/profiles/<fingerprint>.json or under $HETPLAN_CACHE_DIR)")
+    p.add_argument("--list", action="store_true",
+                   help="list the cached profiles (which one is this machine's) and measure nothing")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and repeats: faster, noisier (times in docs/status.md)")
 
@@ -49,7 +52,49 @@ def _print_table(s: dict) -> None:
           f"measurement {s['max_spread']:.1%}")
 
 
+def cached_profiles() -> list[dict]:
+    """Every cached profile: its path, fingerprint, CPU, cores, GPUs, date, whether it is this
+    machine's; a file that does not load is listed with its error."""
+    from hetplan.planner.hardware.lookup import profiles_dir
+    from hetplan.planner.hardware.machine import this_machine
+    from hetplan.planner.hardware.topology import load_topology
+    here, rows = this_machine(), []
+    for path in sorted(profiles_dir().glob("*.json")):
+        try:
+            host = load_topology(path).measured.get("host") or {}
+        except InputError as e:
+            rows.append({"path": str(path), "error": str(e)})
+            continue
+        machine = host.get("machine") or {}
+        rows.append({"path": str(path), "fingerprint": host.get("fingerprint"), "this_machine": host.get("fingerprint") == here,
+                     "cpu_model": host.get("cpu_model"), "cores": host.get("cores"), "gpus": machine.get("gpus", []),
+                     "hostname": host.get("hostname"), "profiled_at": host.get("profiled_at")})
+    return rows
+
+
+def _list(args) -> int:
+    from hetplan.planner.hardware.lookup import profiles_dir
+    from hetplan.planner.hardware.machine import this_machine
+    rows = cached_profiles()
+    if args.json:
+        print(json.dumps({"cache": str(profiles_dir()), "this_machine": this_machine(), "profiles": rows}))
+        return 0
+    print(f"profiles in {profiles_dir()} (this machine: {this_machine()})")
+    for r in rows:
+        if "error" in r:
+            print(f"    {r['path']}: {r['error']}")
+            continue
+        gpus = ", ".join(r["gpus"]) or "no GPU"
+        print(f"  {'*' if r['this_machine'] else ' '} {r['fingerprint']}  {r['cpu_model']}, {r['cores']} cores, {gpus}; "
+              f"{r['profiled_at']} on {r['hostname']}  {r['path']}")
+    if not rows:
+        print("  none: `hetplan profile` measures this machine")
+    return 0
+
+
 def main(args) -> int:
+    if args.list:
+        return _list(args)
     path = Path(args.output) if args.output else default_path()
     if path.is_dir():
         raise InputError(f"{path}: -o: expected a file path, got a directory")

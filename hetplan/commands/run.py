@@ -27,8 +27,8 @@ def add_arguments(p):
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="write a torch.profiler Chrome trace per rank into DIR")
     p.add_argument("--topology", default=None,
-                   help="topology file for CPU thread shares (default: profiles/<hostname>.json "
-                        "if it holds the plan's devices, else cores // CPU workers)")
+                   help="topology file for CPU thread shares (default: the threads the plan records, else this "
+                        "machine's cached profile if it holds the plan's devices, else cores // CPU workers)")
     p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address (default loopback)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--save-params", metavar="FILE", default=None,

@@ -10,7 +10,7 @@ HELP = "predict one training iteration of a plan: time, per-device busy time, pe
 def add_arguments(p):
     p.add_argument("plan", metavar="PLAN", help="plan file (hetplan.plan/1)")
     p.add_argument("--topology", metavar="T",
-                   help="topology file; default: the file under profiles/ whose sha256 the plan records")
+                   help="topology file or shipped name; default: the cached profile or file under profiles/ whose sha256 the plan records")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (chrome://tracing, Perfetto)")
     p.add_argument("--grid", action="store_true", help="print each replica's schedule as a step x device grid")
 

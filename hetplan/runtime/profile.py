@@ -37,6 +37,7 @@ from hetplan.planner.hardware.cores import binding_enabled, usable_cores as usab
 from hetplan.planner.hardware.device import gpu_count
 from hetplan.planner.files.io import InputError
 from hetplan.planner.hardware.fit import fit_latency_bandwidth
+from hetplan.planner.hardware.machine import cpu_model, facts as machine_facts, this_machine
 from hetplan.planner.hardware.topology import Device, Link, Topology
 from hetplan.runtime.profile_worker import (FAIL_ENV, Settings, WorkerSpec,  # noqa: F401 - FAIL_ENV: tests
                                     available_ram_bytes, log, profile_worker)
@@ -136,16 +137,6 @@ def _cpu_bf16_native() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def profile_machine(cpu_workers: int, quick: bool = False) -> Topology:
     """Spawn the workers, collect their results, return the measured topology."""
     t0 = time.perf_counter()
@@ -166,7 +157,8 @@ def profile_machine(cpu_workers: int, quick: bool = False) -> Topology:
             raise ProfileError(_root_cause(e, workers, Path(out_dir))) from None
         results = [json.loads((Path(out_dir) / f"rank{r}.json").read_text())
                    for r in range(len(workers))]
-    host = {"hostname": socket.gethostname(), "cpu_model": _cpu_model(), "cores": cores,
+    host = {"hostname": socket.gethostname(), "fingerprint": this_machine(), "machine": machine_facts(),
+            "cpu_model": cpu_model(), "cores": cores,
             "cpu_bf16_native": _cpu_bf16_native(),
             "torch": torch.__version__, "python": platform.python_version(),
             "profiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

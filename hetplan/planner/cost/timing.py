@@ -9,7 +9,7 @@ against one chained call, per call: `backward_call_s`) and a stage's backward is
 layers' less their calls plus one (CostModel.bwd_s). On an accelerator, whose launches overlap
 its work, the layers' times are scaled to their chained step's, synchronized only around
 forward and backward (`_chained_once`). Cached in
-`$HETPLAN_CACHE_DIR/layer_costs-v<N>.json` by host, signature, device kind, threads, batch and
+`<cache>/layer_costs-v<N>.json` (hetplan.planner.files.cache) by machine fingerprint, signature, device kind, threads, batch and
 precision. History and figures: docs/tuning.md.
 
 Batch sizes: a cost curve. With `sizes` (`batch_grid(global_batch)` when planning or predicting a
@@ -33,8 +33,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -43,13 +41,15 @@ from pathlib import Path
 from hetplan.planner.cost.model import CostModel, RooflineCost
 from hetplan.planner.files.io import write_json_atomic
 from hetplan.planner.workload.precision import autocast
+from hetplan.planner.files.cache import cache_dir
 from hetplan.planner.hardware.lookup import measured_here
+from hetplan.planner.hardware.machine import this_machine
 from hetplan.planner.hardware.topology import Device, Topology, parse_device_name
 
 
 # Bumped when the way layers are timed or keyed changes, so that older figures are not reused
 # (each version's reason: docs/tuning.md, "Layer cost cache versions").
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 # The last layer's entry: [fwd, bwd, loss fwd, loss bwd, one backward call's own seconds].
 ENTRY = 5
 # Suffix of a layer's split-backward entry (layers after the first): [I pass, W pass] as shares
@@ -59,7 +59,7 @@ SPLIT = "|split"
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("HETPLAN_CACHE_DIR", ".hetplan-cache")) / f"layer_costs-v{CACHE_VERSION}.json"
+    return cache_dir() / f"layer_costs-v{CACHE_VERSION}.json"
 
 
 def interpolate(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
@@ -119,7 +119,7 @@ class MeasuredCost(CostModel):
         kind = device.kind + ("-standin" if device.kind != "cpu" and standin_gpus() else "")
         p = device.matmul_precision(self.precision)   # tf32 on a CPU is fp32
         prec = "" if p == "fp32" else f"|{p}"                # fp32 keys as before precision existed
-        return f"{socket.gethostname()}|{sig}|{kind}|{device.threads}|{batch}|loss{first}{prec}"
+        return f"{this_machine()}|{sig}|{kind}|{device.threads}|{batch}|loss{first}{prec}"
 
     def _load_disk(self) -> dict[str, list[float]]:
         if self._disk is None:

@@ -238,12 +238,13 @@ def topology_from_dict(data: Any, file: str = "<topology>") -> Topology:
 
 
 def _check_host(r: Reader) -> None:
-    """`host` (a profiled topology's machine): an object whose `cores` and `hostname`, read by the
-    planner and `run`, are a positive integer and a string."""
+    """`host` (a profiled topology's machine): an object whose `cores`, `hostname` and
+    `fingerprint`, read by the planner and `run`, are a positive integer and strings."""
     if r.has("host"):
         h = r.sub("host")
         h.get("cores", int, default=None, check=lambda v: v >= 1, expected="a positive integer")
         h.get("hostname", str, default=None)
+        h.get("fingerprint", str, default=None)
 
 
 def _checked_measured(d: Reader) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Exporting a model (hetplan.planner.workload.layers) costs seconds; `run` needs from it only the number of
 layers (to validate the plan) and each layer's parameter names (gradient buckets, the fine sync),
-so those are kept in `$HETPLAN_CACHE_DIR/layer_maps/<key>.json` (default `.hetplan-cache/`).
+so those are kept in `<cache>/layer_maps/<key>.json` (hetplan.planner.files.cache).
 
 The key is the sha256 of: the model spec, args and layer pattern, the batch, the torch version, the bytes of the
 source files of the factory and of the model's class, and the model's state_dict structure (every
@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetplan.planner.files.cache import cache_dir as hetplan_cache
 from hetplan.planner.files.io import write_json_atomic
 
 
@@ -40,7 +40,7 @@ class LayerMap:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HETPLAN_CACHE_DIR", ".hetplan-cache")) / "layer_maps"
+    return hetplan_cache() / "layer_maps"
 
 
 def _source_bytes(obj) -> bytes:
