@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.hetplan = main
+    if getattr(args, "json", False):   # progress as plain lines on stderr, no terminal bars
+        from hetplan.planner.files.progress import plain
+        plain()
     try:
         return int(args._main(args) or 0)
     except InputError as e:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from hetplan.planner.cost.model import CostModel, RooflineCost
 from hetplan.planner.files.io import write_json_atomic
+from hetplan.planner.files.progress import Progress
 from hetplan.planner.workload.precision import autocast
 from hetplan.planner.files.cache import cache_dir
 from hetplan.planner.hardware.lookup import measured_here
@@ -137,7 +138,7 @@ class MeasuredCost(CostModel):
 
     # --- measuring -----------------------------------------------------------------------
     def _measure(self, device: Device, batch: int, split: bool = False,
-                 again: bool = False) -> tuple[list[float], list[float]]:
+                 again: bool = False, announce: bool = True) -> tuple[list[float], list[float]]:
         """Per-layer (fwd, bwd) at `batch`, from the cache or timed now; with `split`, each
         layer's split backward (I and W passes, entries `key + SPLIT`) is also cached or timed.
         A size timed out of line with the curve's neighbours on record (`_out_of_line`) is timed
@@ -154,7 +155,8 @@ class MeasuredCost(CostModel):
 
         L = self.graph.num_layers
         what = "layers" if fused else "split backward of layers"
-        print(f"measuring {what} ({L}) on {device.name} at batch {batch}", file=sys.stderr)
+        if announce:   # else a Progress (prepare) says it
+            print(f"measuring {what} ({L}) on {device.name} at batch {batch}", file=sys.stderr)
         from hetplan.planner.hardware.device import torch_device
         from hetplan.planner.hardware.cores import bound_to_first
         from hetplan.planner.hardware.host_memory import keep_freed_memory
@@ -374,11 +376,19 @@ class MeasuredCost(CostModel):
         """Time every layer at every size of the curve on each of `devices` (names) now, so that a
         search over them never times anything (devices of one kind and thread count share); with
         `split`, also each layer's split backward (what a zb-h1 plan runs)."""
-        for name in devices:
-            dev = self.topology.device(name)
-            if self.present(dev):
-                for b in self.sizes or ():
-                    self._measure(dev, b, split)
+        todo = [(self.topology.device(n), b) for n in devices if self.present(self.topology.device(n))
+                for b in self.sizes or ()]
+        keys = {(d.kind, d.threads, b): (d, b) for d, b in todo}   # devices alike share their timings
+        disk = self._load_disk()
+        left = [(d, b) for d, b in keys.values()
+                if not all(self._key(i, d, b) in disk for i in range(self.graph.num_layers))
+                or (split and not all(self._key(i, d, b) + SPLIT in disk for i in range(1, self.graph.num_layers)))]
+        with Progress(len(left), f"timing {self.graph.num_layers} layers", unit="size") as bar:
+            for d, b in left:
+                self._measure(d, b, split, announce=False)
+                bar.update(note=f"{d.name} at batch {b}")
+        for d, b in todo:   # the rest from the cache (and each size's neighbours checked)
+            self._measure(d, b, split)
 
     def fit_report(self, device: str) -> dict[str, float] | None:
         """The curve of one device's whole model (forward + backward, every layer): its least-squares

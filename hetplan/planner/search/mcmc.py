@@ -434,7 +434,9 @@ class Searcher:
             if self.progress and now >= next_report:
                 self.progress(f"search{label}: {it} iterations, {self.evaluations - evaluations} simulations, "
                               f"{self.bound_rejections - rejections} rejected by their bound, "
-                              f"best {best.iteration_s * 1e3:.3f} ms{'' if best.feasible else ' (infeasible)'}")
+                              f"best {best.iteration_s * 1e3:.3f} ms{'' if best.feasible else ' (infeasible)'}; "
+                              f"stops after {stop_after - (it - last_gain)} more without a gain, "
+                              f"{max(0.0, cfg.time_limit_s - (now - t0)):.0f} s at most")
                 next_report = now + every_s
             if it - max(last_gain, last_restart) >= cfg.restart_every:
                 cur, last_restart = best, it
