@@ -285,9 +285,9 @@ def test_planning_on_a_measured_host_times_layers_once_before_the_search(tmp_pat
     timed = []
     real = MeasuredCost._measure
 
-    def counting(self, dev, b, split=False, again=False):
+    def counting(self, dev, b, split=False, again=False, announce=True):
         timed.append((dev.name, b, split))
-        return real(self, dev, b, split, again)
+        return real(self, dev, b, split, again, announce)
     monkeypatch.setattr(MeasuredCost, "_measure", counting)
     monkeypatch.setattr(MeasuredCost, "_time_layer", _fail_after_prepare(MeasuredCost._time_layer))
     monkeypatch.setattr(MeasuredCost, "_time_sequence", _fail_after_prepare(MeasuredCost._time_sequence))

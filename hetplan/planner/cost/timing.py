@@ -386,7 +386,7 @@ class MeasuredCost(CostModel):
         with Progress(len(left), f"timing {self.graph.num_layers} layers", unit="size") as bar:
             for d, b in left:
                 self._measure(d, b, split, announce=False)
-                bar.update(note=f"{d.name} at batch {b}")
+                bar.update(note=f"on {d.name} at batch {b}")
         for d, b in todo:   # the rest from the cache (and each size's neighbours checked)
             self._measure(d, b, split)
 
