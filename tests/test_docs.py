@@ -35,5 +35,6 @@ def test_the_check_sees_a_missing_file(tmp_path):
 def test_the_readme_is_short_and_opens_with_the_question_and_the_two_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 150
+    assert max(map(len, lines[:12])) <= 100   # the first screen fits a 100-column terminal
     assert lines[0] == "# hetplan" and lines[2].startswith("What is the fastest way")
     assert "hetplan demo" in lines[5] and "pytest" in lines[6]
