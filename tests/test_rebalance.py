@@ -11,7 +11,8 @@ import hetplan
 from equivalence import assert_params_match
 from hetplan.planner.files.io import InputError
 from hetplan.runtime.rebalance import SLOW_ENV, next_units
-from test_train import PLANS, plan, reference, train
+from test_cli_inputs import one_error_line
+from test_train import MODEL, PLANS, _hetplan, plan, reference, train
 
 EVEN = [(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])]     # 6 + 6 samples of G = 12
 
@@ -38,11 +39,18 @@ def test_rebalance_is_refused_where_it_cannot_run(tmp_path):
         hetplan.train(str(path), steps=2, rebalance=0)
 
 
+def test_the_rebalance_flag_on_a_pipeline_is_one_line_exit_2(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(plan(PLANS["pipeline"])))
+    one_error_line(_hetplan("run", path, "--steps", 2, "--rebalance", 2), "--rebalance", "plain data parallel")
+
+
 def test_a_slowed_worker_loses_share_within_2k_steps_and_training_equals_one_device(tmp_path, monkeypatch):
     # both ranks 2 ms a sample (above the timers' noise), rank 1 20 ms more from step 3 (index 2) on;
     # the sleeps are inside the busy timer; K = 2
     monkeypatch.setenv(SLOW_ENV, "0:0:1000:0.002,1:0:1000:0.002,1:2:1000:0.02")
-    rows, params = train(tmp_path, plan(EVEN), steps=10, rebalance=2)
+    log = tmp_path / "reads.txt"
+    rows, params = train(tmp_path, plan(EVEN, model={**MODEL, "args": {"log": str(log)}}), steps=10, rebalance=2)
     slow = [r["shares"]["cpu:1"] for r in rows]
     assert slow[:4] == [0.5] * 4                   # the window of steps 1-2 was even
     assert slow[4] == 3 / 12                       # decided after step 4 (3 + ... within 2K): 6 -> 3
@@ -51,6 +59,9 @@ def test_a_slowed_worker_loses_share_within_2k_steps_and_training_equals_one_dev
     ref = reference(10, {"name": "adam", "lr": 0.01})
     assert [r["loss"] for r in rows] == pytest.approx(ref.losses, rel=1e-5)
     assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
+    reads = [line.split() for line in log.read_text().split("\n") if line and not line.startswith("-")]
+    assert sorted(int(i) for _, i in reads) == sorted(list(range(60)) * 2)   # 2 epochs, each sample once
+    assert sum(r == "1" for r, _ in reads) == 6 * 4 + 3 * 2 + 2 * 2 + 1 * 2          # its shares, step by step
 
 
 def test_steady_equal_load_keeps_the_shares(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ the same number of microbatches); a resumed run starts again from the plan's sha
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -87,8 +88,16 @@ class Rebalancer:
         self.devices = [r.stages[0].device for r in plan.replicas]
         self.busy_s, self.samples = 0.0, 0
         self.history: list[dict] = []            # {"step": first step in force, "shares": {...}}
+        self.decided = 0                         # the shares of steps before decided + every are known
+        self._known = threading.Condition()
         built.timer.take()                       # the build's own timings are not this run's
         self._apply(0)
+
+    def wait_known(self, step: int) -> None:
+        """Block (the prefetch thread) until the shares of `step` are decided: data is read once,
+        under the shares it trains with."""
+        with self._known:
+            self._known.wait_for(lambda: step < self.decided + self.every)
 
     @property
     def slice(self) -> tuple[int, int]:
@@ -115,6 +124,9 @@ class Rebalancer:
         if new != self.units:
             self.units = new
             self._apply(done)
+        with self._known:
+            self.decided = done
+            self._known.notify_all()
 
     def _apply(self, step: int) -> None:
         r, G = self.built.replica, self.plan.global_batch

@@ -102,7 +102,9 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
     pinned = device.native           # a real accelerator: its copies from pinned memory do not block
     reb = run.rebalancer
 
-    def make(s: int):                # read with the shares in force when read (their key kept)
+    def make(s: int):                # read with the shares of step s (their key kept)
+        if reb is not None:
+            reb.wait_known(s)
         at = reb.slice if reb is not None else None
         return at, (pin if pinned else _same)(built.microbatches(plan.global_batch, s, at) if at else
                                               built.microbatches(plan.global_batch, s))
@@ -115,7 +117,7 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
             lr = run.schedule.apply(step)
             t = time.perf_counter()
             at, batch = prefetch.get()
-            if reb is not None and at != reb.slice:      # read ahead under the shares before
+            if reb is not None and at != reb.slice:      # not expected: read under the shares in force
                 batch = make(step)[1]
             built.begin()
             injected_slowdown(rank, step, built)
