@@ -68,3 +68,14 @@ def test_steady_equal_load_keeps_the_shares(tmp_path, monkeypatch):
     monkeypatch.setenv(SLOW_ENV, "0:0:1000:0.005,1:0:1000:0.005")
     rows, _ = train(tmp_path, plan(EVEN), steps=8, rebalance=2)
     assert all(abs(r["shares"]["cpu:1"] * 12 - 6) <= 1 for r in rows)
+
+
+def test_a_resumed_run_rebalances_from_its_step_and_equals_one_device(tmp_path, monkeypatch):
+    monkeypatch.setenv(SLOW_ENV, "0:0:1000:0.002,1:0:1000:0.022")      # rank 1 slow throughout
+    ck = str(tmp_path / "ck")
+    train(tmp_path, plan(EVEN), "first", steps=3, checkpoint_dir=ck, checkpoint_every=3)
+    rows, params = train(tmp_path, plan(EVEN), "second", steps=7, checkpoint_dir=ck, resume=True, rebalance=2)
+    assert [r["step"] for r in rows] == [4, 5, 6, 7]
+    assert rows[0]["shares"]["cpu:1"] == 0.5 and rows[1]["shares"]["cpu:1"] < 0.5   # decided after step 4
+    ref = reference(7, {"name": "adam", "lr": 0.01})
+    assert_params_match(params, ref, rtol=1e-5, atol=1e-5)

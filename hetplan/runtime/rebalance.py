@@ -90,7 +90,7 @@ def next_units(units: list[int], per_unit_s: list[float], damping: Damping = Dam
 class Rebalancer:
     """One rank's part: the shares in force, the window's timings, the decision every `every` steps."""
 
-    def __init__(self, plan, built, every: int, group, damping: Damping = Damping()):
+    def __init__(self, plan, built, every: int, group, start: int = 0, damping: Damping = Damping()):
         self.plan, self.built, self.every, self.group, self.damping = plan, built, every, group, damping
         self.m = plan.replicas[0].microbatches
         self.units = [b // self.m for b in plan.replica_batches()]
@@ -98,10 +98,10 @@ class Rebalancer:
         self.devices = [r.stages[0].device for r in plan.replicas]
         self.busy_s, self.fixed_s, self.samples, self.steps = 0.0, 0.0, 0, 0
         self.history: list[dict] = []            # {"step": first step in force, "shares": {...}}
-        self.decided = 0                         # the shares of steps before decided + every are known
+        self.decided = start - start % every     # the shares of steps before decided + every are known
         self._known = threading.Condition()
         built.timer.take()                       # the build's own timings are not this run's
-        self._apply(0)
+        self._apply(start)
 
     def wait_known(self, step: int) -> None:
         """Block (the prefetch thread) until the shares of `step` are decided: data is read once,

@@ -176,7 +176,8 @@ class _Run:
         self.rows, self.iter_s, self.n_window = [], [], 0
         self.t0 = self.t_window = 0.0
         from hetplan.runtime.rebalance import Rebalancer
-        self.rebalancer = Rebalancer(plan, built, tcfg.rebalance, self.group) if tcfg.rebalance else None
+        self.rebalancer = (Rebalancer(plan, built, tcfg.rebalance, self.group, self.start)
+                           if tcfg.rebalance else None)
 
     def shares(self) -> dict[str, float]:
         """The batch shares in force: {device: fraction}."""
