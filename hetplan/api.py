@@ -17,7 +17,8 @@ def train(plan: str | os.PathLike, workload: Callable[..., Any] | Any = None, *,
           eval_every: int | None = None, checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
           resume: bool = False, lr_schedule: str = "constant", lr_schedule_args: dict | None = None,
           warmup_steps: int = 0, min_lr_ratio: float = 0.0, tensorboard: str | None = None,
-          save_params: str | None = None, threads: int | None = None, timeout_s: float = 300.0) -> list[dict]:
+          save_params: str | None = None, threads: int | None = None, timeout_s: float = 300.0,
+          rebalance: int | None = None) -> list[dict]:
     """Train this process's part of `plan` (a plan file) and return the logged rows (every rank
     gets the same rows: step, loss, lr, samples_per_s, eta_s, eval_* ...).
 
@@ -35,7 +36,8 @@ def train(plan: str | os.PathLike, workload: Callable[..., Any] | Any = None, *,
                      eval_every=eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                      resume=resume, lr_schedule=lr_schedule,
                      lr_schedule_arg=None, lr_schedule_args=dict(lr_schedule_args or {}),
-                     warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, tensorboard=tensorboard)
+                     warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, tensorboard=tensorboard,
+                     rebalance=rebalance)
     if steps is None and epochs is None:
         from hetplan.planner.files.io import InputError
         raise InputError("steps, epochs: expected one of them")

@@ -72,7 +72,7 @@ class BusyTimer:
 
     def __init__(self, device: TorchDevice):
         self.device = device
-        self._events: list[tuple[Any, Any]] = []
+        self._events: list[tuple[str, Any, Any]] = []
         self._recording = False
         self._origin: Any = None
         self._spans: list[Span] = []
@@ -90,16 +90,22 @@ class BusyTimer:
         yield
         end.record()
         if busy:
-            self._events.append((start, end))
+            self._events.append((kind, start, end))
         if self._recording:
             self._spans.append(Span(name, kind, start, end))
 
     def take(self) -> float:
         """Busy seconds since the last take."""
+        return sum(self.take_by_kind().values())
+
+    def take_by_kind(self) -> dict[str, float]:
+        """Busy seconds since the last take, by span kind ("compute", "optimizer", ...)."""
         self.device.synchronize()
-        total_s = sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+        out: dict[str, float] = {}
+        for kind, s, e in self._events:
+            out[kind] = out.get(kind, 0.0) + s.elapsed_time(e) / 1e3
         self._events.clear()
-        return total_s
+        return out
 
     def take_spans(self) -> list[dict[str, Any]]:
         """The recorded spans as {"name", "kind", "start_s", "end_s"}; stops recording."""

@@ -51,21 +51,23 @@ class Built:
     def params(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self.named_params]
 
-    def microbatches(self, global_batch: int, iteration: int):
+    def microbatches(self, global_batch: int, iteration: int, at: tuple[int, int] | None = None):
         """This replica's slice of make_batch(global_batch, seed=iteration), in microbatches;
-        inputs only on the first stage, targets only on the last."""
+        inputs only on the first stage, targets only on the last. `at`: (offset, samples per
+        microbatch) instead of the built ones (hetplan.runtime.rebalance)."""
         first, last = self.stage == 0, self.stage == self.n_stages - 1
+        offset, micro = at if at is not None else (self.offset, self.micro)
         if not (first or last):
             return None, None
         m = self.plan.replicas[self.replica].microbatches
         read = getattr(self.workload.make_batch, "read", None)
         if read is not None:          # a hetplan.runtime.data.DataFeed: only this replica's samples
-            x, y = read(iteration, self.offset, self.offset + m * self.micro)
+            x, y = read(iteration, offset, offset + m * micro)
             base = 0
         else:
             x, y = self.workload.make_batch(global_batch, iteration)
-            base = self.offset
-        bounds = [(base + k * self.micro, base + (k + 1) * self.micro) for k in range(m)]
+            base = offset
+        bounds = [(base + k * micro, base + (k + 1) * micro) for k in range(m)]
         ins = [self._call_args(slice_inputs(x, a, b)) for a, b in bounds] if first else None
         tgts = [slice_inputs(y, a, b) for a, b in bounds] if last else None
         return ins, tgts

@@ -39,6 +39,7 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     tensorboard: str | None = None      # a SummaryWriter directory (needs the tensorboard package)
+    rebalance: int | None = None        # re-solve the batch shares every K steps (hetplan.runtime.rebalance)
     runs: int | None = None             # the steps this run makes (set by the launcher's checks): the
                                         # pipeline runners post receives ahead for exactly these
 
@@ -96,10 +97,18 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
     """Train rank `rank`; returns {"rows": logged rows, "steps": [first, total], "iter_s": each
     step's seconds, "checkpoint_save_s": [...], "checkpoint_load_s": seconds or None}."""
     from hetplan.runtime.data import Prefetcher, pin
+    from hetplan.runtime.rebalance import injected_slowdown
     run = _Run(tcfg, plan, plan_sha256, built, rank, world)
     pinned = device.native           # a real accelerator: its copies from pinned memory do not block
-    prefetch = Prefetcher(lambda s: (pin if pinned else _same)(built.microbatches(plan.global_batch, s)),
-                          range(run.start, run.total))
+    reb = run.rebalancer
+
+    def make(s: int):                # read with the shares of step s (their key kept)
+        if reb is not None:
+            reb.wait_known(s)
+        at = reb.slice if reb is not None else None
+        return at, (pin if pinned else _same)(built.microbatches(plan.global_batch, s, at) if at else
+                                              built.microbatches(plan.global_batch, s))
+    prefetch = Prefetcher(make, range(run.start, run.total))
     log = _Log(tcfg, rank, run.total) if rank == 0 else None
     dist.barrier(run.group)
     run.t_window = run.t0 = time.perf_counter()
@@ -107,24 +116,30 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
         for step in range(run.start, run.total):
             lr = run.schedule.apply(step)
             t = time.perf_counter()
-            batch = prefetch.get()
+            at, batch = prefetch.get()
+            if reb is not None and at != reb.slice:      # not expected: read under the shares in force
+                batch = make(step)[1]
             built.begin()
+            injected_slowdown(rank, step, built)
             loss = built.step(batch)
             local = float(loss) if loss is not None else 0.0
             _fault(rank, step + 1, "kill")
             run.iter_s.append(time.perf_counter() - t)
-            row = run.after_step(step, local, lr)
+            row = run.after_step(step, local, lr)     # with the shares this step ran with
             if row is not None:
                 run.rows.append(row)
                 if log is not None:
                     log.write(row)
+            if reb is not None:
+                reb.after_step(step + 1)
             run.maybe_save(step + 1)
     finally:
         prefetch.close()
         if log is not None:
             log.close()
     return {"rows": run.rows, "steps": [run.start, run.total], "iter_s": run.iter_s,
-            "checkpoint_save_s": run.save_s, "checkpoint_load_s": run.load_s}
+            "checkpoint_save_s": run.save_s, "checkpoint_load_s": run.load_s,
+            "shares": reb.history if reb is not None else [{"step": run.start, "shares": run.shares()}]}
 
 
 class _Run:
@@ -160,6 +175,17 @@ class _Run:
         built.before_optimizer = self.clip
         self.rows, self.iter_s, self.n_window = [], [], 0
         self.t0 = self.t_window = 0.0
+        from hetplan.runtime.rebalance import Rebalancer
+        self.rebalancer = (Rebalancer(plan, built, tcfg.rebalance, self.group, self.start)
+                           if tcfg.rebalance else None)
+
+    def shares(self) -> dict[str, float]:
+        """The batch shares in force: {device: fraction}."""
+        if self.rebalancer is not None:
+            return self.rebalancer.shares()
+        G = self.plan.global_batch
+        return {"+".join(st.device for st in r.stages): b / G
+                for r, b in zip(self.plan.replicas, self.plan.replica_batches())}
 
     def epoch(self, step: int) -> int:
         return self.feed.position(step)[0] if self.feed else 0
@@ -173,7 +199,7 @@ class _Run:
             now = time.perf_counter()
             row = {"step": done, "epoch": self.epoch(step), "loss": _sum(local_loss, self.group), "lr": lr,
                    "samples_per_s": self.plan.global_batch * self.n_window / max(now - self.t_window, 1e-9),
-                   "eta_s": (now - self.t0) / (done - self.start) * (self.total - done)}
+                   "eta_s": (now - self.t0) / (done - self.start) * (self.total - done), "shares": self.shares()}
             if self.clip is not None:
                 row["grad_norm"] = self.clip.norm
             self.t_window, self.n_window = now, 0

@@ -24,6 +24,9 @@ def add_training_arguments(p) -> None:
     t.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default 0)")
     t.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine/linear: the final lr / lr (default 0)")
     t.add_argument("--tensorboard", metavar="DIR", default=None, help="TensorBoard scalars (tensorboard package)")
+    t.add_argument("--rebalance", type=int, default=None, metavar="K",
+                   help="re-solve the replicas' batch shares from their measured speed every K steps "
+                        "(plain data parallel; hetplan.runtime.rebalance)")
 
 
 def train_config(args, plan, given=None):
@@ -35,7 +38,8 @@ def train_config(args, plan, given=None):
     if args.steps is None and args.epochs is None:
         defaults = {"resume": False, "checkpoint_dir": None, "checkpoint_every": None, "eval_every": None,
                     "metrics": None, "tensorboard": None, "log_every": 10, "seed": 0, "lr_schedule": "constant",
-                    "lr_schedule_arg": None, "warmup_steps": 0, "min_lr_ratio": 0.0}
+                    "lr_schedule_arg": None, "warmup_steps": 0, "min_lr_ratio": 0.0,
+                    "rebalance": None}
         for name, default in defaults.items():     # a training flag given (not its default) is refused
             if getattr(args, name, default) != default:
                 flag = "--" + name.replace("_", "-")
@@ -44,7 +48,8 @@ def train_config(args, plan, given=None):
     if args.steps is not None and args.epochs is not None:
         raise InputError("--steps, --epochs: expected one of them, not both")
     for flag, v in (("--steps", args.steps), ("--epochs", args.epochs), ("--log-every", args.log_every),
-                    ("--eval-every", args.eval_every), ("--checkpoint-every", args.checkpoint_every)):
+                    ("--eval-every", args.eval_every), ("--checkpoint-every", args.checkpoint_every),
+                    ("--rebalance", getattr(args, "rebalance", None))):
         if v is not None and v < 1:
             raise InputError(f"{flag}: expected a positive integer, got {v}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
@@ -57,6 +62,9 @@ def train_config(args, plan, given=None):
     if plan.sync.mode != "sync" and (args.checkpoint_dir or args.eval_every or plan.optimizer.clip_grad_norm):
         raise InputError(f"{args.plan}: sync.mode: checkpoints, evaluation and clipping run with synchronous "
                          f"plans in this version; got {plan.sync.mode!r}")
+    if getattr(args, "rebalance", None):
+        from hetplan.runtime.rebalance import check as check_rebalance
+        check_rebalance(plan, args.plan)
     split = any(st.split for r in plan.replicas for st in r.stages)
     interleaved = plan.schedule == "interleaved-1f1b"
     if (split or interleaved) and (args.checkpoint_dir or args.eval_every):
@@ -67,7 +75,8 @@ def train_config(args, plan, given=None):
                       metrics=args.metrics, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, resume=args.resume, lr_schedule=args.lr_schedule,
                       lr_schedule_args=sched_args, warmup_steps=args.warmup_steps,
-                      min_lr_ratio=args.min_lr_ratio, tensorboard=args.tensorboard)
+                      min_lr_ratio=args.min_lr_ratio, tensorboard=args.tensorboard,
+                      rebalance=getattr(args, "rebalance", None))
     runs = check_data(cfg, plan, args.plan, given)
     return dataclasses.replace(cfg, runs=runs)
 

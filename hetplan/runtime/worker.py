@@ -91,7 +91,7 @@ def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
         marks.mark("rendezvous")
         runs = (cfg.train or {}).get("runs") or cfg.iters     # training: the steps to make
         built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=runs,
-                            given=given)
+                            given=given, allow_ddp=not (cfg.train or {}).get("rebalance"))
         lower_gloo_loop_priority()    # after every group exists (hetplan.runtime.gloo_threads)
         marks.mark("stages")
         if cfg.train is not None:
@@ -151,7 +151,8 @@ def _train_with_data(cfg, plan, built, rank, world, device, cores_line) -> list:
                                         "iteration_s": statistics.median(kept) if kept else None,
                                         "iterations_s": out["iter_s"],
                                         "checkpoint_save_s": out["checkpoint_save_s"],
-                                        "checkpoint_load_s": out["checkpoint_load_s"]})
+                                        "checkpoint_load_s": out["checkpoint_load_s"],
+                                        "shares": out["shares"]})
     dist.barrier()
     return out["rows"]
 

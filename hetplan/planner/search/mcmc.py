@@ -153,6 +153,32 @@ def chains(space: Space) -> int:
     return 1 if len(space.devices) <= 8 else CHAINS
 
 
+
+def level_batches(models: list[tuple[float, float]], lows: list[int], total_batch: int) -> tuple[int, ...]:
+    """Integer batches summing to `total_batch` for replicas whose time is t_r(b) = a_r + c_r·b
+    (`models`: (a_r, c_r)), each at least lows[r]: the level T with sum_r max(low_r, (T - a_r)/c_r)
+    = B (bisection), its floors, then the remaining samples one by one to the replica whose
+    t_r(b_r + 1) is smallest (the smallest max replica time). `Searcher.solve_batches`' rule, and
+    the runtime's (hetplan.runtime.rebalance) from measured per-sample times."""
+    B = total_batch
+
+    def total(level: float) -> float:
+        return sum(max(lo, (level - a) / c) for (a, c), lo in zip(models, lows))
+    lo_t, hi_t = 0.0, max(a + c * B for a, c in models)
+    for _ in range(60):
+        mid = (lo_t + hi_t) / 2
+        lo_t, hi_t = (mid, hi_t) if total(mid) < B else (lo_t, mid)
+    batches = [max(lo, math.floor((hi_t - a) / c)) for (a, c), lo in zip(models, lows)]
+    while sum(batches) > B:  # floors of a level slightly above the optimum can overshoot
+        i = max((i for i in range(len(batches)) if batches[i] > lows[i]),
+                key=lambda i: models[i][0] + models[i][1] * batches[i])
+        batches[i] -= 1
+    while sum(batches) < B:
+        i = min(range(len(batches)), key=lambda i: (models[i][0] + models[i][1] * (batches[i] + 1), i))
+        batches[i] += 1
+    return tuple(batches)
+
+
 class Searcher:
     def __init__(self, problem: Problem, rng: random.Random, config: SearchConfig = SearchConfig(),
                  progress: Callable[[str], None] | None = None):
@@ -263,22 +289,7 @@ class Searcher:
             slope = (t2 - t1) / (B - b1) if B > b1 else t2 / B
             slope = max(slope, 1e-12 * max(t2, 1e-12))  # time never falls with more samples
             models.append((t1 - slope * b1, slope))
-
-        def total(level: float) -> float:
-            return sum(max(lo, (level - a) / c) for (a, c), lo in zip(models, lows))
-        lo_t, hi_t = 0.0, max(a + c * B for a, c in models)
-        for _ in range(60):
-            mid = (lo_t + hi_t) / 2
-            lo_t, hi_t = (mid, hi_t) if total(mid) < B else (lo_t, mid)
-        batches = [max(lo, math.floor((hi_t - a) / c)) for (a, c), lo in zip(models, lows)]
-        while sum(batches) > B:  # floors of a level slightly above the optimum can overshoot
-            i = max((i for i in range(len(batches)) if batches[i] > lows[i]),
-                    key=lambda i: models[i][0] + models[i][1] * batches[i])
-            batches[i] -= 1
-        while sum(batches) < B:
-            i = min(range(len(batches)), key=lambda i: (models[i][0] + models[i][1] * (batches[i] + 1), i))
-            batches[i] += 1
-        return tuple(batches)
+        return level_batches(models, lows, B)
 
     def solve_shares(self, s: Strategy) -> Strategy:
         """A tensor split's shares so that its devices finish together.
