@@ -79,3 +79,34 @@ def test_a_resumed_run_rebalances_from_its_step_and_equals_one_device(tmp_path, 
     assert rows[0]["shares"]["cpu:1"] == 0.5 and rows[1]["shares"]["cpu:1"] < 0.5   # decided after step 4
     ref = reference(7, {"name": "adam", "lr": 0.01})
     assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compare_prices_a_rebalanced_run_with_the_shares_in_force(tmp_path, monkeypatch):
+    # a training run's -o file is a measured file; its shares, step by step, price the prediction
+    from dataclasses import replace
+
+    from hetplan.planner.files.plan import load_plan
+    from hetplan.planner.hardware.topology import load_topology
+    from hetplan.planner.sim.predict import predict_plan_file
+    monkeypatch.setenv(SLOW_ENV, "0:0:1000:0.002,1:0:1000:0.002,1:2:1000:0.02")
+    path, out = tmp_path / "p.json", tmp_path / "m.json"
+    path.write_text(json.dumps(plan(EVEN)))
+    r = _hetplan("run", path, "--steps", 8, "--rebalance", 2, "-o", out)
+    assert r.returncode == 0, r.stderr
+    measured = json.loads(out.read_text())
+    history = measured["shares"]
+    assert len(history) >= 2 and measured["steps"] == [0, 8]
+    c = _hetplan("compare", path, out, "--topology", "cpu-server-2socket", "--json")
+    assert c.returncode == 0, c.stderr
+    got = json.loads(c.stdout)["at_shares"]
+    p, topo = load_plan(path), load_topology("cpu-server-2socket")
+    sim = predict_plan_file(p, path, topo, interval=False).simulator
+    ends = [h["step"] for h in history[1:]] + [8]
+    want = sum((end - h["step"]) * sim.simulate(replace(p, replicas=tuple(
+        replace(rep, batch_fraction=h["shares"][rep.stages[0].device]) for rep in p.replicas))).iteration_s
+        for h, end in zip(history, ends)) / 8
+    assert got["changes"] == len(history) - 1
+    assert got["predicted_s"] == pytest.approx(want, rel=1e-9)
+    assert got["measured_s"] == measured["iteration_s"]
+    text = _hetplan("compare", path, out, "--topology", "cpu-server-2socket").stdout
+    assert "with the shares in force" in text

@@ -22,6 +22,38 @@ def add_arguments(p):
                    help="write a timeline: simulated lanes above measured lanes, one per device")
 
 
+def priced_at_shares(plan, simulator, measured, file: str) -> dict | None:
+    """A rebalanced run (`run --rebalance`: the measured file's `shares`, more than one set) priced
+    with the shares in force: each set simulated, weighted by the steps it held. None otherwise."""
+    from dataclasses import replace
+
+    from hetplan.planner.files.io import InputError
+    history, steps = measured.extra.get("shares"), measured.extra.get("steps")
+    if not isinstance(history, list) or len(history) < 2:
+        return None
+    if not (isinstance(steps, list) and len(steps) == 2 and all(isinstance(s, int) for s in steps)):
+        raise InputError(f"{file}: steps: expected [first, total] with the shares, got {str(steps)[:60]}")
+    devices = [r.stages[0].device for r in plan.replicas]
+    total_s, held = 0.0, 0
+    for i, h in enumerate(history):
+        shares = h.get("shares") if isinstance(h, dict) else None
+        if not (isinstance(shares, dict) and set(shares) == set(devices) and isinstance(h.get("step"), int)
+                and all(isinstance(v, (int, float)) and 0 < v <= 1 for v in shares.values())):
+            raise InputError(f"{file}: shares[{i}]: expected {{\"step\", \"shares\": {{device: fraction}}}} "
+                             f"over the plan's replicas ({', '.join(devices)})")
+        end = history[i + 1]["step"] if i + 1 < len(history) else steps[1]
+        n = max(0, min(end, steps[1]) - max(h["step"], steps[0]))
+        priced = replace(plan, replicas=tuple(replace(r, batch_fraction=shares[d])
+                                              for r, d in zip(plan.replicas, devices)))
+        total_s += n * simulator.simulate(priced).iteration_s
+        held += n
+    if held == 0:
+        return None
+    predicted = total_s / held
+    return {"predicted_s": predicted, "measured_s": measured.iteration_s, "changes": len(history) - 1,
+            "error_pct": 100 * (predicted - measured.iteration_s) / measured.iteration_s}
+
+
 def compare_files(plan_path: str, measured_path: str, topology_path: str | None = None,
                   plot_path: str | None = None, command: str = "hetplan compare"):
     """Load, simulate and compare; optionally write the plot. Returns hetplan.planner.files.report.Comparison."""
@@ -31,6 +63,7 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
     from hetplan.planner.hardware.lookup import plan_topology
     from hetplan.planner.sim.predict import predict_plan_file
     from hetplan.planner.files.report import compare
+    from dataclasses import replace
 
     if plot_path is not None and not str(plot_path).lower().endswith(".png"):
         raise InputError(f"--plot: expected a file name ending in .png, got {plot_path!r}")
@@ -53,6 +86,7 @@ def compare_files(plan_path: str, measured_path: str, topology_path: str | None 
     if recorded is not None and plan.predicted.iteration_s_interval is not None:
         span, prob = plan.predicted.iteration_s_interval, plan.predicted.interval_probability
     comparison = compare(recorded, result.to_json(), measured, matches, span, prob)
+    comparison = replace(comparison, at_shares=priced_at_shares(plan, pred.simulator, measured, measured_path))
     if plot_path is not None:
         from hetplan.planner.files.plot import plot_timeline
         events = {d: v.get("events") or [] for d, v in measured.per_device.items()}
@@ -134,6 +168,10 @@ def main(args) -> int:
         print(json.dumps({**comparison.to_json(), **({"time_to_loss": ttl} if ttl else {})}))
         return 0
     print(summary_line(comparison))
+    if comparison.at_shares:
+        a = comparison.at_shares
+        print(f"with the shares in force ({a['changes']} changes while it ran): predicted {a['predicted_s'] * 1e3:.3f} ms, "
+              f"measured {a['measured_s'] * 1e3:.3f} ms, error {a['error_pct']:+.1f}%")
     if ttl:
         meas = (f"measured {ttl['measured_iterations']:.0f} iterations, {ttl['measured_s']:.3g} s"
                 if ttl["measured_s"] is not None else "not reached in the measured run")

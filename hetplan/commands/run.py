@@ -23,7 +23,8 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=None,
                    help="iterations left out of the median iteration time (default 2, at most --iters - 1)")
     p.add_argument("-o", "--output", default=None,
-                   help="measured file (default: <plan name>.measured.json next to the plan)")
+                   help="measured file (default: <plan name>.measured.json next to the plan; a training "
+                        "run, --steps or --epochs, writes one only when given)")
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="write a torch.profiler Chrome trace per rank into DIR")
     p.add_argument("--topology", default=None,
@@ -121,6 +122,9 @@ def _run(args) -> int:
 
 def _trained(args, result: dict) -> int:
     rows = result["rows"]
+    if args.output:   # a measured file (compare reads it), with the rows, steps and shares
+        from hetplan.planner.files.io import write_json_atomic
+        write_json_atomic(args.output, result)
     if args.json:
         print(json.dumps({"steps": result["steps"], "rows": rows, "iteration_s": result["iteration_s"]}))
     else:

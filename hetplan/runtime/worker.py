@@ -147,7 +147,13 @@ def _train_with_data(cfg, plan, built, rank, world, device, cores_line) -> list:
             replace_atomically(cfg.save_params, lambda tmp: torch.save(params, tmp))
         kept = out["iter_s"][min(cfg.warmup, max(len(out["iter_s"]) - 1, 0)):]
         if cfg.out:
-            write_json_atomic(cfg.out, {"rows": out["rows"], "steps": out["steps"],
+            import torch
+            from hetplan.planner.files.measured import SCHEMA
+            # a measured file (`compare` reads it) with the training run's own record beside
+            write_json_atomic(cfg.out, {"schema": SCHEMA, "plan_sha256": file_sha256(cfg.plan),
+                                        "losses": [r["loss"] for r in out["rows"] if "loss" in r],
+                                        "torch": torch.__version__,
+                                        "rows": out["rows"], "steps": out["steps"],
                                         "iteration_s": statistics.median(kept) if kept else None,
                                         "iterations_s": out["iter_s"],
                                         "checkpoint_save_s": out["checkpoint_save_s"],

@@ -30,7 +30,10 @@ class Measured:
 # top-level fields: the contract's, then what `run` adds (kept in Measured.extra) and what the
 # benchmarks add (`baseline`); `per_device.*` is free-form besides the fields checked below
 _FIELDS = ("schema", "plan_sha256", "iterations_s", "iteration_s", "losses", "per_device", "host", "torch")
-_EXTRA = ("iters", "warmup", "world_size", "timing", "topology", "startup_s", "baseline")
+_EXTRA = ("iters", "warmup", "world_size", "timing", "topology", "startup_s", "baseline",
+          # a training run's (`run --steps`): its logged rows, steps [first, total), checkpoint
+          # times and the batch shares in force from each step on ({"step", "shares"}, rebalancing)
+          "rows", "steps", "checkpoint_save_s", "checkpoint_load_s", "shares")
 
 
 def measured_from_dict(data: Any, file: str = "<measured>") -> Measured:

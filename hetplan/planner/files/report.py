@@ -68,6 +68,7 @@ class Comparison:
     per_device: tuple[DeviceComparison, ...]
     interval: tuple[float, float] | None = None   # the prediction's (the plan's recorded one, or drawn)
     interval_probability: float | None = None
+    at_shares: dict | None = None      # a rebalanced run priced with the shares in force (compare.priced_at_shares)
 
     @property
     def error_pct(self) -> float | None:
@@ -85,7 +86,8 @@ class Comparison:
                 "prediction_source": self.prediction_source, "plan_matches": self.plan_matches,
                 "iteration_s_interval": list(self.interval) if self.interval else None,
                 "interval_probability": self.interval_probability, "inside_interval": self.inside,
-                "per_device": {d.device: d.to_json() for d in self.per_device}}
+                "per_device": {d.device: d.to_json() for d in self.per_device},
+                **({"at_shares": self.at_shares} if self.at_shares else {})}
 
 
 def measured_phases(events: list[dict[str, Any]]) -> dict[str, float]:
