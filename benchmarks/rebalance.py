@@ -10,6 +10,10 @@ onset against a static plan made for the slowed machine (the shares the rebalanc
 under a constant slowdown); target: within 10 %.
 
     python benchmarks/rebalance.py [--steps 300] [--every 10] [--slow-s 0.001] [--hidden 256] [--batch 64]
+
+`--real-load PERIOD_S`: instead, a real load: a process spinning on worker 1's core (the workers
+are bound to one core each), stopped and continued every PERIOD_S seconds (on half the time), the
+same clock for both runs; prints the median step and the time to the run's samples of each.
 """
 from __future__ import annotations
 
@@ -55,6 +59,54 @@ def run(tmp: Path, name: str, p: dict, steps: int, slow: str, every: int | None)
     return launch(cfg, load_plan(path).devices)
 
 
+class Hog:
+    """A process spinning on `core`, on for `period_s`, off for `period_s`, from start() on."""
+
+    def __init__(self, core: int, period_s: float):
+        import subprocess
+        import threading
+        self.proc = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
+                                      "while True: pass"])
+        self.period_s, self.stop = period_s, threading.Event()
+        self.thread = threading.Thread(target=self._toggle, daemon=True)
+
+    def _toggle(self) -> None:
+        import signal
+        on = True
+        while not self.stop.wait(self.period_s):
+            on = not on
+            os.kill(self.proc.pid, signal.SIGCONT if on else signal.SIGSTOP)
+
+    def __enter__(self) -> "Hog":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def real_load(args) -> int:
+    """Static shares and --rebalance under the same on/off load on worker 1's core."""
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, every in (("static", None), ("rebalance", args.every)):
+            with Hog(1, args.real_load):
+                r = run(Path(d), name, plan([0.5, 0.5], args.hidden, args.batch), args.steps, "", every)
+            it = r["iterations_s"]
+            out[name] = {"median_step_s": statistics.median(it), "time_to_samples_s": sum(it),
+                         "samples": args.steps * args.batch, "share_changes": len(r["shares"]) - 1,
+                         "cpu1_share_range": [min(h["shares"]["cpu:1"] for h in r["shares"]),
+                                              max(h["shares"]["cpu:1"] for h in r["shares"])]}
+    out["time_to_samples_static_over_rebalance"] = (out["static"]["time_to_samples_s"]
+                                                    / out["rebalance"]["time_to_samples_s"])
+    out["args"] = vars(args)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--steps", type=int, default=300)
@@ -62,7 +114,11 @@ def main(argv=None) -> int:
     a.add_argument("--slow-s", type=float, default=0.001, help="worker 1's added seconds a sample while slowed")
     a.add_argument("--hidden", type=int, default=256)
     a.add_argument("--batch", type=int, default=64)
+    a.add_argument("--real-load", type=float, default=None, metavar="PERIOD_S",
+                   help="a real load on worker 1's core, on and off every PERIOD_S seconds")
     args = a.parse_args(argv)
+    if args.real_load is not None:
+        return real_load(args)
     slow = ",".join(f"1:{s}:{e}:{args.slow_s}" for s, e in phases(args.steps))
     out = {}
     with tempfile.TemporaryDirectory() as d:
