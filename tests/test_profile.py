@@ -193,8 +193,13 @@ def test_contention_is_the_mean_over_rounds_spread_across_the_profile():
 def test_progress_goes_to_stderr(quick_profile):
     _, r = quick_profile
     assert "profile: 2 worker(s)" in r.stderr and "all-reduce over 2 workers" in r.stderr
-    assert "profile: matmul n=1024 on 2 worker(s) at once" in r.stderr
-    assert "profile: bf16 matmul n=256, 1024" in r.stderr
+    # rank 0's steps counted, k of the n it planned, each with the elapsed time and an ETA
+    steps = [l for l in r.stderr.splitlines() if l.startswith("profile: [") and "/" in l.split("]")[0]]
+    n = int(steps[0].split("/")[1].split("]")[0])
+    assert [l.split("]")[0] for l in steps] == [f"profile: [{k}/{n}" for k in range(1, n + 1)]
+    assert any(l.startswith(f"profile: [") and "] matmul n=1024 on 2 worker(s) at once (" in l for l in steps)
+    assert any("] bf16 matmul n=256, 1024 (" in l for l in steps)
+    assert all(" elapsed, ETA " in l for l in steps)
 
 
 @pytest.mark.parametrize("flag,expected", [

@@ -75,6 +75,36 @@ def log(msg: str) -> None:
     print(f"profile: {msg}", file=sys.stderr, flush=True)
 
 
+class Steps:
+    """Rank 0's steps of the profile, counted: 'profile: [k/n] what (0:12 elapsed, ETA 0:20)'."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        elapsed = time.monotonic() - self.t0
+        eta = f"ETA {_clock(elapsed / self.done * max(self.total - self.done, 0))}" if self.done else "ETA ?"
+        self.done += 1
+        log(f"[{self.done}/{max(self.total, self.done)}] {msg} ({_clock(elapsed)} elapsed, {eta})")
+
+    @staticmethod
+    def planned(s: "Settings", dev, world: int) -> int:
+        """The steps rank 0 announces: each matmul size, the copy, each low-precision sweep, the
+        two calibrations, the point-to-point and the all-reduce (two workers or more)."""
+        low = s.cuda_low_precision_sizes if dev.native else s.cpu_low_precision_sizes
+        sizes = s.cuda_matmul_sizes if dev.native else s.cpu_matmul_sizes
+        sweeps = (1 + dev.accelerator) if low else 0
+        return len(sizes) + 1 + sweeps + 2 + (2 if world > 1 else 0)
+
+
+def _clock(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}:{s % 60:02d}"
+
+
+announce = log   # rank 0's steps: counted (Steps) once profile_worker knows its device
+
+
 def available_ram_bytes() -> int:
     """Available host memory (MemAvailable), in bytes."""
     try:
@@ -98,6 +128,8 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
     torch.set_num_threads(me.threads)
     device = torch_device(me.name)
     device.set_current()
+    global announce
+    announce = Steps(Steps.planned(settings, device, world))
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     lower_gloo_loop_priority()   # as the runtime's workers do
@@ -112,7 +144,7 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
         rounds = _reference_rounds(step, workers, settings, 1, rounds)
         result["calibration"] = _calibration_tables(workers, settings)
         if rank == 0 and world > 1:
-            log(f"point-to-point between {world * (world - 1) // 2} pair(s) of workers")
+            announce(f"point-to-point between {world * (world - 1) // 2} pair(s) of workers")
         for first, second in itertools.combinations(range(world), 2):
             dist.barrier()  # one pair at a time: an uncontended link
             if rank in (first, second):
@@ -121,7 +153,7 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
                 if rows is not None:
                     result["links"][workers[second].name] = rows
         if rank == 0 and world > 1:
-            log(f"all-reduce over {world} workers")
+            announce(f"all-reduce over {world} workers")
         # three times the samples: one size's time is bimodal on a loaded host (1 MiB: ~0.5 or
         # ~1.8 ms), and its median must land on the mode training sees
         result["allreduce"] = bench.allreduce_table(list(settings.comm_sizes),
@@ -157,11 +189,11 @@ def _device_tables(me: WorkerSpec, dev: TorchDevice, s: Settings) -> dict:
     table = []
     for n in sizes:
         if dist.get_rank() == 0:
-            log(f"matmul n={n} on {dist.get_world_size()} worker(s) at once")
+            announce(f"matmul n={n} on {dist.get_world_size()} worker(s) at once")
         dist.barrier()  # every worker runs the same size at the same time
         table.append(bench.matmul_row(n, dev, s.min_time_s, s.repeats))
     if dist.get_rank() == 0:
-        log("memory copy and per-op overhead")
+        announce("memory copy and per-op overhead")
     dist.barrier()
     copy_bytes = s.cuda_copy_bytes if dev.native else s.cpu_copy_bytes
     copy = bench.memory_copy(copy_bytes, dev, s.min_time_s, s.repeats)
@@ -207,7 +239,7 @@ def _low_precision_matmuls(dev: TorchDevice, s: Settings, fp32_flops_per_s: floa
     for p in ("tf32", "bf16"):
         mine = sizes if p == "bf16" or dev.accelerator else ()
         if dist.get_rank() == 0 and mine:
-            log(f"{p} matmul n={', '.join(map(str, mine))}")
+            announce(f"{p} matmul n={', '.join(map(str, mine))}")
         rows = _matmul_rounds(mine, lambda n: bench.matmul_row(n, dev, s.min_time_s, s.repeats,
                                                                precision=p))
         if rows:
@@ -243,7 +275,7 @@ def _reference_rounds(step, workers: list[WorkerSpec], s: Settings, burst: int,
     rank, world = dist.get_rank(), dist.get_world_size()
     alone, together = rounds or ([], [])
     if rank == 0 and burst == 0:
-        log("calibration: reference step alone and with all workers busy, in three bursts")
+        announce("calibration: reference step alone and with all workers busy, in three bursts")
     window_s = 2 * s.min_time_s
     n = s.repeats // 3 + (burst < s.repeats % 3) if s.repeats >= 3 else 1
     for _ in range(n):       # alternate, so slow drift of the machine hits both alike
@@ -266,7 +298,7 @@ def _calibration_tables(workers: list[WorkerSpec], s: Settings) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     me, out = workers[rank], {}
     if rank == 0:
-        log("calibration: optimizer steps alone and with all workers busy")
+        announce("calibration: optimizer steps alone and with all workers busy")
     if rank == 0 and me.kind == "cpu":
         out["optimizer"] = bench.optimizer_table(s.repeats, s.min_time_s)
     dist.barrier()
