@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hetplan.planner.files.io import write_json_atomic
+from hetplan.planner.files.progress import clock
 from hetplan.planner.hardware.cores import bind_worker
 from hetplan.planner.hardware.fit import host_copy_fit
 from hetplan.planner.hardware.device import STANDIN_ENV, TorchDevice, torch_device
@@ -83,9 +84,9 @@ class Steps:
 
     def __call__(self, msg: str) -> None:
         elapsed = time.monotonic() - self.t0
-        eta = f"ETA {_clock(elapsed / self.done * max(self.total - self.done, 0))}" if self.done else "ETA ?"
+        eta = f"ETA {clock(elapsed / self.done * max(self.total - self.done, 0))}" if self.done else "ETA ?"
         self.done += 1
-        log(f"[{self.done}/{max(self.total, self.done)}] {msg} ({_clock(elapsed)} elapsed, {eta})")
+        log(f"[{self.done}/{max(self.total, self.done)}] {msg} ({clock(elapsed)} elapsed, {eta})")
 
     @staticmethod
     def planned(s: "Settings", dev, world: int) -> int:
@@ -95,11 +96,6 @@ class Steps:
         sizes = s.cuda_matmul_sizes if dev.native else s.cpu_matmul_sizes
         sweeps = (1 + dev.accelerator) if low else 0
         return len(sizes) + 1 + sweeps + 2 + (2 if world > 1 else 0)
-
-
-def _clock(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 60}:{s % 60:02d}"
 
 
 announce = log   # rank 0's steps: counted (Steps) once profile_worker knows its device

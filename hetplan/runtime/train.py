@@ -106,8 +106,7 @@ def train(tcfg: TrainConfig, plan, plan_sha256: str, built, rank: int, world: in
         if reb is not None:
             reb.wait_known(s)
         at = reb.slice if reb is not None else None
-        return at, (pin if pinned else _same)(built.microbatches(plan.global_batch, s, at) if at else
-                                              built.microbatches(plan.global_batch, s))
+        return at, (pin if pinned else _same)(built.microbatches(plan.global_batch, s, at))
     prefetch = Prefetcher(make, range(run.start, run.total))
     log = _Log(tcfg, rank, run.total) if rank == 0 else None
     dist.barrier(run.group)

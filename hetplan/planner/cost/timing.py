@@ -136,6 +136,14 @@ class MeasuredCost(CostModel):
         merged.update(new)
         write_json_atomic(cache_path(), merged)
 
+    def _needs(self, device: Device, batch: int, split: bool) -> tuple[bool, bool]:
+        """(the fused timings, the split backward's) at `batch` missing from the cache; the last
+        layer's entry also holds the loss's times and the backward call's (ENTRY)."""
+        disk = self._load_disk()
+        keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
+        fused = not (all(k in disk for k in keys) and len(disk[keys[-1]]) == ENTRY)
+        return fused, split and not all(k + SPLIT in disk for k in keys[1:])
+
     # --- measuring -----------------------------------------------------------------------
     def _measure(self, device: Device, batch: int, split: bool = False,
                  again: bool = False, announce: bool = True) -> tuple[list[float], list[float]]:
@@ -145,9 +153,8 @@ class MeasuredCost(CostModel):
         again with them (`again`: timed although cached, each entry keeping the faster)."""
         disk = self._load_disk()
         keys = [self._key(i, device, batch) for i in range(self.graph.num_layers)]
-        # The last layer's entry also holds the loss's times and the backward call's (ENTRY).
-        fused = again or not (all(k in disk for k in keys) and len(disk[keys[-1]]) == ENTRY)
-        split = split and not again and not all(k + SPLIT in disk for k in keys[1:])
+        fused, split = self._needs(device, batch, split)
+        fused, split = fused or again, split and not again
         if not (fused or split):
             return _from_entries(keys, disk)
         import torch
@@ -378,11 +385,8 @@ class MeasuredCost(CostModel):
         `split`, also each layer's split backward (what a zb-h1 plan runs)."""
         todo = [(self.topology.device(n), b) for n in devices if self.present(self.topology.device(n))
                 for b in self.sizes or ()]
-        keys = {(d.kind, d.threads, b): (d, b) for d, b in todo}   # devices alike share their timings
-        disk = self._load_disk()
-        left = [(d, b) for d, b in keys.values()
-                if not all(self._key(i, d, b) in disk for i in range(self.graph.num_layers))
-                or (split and not all(self._key(i, d, b) + SPLIT in disk for i in range(1, self.graph.num_layers)))]
+        alike = {self._key(0, d, b): (d, b) for d, b in todo}   # devices with one key share their timings
+        left = [(d, b) for d, b in alike.values() if any(self._needs(d, b, split))]
         with Progress(len(left), f"timing {self.graph.num_layers} layers", unit="size") as bar:
             for d, b in left:
                 self._measure(d, b, split, announce=False)

@@ -15,7 +15,8 @@ def plain(on: bool = True) -> None:
     _PLAIN = on
 
 
-def _clock(s: float) -> str:
+def clock(s: float) -> str:
+    """Seconds as m:ss."""
     s = int(round(s))
     return f"{s // 60}:{s % 60:02d}"
 
@@ -36,8 +37,8 @@ class Progress:
         """'desc: k/n units, 0:12 elapsed, ETA 0:30[, note]'."""
         elapsed = time.monotonic() - self.t0
         eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        eta_text = _clock(eta) if self.done else "?"
-        return (f"{self.desc}: {self.done}/{self.total} {self.unit}s, {_clock(elapsed)} elapsed, ETA {eta_text}"
+        eta_text = clock(eta) if self.done else "?"
+        return (f"{self.desc}: {self.done}/{self.total} {self.unit}s, {clock(elapsed)} elapsed, ETA {eta_text}"
                 + (f", {note}" if note else ""))
 
     def update(self, n: int = 1, note: str = "") -> None:
@@ -62,4 +63,4 @@ class Progress:
         self.close()
 
 
-__all__ = ["Progress", "plain"]
+__all__ = ["Progress", "clock", "plain"]

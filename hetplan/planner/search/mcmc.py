@@ -153,7 +153,6 @@ def chains(space: Space) -> int:
     return 1 if len(space.devices) <= 8 else CHAINS
 
 
-
 def level_batches(models: list[tuple[float, float]], lows: list[int], total_batch: int) -> tuple[int, ...]:
     """Integer batches summing to `total_batch` for replicas whose time is t_r(b) = a_r + c_r·b
     (`models`: (a_r, c_r)), each at least lows[r]: the level T with sum_r max(low_r, (T - a_r)/c_r)
