@@ -12,8 +12,10 @@ under a constant slowdown); target: within 10 %.
     python benchmarks/rebalance.py [--steps 300] [--every 10] [--slow-s 0.001] [--hidden 256] [--batch 64]
 
 `--real-load PERIOD_S`: instead, a real load: a process spinning on worker 1's core (the workers
-are bound to one core each), stopped and continued every PERIOD_S seconds (on half the time), the
-same clock for both runs; prints the median step and the time to the run's samples of each.
+are bound to one core each), off for PERIOD_S seconds from each run's first step, then on, and so
+on (the same clock for both runs: a clock started before the workers would spend part of the
+first phase on the first run's start-up); prints the median step and the time to the run's
+samples of each (`--dump FILE`: every step's time and the shares, for a picture of the phases).
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def phases(steps: int) -> list[tuple[int, int]]:
     return [(t // 4, 3 * t // 4), (2 * t + t // 4, 2 * t + 3 * t // 4)]
 
 
-def run(tmp: Path, name: str, p: dict, steps: int, slow: str, every: int | None) -> dict:
+def run(tmp: Path, name: str, p: dict, steps: int, slow: str, every: int | None,
+        metrics: Path | None = None) -> dict:
     from hetplan.planner.files.plan import load_plan
     from hetplan.runtime.launch import launch
     from hetplan.runtime.rebalance import SLOW_ENV
@@ -55,24 +58,31 @@ def run(tmp: Path, name: str, p: dict, steps: int, slow: str, every: int | None)
     path.write_text(json.dumps(p))
     os.environ[SLOW_ENV] = slow
     cfg = RunConfig(plan=str(path), timeout_s=60, quiet=True,
-                    train=TrainConfig(steps=steps, log_every=steps, rebalance=every).to_dict())
+                    train=TrainConfig(steps=steps, log_every=1 if metrics else steps, rebalance=every,
+                                      metrics=str(metrics) if metrics else None).to_dict())
     return launch(cfg, load_plan(path).devices)
 
 
 class Hog:
-    """A process spinning on `core`, on for `period_s`, off for `period_s`, from start() on."""
+    """A process spinning on `core`: stopped until `go` is set (the first training step), then
+    off for `period_s`, on for `period_s`, and so on, so every run meets the same load at the
+    same time after its first step."""
 
-    def __init__(self, core: int, period_s: float):
+    def __init__(self, core: int, period_s: float, go):
+        import signal
         import subprocess
         import threading
         self.proc = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
                                       "while True: pass"])
-        self.period_s, self.stop = period_s, threading.Event()
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.period_s, self.go, self.stop = period_s, go, threading.Event()
         self.thread = threading.Thread(target=self._toggle, daemon=True)
 
     def _toggle(self) -> None:
         import signal
-        on = True
+        while not self.go() and not self.stop.wait(0.005):
+            pass
+        on = False
         while not self.stop.wait(self.period_s):
             on = not on
             os.kill(self.proc.pid, signal.SIGCONT if on else signal.SIGSTOP)
@@ -90,12 +100,15 @@ class Hog:
 
 def real_load(args) -> int:
     """Static shares and --rebalance under the same on/off load on worker 1's core."""
-    out = {}
+    out, dumped = {}, {}
     with tempfile.TemporaryDirectory() as d:
         for name, every in (("static", None), ("rebalance", args.every)):
-            with Hog(1, args.real_load):
-                r = run(Path(d), name, plan([0.5, 0.5], args.hidden, args.batch), args.steps, "", every)
+            rows = Path(d) / f"{name}.jsonl"
+            with Hog(1, args.real_load, go=lambda: rows.exists() and rows.stat().st_size > 0):
+                r = run(Path(d), name, plan([0.5, 0.5], args.hidden, args.batch), args.steps, "", every, rows)
             it = r["iterations_s"]
+            if args.dump:
+                dumped[name] = {"iterations_s": it, "shares": r["shares"]}
             out[name] = {"median_step_s": statistics.median(it), "time_to_samples_s": sum(it),
                          "samples": args.steps * args.batch, "share_changes": len(r["shares"]) - 1,
                          "cpu1_share_range": [min(h["shares"]["cpu:1"] for h in r["shares"]),
@@ -104,6 +117,8 @@ def real_load(args) -> int:
                                                     / out["rebalance"]["time_to_samples_s"])
     out["args"] = vars(args)
     print(json.dumps(out, indent=1))
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(dumped))
     return 0
 
 
@@ -115,7 +130,8 @@ def main(argv=None) -> int:
     a.add_argument("--hidden", type=int, default=256)
     a.add_argument("--batch", type=int, default=64)
     a.add_argument("--real-load", type=float, default=None, metavar="PERIOD_S",
-                   help="a real load on worker 1's core, on and off every PERIOD_S seconds")
+                   help="a real load on worker 1's core, off and on every PERIOD_S seconds from the first step")
+    a.add_argument("--dump", default=None, metavar="FILE", help="--real-load: each run's step times and shares, as JSON")
     args = a.parse_args(argv)
     if args.real_load is not None:
         return real_load(args)

@@ -4,6 +4,9 @@ training with shares that change equals one device on the same batches."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -110,3 +113,22 @@ def test_compare_prices_a_rebalanced_run_with_the_shares_in_force(tmp_path, monk
     assert got["measured_s"] == measured["iteration_s"]
     text = _hetplan("compare", path, out, "--topology", "cpu-server-2socket").stdout
     assert "with the shares in force" in text
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="needs two cores to bind the workers to")
+def test_a_busy_process_on_a_workers_core_takes_its_share(tmp_path):
+    # a real load, not the test hook: a process spinning on the core worker 1 is bound to
+    # (hetplan.planner.hardware.cores: cpu:1 -> the second usable core), from before the first step
+    core = sorted(os.sched_getaffinity(0))[1]
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        model = {"spec": "benchmarks.training_data:data_mlp", "args": {"hidden": 256, "depth": 4, "n": 8192}}
+        p = {**plan([(0.5, 1, [(f"cpu:{i}", (0, 5))]) for i in range(2)], model=model), "global_batch": 512}
+        rows, _ = train(tmp_path, p, steps=40, rebalance=5)
+    finally:
+        hog.kill()
+        hog.wait()
+    slow = [r["shares"]["cpu:1"] for r in rows]
+    assert slow[-1] < 0.45, slow               # slowed about 2x: it holds about a third
+    assert min(slow) >= 0.5 / 8                # never below the floor

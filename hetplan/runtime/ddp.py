@@ -34,20 +34,30 @@ from hetplan.planner.cost.grad_sync import ddp_parameters, is_plain_dp, runs_on_
 MiB = 1024 * 1024
 
 
-def _sum_hook(group, bucket):
+class _HookState:
+    def __init__(self, group, on_ready):
+        self.group, self.on_ready = group, on_ready
+
+
+def _sum_hook(state, bucket):
     """All-reduce a bucket (a dist.GradBucket) with SUM: the losses are already weighted by the
-    replicas' shares. Unannotated: DDP checks the annotation object, which
+    replicas' shares. `state.on_ready()` first: the bucket's gradients are computed (the last
+    call of a backward ends its compute). Unannotated: DDP checks the annotation object, which
     `from __future__ import annotations` would turn into a string."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    if state.on_ready is not None:
+        state.on_ready()
+    fut = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
 def wrap(module: torch.nn.Module, group, device: torch.device,
-         bucket_of: dict[torch.nn.Parameter, int], find_unused: bool = False) -> torch.nn.Module:
+         bucket_of: dict[torch.nn.Parameter, int], find_unused: bool = False,
+         on_ready=None) -> torch.nn.Module:
     """`module` in DistributedDataParallel over `group`; `bucket_of`: each parameter's bucket
     (hetplan.planner.cost.buckets), which `bucket_caps` turns into DDP's per-bucket caps; `find_unused`:
     some parameters get no gradient (hetplan.planner.workload.layer_cache.LayerMap.unused), which DDP
-    refuses unless it looks for them after each forward."""
+    refuses unless it looks for them after each forward; `on_ready`: called as each bucket's
+    all-reduce starts (BusyTimer.cut)."""
     from torch.nn.parallel import DistributedDataParallel
     params = [p for p in module.parameters() if p.requires_grad]
     ddp = DistributedDataParallel(
@@ -55,7 +65,7 @@ def wrap(module: torch.nn.Module, group, device: torch.device,
         process_group=group, bucket_cap_mb_list=[c / MiB for c in bucket_caps(params, bucket_of)],
         gradient_as_bucket_view=True, find_unused_parameters=find_unused,
         **no_forward_buffer_sync(ddp_parameters()))
-    ddp.register_comm_hook(group, _sum_hook)
+    ddp.register_comm_hook(_HookState(group, on_ready), _sum_hook)
     return ddp
 
 

@@ -43,8 +43,8 @@ def thread_ids() -> list[int] | None:
         return None
 
 
-def lower_gloo_loop_priority() -> list[int]:
-    """Set gloo's event-loop threads of this process to nice 19 (an unprivileged change);
+def lower_gloo_loop_priority(nice: int = NICE) -> list[int]:
+    """Set gloo's event-loop threads of this process to `nice` (19; an unprivileged change);
     return their thread ids. Call it after the process groups exist: a group created later may
     start a loop thread of its own. Nothing where there is no /proc (not Linux) or no such
     thread."""
@@ -54,7 +54,7 @@ def lower_gloo_loop_priority() -> list[int]:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if not f.read().startswith(LOOP_THREAD):
                     continue
-            os.setpriority(os.PRIO_PROCESS, tid, NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:          # the thread ended meanwhile
             continue
         done.append(tid)

@@ -76,6 +76,12 @@ class BusyTimer:
         self._recording = False
         self._origin: Any = None
         self._spans: list[Span] = []
+        self._cut: Any = None
+
+    def cut(self) -> None:
+        """The wrapped call now in progress is done computing; what follows is a wait."""
+        self._cut = self.device.timing_event()
+        self._cut.record()
 
     def start_recording(self) -> None:
         """Record spans from now (the iteration start) until `take_spans()`."""
@@ -86,11 +92,13 @@ class BusyTimer:
     @contextlib.contextmanager
     def timer(self, name: str = "compute", kind: str = "compute", busy: bool = True):
         start, end = self.device.timing_event(), self.device.timing_event()
+        self._cut = None
         start.record()
         yield
         end.record()
         if busy:
-            self._events.append((kind, start, end))
+            self._events.append((kind, start, self._cut or end))
+        self._cut = None
         if self._recording:
             self._spans.append(Span(name, kind, start, end))
 

@@ -116,12 +116,10 @@ def _buffer_sets(module, buffers_by_layer, replica_ranks, ranks_of_layer) -> lis
 
 
 def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=None,
-          marks=None, file: str = "<plan>", iterations: int = 1, given=None, allow_ddp: bool = True) -> Built:
+          marks=None, file: str = "<plan>", iterations: int = 1, given=None) -> Built:
     """What rank `rank` runs; `device` is its hetplan.planner.hardware.device.TorchDevice; `marks`
     (hetplan.runtime.startup.Marks) gets "model" once the workload is built and checked; `iterations`:
-    how many the run trains (a PipeDream stream's length); `allow_ddp` False: GradSync even where
-    plain data parallel would run on DDP (rebalancing: DDP waits for its all-reduce inside backward,
-    where the busy timer would count the wait as compute)."""
+    how many the run trains (a PipeDream stream's length)."""
     kinds = [parse_device_name(d)[1] for d in names]
     if plan.sync.mode == "parameter-server" and names[rank] == plan.sync.server:
         return _server(plan, kinds, device, timeout, marks, file, given)
@@ -134,7 +132,7 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     if any(st.split for st in plan.replicas[rep_i].stages):      # validated: the plan's only replica
         from hetplan.runtime.tensor import build_rank
         return build_rank(plan, names, rank, device, timeout, marks, file, given)
-    b = _StageBuild(plan, names, rank, device, rep_i, st_j, iterations, allow_ddp)
+    b = _StageBuild(plan, names, rank, device, rep_i, st_j, iterations)
     b.make_model(file, given, marks)
     b.make_groups(kinds, timeout)
     b.make_runner()
@@ -147,9 +145,8 @@ class _StageBuild:
     process groups), the runner, then the sync and optimizer."""
 
     def __init__(self, plan: Plan, names: list[str], rank: int, device: TorchDevice, rep_i: int, st_j: int,
-                 iterations: int, allow_ddp: bool = True):
+                 iterations: int):
         self.plan, self.names, self.rank, self.device = plan, names, rank, device
-        self.allow_ddp = allow_ddp
         self.rep_i, self.st_j, self.iterations = rep_i, st_j, iterations
         self.rep = plan.replicas[rep_i]
         batch = plan.replica_batches()[rep_i]
@@ -204,10 +201,11 @@ class _StageBuild:
         prev = self.link(my_ranks[st_j - 1]) if st_j > 0 else None
         nxt = self.link(my_ranks[st_j + 1]) if st_j + 1 < len(my_ranks) else None
         self.actions = stage_actions(plan.schedule, st_j, len(rep.stages), rep.microbatches)
-        self.sync_mb = ddp.sync_microbatch(self.actions) if self.allow_ddp and ddp.uses_ddp(plan) else None
+        self.sync_mb = ddp.sync_microbatch(self.actions) if ddp.uses_ddp(plan) else None
         if self.sync_mb is not None:
             self.wrapped = ddp.wrap(self.module, self.groups.sync[self.ranks_of_layer[0]], device.device,
-                                    _bucket_of(plan, self.layout), find_unused=bool(self.found.unused))
+                                    _bucket_of(plan, self.layout), find_unused=bool(self.found.unused),
+                                    on_ready=self.timer.cut)
         self.runner = StageRunner(self.wrapped, device.device, self.workload.loss_fn, prev, nxt,
                                   scale=(self.fraction if self.synchronous else 1.0) / rep.microbatches,
                                   busy=self.timer.timer, recompute=plan.recompute, precision=plan.precision)

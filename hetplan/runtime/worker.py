@@ -59,7 +59,8 @@ def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
     from hetplan.planner.files.io import file_sha256
     from hetplan.planner.files.plan import load_plan
     from hetplan.runtime import stage
-    from hetplan.runtime.gloo_threads import lower_gloo_loop_priority, short_slices, threads_slices
+    from hetplan.runtime.gloo_threads import NICE, lower_gloo_loop_priority, short_slices, threads_slices
+    from hetplan.runtime.rebalance import SHARED_NICE
     from hetplan.runtime.results import build_measured
 
     from hetplan.runtime.startup import Marks
@@ -91,8 +92,9 @@ def run_worker(cfg: RunConfig, marks=None, given=None) -> list | None:
         marks.mark("rendezvous")
         runs = (cfg.train or {}).get("runs") or cfg.iters     # training: the steps to make
         built = stage.build(plan, names, rank, device, timeout, marks, file=cfg.plan, iterations=runs,
-                            given=given, allow_ddp=not (cfg.train or {}).get("rebalance"))
-        lower_gloo_loop_priority()    # after every group exists (hetplan.runtime.gloo_threads)
+                            given=given)
+        # after every group exists (hetplan.runtime.gloo_threads); rebalancing expects other loads
+        lower_gloo_loop_priority(SHARED_NICE if (cfg.train or {}).get("rebalance") else NICE)
         marks.mark("stages")
         if cfg.train is not None:
             return _train_with_data(cfg, plan, built, rank, world, device, cores_line)
