@@ -13,7 +13,7 @@ import pytest
 import hetplan
 from equivalence import assert_params_match
 from hetplan.planner.files.io import InputError
-from hetplan.runtime.rebalance import SLOW_ENV, next_units
+from hetplan.runtime.rebalance import SLOW_ENV, next_units, overhead_units, probe_units
 from test_cli_inputs import one_error_line
 from test_train import MODEL, PLANS, _hetplan, plan, reference, train
 
@@ -30,6 +30,27 @@ def test_a_slower_replica_gets_fewer_samples_in_bounded_steps():
 def test_noise_inside_the_dead_band_moves_nothing():
     assert next_units([6, 6], [0.00100, 0.00108]) == [6, 6]  # 8 % apart: within the 10 % band
     assert next_units([10, 2], [0.001, 0.0049]) == [10, 2]   # already at the target
+
+
+def test_the_per_step_overhead_comes_from_two_windows_at_different_sizes():
+    # t(u) = 2 ms · (3 + u): windows at 4 and 16 units give q = 3 units
+    assert overhead_units((4, 0.014), (16, 0.038), 0.0) == pytest.approx(3.0)
+    assert overhead_units((4, 0.014), (16, 0.038), 1.0) == pytest.approx(2.0)   # averaged with the known
+    assert overhead_units((16, 0.038), (15, 0.036), 1.5) == 1.5                 # sizes too close: kept
+    assert overhead_units((4, 0.020), (16, 0.014), 1.5) == 1.5                  # slower with fewer: kept
+    assert overhead_units(None, (16, 0.038), 0.0) == 0.0
+    # both replicas t(u) = 0.1 ms · (40 + u), one cut to 4 units by a load that has gone: taken per
+    # unit it reads 6.6x slower (its target 8 units); with q = 40 it is as fast (its target 32), and
+    # goes 3/4 of the way back (capped at a quarter of the batch)
+    assert next_units([60, 4], [0.010 / 60, 0.0044 / 4]) == [57, 7]
+    assert next_units([60, 4], [0.010 / 100, 0.0044 / 44], fixed_s=[0.004, 0.004]) == [44, 20]
+
+
+def test_a_replica_far_below_its_plan_is_probed_half_way_back():
+    assert probe_units([30, 2], [16, 16], [2, 2]) == [23, 9]
+    assert probe_units([17, 15], [16, 16], [2, 2]) == [17, 15]       # within a tenth of the plan
+    assert probe_units([20, 8, 4], [10, 10, 12], [1, 1, 2]) == [16, 8, 8]
+    assert probe_units([3, 29], [16, 16], [3, 2]) == [9, 23]
 
 
 def test_rebalance_is_refused_where_it_cannot_run(tmp_path):
