@@ -66,8 +66,21 @@ def stop_on_signals():
             signal.signal(s, h)
 
 
+def check_shard_runs(plan: Plan, file: str) -> None:
+    """The runtime runs ZeRO stage 1 (torch's ZeroRedundancyOptimizer) of one-device stages that
+    are not interleaved; stages 2 and 3 are priced but not run yet."""
+    if plan.shard >= 2:
+        raise InputError(f"{file}: shard.stage: {plan.shard} is priced by plan and compare but not run in "
+                         "this version; expected 0 or 1")
+    if plan.shard and plan.schedule == "interleaved-1f1b":
+        raise InputError(f"{file}: schedule: expected a schedule other than \"interleaved-1f1b\" with "
+                         f"shard.stage {plan.shard} in this version")
+
+
 def check_devices(plan: Plan, file: str) -> None:
-    """Every plan device must exist here: one node, cuda:N with N < the GPUs present."""
+    """Every plan device must exist here: one node, cuda:N with N < the GPUs present; and the
+    runtime runs the plan's sharding (`check_shard_runs`)."""
+    check_shard_runs(plan, file)
     nodes = {node_of(d) for d in plan.devices}
     if len(nodes) > 1:
         raise InputError(f"{file}: replicas: devices span nodes {sorted(nodes)}; run each node "

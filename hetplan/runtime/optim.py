@@ -36,7 +36,11 @@ def host_count(params: list[torch.Tensor], spec: Optimizer, device: TorchDevice)
 class StageOptimizer:
     """`zero_grad()` before an iteration, `step()` after the gradients are synced."""
 
-    def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice):
+    def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice,
+                 shard_group=None):
+        """`shard_group`: the process group of the replicas holding these parameters, whose ranks
+        each step and keep the state of a part of them (ZeRO stage 1, torch's
+        ZeroRedundancyOptimizer: whole tensors, balanced by size, broadcast after the step)."""
         self.params = [p for p in params if p.requires_grad]
         self.device = device
         k = host_count(self.params, spec, device)
@@ -44,6 +48,11 @@ class StageOptimizer:
         self.master = [self._host_copy(p).requires_grad_(True) for p in self.on_host]
         self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.on_host]
         self.device_opt = _make(self.on_device, spec)
+        if shard_group is not None and self.device_opt is not None:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            base = self.device_opt
+            self.device_opt = ZeroRedundancyOptimizer(self.on_device, optimizer_class=type(base),
+                                                      process_group=shard_group, **base.defaults)
         self.host_opt = _make(self.master, spec)
 
     def _host_copy(self, p: torch.Tensor) -> torch.Tensor:
@@ -77,6 +86,7 @@ class StageOptimizer:
         """Bytes of optimizer state (Adam moments; master copies of the host's part)."""
         n = 0
         for opt in (self.device_opt, self.host_opt):
+            opt = getattr(opt, "optim", opt)      # ZeroRedundancyOptimizer: this rank's part
             for st in (opt.state.values() if opt is not None else ()):
                 n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
         return n + sum(m.numel() * m.element_size() for m in self.master)

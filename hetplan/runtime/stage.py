@@ -218,7 +218,9 @@ class _StageBuild:
         runner.saved_tracker = SavedTracker(params)
         if self.rep.stages[self.st_j].offload_activations:
             runner.offload = ActivationOffload(self.device, params)
-        optimizer = StageOptimizer(params, plan.optimizer, self.device)
+        shard_group = (self.groups.sync[self.ranks_of_layer[self.rep.stages[self.st_j].start]]
+                       if plan.shard else None)     # validated: stage j of every replica, the same layers
+        optimizer = StageOptimizer(params, plan.optimizer, self.device, shard_group)
         if plan.sync.mode in PIPEDREAM_MODES:
             shared = [t for t in layout.tied if len(t.ranks) > 1]
             if shared:        # each stage would update its own copy: refused, not trained apart

@@ -40,6 +40,14 @@ microbatches, stage index s):
   flight); the device holds two of the stage's largest layer's saved bytes (one being copied
   out or back while the next is computed).
 
+* shard (ZeRO stage k over the N replicas; stage j of each holds the same layers): equal shards,
+  1/N each, whatever the batch shares (the collectives move equal chunks; sharding is for memory,
+  the shares for speed). Stage 1: 1/N of the optimizer state. Stage 2: also 1/N of the
+  gradients, plus one layer's whole gradients (reduce-scattered one layer at a time). Stage 3:
+  also 1/N of the parameters, plus two layers' whole parameters (the one computing and the next,
+  gathered ahead) and the one layer's whole gradients. The largest layer of the stage stands for
+  "one layer".
+
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
 """
@@ -199,6 +207,12 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
                 before = [x.layers for x in rep.stages[:s] if x.device == st.device]
                 params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
             copies = stashed_versions(plan, len(rep.stages), s) * params
+            if plan.shard:
+                n, layer = len(plan.replicas), float(max(graph.layers[i].param_bytes for i in range(st.start, st.end)))
+                weights = params / n + 2 * layer if plan.shard == 3 else params
+                grads = params / n + layer if plan.shard >= 2 else params
+                out[st.device] = out.get(st.device, 0.0) + weights + grads + acts + state_ratio * params / n
+                continue
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
             if st.offload_activations:
                 h = host_cpu(topology, st.device)

@@ -25,6 +25,9 @@ MODE_PARAMS = {"local-sgd": ("period",), "easgd": ("period", "alpha"), "paramete
 OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu", "split")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (hetplan.planner.workload.precision)
+# "shard": {"stage": N}: what the data-parallel replicas of a stage keep 1/N of, ZeRO's stages
+SHARD_STAGES = {0: "nothing", 1: "optimizer state", 2: "optimizer state and gradients",
+                3: "optimizer state, gradients and parameters"}
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 MAX_THREADS = 65536                # a CPU worker's intra-op threads (plan and topology files; torch takes a C int)
 MAX_GLOBAL_BATCH = 2**20           # samples per iteration (plan files and --batch): a larger batch
@@ -163,6 +166,7 @@ class Plan:
     optimizer: Optimizer = Optimizer()
     recompute: bool = False
     precision: str = "fp32"            # one of PRECISIONS
+    shard: int = 0                     # ZeRO stage over the replicas (SHARD_STAGES)
     topology: TopologyRef | None = None
     predicted: Predicted | None = None
 
@@ -235,6 +239,7 @@ def validate_plan(plan: Plan, file: str = "<plan>", num_layers: int | None = Non
                                             f"{plan.optimizer.placement!r}")
     if plan.precision not in PRECISIONS:
         raise err("precision", f"expected one of {', '.join(PRECISIONS)}, got {plan.precision!r}")
+    _validate_shard(plan, err)
     if plan.schedule == "zb-h1" and plan.recompute:
         raise err("recompute", "expected false with schedule \"zb-h1\" (recomputing for a split "
                                "backward is not supported)")
@@ -417,6 +422,34 @@ def _validate_mode(plan: Plan, err) -> None:
                                    f"in memory); got {', '.join(plan.devices)}")
 
 
+def _validate_shard(plan: Plan, err) -> None:
+    """Sharding (ZeRO stages 1-3) needs what it shards over: two or more synchronous replicas
+    whose stages hold the same layers (stage j's shard group is stage j of every replica), each
+    stage on one device, the optimizer on the devices."""
+    if plan.shard not in SHARD_STAGES:
+        raise err("shard.stage", f"expected one of {', '.join(map(str, SHARD_STAGES))}, got {plan.shard!r}")
+    if plan.shard == 0:
+        return
+    why = f"with shard.stage {plan.shard}"
+    if len(plan.replicas) < 2:
+        raise err("shard.stage", f"expected two or more replicas to shard over {why}, got {len(plan.replicas)}")
+    if plan.sync.mode != "sync":
+        raise err("sync.mode", f"expected \"sync\" {why}, got {plan.sync.mode!r}")
+    if plan.optimizer.placement != "device":
+        raise err("optimizer.placement", f"expected \"device\" {why} (sharded state on the host is not "
+                                         f"supported yet), got {plan.optimizer.placement!r}")
+    layers = [tuple(st.layers for st in r.stages) for r in plan.replicas]
+    for i, rep in enumerate(plan.replicas):
+        if layers[i] != layers[0]:
+            raise err(f"replicas[{i}].stages", f"expected the layers of replicas[0]'s stages {why} "
+                                               f"({[list(x) for x in layers[0]]}), got {[list(x) for x in layers[i]]}")
+        for j, st in enumerate(rep.stages):
+            if st.split:
+                raise err(f"replicas[{i}].stages[{j}].devices", f"expected one device a stage {why}")
+            if st.offload_activations:
+                raise err(f"replicas[{i}].stages[{j}].offload_activations", f"expected false {why}")
+
+
 def _validate_pipedream(plan: Plan, err) -> None:
     """PipeDream and 2BW run one pipeline (1F1B without flush) whose stages update their own
     weights on the device; what this version does not combine with them is refused."""
@@ -500,10 +533,16 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
                            cpu_cores=t.get("cpu_cores", int, default=None, check=lambda v: v >= 1,
                                            expected="a positive integer"))
     pred = _read_predicted(r.sub("predicted")) if r.has("predicted") else None
+    shard = 0
+    if r.has("shard"):
+        sh = r.sub("shard")
+        sh.only(_FIELDS["shard"])
+        shard = sh.get("stage", int, check=lambda v: v in SHARD_STAGES,
+                       expected=f"one of {', '.join(map(str, SHARD_STAGES))}")
     plan = Plan(model=model, global_batch=r.get("global_batch", int), replicas=tuple(replicas),
                 schedule=r.get("schedule", str, default="1f1b"), sync=sync, optimizer=opt,
                 recompute=r.get("recompute", bool, default=False),
-                precision=r.get("precision", str, default="fp32"), topology=topo, predicted=pred)
+                precision=r.get("precision", str, default="fp32"), shard=shard, topology=topo, predicted=pred)
     validate_plan(plan, file)
     return plan
 
@@ -512,8 +551,9 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
 # `predicted`'s extras (baselines, search, time_to_loss, ...) are free-form
 _FIELDS = {
     "": ("schema", "model", "global_batch", "topology", "replicas", "schedule", "sync", "optimizer",
-         "recompute", "precision", "predicted"),
+         "recompute", "precision", "shard", "predicted"),
     "model": ("spec", "args", "layers"),
+    "shard": ("stage",),
     "replica": ("batch_fraction", "microbatches", "stages"),
     "stage": ("device", "devices", "layers", "offload_activations"),
     "share": ("device", "share"),
@@ -601,6 +641,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["optimizer"]["args"] = {k: list(v) if isinstance(v, tuple) else v for k, v in plan.optimizer.args}
     out["recompute"] = plan.recompute
     out["precision"] = plan.precision
+    if plan.shard:                     # an unsharded plan's file stays as before sharding existed
+        out["shard"] = {"stage": plan.shard}
     if plan.predicted is not None:
         pr = plan.predicted
         out["predicted"] = {"iteration_s": pr.iteration_s,
@@ -641,4 +683,4 @@ def plan_key(plan: Plan) -> str:
 
 __all__ = ["Plan", "Replica", "Stage", "Share", "Sync", "Optimizer", "ModelRef", "TopologyRef", "Predicted",
            "validate_plan", "check_batch", "MAX_GLOBAL_BATCH", "min_microbatches", "plan_from_dict", "plan_to_dict", "load_plan", "save_plan",
-           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "SYNC_MODES", "PIPEDREAM_MODES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS"]
+           "plan_key", "InputError", "SCHEDULES", "GRANULARITIES", "SYNC_MODES", "PIPEDREAM_MODES", "OPTIMIZERS", "PLACEMENTS", "PRECISIONS", "SHARD_STAGES"]
