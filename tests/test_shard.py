@@ -10,7 +10,14 @@ import pytest
 
 from equivalence import assert_params_match
 from hetplan.planner.files.io import InputError
+import dataclasses
+
+from hetplan.planner.cost.memory import peak_memory
 from hetplan.planner.files.plan import plan_from_dict
+from hetplan.planner.sim.bound import lower_bound_s
+from hetplan.planner.sim.simulator import Simulator, simulate
+from simhelpers import device, graph, layer, link, topology
+from simhelpers import plan as sim_plan
 from test_cli_inputs import one_error_line
 from test_train import _hetplan, plan, reference, train
 
@@ -36,7 +43,7 @@ def test_shard_is_validated_with_one_line(tmp_path):
         with pytest.raises(InputError) as e:
             plan_from_dict(p, "p.json")
         assert all(n in str(e.value) for n in needles) and "\n" not in str(e.value), str(e.value)
-    refused({**plan(EQUAL), "shard": {"stage": 4}}, "p.json: shard.stage", "expected one of 0, 1, 2, 3")
+    refused({**plan(EQUAL), "shard": {"stage": 3}}, "p.json: shard.stage", "expected one of 0, 1, 2", "stage 3")
     refused({**plan(EQUAL), "shard": {"level": 1}}, "p.json: shard.level", "unknown field")
     refused({**plan(EQUAL), "shard": 1}, "p.json: shard", "expected an object")
     refused(sharded([(1.0, 1, [("cpu:0", (0, 4))])]), "shard.stage", "two or more replicas")
@@ -44,14 +51,46 @@ def test_shard_is_validated_with_one_line(tmp_path):
             "replicas[1].stages", "expected the layers of replicas[0]'s stages")
     refused({**sharded(EQUAL), "optimizer": {"name": "adam", "lr": 0.01, "placement": "cpu"}},
             "optimizer.placement", "expected \"device\"")
-    assert plan_from_dict(sharded(EQUAL, 3), "p.json").shard == 3
+    assert plan_from_dict(sharded(EQUAL, 2), "p.json").shard == 2
 
 
 def test_what_does_not_run_yet_is_one_line_exit_2(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps(sharded(EQUAL, 3)))
+    path.write_text(json.dumps(sharded(EQUAL, 2)))
     one_error_line(_hetplan("run", path, "--steps", 2), "shard.stage", "not run in this version")
     path.write_text(json.dumps(sharded(EQUAL, 1)))
     one_error_line(_hetplan("run", path, "--steps", 2, "--checkpoint-dir", tmp_path / "ck"),
                    "shard.stage", "checkpoints of sharded optimizer state")
     assert not (tmp_path / "ck").exists()
+
+
+def test_zero1_steps_half_and_gathers_the_parameters_after():
+    # 2 replicas of 3 and 1 samples; layer: 1e9 fwd / 2e9 bwd FLOPs at batch 4: replica 0 takes
+    # 2.25 s. Gradient all-reduce 2 * 1 * 0.01 + 1e6 / 1e6 = 1.02 s; SGD on 1e6 B at 1e8 B/s:
+    # 0.03 s. ZeRO-1: each steps half (0.015 s), then the all-gather: half an all-reduce, 0.51 s
+    g = graph([layer(0, param_bytes=10**6)], batch=4)
+    t = topology([device("cuda:0", mem_bw=1e8), device("cuda:1", mem_bw=1e8)],
+                 [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    p = sim_plan([(0.75, 1, [("cuda:0", 0, 1)]), (0.25, 1, [("cuda:1", 0, 1)])], 4, granularity="coarse")
+    assert simulate(p, g, t).iteration_s == pytest.approx(2.25 + 1.02 + 0.03, rel=1e-12)
+    z = dataclasses.replace(p, shard=1)
+    r = simulate(z, g, t)
+    assert r.iteration_s == pytest.approx(2.25 + 1.02 + 0.015 + 0.51, rel=1e-12)
+    assert r.per_device["cuda:1"]["optimizer_s"] == pytest.approx(0.015, rel=1e-12)
+    assert r.per_device["cuda:1"]["comm_s"] == pytest.approx(1.02 + 0.51, rel=1e-12)
+    assert lower_bound_s(Simulator(g, t), z) <= r.iteration_s
+
+
+def test_peak_memory_per_stage_hand_computed():
+    # 4 layers of 1e6 B, Adam (state 2x), 2 replicas. Stage 0: 4 + 4 + 8 = 16e6. Stage 1: state
+    # halved, 4 + 4 + 4 = 12e6. Stage 2: gradients half plus the largest layer's whole ones,
+    # 4 + (2 + 1) + 4 = 11e6. One layer alone: its whole gradients are the peak (1e6, not 1.5e6)
+    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=4)
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1")])
+    p = sim_plan([(0.5, 1, [("cuda:0", 0, 4)]), (0.5, 1, [("cuda:1", 0, 4)])], 4, optimizer="adam")
+    assert peak_memory(p, g, t) == {"cuda:0": 16e6, "cuda:1": 16e6}
+    assert peak_memory(dataclasses.replace(p, shard=1), g, t) == {"cuda:0": 12e6, "cuda:1": 12e6}
+    assert peak_memory(dataclasses.replace(p, shard=2), g, t) == {"cuda:0": 11e6, "cuda:1": 11e6}
+    g1 = graph([layer(0, param_bytes=10**6)], batch=4)
+    p1 = sim_plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4, optimizer="adam")
+    assert peak_memory(dataclasses.replace(p1, shard=2), g1, t)["cuda:0"] == 1e6 + 1e6 + 1e6

@@ -43,10 +43,10 @@ microbatches, stage index s):
 * shard (ZeRO stage k over the N replicas; stage j of each holds the same layers): equal shards,
   1/N each, whatever the batch shares (the collectives move equal chunks; sharding is for memory,
   the shares for speed). Stage 1: 1/N of the optimizer state. Stage 2: also 1/N of the
-  gradients, plus one layer's whole gradients (reduce-scattered one layer at a time). Stage 3:
-  also 1/N of the parameters, plus two layers' whole parameters (the one computing and the next,
-  gathered ahead) and the one layer's whole gradients. The largest layer of the stage stands for
-  "one layer".
+  gradients, plus the stage's largest layer's whole gradients (reduce-scattered a layer at a
+  time). Stage 1 runs on torch's ZeroRedundancyOptimizer, which keeps whole tensors balanced by
+  size: 1/N is exact for many equal tensors (transformer blocks), not for a model of one large
+  tensor.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -164,7 +164,7 @@ def held_param_bytes(st: Stage, graph: ModelGraph) -> list[tuple[str, float]]:
 def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]]:
     """(parameter bytes, parameter tensors) each device's optimizer step updates: its stages'
     (several under interleaving), or under a tensor split its share of the split stage's bytes
-    over all of that stage's tensors."""
+    over all of that stage's tensors; sharded (`plan.shard`), 1/N of them."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     split: dict[str, tuple[float, int]] = {}
     for rep in plan.replicas:
@@ -176,9 +176,13 @@ def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]
                     ranges.setdefault(dev, [])
             else:
                 ranges.setdefault(st.device, []).append(st.layers)
-    return {dev: split.get(dev) or ((graph.stage_param_bytes(*rs[0]) if len(rs) == 1 else graph.device_param_bytes(rs)),
-                                    sum(graph.stage_param_tensors(a, b) for a, b in rs))
-            for dev, rs in ranges.items()}
+    out = {dev: split.get(dev) or ((graph.stage_param_bytes(*rs[0]) if len(rs) == 1 else graph.device_param_bytes(rs)),
+                                   sum(graph.stage_param_tensors(a, b) for a, b in rs))
+           for dev, rs in ranges.items()}
+    if plan.shard:      # each of the N replicas steps its 1/N (validated: one stage a device)
+        k = len(plan.replicas)
+        out = {dev: (n / k, max(1, -(-n_t // k))) for dev, (n, n_t) in out.items()}
+    return out
 
 
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
@@ -209,9 +213,8 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
             copies = stashed_versions(plan, len(rep.stages), s) * params
             if plan.shard:
                 n, layer = len(plan.replicas), float(max(graph.layers[i].param_bytes for i in range(st.start, st.end)))
-                weights = params / n + 2 * layer if plan.shard == 3 else params
-                grads = params / n + layer if plan.shard >= 2 else params
-                out[st.device] = out.get(st.device, 0.0) + weights + grads + acts + state_ratio * params / n
+                grads = min(params, params / n + layer) if plan.shard == 2 else params
+                out[st.device] = out.get(st.device, 0.0) + params + grads + acts + state_ratio * params / n
                 continue
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
             if st.offload_activations:

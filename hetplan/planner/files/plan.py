@@ -26,8 +26,9 @@ OPTIMIZERS = ("sgd", "adam")
 PLACEMENTS = ("device", "cpu", "split")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (hetplan.planner.workload.precision)
 # "shard": {"stage": N}: what the data-parallel replicas of a stage keep 1/N of, ZeRO's stages
-SHARD_STAGES = {0: "nothing", 1: "optimizer state", 2: "optimizer state and gradients",
-                3: "optimizer state, gradients and parameters"}
+# (stage 3, parameters too, is not priced or run in this version)
+SHARD_STAGES = {0: "nothing", 1: "optimizer state", 2: "optimizer state and gradients"}
+SHARD_LATER = " (stage 3, parameters sharded too, is not supported in this version)"
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 MAX_THREADS = 65536                # a CPU worker's intra-op threads (plan and topology files; torch takes a C int)
 MAX_GLOBAL_BATCH = 2**20           # samples per iteration (plan files and --batch): a larger batch
@@ -423,11 +424,11 @@ def _validate_mode(plan: Plan, err) -> None:
 
 
 def _validate_shard(plan: Plan, err) -> None:
-    """Sharding (ZeRO stages 1-3) needs what it shards over: two or more synchronous replicas
+    """Sharding (ZeRO stages 1 and 2) needs what it shards over: two or more synchronous replicas
     whose stages hold the same layers (stage j's shard group is stage j of every replica), each
     stage on one device, the optimizer on the devices."""
     if plan.shard not in SHARD_STAGES:
-        raise err("shard.stage", f"expected one of {', '.join(map(str, SHARD_STAGES))}, got {plan.shard!r}")
+        raise err("shard.stage", f"expected one of {', '.join(map(str, SHARD_STAGES))}{SHARD_LATER}, got {plan.shard!r}")
     if plan.shard == 0:
         return
     why = f"with shard.stage {plan.shard}"
@@ -538,7 +539,7 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
         sh = r.sub("shard")
         sh.only(_FIELDS["shard"])
         shard = sh.get("stage", int, check=lambda v: v in SHARD_STAGES,
-                       expected=f"one of {', '.join(map(str, SHARD_STAGES))}")
+                       expected=f"one of {', '.join(map(str, SHARD_STAGES))}{SHARD_LATER}")
     plan = Plan(model=model, global_batch=r.get("global_batch", int), replicas=tuple(replicas),
                 schedule=r.get("schedule", str, default="1f1b"), sync=sync, optimizer=opt,
                 recompute=r.get("recompute", bool, default=False),

@@ -119,7 +119,7 @@ class Builder:
         self.ddp = runs_on_ddp(plan)        # else GradSync, which also copies the sums back
         # what a replica's values depend on beside the replica and its buckets (replica_values)
         self.values_key = (plan.schedule, plan.sync.mode, plan.recompute, plan.optimizer.name, self.ddp,
-                           plan.optimizer.clip_grad_norm is not None)
+                           plan.optimizer.clip_grad_norm is not None, plan.shard)
 
     def build(self) -> None:
         self.plan_devices()
@@ -591,6 +591,7 @@ class Builder:
         opt, placement = self.plan.optimizer.name, self.plan.optimizer.placement
         f = self.plan.optimizer.cpu_fraction if placement == "split" else None
         steps: list[int] = []
+        stepped: dict[str, int] = {}
         for dev, (n, n_t) in stepped_params(self.plan, graph).items():
             if n <= 0:
                 continue
@@ -622,7 +623,26 @@ class Builder:
             else:
                 t = self.optimizer_task(dev, f"{opt} step", step, deps)
             steps.append(t)
-        return steps
+            stepped[dev] = t
+        return self.parameter_gathers(stepped) if self.plan.shard else steps
+
+    def parameter_gathers(self, stepped: dict[str, int]) -> list[int]:
+        """Sharded (ZeRO): each replica stepped 1/N of a stage's parameters; one all-gather per
+        stage of its replicas gives every one all of them, after all their steps (a ring
+        all-gather: half of an all-reduce of the stage's bytes). Returns the gathers."""
+        g, graph, out = self.g, self.sim.graph, []
+        for j, st in enumerate(self.plan.replicas[0].stages):
+            devices = tuple(rep.stages[j].device for rep in self.plan.replicas)
+            res, d = self.sim.allreduce(devices, graph.stage_param_bytes(st.start, st.end))
+            d_k = g.value(Const(d / 2))
+            t = g.add(d_k, res, [stepped[dev] for dev in devices if dev in stepped],
+                      TaskMeta(f"parameter all-gather stage {j}", "+".join(devices), "allreduce")
+                      if self.tracing else None)
+            g.sync_res.update(res)
+            for dev in devices:
+                g.count(dev, "comm_s", d_k)
+            out.append(t)
+        return out
 
     def copy_back(self, dev: str, deps: list[int]) -> list[int]:
         """GradSync writes the all-reduced buckets back into the gradients once it has waited
