@@ -23,6 +23,7 @@ from test_train import _hetplan, plan, reference, train
 
 EQUAL = [(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])]
 UNEQUAL = [(0.25, 1, [("cpu:0", (0, 4))]), (0.75, 3, [("cpu:1", (0, 4))])]
+THREE = [(1 / 3, 1, [(f"cpu:{i}", (0, 4))]) for i in range(3)]     # 4 samples each; tensors of 10 split 4/4/2
 PIPELINES = [(0.5, 2, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))]), (0.5, 2, [("cpu:2", (0, 2)), ("cpu:3", (2, 4))])]
 
 
@@ -30,12 +31,25 @@ def sharded(replicas, stage: int = 1) -> dict:
     return {**plan(replicas), "shard": {"stage": stage}}
 
 
-@pytest.mark.parametrize("replicas", [EQUAL, UNEQUAL, PIPELINES], ids=["equal", "unequal", "pipelines"])
+@pytest.mark.parametrize("replicas", [EQUAL, UNEQUAL, THREE, PIPELINES], ids=["equal", "unequal", "three", "pipelines"])
 def test_zero1_trains_like_one_device(tmp_path, replicas):
     rows, params = train(tmp_path, sharded(replicas), steps=6)
     ref = reference(6, {"name": "adam", "lr": 0.01})
     assert [r["loss"] for r in rows] == pytest.approx(ref.losses, rel=1e-5)
     assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_each_replica_keeps_a_third_of_the_adam_state(tmp_path):
+    def state(p: dict, name: str) -> dict[str, int]:
+        path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.m.json"
+        path.write_text(json.dumps(p))
+        assert _hetplan("run", path, "--iters", 2, "-o", out).returncode == 0
+        return {d: v["optimizer_state_bytes"] for d, v in json.loads(out.read_text())["per_device"].items()}
+    whole = state(plan(THREE), "whole")
+    third = state(sharded(THREE), "third")
+    # Adam: two moments of each parameter (+ a step counter per tensor); slices of 10, 16, 784·16, ...
+    assert sum(third.values()) == pytest.approx(whole["cpu:0"], rel=0.01)
+    assert all(v == pytest.approx(whole["cpu:0"] / 3, rel=0.01) for v in third.values()), third
 
 
 def test_shard_is_validated_with_one_line(tmp_path):
@@ -51,6 +65,8 @@ def test_shard_is_validated_with_one_line(tmp_path):
             "replicas[1].stages", "expected the layers of replicas[0]'s stages")
     refused({**sharded(EQUAL), "optimizer": {"name": "adam", "lr": 0.01, "placement": "cpu"}},
             "optimizer.placement", "expected \"device\"")
+    refused({**sharded(EQUAL), "optimizer": {"name": "adam", "lr": 0.01, "torch_class": "LBFGS"}},
+            "optimizer.torch_class", "element-wise")
     assert plan_from_dict(sharded(EQUAL, 2), "p.json").shard == 2
 
 

@@ -67,7 +67,7 @@ def stop_on_signals():
 
 
 def check_shard_runs(plan: Plan, file: str) -> None:
-    """The runtime runs ZeRO stage 1 (torch's ZeroRedundancyOptimizer) of one-device stages that
+    """The runtime runs ZeRO stage 1 (hetplan.runtime.optim.ShardedStep) of one-device stages that
     are not interleaved; stage 2 is priced but not run yet."""
     if plan.shard >= 2:
         raise InputError(f"{file}: shard.stage: {plan.shard} is priced by plan and compare but not run in "

@@ -8,7 +8,11 @@ tensors of the stage (hetplan.planner.cost.model.split_host_count: cpu_fraction 
 tensors) while the device updates the others: the device's update is queued after the gradient
 copies and runs while the host CPU updates its part. For a stage on a CPU device both are the
 same as "device" (nothing to move).
-Not modelled: ZeRO's overlap of the copies with backward, and partitioning of optimizer state.
+Sharded (plan `shard`, ZeRO stage 1: `ShardedStep`): each of the N replicas of a stage steps an
+equal 1/N slice of every parameter tensor (views into the parameters) and keeps only that
+slice's optimizer state; one all-gather per step gives every replica the whole update. Exact for
+element-wise optimizers (`ELEMENTWISE`), which the plan's validation asks for.
+Not modelled: ZeRO's overlap of the copies with backward.
 """
 from __future__ import annotations
 
@@ -38,21 +42,16 @@ class StageOptimizer:
 
     def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice,
                  shard_group=None):
-        """`shard_group`: the process group of the replicas holding these parameters, whose ranks
-        each step and keep the state of a part of them (ZeRO stage 1, torch's
-        ZeroRedundancyOptimizer: whole tensors, balanced by size, broadcast after the step)."""
+        """`shard_group`: the process group of the replicas holding these parameters; each rank
+        steps and keeps the state of 1/N of them (`ShardedStep`)."""
         self.params = [p for p in params if p.requires_grad]
         self.device = device
         k = host_count(self.params, spec, device)
         self.on_device, self.on_host = self.params[:len(self.params) - k], self.params[len(self.params) - k:]
         self.master = [self._host_copy(p).requires_grad_(True) for p in self.on_host]
         self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.on_host]
-        self.device_opt = _make(self.on_device, spec)
-        if shard_group is not None and self.device_opt is not None:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            base = self.device_opt
-            self.device_opt = ZeroRedundancyOptimizer(self.on_device, optimizer_class=type(base),
-                                                      process_group=shard_group, **base.defaults)
+        self.sharded = ShardedStep(self.on_device, shard_group) if shard_group is not None else None
+        self.device_opt = _make(self.sharded.slices if self.sharded else self.on_device, spec)
         self.host_opt = _make(self.master, spec)
 
     def _host_copy(self, p: torch.Tensor) -> torch.Tensor:
@@ -73,7 +72,12 @@ class StageOptimizer:
                 m.grad = g.copy_(p.grad, non_blocking=True)
         copied = self.device.event()
         copied.record()
-        if self.device_opt is not None:
+        if self.sharded is not None:                        # every rank gathers, even one with no slice
+            self.sharded.take_grads()
+            if self.device_opt is not None:
+                self.device_opt.step()
+            self.sharded.gather()
+        elif self.device_opt is not None:
             self.device_opt.step()                          # queued on the device
         if self.host_opt is None:
             return
@@ -86,7 +90,50 @@ class StageOptimizer:
         """Bytes of optimizer state (Adam moments; master copies of the host's part)."""
         n = 0
         for opt in (self.device_opt, self.host_opt):
-            opt = getattr(opt, "optim", opt)      # ZeroRedundancyOptimizer: this rank's part
             for st in (opt.state.values() if opt is not None else ()):
                 n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
         return n + sum(m.numel() * m.element_size() for m in self.master)
+
+
+class ShardedStep:
+    """ZeRO stage 1 over `group`'s N ranks: rank k steps elements [k·c, (k+1)·c) of every
+    parameter tensor (c = ceil(numel / N), the last slices shorter or empty), through views that
+    share the parameters' storage; `gather()` all-gathers every rank's slices (one collective)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group):
+        import torch.distributed as dist
+        self.params, self.group = params, group
+        self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
+        self.chunk = [-(-p.numel() // self.n) for p in params]
+        self.spans = [(min(self.k * c, p.numel()), min((self.k + 1) * c, p.numel()))
+                      for p, c in zip(params, self.chunk)]
+        self.mine = [i for i, (a, b) in enumerate(self.spans) if b > a]
+        # leaves (no autograd history) sharing the parameters' storage: the optimizer's params
+        self.slices = [params[i].detach().view(-1)[slice(*self.spans[i])] for i in self.mine]
+        self.send = torch.empty(sum(self.chunk), dtype=params[0].dtype if params else torch.float32,
+                                device=params[0].device if params else "cpu")
+
+    def take_grads(self) -> None:
+        """Each slice's gradient: the same elements of its parameter's (synced) gradient."""
+        for s, i in zip(self.slices, self.mine):
+            g = self.params[i].grad
+            s.grad = None if g is None else g.view(-1)[slice(*self.spans[i])]
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        import torch.distributed as dist
+        at = 0
+        for p, c, (a, b) in zip(self.params, self.chunk, self.spans):
+            self.send[at:at + b - a].copy_(p.view(-1)[a:b])
+            at += c
+        recv = [torch.empty_like(self.send) for _ in range(self.n)]
+        dist.all_gather(recv, self.send, group=self.group)
+        for r, buf in enumerate(recv):
+            if r == self.k:
+                continue
+            at = 0
+            for p, c in zip(self.params, self.chunk):
+                a, b = min(r * c, p.numel()), min((r + 1) * c, p.numel())
+                p.view(-1)[a:b].copy_(buf[at:at + b - a])
+                at += c
+

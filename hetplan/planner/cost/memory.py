@@ -44,9 +44,7 @@ microbatches, stage index s):
   1/N each, whatever the batch shares (the collectives move equal chunks; sharding is for memory,
   the shares for speed). Stage 1: 1/N of the optimizer state. Stage 2: also 1/N of the
   gradients, plus the stage's largest layer's whole gradients (reduce-scattered a layer at a
-  time). Stage 1 runs on torch's ZeroRedundancyOptimizer, which keeps whole tensors balanced by
-  size: 1/N is exact for many equal tensors (transformer blocks), not for a model of one large
-  tensor.
+  time). The runtime's slices (hetplan.runtime.optim.ShardedStep) are 1/N of every tensor.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.

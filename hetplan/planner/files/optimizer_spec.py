@@ -29,6 +29,11 @@ def torch_class(name: str):
     return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
 
 
+# torch.optim classes whose update of an element needs only that element (and its state): a
+# sharded step (plan `shard`, hetplan.runtime.optim.ShardedStep) updates slices of tensors exactly
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
+
+
 def priced_as(class_name: str) -> str:
     """The cost family ("sgd" or "adam") of a torch.optim class."""
     cls = torch_class(class_name)

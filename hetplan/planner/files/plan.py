@@ -439,6 +439,11 @@ def _validate_shard(plan: Plan, err) -> None:
     if plan.optimizer.placement != "device":
         raise err("optimizer.placement", f"expected \"device\" {why} (sharded state on the host is not "
                                          f"supported yet), got {plan.optimizer.placement!r}")
+    from hetplan.planner.files.optimizer_spec import ELEMENTWISE, DEFAULT_CLASS
+    cls = plan.optimizer.torch_class or DEFAULT_CLASS.get(plan.optimizer.name)
+    if cls is not None and cls.split(".")[-1] not in ELEMENTWISE:
+        raise err("optimizer.torch_class", f"expected an element-wise optimizer {why} (each replica steps "
+                                           f"slices of the tensors): one of {', '.join(ELEMENTWISE)}; got {cls!r}")
     layers = [tuple(st.layers for st in r.stages) for r in plan.replicas]
     for i, rep in enumerate(plan.replicas):
         if layers[i] != layers[0]:
