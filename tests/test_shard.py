@@ -110,3 +110,26 @@ def test_peak_memory_per_stage_hand_computed():
     g1 = graph([layer(0, param_bytes=10**6)], batch=4)
     p1 = sim_plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4, optimizer="adam")
     assert peak_memory(dataclasses.replace(p1, shard=2), g1, t)["cuda:0"] == 1e6 + 1e6 + 1e6
+
+
+def test_where_replicated_data_parallel_does_not_fit_the_search_shards_and_beats_the_pipeline():
+    # 6 layers of 1 GB, Adam, two equal GPUs of 20 GB: replicated, each holds 6 + 6 + 12 GB
+    # (infeasible); ZeRO-1 6 + 6 + 6 GB; a 2-stage pipeline 3 + 3 + 6 GB, but with a bubble
+    import random
+
+    from hetplan.planner.search.mcmc import SearchConfig, search
+    from hetplan.planner.search.problem import make_space, replicated_fits, simulator_problem
+    from hetplan.planner.files.plan import ModelRef
+    from test_search import two_gpus, uniform_graph
+    graph, topo = uniform_graph(param_bytes=1e9), two_gpus(1.0, memory_bytes=20e9)
+    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "adam", 1e-3)
+    assert not replicated_fits(space, graph, topo)
+    assert replicated_fits(space, uniform_graph(param_bytes=1e8), topo)     # 2.4 GB: no sharding drawn
+    space = dataclasses.replace(space, shard_choices=(0, 1))
+    result = search(simulator_problem(Simulator(graph, topo), space), random.Random(0),
+                    SearchConfig(iterations=200, time_limit_s=60))
+    best = result.best.plan
+    assert best.shard == 1 and len(best.replicas) == 2 and all(len(r.stages) == 1 for r in best.replicas)
+    named = {c.name: c for c in result.baselines}
+    assert not named["data parallel, equal shares"].feasible and named["data parallel, ZeRO-1"].feasible
+    assert result.best.iteration_s < named["balanced pipeline"].iteration_s

@@ -15,6 +15,7 @@ than data parallelism):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
 from hetplan.planner.search.space import Pipeline, Space, Strategy, realise_microbatches
@@ -113,6 +114,9 @@ def baseline_strategies(space: Space, single_s: dict[str, float], shares: dict[s
         out.append(("data parallel, equal shares", dp, proportional_batches(B, [1.0] * len(devs), [1] * len(devs))))
         speed = [1.0 / single_s[d] for d in devs]
         out.append(("data parallel, proportional shares", dp, proportional_batches(B, speed, [1] * len(devs))))
+        if 1 in space.shard_choices:      # replicated data parallel does not fit: what DeepSpeed users run
+            out.append(("data parallel, ZeRO-1", replace(dp, shard=1),
+                        proportional_batches(B, [1.0] * len(devs), [1] * len(devs))))
     gpus = [d for d in space.devices if space.kinds[d] == "cuda"][:B]
     if 1 < len(gpus) < len(space.devices):
         # what most users run on a GPU server: DDP over the GPUs, CPUs idle

@@ -631,7 +631,7 @@ def _chain(searcher: Searcher, start: Candidate, t0: float, index: int, seed: in
 def search_key(plan: Plan) -> tuple:
     """What tells a search's plans apart (they share one model and topology; no prediction)."""
     return (plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer, plan.recompute,
-            plan.precision)
+            plan.precision, plan.shard)
 
 
 def walk_cost(t: float, feasible: bool, ratio: float) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from hetplan.planner.cost.model import RooflineCost, device_record
@@ -18,7 +18,7 @@ from hetplan.planner.cost.timing import cost_model, measured_here
 from hetplan.planner.files.plan import Plan
 from hetplan.planner.search.baselines import device_order
 from hetplan.planner.search.mcmc import Candidate, Problem, Searcher
-from hetplan.planner.search.space import Space
+from hetplan.planner.search.space import Pipeline, Space, Strategy, to_plan
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,22 @@ def plan_problem(workload, model, global_batch: int, topology, optimizer_name: s
     first = sims[precisions[0]].graph
     space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions,
                        tensor_split=bool(first.pairs))
+    if not replicated_fits(space, first, topology):
+        space = replace(space, shard_choices=(0, 1))
     return first, simulator_problem(ByPrecision(sims), space)
+
+
+def replicated_fits(space: Space, graph, topology) -> bool:
+    """Whether plain data parallel over every device (equal shares) fits in memory: where it does
+    not, the search may shard (ZeRO stage 1)."""
+    from hetplan.planner.cost.memory import feasible, peak_memory
+    from hetplan.planner.search.baselines import proportional_batches
+    devs = space.devices[:space.global_batch]
+    if len(devs) < 2:
+        return True
+    dp = Strategy(tuple(Pipeline((d,), ()) for d in devs), precision=space.precisions[0])
+    plan = to_plan(space, dp, proportional_batches(space.global_batch, [1.0] * len(devs), [1] * len(devs)))
+    return feasible(peak_memory(plan, graph, topology), topology)
 
 
 def plan_baselines(plan: Plan, topology, file: str = "<plan>") -> list[Candidate]:

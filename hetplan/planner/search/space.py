@@ -53,6 +53,8 @@ class Space:
                                            # interleaved ones with v = 2 virtual stages per device
     tensor_split: bool = False             # the model has linear pairs to split between devices
                                            # (ModelGraph.pairs): the tensor move is drawn
+    shard_choices: tuple[int, ...] = (0,)  # ZeRO stages the walk may draw (plan `shard`): (0, 1)
+                                           # where replicated data parallel does not fit
 
     @property
     def has_gpu(self) -> bool:
@@ -110,6 +112,7 @@ class Strategy:
     tensor: tuple[tuple[str, float], ...] = ()   # (device, share): stage `tensor_stage` of the
                                            # one pipeline split between them, its device first
     tensor_stage: int = 0
+    shard: int = 0                         # ZeRO stage over the pipelines (all alike)
 
     @property
     def used(self) -> frozenset[str]:
@@ -173,7 +176,7 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
                 sync=Sync(s.granularity, s.bucket_bytes),
                 optimizer=Optimizer(space.optimizer_name, space.lr, s.placement,
                                           s.cpu_fraction if s.placement == "split" else None),
-                recompute=s.recompute, precision=s.precision)
+                recompute=s.recompute, precision=s.precision, shard=s.shard)
 
 
 def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
@@ -184,7 +187,7 @@ def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:
                  plan.optimizer.placement, plan.recompute, plan.precision, plan.optimizer.cpu_fraction,
                  any(st.offload_activations for r in plan.replicas for st in r.stages),
                  *next(((tuple((x.device, x.share) for x in st.split), k) for r in plan.replicas
-                        for k, st in enumerate(r.stages) if st.split), ((), 0)))
+                        for k, st in enumerate(r.stages) if st.split), ((), 0)), plan.shard)
     return s, tuple(plan.replica_batches())
 
 
@@ -221,6 +224,8 @@ def fits(space: Space, s: Strategy) -> bool:
         return False
     if s.tensor and not _tensor_fits(s):
         return False
+    if s.shard and not _shard_fits(s):
+        return False
     for p in s.pipelines:
         if len(p.cuts) != len(p.devices) - 1 or not p.devices or not _layout_ok(p, s.schedule):
             return False
@@ -228,6 +233,15 @@ def fits(space: Space, s: Strategy) -> bool:
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             return False
     return sum(min_batch(p, s.schedule) for p in s.pipelines) <= space.global_batch
+
+
+def _shard_fits(s: Strategy) -> bool:
+    """Sharding as the plan file allows it: two or more pipelines cut alike over as many
+    devices, the optimizer on the devices, no tensor split, offload or interleaving."""
+    first = s.pipelines[0]
+    return (len(s.pipelines) >= 2 and all(p.cuts == first.cuts and len(p.devices) == len(first.devices)
+                                          for p in s.pipelines)
+            and s.placement == "device" and not s.tensor and not s.offload and s.schedule != "interleaved-1f1b")
 
 
 def _tensor_fits(s: Strategy) -> bool:
@@ -409,6 +423,8 @@ def toggle_global(space: Space, s: Strategy, rng: random.Random) -> Strategy | N
         options += (("cpu_fraction", space.cpu_fractions),)
     if len(space.offload_choices) > 1:
         options += (("offload", space.offload_choices),)
+    if len(space.shard_choices) > 1:     # else the walk draws exactly as before sharding existed
+        options += (("shard", space.shard_choices),)
     name, choices = rng.choice(options)
     v = _other(tuple(choices), getattr(s, name), rng)
     if v is None:
@@ -424,7 +440,8 @@ def global_neighbours(space: Space, s: Strategy) -> list[Strategy]:
     also under each other schedule: the neighbourhood the search's final descent tries in full."""
     options = [("schedule", space.schedules), ("granularity", space.granularities),
                ("bucket_bytes", space.bucket_choices_bytes), ("recompute", space.recompute_choices),
-               ("precision", space.precisions), ("offload", space.offload_choices)]
+               ("precision", space.precisions), ("offload", space.offload_choices),
+               ("shard", space.shard_choices)]
     if s.placement == "split":
         options.append(("cpu_fraction", space.cpu_fractions))
     out = [replace(s, **{name: v}) for name, choices in options for v in choices if v != getattr(s, name)]

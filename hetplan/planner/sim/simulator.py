@@ -122,6 +122,7 @@ class ShapeKey(NamedTuple):
     optimizer: str
     placement: tuple       # (placement, cpu_fraction)
     recompute: bool
+    shard: int             # plan.shard (ZeRO stage)
     delta: bool            # a delta build (hetplan.planner.sim.delta)
     like: tuple[int, ...] | None
 
@@ -134,6 +135,7 @@ class ResultKey(NamedTuple):
     sync: Any
     optimizer: Any
     recompute: bool
+    shard: int
 
 
 class PrecisionMismatch(RuntimeError):
@@ -249,7 +251,7 @@ class Simulator:
         where it does not apply); built afresh when tracing."""
         key = ShapeKey(tuple((rep.microbatches, rep.stages) for rep in plan.replicas), plan.schedule,
                        plan.sync, plan.optimizer.name,
-                       (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, delta, like)
+                       (plan.optimizer.placement, plan.optimizer.cpu_fraction), plan.recompute, plan.shard, delta, like)
         g = None if trace else self._shapes.get(key)
         if g is None:
             g = self._delta_build(plan) if delta else self._whole_build(plan, trace, like)
@@ -487,7 +489,8 @@ class Simulator:
 
     @staticmethod
     def _key(plan: Plan) -> "ResultKey":
-        return ResultKey(plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer, plan.recompute)
+        return ResultKey(plan.global_batch, plan.replicas, plan.schedule, plan.sync, plan.optimizer, plan.recompute,
+                         plan.shard)
 
     def _check_precision(self, plan: Plan) -> None:
         if plan.precision != self.graph.precision:
