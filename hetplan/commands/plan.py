@@ -116,12 +116,14 @@ def _where(st) -> str:
 
 
 def describe(plan) -> str:
-    """'cuda:0[0:6] | cpu:0[0:4]+cuda:1[4:6]' with batches and microbatches."""
+    """'cuda:0[0:6] | cpu:0[0:4]+cuda:1[4:6]' with batches and microbatches, and the sharding."""
+    from hetplan.planner.files.plan import SHARD_STAGES
     parts = []
     for r, b in zip(plan.replicas, plan.replica_batches()):
         stages = " -> ".join(f"{_where(s)}[{s.start}:{s.end}]" for s in r.stages)
         parts.append(f"{stages} (batch {b}, {r.microbatches} microbatch{'es' if r.microbatches > 1 else ''})")
-    return "; ".join(parts)
+    sharded = f" (ZeRO-{plan.shard}: {SHARD_STAGES[plan.shard]} sharded over the replicas)" if plan.shard else ""
+    return "; ".join(parts) + sharded
 
 
 def _table(rows, chosen):
