@@ -67,14 +67,26 @@ def stop_on_signals():
 
 
 def check_shard_runs(plan: Plan, file: str) -> None:
-    """The runtime runs ZeRO stage 1 (hetplan.runtime.optim.ShardedStep) of one-device stages that
-    are not interleaved; stage 2 is priced but not run yet."""
-    if plan.shard >= 2:
-        raise InputError(f"{file}: shard.stage: {plan.shard} is priced by plan and compare but not run in "
-                         "this version; expected 0 or 1")
+    """The runtime runs ZeRO stage 1 (hetplan.runtime.shard) of one-device stages that are not
+    interleaved; stage 2 of one-stage replicas whose schedule ends with the backward of the
+    microbatch it reduce-scatters, without clipping."""
     if plan.shard and plan.schedule == "interleaved-1f1b":
         raise InputError(f"{file}: schedule: expected a schedule other than \"interleaved-1f1b\" with "
                          f"shard.stage {plan.shard} in this version")
+    if plan.shard != 2:
+        return
+    if any(len(r.stages) > 1 for r in plan.replicas):
+        raise InputError(f"{file}: shard.stage: 2 runs with one-stage replicas (data parallel) in this "
+                         "version; expected 1 beside pipelines")
+    if plan.optimizer.clip_grad_norm is not None:
+        raise InputError(f"{file}: optimizer.clip_grad_norm: expected none with shard.stage 2 in this version "
+                         "(each replica holds a slice of the gradients)")
+    from hetplan.planner.cost.grad_sync import sync_microbatch
+    from hetplan.planner.files.schedule import make_schedule
+    for i, r in enumerate(plan.replicas):
+        if sync_microbatch([(a.kind, a.microbatch) for a in make_schedule(plan.schedule, 1, r.microbatches)[0]]) is None:
+            raise InputError(f"{file}: schedule: {plan.schedule!r} with replicas[{i}].microbatches "
+                             f"{r.microbatches} ends with no microbatch to reduce-scatter; expected 1f1b")
 
 
 def check_devices(plan: Plan, file: str) -> None:

@@ -8,10 +8,8 @@ tensors of the stage (hetplan.planner.cost.model.split_host_count: cpu_fraction 
 tensors) while the device updates the others: the device's update is queued after the gradient
 copies and runs while the host CPU updates its part. For a stage on a CPU device both are the
 same as "device" (nothing to move).
-Sharded (plan `shard`, ZeRO stage 1: `ShardedStep`): each of the N replicas of a stage steps an
-equal 1/N slice of every parameter tensor (views into the parameters) and keeps only that
-slice's optimizer state; one all-gather per step gives every replica the whole update. Exact for
-element-wise optimizers (`ELEMENTWISE`), which the plan's validation asks for.
+Sharded (plan `shard`): each of the N replicas of a stage steps and keeps the optimizer state of
+an equal 1/N slice of every tensor (hetplan.runtime.shard).
 Not modelled: ZeRO's overlap of the copies with backward.
 """
 from __future__ import annotations
@@ -22,6 +20,7 @@ from hetplan.planner.cost.model import split_host_count
 from hetplan.planner.hardware.device import TorchDevice
 from hetplan.planner.files.plan import Optimizer
 from hetplan.planner.workload.optimizer import make_optimizer
+from hetplan.runtime.shard import ShardedStep
 
 
 def _make(params, spec: Optimizer) -> torch.optim.Optimizer | None:
@@ -62,6 +61,8 @@ class StageOptimizer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.sharded is not None and self.sharded.scattered is not None:
+            self.sharded.scattered = [None] * len(self.sharded.params)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -93,47 +94,3 @@ class StageOptimizer:
             for st in (opt.state.values() if opt is not None else ()):
                 n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
         return n + sum(m.numel() * m.element_size() for m in self.master)
-
-
-class ShardedStep:
-    """ZeRO stage 1 over `group`'s N ranks: rank k steps elements [k·c, (k+1)·c) of every
-    parameter tensor (c = ceil(numel / N), the last slices shorter or empty), through views that
-    share the parameters' storage; `gather()` all-gathers every rank's slices (one collective)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], group):
-        import torch.distributed as dist
-        self.params, self.group = params, group
-        self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
-        self.chunk = [-(-p.numel() // self.n) for p in params]
-        self.spans = [(min(self.k * c, p.numel()), min((self.k + 1) * c, p.numel()))
-                      for p, c in zip(params, self.chunk)]
-        self.mine = [i for i, (a, b) in enumerate(self.spans) if b > a]
-        # leaves (no autograd history) sharing the parameters' storage: the optimizer's params
-        self.slices = [params[i].detach().view(-1)[slice(*self.spans[i])] for i in self.mine]
-        self.send = torch.empty(sum(self.chunk), dtype=params[0].dtype if params else torch.float32,
-                                device=params[0].device if params else "cpu")
-
-    def take_grads(self) -> None:
-        """Each slice's gradient: the same elements of its parameter's (synced) gradient."""
-        for s, i in zip(self.slices, self.mine):
-            g = self.params[i].grad
-            s.grad = None if g is None else g.view(-1)[slice(*self.spans[i])]
-
-    @torch.no_grad()
-    def gather(self) -> None:
-        import torch.distributed as dist
-        at = 0
-        for p, c, (a, b) in zip(self.params, self.chunk, self.spans):
-            self.send[at:at + b - a].copy_(p.view(-1)[a:b])
-            at += c
-        recv = [torch.empty_like(self.send) for _ in range(self.n)]
-        dist.all_gather(recv, self.send, group=self.group)
-        for r, buf in enumerate(recv):
-            if r == self.k:
-                continue
-            at = 0
-            for p, c in zip(self.params, self.chunk):
-                a, b = min(r * c, p.numel()), min((r + 1) * c, p.numel())
-                p.view(-1)[a:b].copy_(buf[at:at + b - a])
-                at += c
-

@@ -232,6 +232,12 @@ class _StageBuild:
                               self.micro, self.iterations)
         head = (plan, self.workload, self.rep_i, self.st_j)
         tail = (plan.replica_offsets()[self.rep_i], self.micro, self.module, runner)
+        if self.synchronous and plan.shard == 2:   # ZeRO-2: reduce-scattered in backward (check_shard_runs)
+            from hetplan.runtime.shard import GradScatter
+            sync = GradScatter(optimizer.sharded)
+            runner.forward_context = sync.forward_context(ddp.sync_microbatch(self.actions))
+            return Built(*head, self.n_stages, *tail, sync, optimizer, groups, self.timer, self.actions,
+                         BufferSync(groups, layout.buffers))
         if self.synchronous:
             if self.sync_mb is None:
                 sync = GradSync(groups, self.rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,

@@ -53,9 +53,9 @@ def runs_on_ddp(plan: Plan) -> bool:
     torch whose DDP takes per-bucket caps (`bucket_cap_mb_list`: 2.13 has it, 2.11 not; without
     it the plan's buckets cannot be given to DDP): decided from the plan and the installed torch,
     so every rank decides the same (a DDP rank beside a GradSync rank would hang in mismatched
-    collectives)."""
+    collectives). Not ZeRO stage 2, whose gradients are reduce-scattered (hetplan.runtime.shard)."""
     from hetplan.planner.files.schedule import make_schedule
-    return is_plain_dp(plan) and "bucket_cap_mb_list" in ddp_parameters() and all(
+    return is_plain_dp(plan) and plan.shard < 2 and "bucket_cap_mb_list" in ddp_parameters() and all(
         sync_microbatch([(a.kind, a.microbatch) for a in make_schedule(plan.schedule, 1, rep.microbatches)[0]])
         is not None for rep in plan.replicas)
 

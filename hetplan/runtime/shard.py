@@ -1,0 +1,108 @@
+"""Sharded data parallel (plan `shard`, ZeRO): the N replicas of a stage each keep an equal
+1/N slice of every parameter tensor's optimizer state (stage 1) and gradient (stage 2).
+
+`ShardedStep`: rank k steps elements [k·c, (k+1)·c) of every tensor (c = ceil(numel / N)) through
+views into the parameters, then one all-gather a step gives every replica the whole update;
+exact for element-wise optimizers (hetplan.planner.files.optimizer_spec.ELEMENTWISE).
+`GradScatter` (stage 2): when a parameter's gradient is final (the last microbatch's backward),
+its hook reduce-scatters it with SUM (the losses are already weighted by the shares) into this
+rank's slice and frees the whole gradient, so no more than one tensor's whole gradient is held.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class ShardedStep:
+    """ZeRO stage 1 over `group`'s N ranks: rank k steps elements [k·c, (k+1)·c) of every
+    parameter tensor (c = ceil(numel / N), the last slices shorter or empty), through views that
+    share the parameters' storage; `gather()` all-gathers every rank's slices (one collective)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group):
+        self.params, self.group = params, group
+        self.scattered: list[torch.Tensor | None] | None = None   # GradScatter's slices, by tensor
+        self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
+        self.chunk = [-(-p.numel() // self.n) for p in params]
+        self.spans = [(min(self.k * c, p.numel()), min((self.k + 1) * c, p.numel()))
+                      for p, c in zip(params, self.chunk)]
+        self.mine = [i for i, (a, b) in enumerate(self.spans) if b > a]
+        # leaves (no autograd history) sharing the parameters' storage: the optimizer's params
+        self.slices = [params[i].detach().view(-1)[slice(*self.spans[i])] for i in self.mine]
+        self.send = torch.empty(sum(self.chunk), dtype=params[0].dtype if params else torch.float32,
+                                device=params[0].device if params else "cpu")
+
+    def take_grads(self) -> None:
+        """Each slice's gradient: the same elements of its parameter's (synced) gradient, or
+        the reduce-scattered slice (GradScatter)."""
+        for s, i in zip(self.slices, self.mine):
+            if self.scattered is not None:
+                s.grad = self.scattered[i]
+                continue
+            g = self.params[i].grad
+            s.grad = None if g is None else g.view(-1)[slice(*self.spans[i])]
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        at = 0
+        for p, c, (a, b) in zip(self.params, self.chunk, self.spans):
+            self.send[at:at + b - a].copy_(p.view(-1)[a:b])
+            at += c
+        recv = [torch.empty_like(self.send) for _ in range(self.n)]
+        dist.all_gather(recv, self.send, group=self.group)
+        for r, buf in enumerate(recv):
+            if r == self.k:
+                continue
+            at = 0
+            for p, c in zip(self.params, self.chunk):
+                a, b = min(r * c, p.numel()), min((r + 1) * c, p.numel())
+                p.view(-1)[a:b].copy_(buf[at:at + b - a])
+                at += c
+
+
+
+class GradScatter:
+    """ZeRO stage 2 for `step` (a ShardedStep): a hook on every parameter reduce-scatters its
+    final gradient into this rank's slice and frees it. `final` is set by the runner's forward
+    of the microbatch whose backward comes last (hetplan.planner.cost.grad_sync.sync_microbatch);
+    earlier microbatches accumulate whole gradients as usual."""
+
+    def __init__(self, step: ShardedStep):
+        self.step, self.final = step, False
+        step.scattered = [None] * len(step.params)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
+
+    def forward_context(self, sync_mb: int):
+        import contextlib
+
+        def enter(mb: int):
+            self.final = mb == sync_mb
+            return contextlib.nullcontext()
+        return enter
+
+    def _hook(self, i: int):
+        st = self.step
+
+        @torch.no_grad()
+        def hook(p: torch.Tensor) -> None:
+            if not self.final or p.grad is None:
+                return
+            c, n = st.chunk[i], p.numel()
+            whole = torch.zeros(c * st.n, dtype=p.grad.dtype, device=p.grad.device)
+            whole[:n].copy_(p.grad.view(-1))
+            mine = torch.empty(c, dtype=p.grad.dtype, device=p.grad.device)
+            dist.reduce_scatter_tensor(mine, whole, group=st.group)
+            a, b = st.spans[i]
+            st.scattered[i] = mine[:b - a] if b > a else None
+            p.grad = None
+        return hook
+
+    def begin(self) -> None:          # GradSync's interface: the hooks did the work in backward
+        self.final = False
+
+    def finish(self) -> None:
+        pass
+
+    def held_bytes(self) -> int:
+        """The gradient slices this rank keeps."""
+        return sum(t.numel() * t.element_size() for t in self.step.scattered if t is not None)
