@@ -138,8 +138,8 @@ def _where(device) -> dict:
 
 def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, dict]:
     """Covers single device, even/uneven DP, coarse/fine sync, GPipe, 1F1B, interleaved 1F1B,
-    ZB-H1 and Hippie, CPU optimizer placement, SGD and Adam; a hybrid when there are three
-    devices."""
+    ZB-H1 and Hippie, CPU optimizer placement, ZeRO stages 1 and 2, SGD and Adam; a hybrid when
+    there are three devices."""
     a, b = devices[0], devices[1]
     W = CPU_WORKLOADS
     out = {}
@@ -172,6 +172,11 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
             L = num_layers[w]
             out[f"{w}/{sync['mode']}"] = plan = make_plan(W[w], [(0.5, 1, [(a, (0, L))]), (0.5, 1, [(b, (0, L))])])
             plan["sync"].update(sync)
+    for w in ("mlp", "gpt"):      # ZeRO: each replica steps (and with 2 keeps the gradients of) a half
+        if w in num_layers:
+            both = [(0.5, 1, [(a, (0, num_layers[w]))]), (0.5, 1, [(b, (0, num_layers[w]))])]
+            out[f"{w}/dp-zero1"] = make_plan(W[w], both, sync="fine", bucket_bytes=256 << 10, shard={"stage": 1})
+            out[f"{w}/dp-zero2"] = make_plan(W[w], both, sync="fine", bucket_bytes=256 << 10, shard={"stage": 2})
     out["gpt/dp-even-cpu-opt"] = make_plan(W["gpt"], [(0.5, 1, [(a, (0, num_layers["gpt"]))]),
                                                       (0.5, 1, [(b, (0, num_layers["gpt"]))])],
                                            placement="cpu", sync="fine", bucket_bytes=256 << 10)
