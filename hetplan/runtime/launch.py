@@ -66,33 +66,11 @@ def stop_on_signals():
             signal.signal(s, h)
 
 
-def check_shard_runs(plan: Plan, file: str) -> None:
-    """The runtime runs ZeRO stage 1 (hetplan.runtime.shard) of one-device stages that are not
-    interleaved; stage 2 of one-stage replicas whose schedule ends with the backward of the
-    microbatch it reduce-scatters, without clipping."""
-    if plan.shard and plan.schedule == "interleaved-1f1b":
-        raise InputError(f"{file}: schedule: expected a schedule other than \"interleaved-1f1b\" with "
-                         f"shard.stage {plan.shard} in this version")
-    if plan.shard != 2:
-        return
-    if any(len(r.stages) > 1 for r in plan.replicas):
-        raise InputError(f"{file}: shard.stage: 2 runs with one-stage replicas (data parallel) in this "
-                         "version; expected 1 beside pipelines")
-    if plan.optimizer.clip_grad_norm is not None:
-        raise InputError(f"{file}: optimizer.clip_grad_norm: expected none with shard.stage 2 in this version "
-                         "(each replica holds a slice of the gradients)")
-    from hetplan.planner.cost.grad_sync import sync_microbatch
-    from hetplan.planner.files.schedule import make_schedule
-    for i, r in enumerate(plan.replicas):
-        if sync_microbatch([(a.kind, a.microbatch) for a in make_schedule(plan.schedule, 1, r.microbatches)[0]]) is None:
-            raise InputError(f"{file}: schedule: {plan.schedule!r} with replicas[{i}].microbatches "
-                             f"{r.microbatches} ends with no microbatch to reduce-scatter; expected 1f1b")
-
-
 def check_devices(plan: Plan, file: str) -> None:
     """Every plan device must exist here: one node, cuda:N with N < the GPUs present; and the
-    runtime runs the plan's sharding (`check_shard_runs`)."""
-    check_shard_runs(plan, file)
+    runtime runs the plan's sharding (hetplan.runtime.shard.check_runs)."""
+    from hetplan.runtime.shard import check_runs
+    check_runs(plan, file)
     nodes = {node_of(d) for d in plan.devices}
     if len(nodes) > 1:
         raise InputError(f"{file}: replicas: devices span nodes {sorted(nodes)}; run each node "

@@ -106,3 +106,27 @@ class GradScatter:
     def held_bytes(self) -> int:
         """The gradient slices this rank keeps."""
         return sum(t.numel() * t.element_size() for t in self.step.scattered if t is not None)
+
+
+def check_runs(plan, file: str) -> None:
+    """InputError unless the runtime runs the plan's sharding: stage 1 of one-device stages that
+    are not interleaved; stage 2 of one-stage replicas whose schedule ends with the backward of the
+    microbatch it reduce-scatters, without clipping."""
+    from hetplan.planner.files.io import InputError
+    if plan.shard and plan.schedule == "interleaved-1f1b":
+        raise InputError(f"{file}: schedule: expected a schedule other than \"interleaved-1f1b\" with "
+                         f"shard.stage {plan.shard} in this version")
+    if plan.shard != 2:
+        return
+    if any(len(r.stages) > 1 for r in plan.replicas):
+        raise InputError(f"{file}: shard.stage: 2 runs with one-stage replicas (data parallel) in this "
+                         "version; expected 1 beside pipelines")
+    if plan.optimizer.clip_grad_norm is not None:
+        raise InputError(f"{file}: optimizer.clip_grad_norm: expected none with shard.stage 2 in this version "
+                         "(each replica holds a slice of the gradients)")
+    from hetplan.planner.cost.grad_sync import sync_microbatch
+    from hetplan.planner.files.schedule import make_schedule
+    for i, r in enumerate(plan.replicas):
+        if sync_microbatch([(a.kind, a.microbatch) for a in make_schedule(plan.schedule, 1, r.microbatches)[0]]) is None:
+            raise InputError(f"{file}: schedule: {plan.schedule!r} with replicas[{i}].microbatches "
+                             f"{r.microbatches} ends with no microbatch to reduce-scatter; expected 1f1b")

@@ -232,7 +232,7 @@ class _StageBuild:
                               self.micro, self.iterations)
         head = (plan, self.workload, self.rep_i, self.st_j)
         tail = (plan.replica_offsets()[self.rep_i], self.micro, self.module, runner)
-        if self.synchronous and plan.shard == 2:   # ZeRO-2: reduce-scattered in backward (check_shard_runs)
+        if self.synchronous and plan.shard == 2:   # ZeRO-2: reduce-scattered in backward (shard.check_runs)
             from hetplan.runtime.shard import GradScatter
             sync = GradScatter(optimizer.sharded)
             runner.forward_context = sync.forward_context(ddp.sync_microbatch(self.actions))

@@ -62,7 +62,7 @@ def train_config(args, plan, given=None):
     if plan.sync.mode != "sync" and (args.checkpoint_dir or args.eval_every or plan.optimizer.clip_grad_norm):
         raise InputError(f"{args.plan}: sync.mode: checkpoints, evaluation and clipping run with synchronous "
                          f"plans in this version; got {plan.sync.mode!r}")
-    from hetplan.runtime.launch import check_shard_runs
+    from hetplan.runtime.shard import check_runs as check_shard_runs
     check_shard_runs(plan, args.plan)
     if plan.shard and args.checkpoint_dir:
         raise InputError(f"{args.plan}: shard.stage: checkpoints of sharded optimizer state are not supported "
