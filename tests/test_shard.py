@@ -135,3 +135,18 @@ def test_where_replicated_data_parallel_does_not_fit_the_search_shards_and_beats
     named = {c.name: c for c in result.baselines}
     assert not named["data parallel, equal shares"].feasible and named["data parallel, ZeRO-1"].feasible
     assert result.best.iteration_s < named["balanced pipeline"].iteration_s
+
+
+def test_zero2_reduce_scatters_each_tensor_after_backward():
+    # 2 layers of one 1 MB tensor each, coarse sync, a 1e6 B/s link of 0.01 s: ZeRO-1 all-reduces
+    # the 2 MB after backward (2 * 0.01 + 2 = 2.02 s); ZeRO-2 reduce-scatters each tensor, half an
+    # all-reduce of 1 MB each (2 x 0.51 s): 1.0 s less; both then step half and gather (1.01 s)
+    from test_search import uniform_graph
+    g = uniform_graph(num_layers=2, batch=4, param_bytes=1e6)
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    p = sim_plan([(0.5, 1, [("cuda:0", 0, 2)]), (0.5, 1, [("cuda:1", 0, 2)])], 4, granularity="coarse")
+    one, two = (simulate(dataclasses.replace(p, shard=k), g, t, trace=True) for k in (1, 2))
+    assert one.iteration_s - two.iteration_s == pytest.approx(1.0, rel=1e-9)
+    span = {x["name"]: x["end_s"] - x["start_s"] for x in two.tasks}
+    assert span["gradient reduce-scatter stage 0"] == pytest.approx(1.02, rel=1e-12)
+    assert span["parameter all-gather stage 0"] == pytest.approx(1.01, rel=1e-12)

@@ -131,7 +131,7 @@ class Builder:
         if self.plan.sync.mode == "parameter-server":
             self.server_steps()
             return
-        steps = self.optimizer_steps(self.allreduces())
+        steps = self.optimizer_steps(self.scatters() if self.plan.shard == 2 else self.allreduces())
         if self.plan.sync.period is not None:
             self.parameter_exchange(steps)
 
@@ -626,14 +626,46 @@ class Builder:
             stepped[dev] = t
         return self.parameter_gathers(stepped) if self.plan.shard else steps
 
+    def stage_groups(self):
+        """Sharded plans: (j, stage j of replica 0, the devices of stage j of every replica)."""
+        for j, st in enumerate(self.plan.replicas[0].stages):
+            yield j, st, tuple(rep.stages[j].device for rep in self.plan.replicas)
+
+    def scatters(self) -> dict[str, list[int]]:
+        """ZeRO stage 2 as the runtime runs it (hetplan.runtime.shard.GradScatter): each gradient
+        tensor reduce-scattered as backward makes it final, a collective at a time that holds
+        backward: priced after the group's last backwards, one reduce-scatter (half an all-reduce)
+        per tensor (a layer's bytes over its tensors), and the copy of each whole gradient into
+        its padded buffer on the device. Returns each device's tasks, as `allreduces`."""
+        g, graph, synced = self.g, self.sim.graph, {}
+        for j, st, devices in self.stage_groups():
+            d = 0.0
+            for i in range(st.start, st.end):
+                n_t = graph.stage_param_tensors(i, i + 1)
+                if n_t:
+                    d += n_t * self.sim.allreduce(devices, graph.layers[i].param_bytes / n_t)[1] / 2
+            res = self.sim.allreduce(devices, graph.stage_param_bytes(st.start, st.end))[0]
+            d_k = g.value(Const(d))
+            t = g.add(d_k, res, [self.progress.last_backward[dev] for dev in devices],
+                      TaskMeta(f"gradient reduce-scatter stage {j}", "+".join(devices), "allreduce")
+                      if self.tracing else None)
+            g.sync_res.update(res)
+            for dev in devices:
+                g.count(dev, "comm_s", d_k)
+                synced[dev] = [self.copy_task(dev, "gradient copy to the scatter",
+                                              graph.stage_param_bytes(st.start, st.end), [t])]
+        return synced
+
     def parameter_gathers(self, stepped: dict[str, int]) -> list[int]:
         """Sharded (ZeRO): each replica stepped 1/N of a stage's parameters; one all-gather per
         stage of its replicas gives every one all of them, after all their steps (a ring
-        all-gather: half of an all-reduce of the stage's bytes). Returns the gathers."""
+        all-gather: half of an all-reduce of the stage's bytes), and each device copies its slices
+        out and the others' in (the stage's bytes; hetplan.runtime.shard.ShardedStep.gather).
+        Returns the copies."""
         g, graph, out = self.g, self.sim.graph, []
-        for j, st in enumerate(self.plan.replicas[0].stages):
-            devices = tuple(rep.stages[j].device for rep in self.plan.replicas)
-            res, d = self.sim.allreduce(devices, graph.stage_param_bytes(st.start, st.end))
+        for j, st, devices in self.stage_groups():
+            n = graph.stage_param_bytes(st.start, st.end)
+            res, d = self.sim.allreduce(devices, n)
             d_k = g.value(Const(d / 2))
             t = g.add(d_k, res, [stepped[dev] for dev in devices if dev in stepped],
                       TaskMeta(f"parameter all-gather stage {j}", "+".join(devices), "allreduce")
@@ -641,8 +673,16 @@ class Builder:
             g.sync_res.update(res)
             for dev in devices:
                 g.count(dev, "comm_s", d_k)
-            out.append(t)
+                out.append(self.copy_task(dev, "parameter copies of the gather", n, [t]))
         return out
+
+    def copy_task(self, dev: str, name: str, n_bytes: float, deps: list[int]) -> int:
+        """A memory-bound copy of n bytes on dev's queue after `deps` (cost.grad_copy_s; a task of
+        0 s without calibration)."""
+        t = self.g.add(self.g.value(Const(self.sim.cost.grad_copy_s(dev, n_bytes))), (self.sim.rid[dev],), deps,
+                       TaskMeta(name, dev, "optimizer") if self.tracing else None)
+        self.g.memory_bound.add(t)
+        return t
 
     def copy_back(self, dev: str, deps: list[int]) -> list[int]:
         """GradSync writes the all-reduced buckets back into the gradients once it has waited
