@@ -88,8 +88,12 @@ class GradScatter:
             if not self.final or p.grad is None:
                 return
             c, n = st.chunk[i], p.numel()
-            whole = torch.zeros(c * st.n, dtype=p.grad.dtype, device=p.grad.device)
-            whole[:n].copy_(p.grad.view(-1))
+            if n == c * st.n:                 # no padding: scatter the gradient itself
+                whole = p.grad.view(-1)
+            else:
+                whole = torch.empty(c * st.n, dtype=p.grad.dtype, device=p.grad.device)
+                whole[:n].copy_(p.grad.view(-1))
+                whole[n:].zero_()
             mine = torch.empty(c, dtype=p.grad.dtype, device=p.grad.device)
             dist.reduce_scatter_tensor(mine, whole, group=st.group)
             a, b = st.spans[i]
