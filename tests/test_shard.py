@@ -100,18 +100,19 @@ def test_zero1_steps_half_and_gathers_the_parameters_after():
 
 
 def test_peak_memory_per_stage_hand_computed():
-    # 4 layers of 1e6 B, Adam (state 2x), 2 replicas. Stage 0: 4 + 4 + 8 = 16e6. Stage 1: state
-    # halved, 4 + 4 + 4 = 12e6. Stage 2: gradients half plus the largest layer's whole ones,
-    # 4 + (2 + 1) + 4 = 11e6. One layer alone: its whole gradients beside the slices, 1.5e6
-    g = graph([layer(i, param_bytes=10**6) for i in range(4)], batch=4)
+    # 8 layers of 1e6 B, Adam (state 2x), 2 replicas, buckets of a layer. Stage 0: 8 + 8 + 16 =
+    # 32e6. Stage 1: state halved, 8 + 8 + 8 = 24e6. Stage 2: gradients half plus a bucket's whole
+    # gradients and their rows (2 x 1e6): 8 + (4 + 2) + 8 = 22e6. A one-layer model: its whole
+    # gradients and rows beside the slices, 1 + (0.5 + 2) + 1
+    g = graph([layer(i, param_bytes=10**6) for i in range(8)], batch=4)
     t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1")])
-    p = sim_plan([(0.5, 1, [("cuda:0", 0, 4)]), (0.5, 1, [("cuda:1", 0, 4)])], 4, optimizer="adam")
-    assert peak_memory(p, g, t) == {"cuda:0": 16e6, "cuda:1": 16e6}
-    assert peak_memory(dataclasses.replace(p, shard=1), g, t) == {"cuda:0": 12e6, "cuda:1": 12e6}
-    assert peak_memory(dataclasses.replace(p, shard=2), g, t) == {"cuda:0": 11e6, "cuda:1": 11e6}
+    p = sim_plan([(0.5, 1, [("cuda:0", 0, 8)]), (0.5, 1, [("cuda:1", 0, 8)])], 4, optimizer="adam", bucket_bytes=1)
+    assert peak_memory(p, g, t) == {"cuda:0": 32e6, "cuda:1": 32e6}
+    assert peak_memory(dataclasses.replace(p, shard=1), g, t) == {"cuda:0": 24e6, "cuda:1": 24e6}
+    assert peak_memory(dataclasses.replace(p, shard=2), g, t)["cuda:0"] == pytest.approx(22e6, rel=1e-6)
     g1 = graph([layer(0, param_bytes=10**6)], batch=4)
-    p1 = sim_plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4, optimizer="adam")
-    assert peak_memory(dataclasses.replace(p1, shard=2), g1, t)["cuda:0"] == 1e6 + 1.5e6 + 1e6
+    p1 = sim_plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4, optimizer="adam", bucket_bytes=1)
+    assert peak_memory(dataclasses.replace(p1, shard=2), g1, t)["cuda:0"] == 1e6 + 2.5e6 + 1e6
 
 
 def test_where_replicated_data_parallel_does_not_fit_the_search_shards_and_beats_the_pipeline():
@@ -137,16 +138,21 @@ def test_where_replicated_data_parallel_does_not_fit_the_search_shards_and_beats
     assert result.best.iteration_s < named["balanced pipeline"].iteration_s
 
 
-def test_zero2_reduce_scatters_each_tensor_after_backward():
-    # 2 layers of one 1 MB tensor each, coarse sync, a 1e6 B/s link of 0.01 s: ZeRO-1 all-reduces
-    # the 2 MB after backward (2 * 0.01 + 2 = 2.02 s); ZeRO-2 reduce-scatters each tensor, half an
-    # all-reduce of 1 MB each (2 x 0.51 s): 1.0 s less; both then step half and gather (1.01 s)
+def test_zero2_reduce_scatters_each_bucket_after_backward():
+    # 2 layers of one 1 MB tensor each, a 1e6 B/s link of 0.01 s. Coarse: ZeRO-1 all-reduces the
+    # 2 MB after backward (2 * 0.01 + 2 = 2.02 s), ZeRO-2 reduce-scatters them, half of it (1.01 s).
+    # Fine, a bucket a layer: two reduce-scatters of 1 MB (2 x 0.51 s). Both then step half and
+    # gather (1.01 s)
     from test_search import uniform_graph
     g = uniform_graph(num_layers=2, batch=4, param_bytes=1e6)
     t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
     p = sim_plan([(0.5, 1, [("cuda:0", 0, 2)]), (0.5, 1, [("cuda:1", 0, 2)])], 4, granularity="coarse")
     one, two = (simulate(dataclasses.replace(p, shard=k), g, t, trace=True) for k in (1, 2))
-    assert one.iteration_s - two.iteration_s == pytest.approx(1.0, rel=1e-9)
+    assert one.iteration_s - two.iteration_s == pytest.approx(1.01, rel=1e-9)
     span = {x["name"]: x["end_s"] - x["start_s"] for x in two.tasks}
-    assert span["gradient reduce-scatter stage 0"] == pytest.approx(1.02, rel=1e-12)
+    assert span["gradient reduce-scatter stage 0"] == pytest.approx(1.01, rel=1e-12)
     assert span["parameter all-gather stage 0"] == pytest.approx(1.01, rel=1e-12)
+    fine = sim_plan([(0.5, 1, [("cuda:0", 0, 2)]), (0.5, 1, [("cuda:1", 0, 2)])], 4, bucket_bytes=10**6)
+    r = simulate(dataclasses.replace(fine, shard=2), g, t, trace=True)
+    span = {x["name"]: x["end_s"] - x["start_s"] for x in r.tasks}
+    assert span["gradient reduce-scatter stage 0"] == pytest.approx(1.02, rel=1e-12)

@@ -4,9 +4,9 @@
 `ShardedStep`: rank k steps elements [k·c, (k+1)·c) of every tensor (c = ceil(numel / N)) through
 views into the parameters, then one all-gather a step gives every replica the whole update;
 exact for element-wise optimizers (hetplan.planner.files.optimizer_spec.ELEMENTWISE).
-`GradScatter` (stage 2): when a parameter's gradient is final (the last microbatch's backward),
-its hook reduce-scatters it with SUM (the losses are already weighted by the shares) into this
-rank's slice and frees the whole gradient, so no more than one tensor's whole gradient is held.
+`GradScatter` (stage 2): the final gradients (the last microbatch's backward) are reduce-scattered
+with SUM (the losses are already weighted by the shares) a bucket at a time into this rank's
+slices, and the whole gradients freed: no more than a bucket's whole gradients are held.
 """
 from __future__ import annotations
 
@@ -62,14 +62,21 @@ class ShardedStep:
 
 
 class GradScatter:
-    """ZeRO stage 2 for `step` (a ShardedStep): a hook on every parameter reduce-scatters its
-    final gradient into this rank's slice and frees it. `final` is set by the runner's forward
-    of the microbatch whose backward comes last (hetplan.planner.cost.grad_sync.sync_microbatch);
-    earlier microbatches accumulate whole gradients as usual."""
+    """ZeRO stage 2 for `step` (a ShardedStep): a hook on every parameter takes its final
+    gradient into a bucket; a bucket of `bucket_bytes` or more (the plan's sync.bucket_bytes),
+    and the last at `finish()`, is reduce-scattered with SUM (the losses already carry the
+    shares) in one collective: every tensor's N slices laid out as N rows, each rank receiving
+    its row. The whole gradients are freed then. `final` is set by the runner's forward of the
+    microbatch whose backward comes last (hetplan.planner.cost.grad_sync.sync_microbatch);
+    earlier microbatches accumulate whole gradients as usual. Every rank's hooks fire in the
+    same order, so the buckets match."""
 
-    def __init__(self, step: ShardedStep):
-        self.step, self.final = step, False
+    def __init__(self, step: ShardedStep, bucket_bytes: int):
+        self.step, self.bucket_bytes, self.final = step, bucket_bytes, False
         step.scattered = [None] * len(step.params)
+        self.pending: list[int] = []
+        self.pending_bytes = 0
+        self.peak = 0                   # the most gradient bytes held at once (slices, whole, bucket)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
 
     def forward_context(self, sync_mb: int):
@@ -81,35 +88,62 @@ class GradScatter:
         return enter
 
     def _hook(self, i: int):
-        st = self.step
-
-        @torch.no_grad()
         def hook(p: torch.Tensor) -> None:
             if not self.final or p.grad is None:
                 return
-            c, n = st.chunk[i], p.numel()
-            if n == c * st.n:                 # no padding: scatter the gradient itself
-                whole = p.grad.view(-1)
-            else:
-                whole = torch.empty(c * st.n, dtype=p.grad.dtype, device=p.grad.device)
-                whole[:n].copy_(p.grad.view(-1))
-                whole[n:].zero_()
-            mine = torch.empty(c, dtype=p.grad.dtype, device=p.grad.device)
-            dist.reduce_scatter_tensor(mine, whole, group=st.group)
-            a, b = st.spans[i]
-            st.scattered[i] = mine[:b - a] if b > a else None
-            p.grad = None
+            self.pending.append(i)
+            self.pending_bytes += p.grad.numel() * p.grad.element_size()
+            if self.pending_bytes >= self.bucket_bytes:
+                self.flush()
         return hook
 
-    def begin(self) -> None:          # GradSync's interface: the hooks did the work in backward
+    @torch.no_grad()
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        st, idx = self.step, self.pending
+        grads = [st.params[i].grad for i in idx]
+        width = sum(st.chunk[i] for i in idx)
+        rows = torch.empty(st.n, width, dtype=grads[0].dtype, device=grads[0].device)
+        col = 0
+        for i, g in zip(idx, grads):
+            c, n = st.chunk[i], g.numel()
+            flat = g.view(-1)
+            full = n // c if c else 0                 # rows filled whole; then one partial, then padding
+            if full:
+                rows[:full, col:col + c].copy_(flat[:full * c].view(full, c))
+            if full < st.n:
+                rest = n - full * c
+                rows[full, col:col + rest].copy_(flat[full * c:])
+                rows[full, col + rest:col + c].zero_()
+                rows[full + 1:, col:col + c].zero_()
+            col += c
+        mine = torch.empty(width, dtype=rows.dtype, device=rows.device)
+        dist.reduce_scatter_tensor(mine, rows.view(-1), group=st.group)
+        self.peak = max(self.peak, self.held_bytes() + self.pending_bytes
+                        + (rows.numel() + mine.numel()) * rows.element_size())
+        col = 0
+        for i in idx:
+            a, b = st.spans[i]
+            st.scattered[i] = mine[col:col + b - a] if b > a else None
+            st.params[i].grad = None
+            col += st.chunk[i]
+        self.pending, self.pending_bytes = [], 0
+
+    def begin(self) -> None:          # GradSync's interface
         self.final = False
 
     def finish(self) -> None:
-        pass
+        self.flush()
 
     def held_bytes(self) -> int:
         """The gradient slices this rank keeps."""
         return sum(t.numel() * t.element_size() for t in self.step.scattered if t is not None)
+
+    def peak_bytes(self) -> int:
+        """The most gradient bytes held at once: the slices so far, a bucket's whole gradients and
+        its rows, and the received row."""
+        return max(self.peak, self.held_bytes())
 
 
 def check_runs(plan, file: str) -> None:

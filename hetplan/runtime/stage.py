@@ -234,7 +234,8 @@ class _StageBuild:
         tail = (plan.replica_offsets()[self.rep_i], self.micro, self.module, runner)
         if self.synchronous and plan.shard == 2:   # ZeRO-2: reduce-scattered in backward (shard.check_runs)
             from hetplan.runtime.shard import GradScatter
-            sync = GradScatter(optimizer.sharded)
+            sync = GradScatter(optimizer.sharded, plan.sync.bucket_bytes if plan.sync.granularity == "fine"
+                               else float("inf"))      # coarse: one bucket, after backward
             runner.forward_context = sync.forward_context(ddp.sync_microbatch(self.actions))
             return Built(*head, self.n_stages, *tail, sync, optimizer, groups, self.timer, self.actions,
                          BufferSync(groups, layout.buffers))

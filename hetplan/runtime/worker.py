@@ -213,8 +213,8 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
         prof.export_chrome_trace(str(Path(cfg.trace_dir) / f"rank{rank}.json"))
     saved = built.runner.saved_tracker.peak_bytes
     grad_bytes = sum(p.numel() * p.element_size() for p in built.params if p.requires_grad)
-    if hasattr(built.sync, "held_bytes"):     # ZeRO-2: its slices, and one tensor's whole gradient at a time
-        grad_bytes = built.sync.held_bytes() + max((p.numel() * p.element_size() for p in built.params), default=0)
+    if hasattr(built.sync, "peak_bytes"):     # ZeRO-2: its slices, and a bucket's whole gradients at a time
+        grad_bytes = built.sync.peak_bytes()
     on_host = device.device.type == "cpu"   # a CPU worker or a stand-in: no allocator statistics
     peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved + built.held_peak_bytes() if on_host
             else mem.peak_bytes())

@@ -43,8 +43,9 @@ microbatches, stage index s):
 * shard (ZeRO stage k over the N replicas; stage j of each holds the same layers): equal shards,
   1/N each, whatever the batch shares (the collectives move equal chunks; sharding is for memory,
   the shares for speed). Stage 1: 1/N of the optimizer state. Stage 2: also 1/N of the
-  gradients, plus the stage's largest layer's whole gradients (reduce-scattered a tensor at a
-  time, the whole beside the slices; for a stage of one dominant layer more than unsharded). The runtime's slices (hetplan.runtime.optim.ShardedStep) are 1/N of every tensor.
+  gradients, plus twice a bucket's whole gradients (reduce-scattered a bucket at a time, laid out
+  in rows beside them; a bucket: sync.bucket_bytes and the layer that crosses it, at most the
+  stage; coarse sync: the stage). More than unsharded where the bucket is the stage. The runtime's slices (hetplan.runtime.optim.ShardedStep) are 1/N of every tensor.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -211,7 +212,9 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
             copies = stashed_versions(plan, len(rep.stages), s) * params
             if plan.shard:
                 n, layer = len(plan.replicas), float(max(graph.layers[i].param_bytes for i in range(st.start, st.end)))
-                grads = params / n + layer if plan.shard == 2 else params
+                bucket = plan.sync.bucket_bytes if plan.sync.granularity == "fine" else params   # coarse: one
+                whole = min(params, bucket + layer)   # a bucket's gradients, and its rows
+                grads = params / n + 2 * whole if plan.shard == 2 else params
                 out[st.device] = out.get(st.device, 0.0) + params + grads + acts + state_ratio * params / n
                 continue
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies

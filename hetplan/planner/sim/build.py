@@ -632,18 +632,15 @@ class Builder:
             yield j, st, tuple(rep.stages[j].device for rep in self.plan.replicas)
 
     def scatters(self) -> dict[str, list[int]]:
-        """ZeRO stage 2 as the runtime runs it (hetplan.runtime.shard.GradScatter): each gradient
-        tensor reduce-scattered as backward makes it final, a collective at a time that holds
-        backward: priced after the group's last backwards, one reduce-scatter (half an all-reduce)
-        per tensor (a layer's bytes over its tensors), and the copy of each whole gradient into
-        its padded buffer on the device. Returns each device's tasks, as `allreduces`."""
+        """ZeRO stage 2 as the runtime runs it (hetplan.runtime.shard.GradScatter): the exchanged
+        buckets' gradients reduce-scattered a bucket at a time, each collective holding backward:
+        priced after the group's last backwards, half an all-reduce per bucket, and the copy of
+        the gradients into the buckets' rows on each device. Returns each device's tasks, as
+        `allreduces`."""
         g, graph, synced = self.g, self.sim.graph, {}
         for j, st, devices in self.stage_groups():
-            d = 0.0
-            for i in range(st.start, st.end):
-                n_t = graph.stage_param_tensors(i, i + 1)
-                if n_t:
-                    d += n_t * self.sim.allreduce(devices, graph.layers[i].param_bytes / n_t)[1] / 2
+            d = sum(self.sim.allreduce(b.devices, b.bytes)[1] / 2
+                    for b in self.exchange.buckets if set(b.devices) == set(devices))
             res = self.sim.allreduce(devices, graph.stage_param_bytes(st.start, st.end))[0]
             d_k = g.value(Const(d))
             t = g.add(d_k, res, [self.progress.last_backward[dev] for dev in devices],
