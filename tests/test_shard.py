@@ -76,6 +76,8 @@ def test_what_does_not_run_yet_is_one_line_exit_2(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(sharded(PIPELINES, 2)))
     one_error_line(_hetplan("run", path, "--steps", 2), "shard.stage", "one-stage replicas")
+    path.write_text(json.dumps(sharded([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cuda:0", (0, 4))])], 1)))
+    one_error_line(_hetplan("run", path, "--steps", 2), "shard.stage", "cpu and cuda devices")
     path.write_text(json.dumps(sharded(EQUAL, 1)))
     one_error_line(_hetplan("run", path, "--steps", 2, "--checkpoint-dir", tmp_path / "ck"),
                    "shard.stage", "checkpoints of sharded optimizer state")

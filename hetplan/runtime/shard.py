@@ -60,7 +60,6 @@ class ShardedStep:
                 at += c
 
 
-
 class GradScatter:
     """ZeRO stage 2 for `step` (a ShardedStep): a hook on every parameter takes its final
     gradient into a bucket; a bucket of `bucket_bytes` or more (the plan's sync.bucket_bytes),
@@ -148,9 +147,15 @@ class GradScatter:
 
 def check_runs(plan, file: str) -> None:
     """InputError unless the runtime runs the plan's sharding: stage 1 of one-device stages that
-    are not interleaved; stage 2 of one-stage replicas whose schedule ends with the backward of the
+    are not interleaved, each stage's replicas on one device kind; stage 2 of one-stage replicas whose schedule ends with the backward of the
     microbatch it reduce-scatters, without clipping."""
     from hetplan.planner.files.io import InputError
+    from hetplan.planner.hardware.topology import parse_device_name
+    for j in range(len(plan.replicas[0].stages) if plan.shard else 0):
+        kinds = {parse_device_name(r.stages[j].device)[1] for r in plan.replicas}
+        if len(kinds) > 1:    # its collectives run on one backend, over tensors of one kind
+            raise InputError(f"{file}: shard.stage: stage {j}'s replicas are on {' and '.join(sorted(kinds))} "
+                             "devices; sharding runs over devices of one kind in this version")
     if plan.shard and plan.schedule == "interleaved-1f1b":
         raise InputError(f"{file}: schedule: expected a schedule other than \"interleaved-1f1b\" with "
                          f"shard.stage {plan.shard} in this version")
