@@ -65,7 +65,8 @@ class GradScatter:
     gradient into a bucket; a bucket of `bucket_bytes` or more (the plan's sync.bucket_bytes),
     and the last at `finish()`, is reduce-scattered with SUM (the losses already carry the
     shares) in one collective: every tensor's N slices laid out as N rows, each rank receiving
-    its row. The whole gradients are freed then. `final` is set by the runner's forward of the
+    its row (on gloo an all-reduce of the rows, each rank keeping its own: gloo's reduce-scatter
+    is slower than its all-reduce). The whole gradients are freed then. `final` is set by the runner's forward of the
     microbatch whose backward comes last (hetplan.planner.cost.grad_sync.sync_microbatch);
     earlier microbatches accumulate whole gradients as usual. Every rank's hooks fire in the
     same order, so the buckets match."""
@@ -75,6 +76,7 @@ class GradScatter:
         step.scattered = [None] * len(step.params)
         self.pending: list[int] = []
         self.pending_bytes = 0
+        self.gloo = dist.get_backend(step.group) == "gloo"
         self.peak = 0                   # the most gradient bytes held at once (slices, whole, bucket)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
 
@@ -117,8 +119,12 @@ class GradScatter:
                 rows[full, col + rest:col + c].zero_()
                 rows[full + 1:, col:col + c].zero_()
             col += c
-        mine = torch.empty(width, dtype=rows.dtype, device=rows.device)
-        dist.reduce_scatter_tensor(mine, rows.view(-1), group=st.group)
+        if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
+            dist.all_reduce(rows, group=st.group)
+            mine = rows[st.k].clone()         # not a view: the rows are freed with the bucket
+        else:
+            mine = torch.empty(width, dtype=rows.dtype, device=rows.device)
+            dist.reduce_scatter_tensor(mine, rows.view(-1), group=st.group)
         self.peak = max(self.peak, self.held_bytes() + self.pending_bytes
                         + (rows.numel() + mine.numel()) * rows.element_size())
         col = 0

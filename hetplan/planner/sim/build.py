@@ -634,12 +634,15 @@ class Builder:
     def scatters(self) -> dict[str, list[int]]:
         """ZeRO stage 2 as the runtime runs it (hetplan.runtime.shard.GradScatter): the exchanged
         buckets' gradients reduce-scattered a bucket at a time, each collective holding backward:
-        priced after the group's last backwards, half an all-reduce per bucket, and the copy of
+        priced after the group's last backwards, half an all-reduce per bucket on NCCL, a whole
+        one on gloo (which runs it as an all-reduce of the rows), and the copy of
         the gradients into the buckets' rows on each device. Returns each device's tasks, as
         `allreduces`."""
         g, graph, synced = self.g, self.sim.graph, {}
         for j, st, devices in self.stage_groups():
-            d = sum(self.sim.allreduce(b.devices, b.bytes)[1] / 2
+            # NCCL (all CUDA): half an all-reduce; gloo (hetplan.runtime.sync.Groups): an all-reduce
+            share = 0.5 if all(self.sim.topology.device(d).kind == "cuda" for d in devices) else 1.0
+            d = sum(self.sim.allreduce(b.devices, b.bytes)[1] * share
                     for b in self.exchange.buckets if set(b.devices) == set(devices))
             res = self.sim.allreduce(devices, graph.stage_param_bytes(st.start, st.end))[0]
             d_k = g.value(Const(d))
