@@ -10,13 +10,13 @@ computes the same new shares from them with the planner's rule
 a step plus the overhead of forward and backward, learnt from two windows at different sizes
 (`overhead_units`), c_r the rest's seconds a sample), so no rank can disagree. A replica left
 below its plan for `PROBE_AFTER` windows gets half its way back (`probe_units`): the next window
-says whether the load is still there. The shares move in whole
-samples per microbatch, damped (`Damping`): nothing moves unless the new shares are predicted to save `deadband` of the
+says whether the load is still there. The shares move in whole samples per microbatch, damped
+(`Damping`): nothing moves unless the new shares are predicted to save `deadband` of the
 measured step (hysteresis; a load that slows a replica's communication, not its compute, moves
-nothing), and one rebalance moves a replica at most `max_step` of the global batch
-and `gain` of the way (at least one sample per microbatch), and a replica keeps `floor` of its planned
-batch. New shares apply from the next step; each replica's loss stays scaled by
-its share in force, so a step's gradient is the global batch's mean, as on one device.
+nothing), and one rebalance moves a replica at most `max_step` of the global batch and `gain` of
+the way (at least one sample per microbatch), and a replica keeps `floor` of its planned batch.
+New shares apply from the next step; each replica's loss stays scaled by its share in force, so a
+step's gradient is the global batch's mean, as on one device.
 
 While rebalancing, gloo's event-loop thread runs at nice `SHARED_NICE`, not 19
 (hetplan.runtime.gloo_threads): a run that expects other processes on its cores must not let
@@ -52,9 +52,9 @@ class Damping:
                              # a shared host is a few %)
     gain: float = 0.75       # one rebalance goes three quarters of the way to the target
     max_step: float = 0.25   # and moves a replica at most a quarter of the global batch
-    floor: float = 0.125     # a replica keeps an eighth of its planned batch: the per-step overhead of
-                             # a tiny batch reads as a slow device (c_r is taken as time / samples), and
-                             # a replica with almost nothing would never win its samples back
+    floor: float = 0.125     # a replica keeps an eighth of its planned batch: until a second window
+                             # size gives its overhead (overhead_units), a tiny batch reads as a slow
+                             # device (its per-step cost taken per sample)
 
 
 def check(plan, file: str) -> None:
@@ -105,8 +105,9 @@ def next_units(units: list[int], per_unit_s: list[float], damping: Damping = Dam
 def overhead_units(prev: tuple[int, float] | None, now: tuple[int, float], q: float) -> float:
     """A replica's per-step overhead of forward and backward in units (t(u) = c·(q + u)): from the
     line through two consecutive windows' (units, seconds) when their sizes differ by a fifth or
-    more, averaged with the one known (timer noise on a slope), else the one known (`q`). Without it a replica left with a few samples reads as slow
-    (its kernels' fixed cost taken per sample) and never wins its share back."""
+    more, averaged with the one known (timer noise on a slope), else the one known (`q`). Without
+    it a replica left with a few samples reads as slow (its kernels' fixed cost taken per sample)
+    and never wins its share back."""
     if prev is None or abs(now[0] - prev[0]) < max(1, 0.2 * max(now[0], prev[0])):
         return q
     c = (now[1] - prev[1]) / (now[0] - prev[0])
@@ -118,9 +119,8 @@ def overhead_units(prev: tuple[int, float] | None, now: tuple[int, float], q: fl
 
 def probe_units(units: list[int], planned: list[int], lows: list[int]) -> list[int]:
     """Halfway back to the plan for the replica furthest below its planned units (by a tenth or
-    more), from the one
-    furthest above (at least one unit): a second point for `overhead_units` once the load that
-    moved the shares may have gone."""
+    more), from the one furthest above (at least one unit): a second point for `overhead_units`
+    once the load that moved the shares may have gone."""
     below = min(range(len(units)), key=lambda i: (units[i] / planned[i], i))
     above = max(range(len(units)), key=lambda i: (units[i] / planned[i], -i))
     move = min(max(1, (planned[below] - units[below]) // 2), units[above] - lows[above])

@@ -45,7 +45,8 @@ microbatches, stage index s):
   the shares for speed). Stage 1: 1/N of the optimizer state. Stage 2: also 1/N of the
   gradients, plus twice a bucket's whole gradients (reduce-scattered a bucket at a time, laid out
   in rows beside them; a bucket: sync.bucket_bytes and the layer that crosses it, at most the
-  stage; coarse sync: the stage). More than unsharded where the bucket is the stage. The runtime's slices (hetplan.runtime.optim.ShardedStep) are 1/N of every tensor.
+  stage; coarse sync: the stage). More than unsharded where the bucket is the stage. The
+  runtime's slices (hetplan.runtime.shard.ShardedStep) are 1/N of every tensor.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.

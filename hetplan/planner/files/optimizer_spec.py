@@ -30,7 +30,7 @@ def torch_class(name: str):
 
 
 # torch.optim classes whose update of an element needs only that element (and its state): a
-# sharded step (plan `shard`, hetplan.runtime.optim.ShardedStep) updates slices of tensors exactly
+# sharded step (plan `shard`, hetplan.runtime.shard.ShardedStep) updates slices of tensors exactly
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
 
 
