@@ -23,6 +23,7 @@ from test_train import _hetplan, plan, reference, train
 
 EQUAL = [(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])]
 UNEQUAL = [(0.25, 1, [("cpu:0", (0, 4))]), (0.75, 3, [("cpu:1", (0, 4))])]
+UNEQUAL_3 = [(1 / 3, 2, [("cpu:0", (0, 4))]), (2 / 3, 2, [("cpu:1", (0, 4))])]   # ZeRO-3: as many microbatches
 THREE = [(1 / 3, 1, [(f"cpu:{i}", (0, 4))]) for i in range(3)]     # 4 samples each; tensors of 10 split 4/4/2
 PIPELINES = [(0.5, 2, [("cpu:0", (0, 2)), ("cpu:1", (2, 4))]), (0.5, 2, [("cpu:2", (0, 2)), ("cpu:3", (2, 4))])]
 
@@ -31,13 +32,27 @@ def sharded(replicas, stage: int = 1) -> dict:
     return {**plan(replicas), "shard": {"stage": stage}}
 
 
-@pytest.mark.parametrize("stage,replicas", [(1, EQUAL), (1, UNEQUAL), (1, THREE), (1, PIPELINES),
-                                            (2, EQUAL), (2, UNEQUAL), (2, THREE)],
-                         ids=["1-equal", "1-unequal", "1-three", "1-pipelines", "2-equal", "2-unequal", "2-three"])
+CASES = {"1-equal": (1, EQUAL), "1-unequal": (1, UNEQUAL), "1-three": (1, THREE), "1-pipelines": (1, PIPELINES),
+         "2-equal": (2, EQUAL), "2-unequal": (2, UNEQUAL), "2-three": (2, THREE), "2-pipelines": (2, PIPELINES),
+         "3-equal": (3, EQUAL), "3-unequal": (3, UNEQUAL_3), "3-three": (3, THREE), "3-pipelines": (3, PIPELINES)}
+
+
+@pytest.mark.parametrize("stage,replicas", list(CASES.values()), ids=list(CASES))
 def test_each_stage_trains_like_one_device(tmp_path, stage, replicas):
     rows, params = train(tmp_path, sharded(replicas, stage), steps=6)
     ref = reference(6, {"name": "adam", "lr": 0.01})
     assert [r["loss"] for r in rows] == pytest.approx(ref.losses, rel=1e-5)
+    assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_gradients_clip_by_the_global_norm(tmp_path, stage):
+    # each rank holds a slice of every gradient: the norm is the group's, the slices scaled
+    opt = {"name": "adam", "lr": 0.01, "clip_grad_norm": 0.5}
+    rows, params = train(tmp_path, {**sharded(UNEQUAL_3, stage), "optimizer": opt}, steps=5)
+    ref = reference(5, opt, clip=0.5)
+    assert [r["loss"] for r in rows] == pytest.approx(ref.losses, rel=1e-5)
+    assert all(r["grad_norm"] > 0.5 for r in rows)
     assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -59,7 +74,9 @@ def test_shard_is_validated_with_one_line(tmp_path):
         with pytest.raises(InputError) as e:
             plan_from_dict(p, "p.json")
         assert all(n in str(e.value) for n in needles) and "\n" not in str(e.value), str(e.value)
-    refused({**plan(EQUAL), "shard": {"stage": 3}}, "p.json: shard.stage", "expected one of 0, 1, 2", "stage 3")
+    refused({**plan(EQUAL), "shard": {"stage": 4}}, "p.json: shard.stage", "expected one of 0, 1, 2, 3", "got 4")
+    refused({**sharded(EQUAL, 3), "recompute": True}, "p.json: recompute", "expected false with shard.stage 3")
+    refused(sharded(UNEQUAL, 3), "p.json: replicas[1].microbatches", "expected replicas[0]'s 1 with shard.stage 3")
     refused({**plan(EQUAL), "shard": {"level": 1}}, "p.json: shard.level", "unknown field")
     refused({**plan(EQUAL), "shard": 1}, "p.json: shard", "expected an object")
     refused(sharded([(1.0, 1, [("cpu:0", (0, 4))])]), "shard.stage", "two or more replicas")
@@ -74,8 +91,6 @@ def test_shard_is_validated_with_one_line(tmp_path):
 
 def test_what_does_not_run_yet_is_one_line_exit_2(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps(sharded(PIPELINES, 2)))
-    one_error_line(_hetplan("run", path, "--steps", 2), "shard.stage", "one-stage replicas")
     path.write_text(json.dumps(sharded([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cuda:0", (0, 4))])], 1)))
     one_error_line(_hetplan("run", path, "--steps", 2), "shard.stage", "cpu and cuda devices")
     path.write_text(json.dumps(sharded(EQUAL, 1)))

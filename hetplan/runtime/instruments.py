@@ -169,10 +169,16 @@ class SavedTracker:
         self.live.clear()
         self.peak_bytes = 0
 
-    def hooks(self, mb: int):
+    def hooks(self, mb: int, first=None):
+        """`first`: a hetplan.runtime.shard.ParamShards, whose handles for the parameters are kept
+        uncounted."""
         seen: set[int] = set()
 
         def pack(t):
+            if first is not None:
+                handle = first.pack(t)
+                if handle is not None:
+                    return handle
             # a view counts its own elements, once: microbatches are slices of one batch
             # tensor, so counting whole storages would count the batch in every microbatch
             try:
@@ -185,7 +191,7 @@ class SavedTracker:
                 self.add_bytes(mb, t.numel() * t.element_size())
             return t
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(pack, first.unpack if first is not None else lambda t: t)
 
     def add_bytes(self, mb: int, n: int) -> None:
         self.live[mb] = self.live.get(mb, 0) + n

@@ -40,16 +40,16 @@ class StageOptimizer:
     """`zero_grad()` before an iteration, `step()` after the gradients are synced."""
 
     def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice,
-                 shard_group=None):
+                 shard_group=None, own: bool = False):
         """`shard_group`: the process group of the replicas holding these parameters; each rank
-        steps and keeps the state of 1/N of them (`ShardedStep`)."""
+        steps and keeps the state of 1/N of them (`ShardedStep`; `own`: ZeRO-3's own slices)."""
         self.params = [p for p in params if p.requires_grad]
         self.device = device
         k = host_count(self.params, spec, device)
         self.on_device, self.on_host = self.params[:len(self.params) - k], self.params[len(self.params) - k:]
         self.master = [self._host_copy(p).requires_grad_(True) for p in self.on_host]
         self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.on_host]
-        self.sharded = ShardedStep(self.on_device, shard_group) if shard_group is not None else None
+        self.sharded = ShardedStep(self.on_device, shard_group, own) if shard_group is not None else None
         self.device_opt = _make(self.sharded.slices if self.sharded else self.on_device, spec)
         self.host_opt = _make(self.master, spec)
 
@@ -77,7 +77,8 @@ class StageOptimizer:
             self.sharded.take_grads()
             if self.device_opt is not None:
                 self.device_opt.step()
-            self.sharded.gather()
+            if not self.sharded.own:                        # ZeRO-3 gathers a unit when it runs
+                self.sharded.gather()
         elif self.device_opt is not None:
             self.device_opt.step()                          # queued on the device
         if self.host_opt is None:

@@ -223,6 +223,8 @@ class StageRunner:
         self.track = False
         self.offload = None         # hetplan.runtime.offload.ActivationOffload (offload_activations)
         self.forward_context = lambda mb: contextlib.nullcontext()   # hetplan.runtime.ddp: no_sync()
+        self.before_backward = lambda mb: None   # hetplan.runtime.shard.GradScatter: the last microbatch's
+        self.params_saved = None    # hetplan.runtime.shard.ParamShards: what autograd saves of the parameters
         self.weight_passes: dict[int, Any] = {}   # split backward: microbatch -> its W still to run
         # runs of `run` to come, this one included: the next run's first receives are posted once
         # this run's last ones are taken (the builder sets it to the iterations to train)
@@ -296,7 +298,7 @@ class StageRunner:
             args = [a.requires_grad_(rg) if a.is_floating_point() else a
                     for a, (_, _, rg) in zip(args, self.prev.headers["act"])]
         track = self.saved_tracker if self.track else None
-        with self.busy(f"F{mb}", "forward"), (track.hooks(mb) if track else contextlib.nullcontext()), \
+        with self.busy(f"F{mb}", "forward"), self._saved_hooks(track, mb), \
                 (self.offload.hooks() if self.offload else contextlib.nullcontext()), \
                 autocast(self.device.type, self.precision), self.forward_context(mb):
             if track is not None and self.recompute:   # checkpoint keeps just the stage input
@@ -315,8 +317,18 @@ class StageRunner:
         else:
             saved[mb] = (args, [])
 
+    def _saved_hooks(self, track, mb: int):
+        """What autograd saves in a forward: counted (`track`), the parameters' kept as handles
+        (ZeRO-3), activations offloaded (validated: not with ZeRO-3)."""
+        if track is not None:
+            return track.hooks(mb, self.params_saved)
+        if self.params_saved is not None:
+            return self.params_saved.hooks()
+        return contextlib.nullcontext()
+
     def _backward(self, mb, saved, losses) -> None:
         args, outs = saved.pop(mb)
+        self.before_backward(mb)
         if self.next is None:
             with self.busy(f"B{mb}", "backward"):
                 losses[mb].backward()
@@ -350,6 +362,7 @@ class StageRunner:
 
     def _backward_weight(self, mb) -> None:
         """W pass: the weights' gradients of microbatch mb; its activations are freed after it."""
+        self.before_backward(mb)
         with self.busy(f"W{mb}", "backward"):
             self.weight_passes.pop(mb).run()
         if self.track:

@@ -4,6 +4,8 @@ tensor-split stage): the model checked against the plan, the pipeline link to a 
 weights."""
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +84,12 @@ class Built:
     def begin(self) -> None:
         self.optimizer.zero_grad()
         self.sync.begin()
+
+    def whole_parameters(self):
+        """A context in which every parameter of this rank is whole (ZeRO-3 gathers them: every
+        rank of its group must enter it too)."""
+        shards = getattr(self.sync, "shards", None)
+        return shards.whole() if shards is not None else contextlib.nullcontext()
 
     def held_peak_bytes(self) -> int:
         """The most bytes held at once besides parameters, gradients, optimizer state and saved

@@ -168,7 +168,8 @@ class _StageBuild:
         exported = self.found.exported if self.micro == plan_batch(self.plan) else None
         self.module = (_virtual_stages(self.workload, self.rep, self.mine, self.micro, self.device, exported)
                        if self.interleaved else
-                       _module(self.workload, self.rep, self.st_j, self.micro, self.device, exported))
+                       _module(self.workload, self.rep, self.st_j, self.micro, self.device, exported,
+                               graph=self.plan.shard == 3))
 
     def make_groups(self, kinds: list[str], timeout) -> None:
         """Who holds which layer (one rank per replica), what this rank exchanges, the groups."""
@@ -220,7 +221,7 @@ class _StageBuild:
             runner.offload = ActivationOffload(self.device, params)
         shard_group = (self.groups.sync[self.ranks_of_layer[self.rep.stages[self.st_j].start]]
                        if plan.shard else None)     # validated: stage j of every replica, the same layers
-        optimizer = StageOptimizer(params, plan.optimizer, self.device, shard_group)
+        optimizer = StageOptimizer(params, plan.optimizer, self.device, shard_group, own=plan.shard == 3)
         if plan.sync.mode in PIPEDREAM_MODES:
             shared = [t for t in layout.tied if len(t.ranks) > 1]
             if shared:        # each stage would update its own copy: refused, not trained apart
@@ -232,13 +233,9 @@ class _StageBuild:
                               self.micro, self.iterations)
         head = (plan, self.workload, self.rep_i, self.st_j)
         tail = (plan.replica_offsets()[self.rep_i], self.micro, self.module, runner)
-        if self.synchronous and plan.shard == 2:   # ZeRO-2: reduce-scattered in backward (shard.check_runs)
-            from hetplan.runtime.shard import GradScatter
-            sync = GradScatter(optimizer.sharded, plan.sync.bucket_bytes if plan.sync.granularity == "fine"
-                               else float("inf"))      # coarse: one bucket, after backward
-            runner.forward_context = sync.forward_context(ddp.sync_microbatch(self.actions))
-            return Built(*head, self.n_stages, *tail, sync, optimizer, groups, self.timer, self.actions,
-                         BufferSync(groups, layout.buffers))
+        if self.synchronous and plan.shard >= 2:   # ZeRO-2/3: reduce-scattered in backward (shard.check_runs)
+            return Built(*head, self.n_stages, *tail, self._scatter(optimizer), optimizer, groups, self.timer,
+                         self.actions, BufferSync(groups, layout.buffers))
         if self.synchronous:
             if self.sync_mb is None:
                 sync = GradSync(groups, self.rank, layout.params_by_layer, layout.ranks_of_layer, layout.buckets,
@@ -258,6 +255,27 @@ class _StageBuild:
             hogwild_parameters(params, self.rank, groups.world)
         return Built(*head, len(self.rep.stages), *tail, sync, optimizer, groups, self.timer, self.actions,
                      BufferSync(groups, []), exchange, loss_weight=self.fraction)
+
+
+    def _scatter(self, optimizer: StageOptimizer):
+        """ZeRO-2's GradScatter (buckets of sync.bucket_bytes; coarse: one, after backward); ZeRO-3's
+        also gathers and frees the parameters a unit (a gradient bucket) at a time."""
+        from hetplan.runtime.shard import GradScatter, ParamShards, wire
+        plan, step = self.plan, optimizer.sharded
+        last = [mb for kind, mb in self.actions if kind in ("B", "W")][-1]
+        bucket_bytes = plan.sync.bucket_bytes if plan.sync.granularity == "fine" else float("inf")
+        if plan.shard == 2:
+            sync = GradScatter(step, bucket_bytes)
+        else:
+            of = _bucket_of(plan, self.layout)
+            ids = sorted({of.get(p, -1 - i) for i, p in enumerate(step.params)})   # no bucket: its own
+            units = [[i for i, p in enumerate(step.params) if of.get(p, -1 - i) == u] for u in ids]
+            shards = ParamShards(step, units)
+            wire(self.module, shards, {id(step.params[i]): u for u, idx in enumerate(units) for i in idx})
+            sync = GradScatter(step, bucket_bytes, units, on_unit=shards.release, shards=shards)
+            self.runner.params_saved = shards
+        self.runner.before_backward = sync.before_backward(last)
+        return sync
 
 
 @dataclass
@@ -347,10 +365,12 @@ def _interleaved_runner(plan: Plan, rep, module: VirtualStages, my_ranks: list[i
     return runner, order[row]
 
 
-def _module(workload, rep, st_j: int, micro: int, device: TorchDevice, exported=None) -> torch.nn.Module:
-    """The whole model (a one-stage replica) or this rank's stage, on its device; `exported`: an
-    export at `micro` already made, or None."""
-    if len(rep.stages) == 1:
+def _module(workload, rep, st_j: int, micro: int, device: TorchDevice, exported=None,
+            graph: bool = False) -> torch.nn.Module:
+    """The whole model (a one-stage replica, unless `graph`: ZeRO-3 wires its gathers into the
+    stage's graph) or this rank's stage, on its device; `exported`: an export at `micro` already
+    made, or None."""
+    if len(rep.stages) == 1 and not graph:
         return WholeModel(workload.model).to(device.device)
     from hetplan.planner.workload.partition import build_stages, place_stages
     return place_stages([build_stages(workload, [st.layers for st in rep.stages], micro, exported)[st_j]],

@@ -59,7 +59,8 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int | None) -> int:
 class GlobalNormClip:
     """torch.nn.utils.clip_grad_norm_ over the whole model: each rank sums the squares of the
     gradients it alone holds (a replicated or tied parameter on its lowest rank, a tensor-split
-    slice on each), one all-reduce gives the norm, every rank scales by max_norm / (norm + 1e-6)."""
+    slice on each, ZeRO-2/3's reduce-scattered slices on each), one all-reduce gives the norm, every
+    rank scales by max_norm / (norm + 1e-6)."""
 
     def __init__(self, built, max_norm: float, group=None):
         self.built, self.max_norm, self.group = built, max_norm, group
@@ -78,18 +79,22 @@ class GlobalNormClip:
         self.params = [p for _, p in built.named_params if p.requires_grad]
         self.norm = 0.0
 
+    def _grads(self, params) -> list[torch.Tensor]:
+        sharded = getattr(self.built.sync, "step", None)        # ZeRO-2/3: GradScatter's slices
+        if sharded is not None and sharded.scattered is not None:
+            return [t for t in sharded.scattered if t is not None]
+        return [p.grad for p in params if p.grad is not None]
+
     def __call__(self) -> None:
         sq = torch.zeros((), dtype=torch.float64)
-        for p in self.counted:
-            if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum().cpu()
+        for g in self._grads(self.counted):
+            sq += g.detach().double().pow(2).sum().cpu()
         dist.all_reduce(sq.reshape(1), group=self.group)
         self.norm = float(sq.sqrt())
         coef = self.max_norm / (self.norm + 1e-6)
         if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            for g in self._grads(self.params):
+                g.mul_(coef)
 
 
 # --- the loop ---------------------------------------------------------------------------------------
@@ -274,7 +279,7 @@ def evaluate(built, plan, group) -> dict[str, float]:
     a_frac, b_frac = offsets[built.replica], offsets[built.replica + 1]
     was_training = built.module.training
     built.module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), built.whole_parameters():
         for x, y in eval_batches(w.eval_data, G, w.collate_fn):
             n = len(y)
             a, b = a_frac * n // G, b_frac * n // G

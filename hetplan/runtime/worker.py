@@ -215,6 +215,7 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
     grad_bytes = sum(p.numel() * p.element_size() for p in built.params if p.requires_grad)
     if hasattr(built.sync, "peak_bytes"):     # ZeRO-2: its slices, and a bucket's whole gradients at a time
         grad_bytes = built.sync.peak_bytes()
+        param_bytes = built.sync.param_peak_bytes() or param_bytes    # ZeRO-3: slices, units in use
     on_host = device.device.type == "cpu"   # a CPU worker or a stand-in: no allocator statistics
     peak = (param_bytes + grad_bytes + built.optimizer.state_bytes() + saved + built.held_peak_bytes() if on_host
             else mem.peak_bytes())
@@ -256,7 +257,8 @@ def _gather_params(cfg, built, rank, world):
     if full is not None:
         mine = full() or {}
     else:
-        mine = ({n: p.detach().cpu() for n, p in built.named_params} if built.replica == 0 else {})
+        with built.whole_parameters():
+            mine = ({n: p.detach().cpu().clone() for n, p in built.named_params} if built.replica == 0 else {})
     out: list = [None] * world if rank == 0 else None
     dist.gather_object(mine, out, dst=0)
     if rank != 0:

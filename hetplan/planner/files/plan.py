@@ -27,8 +27,8 @@ PLACEMENTS = ("device", "cpu", "split")
 PRECISIONS = ("fp32", "tf32", "bf16")  # bf16: torch.autocast over fp32 master weights (hetplan.planner.workload.precision)
 # "shard": {"stage": N}: what the data-parallel replicas of a stage keep 1/N of, ZeRO's stages
 # (stage 3, parameters too, is not priced or run in this version)
-SHARD_STAGES = {0: "nothing", 1: "optimizer state", 2: "optimizer state and gradients"}
-SHARD_LATER = " (stage 3, parameters sharded too, is not supported in this version)"
+SHARD_STAGES = {0: "nothing", 1: "optimizer state", 2: "optimizer state and gradients",
+                3: "optimizer state, gradients and parameters"}
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 MAX_THREADS = 65536                # a CPU worker's intra-op threads (plan and topology files; torch takes a C int)
 MAX_GLOBAL_BATCH = 2**20           # samples per iteration (plan files and --batch): a larger batch
@@ -424,14 +424,22 @@ def _validate_mode(plan: Plan, err) -> None:
 
 
 def _validate_shard(plan: Plan, err) -> None:
-    """Sharding (ZeRO stages 1 and 2) needs what it shards over: two or more synchronous replicas
+    """Sharding (ZeRO stages 1 to 3) needs what it shards over: two or more synchronous replicas
     whose stages hold the same layers (stage j's shard group is stage j of every replica), each
-    stage on one device, the optimizer on the devices."""
+    stage on one device, the optimizer on the devices; stage 3 without recompute (its gathers
+    are wired into the forward that recompute would run again) and with as many microbatches in
+    every replica (their gathers and releases are the group's collectives)."""
     if plan.shard not in SHARD_STAGES:
-        raise err("shard.stage", f"expected one of {', '.join(map(str, SHARD_STAGES))}{SHARD_LATER}, got {plan.shard!r}")
+        raise err("shard.stage", f"expected one of {', '.join(map(str, SHARD_STAGES))}, got {plan.shard!r}")
     if plan.shard == 0:
         return
     why = f"with shard.stage {plan.shard}"
+    if plan.shard == 3 and plan.recompute:
+        raise err("recompute", f"expected false {why} in this version")
+    for i, rep in enumerate(plan.replicas):     # each microbatch's gathers are collectives of the group
+        if plan.shard == 3 and rep.microbatches != plan.replicas[0].microbatches:
+            raise err(f"replicas[{i}].microbatches", f"expected replicas[0]'s {plan.replicas[0].microbatches} "
+                                                     f"{why} (each microbatch gathers the parameters), got {rep.microbatches}")
     if len(plan.replicas) < 2:
         raise err("shard.stage", f"expected two or more replicas to shard over {why}, got {len(plan.replicas)}")
     if plan.sync.mode != "sync":
@@ -544,7 +552,7 @@ def plan_from_dict(data: Any, file: str = "<plan>") -> Plan:
         sh = r.sub("shard")
         sh.only(_FIELDS["shard"])
         shard = sh.get("stage", int, check=lambda v: v in SHARD_STAGES,
-                       expected=f"one of {', '.join(map(str, SHARD_STAGES))}{SHARD_LATER}")
+                       expected=f"one of {', '.join(map(str, SHARD_STAGES))}")
     plan = Plan(model=model, global_batch=r.get("global_batch", int), replicas=tuple(replicas),
                 schedule=r.get("schedule", str, default="1f1b"), sync=sync, optimizer=opt,
                 recompute=r.get("recompute", bool, default=False),

@@ -166,8 +166,11 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
         raise ValueError(f"precision {s.precision!r} is not allowed here ({', '.join(space.precisions)})")
     B = space.global_batch
     replicas = []
-    for p, b in zip(s.pipelines, batches, strict=True):
-        m = realise_microbatches(p.microbatches, b, len(p.devices), s.schedule, len(p.distinct))
+    ms = [realise_microbatches(p.microbatches, b, len(p.devices), s.schedule, len(p.distinct))
+          for p, b in zip(s.pipelines, batches, strict=True)]
+    if s.shard == 3:      # as many microbatches in every replica (hetplan.planner.files.plan)
+        ms = [common_microbatches(ms, batches, min(min_batch(p, s.schedule) for p in s.pipelines))] * len(ms)
+    for p, b, m in zip(s.pipelines, batches, ms):
         offload = s.offload and not s.recompute and s.schedule != "zb-h1"
         offloads = tuple(space.kinds[d] != "cpu" for d in p.devices) if offload else None
         stages = _stages(p.devices, tuple(p.ranges(space.num_layers)), offloads, s.tensor, s.tensor_stage)
@@ -177,6 +180,13 @@ def to_plan(space: Space, s: Strategy, batches: tuple[int, ...] | list[int]) -> 
                 optimizer=Optimizer(space.optimizer_name, space.lr, s.placement,
                                           s.cpu_fraction if s.placement == "split" else None),
                 recompute=s.recompute, precision=s.precision, shard=s.shard)
+
+
+def common_microbatches(ms: list[int], batches, least: int) -> int:
+    """One microbatch count for every replica: the largest divisor of every batch that is at
+    most the largest of `ms` and at least `least`; else the largest of `ms`."""
+    common = [d for d in divisors(math.gcd(*batches)) if least <= d <= max(ms)]
+    return common[-1] if common else max(ms)
 
 
 def from_plan(plan: Plan) -> tuple[Strategy, tuple[int, ...]]:

@@ -166,6 +166,7 @@ def cut_stages(ex: Exported, model: nn.Module, ranges) -> list[StageModule]:
         m.num_stages = S
         m.flat_inputs = ex.flat_inputs          # model inputs -> stage 0's arguments
         m.node_origin = {new.name: old for old, new in env.items()}   # stage node -> exported node
+        m.node_layer = {env[n].name: ex.layer_of[n] for n, s in stage_of.items() if s == k}
         stages.append(m)
     return stages
 
