@@ -127,6 +127,13 @@ def test_peak_memory_per_stage_hand_computed():
     assert peak_memory(p, g, t) == {"cuda:0": 32e6, "cuda:1": 32e6}
     assert peak_memory(dataclasses.replace(p, shard=1), g, t) == {"cuda:0": 24e6, "cuda:1": 24e6}
     assert peak_memory(dataclasses.replace(p, shard=2), g, t)["cuda:0"] == pytest.approx(22e6, rel=1e-6)
+    # Stage 3: parameters half, plus a unit in use and the next gathered: (4 + 2) + 6 + 8 = 20e6.
+    # Two microbatches: the first's whole gradients are held beside the slices and a bucket's
+    # rows (8 + 4 + 1): stage 2 8 + 13 + 8, stage 3 6 + 13 + 8
+    assert peak_memory(dataclasses.replace(p, shard=3), g, t)["cuda:0"] == pytest.approx(20e6, rel=1e-9)
+    two = dataclasses.replace(p, replicas=tuple(dataclasses.replace(r, microbatches=2) for r in p.replicas))
+    assert peak_memory(dataclasses.replace(two, shard=2), g, t)["cuda:0"] == pytest.approx(29e6, rel=1e-9)
+    assert peak_memory(dataclasses.replace(two, shard=3), g, t)["cuda:0"] == pytest.approx(27e6, rel=1e-9)
     g1 = graph([layer(0, param_bytes=10**6)], batch=4)
     p1 = sim_plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4, optimizer="adam", bucket_bytes=1)
     assert peak_memory(dataclasses.replace(p1, shard=2), g1, t)["cuda:0"] == 1e6 + 2.5e6 + 1e6
@@ -153,6 +160,27 @@ def test_where_replicated_data_parallel_does_not_fit_the_search_shards_and_beats
     named = {c.name: c for c in result.baselines}
     assert not named["data parallel, equal shares"].feasible and named["data parallel, ZeRO-1"].feasible
     assert result.best.iteration_s < named["balanced pipeline"].iteration_s
+
+
+def test_zero3_gathers_each_unit_before_its_layers_in_forward_and_backward():
+    # 2 layers of 1 MB, a bucket (a unit) each, a 1e6 B/s link of 0.01 s: a unit's all-gather is
+    # half of a 1 MB all-reduce, 0.51 s. Forward (4 s) waits for its first unit, the second is
+    # gathered beside it: 4.51 s; backward (8 s, in two chunks) the same: 8.51 s. Then the two
+    # reduce-scatters of ZeRO-2 (2 x 0.51 s) and no gather after the step: 13.02 + 1.02 s
+    from test_search import uniform_graph
+    g = uniform_graph(num_layers=2, batch=4, param_bytes=1e6)
+    t = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=1e6, lat=0.01)])
+    p = sim_plan([(0.5, 1, [("cuda:0", 0, 2)]), (0.5, 1, [("cuda:1", 0, 2)])], 4, bucket_bytes=10**6)
+    r = simulate(dataclasses.replace(p, shard=3), g, t, trace=True)
+    assert r.per_device["cuda:0"]["fwd_s"] == pytest.approx(4.51, rel=1e-12)
+    assert r.per_device["cuda:0"]["bwd_s"] == pytest.approx(8.51, rel=1e-12)
+    assert r.iteration_s == pytest.approx(14.04, rel=1e-12)
+    assert "parameter all-gather stage 0" not in {x["name"] for x in r.tasks}
+    # a slow link: the second unit's gather (10.01 s) outlasts the forward's 4 s
+    slow = topology([device("cuda:0"), device("cuda:1")], [link("cuda:0", "cuda:1", bw=1e5, lat=0.01)])
+    r = simulate(dataclasses.replace(p, shard=3), g, slow)
+    assert r.per_device["cuda:0"]["fwd_s"] == pytest.approx(5.01 + 5.01, rel=1e-12)
+    assert lower_bound_s(Simulator(g, t), dataclasses.replace(p, shard=3)) is None
 
 
 def test_zero2_reduce_scatters_each_bucket_after_backward():

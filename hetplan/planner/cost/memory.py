@@ -45,8 +45,11 @@ microbatches, stage index s):
   the shares for speed). Stage 1: 1/N of the optimizer state. Stage 2: also 1/N of the
   gradients, plus twice a bucket's whole gradients (reduce-scattered a bucket at a time, laid out
   in rows beside them; a bucket: sync.bucket_bytes and the layer that crosses it, at most the
-  stage; coarse sync: the stage). More than unsharded where the bucket is the stage. The
-  runtime's slices (hetplan.runtime.shard.ShardedStep) are 1/N of every tensor.
+  stage; coarse sync: the stage). More than unsharded where the bucket is the stage. With more
+  than one microbatch the earlier ones' whole gradients are held too (the slices and a bucket's
+  rows beside them). Stage 3: also 1/N of the parameters, plus two units (a bucket: the one in
+  use and the next being gathered). The runtime's slices (hetplan.runtime.shard.ShardedStep) are
+  1/N of every tensor.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -185,6 +188,21 @@ def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]
     return out
 
 
+def sharded_bytes(plan: Plan, graph: ModelGraph, st: Stage, rep, state_ratio: float) -> float:
+    """A sharded stage's parameters, gradients and optimizer state on its device (the module
+    docstring's rule; hetplan.runtime.shard)."""
+    from hetplan.planner.cost.buckets import grad_buckets
+    params, n = float(graph.stage_param_bytes(st.start, st.end)), len(plan.replicas)
+    mine = [b.bytes for b in grad_buckets(plan, graph) if st.start <= min(b.layers) < st.end]
+    # the largest bucket (a unit under ZeRO-3); coarse sync: the stage
+    whole = float(max(mine)) if mine and plan.sync.granularity == "fine" else params
+    grads = params
+    if plan.shard >= 2:   # the slices, a bucket's rows; earlier microbatches' whole gradients
+        grads = params / n + 2 * whole if rep.microbatches == 1 else params + params / n + whole
+    held = params / n + 2 * whole if plan.shard == 3 else params   # slices, a unit in use, the next gathered
+    return held + grads + state_ratio * params / n
+
+
 def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, float]:
     """Peak bytes per device used by the plan (hosts of offloaded optimizers included)."""
     state_ratio = OPTIMIZER_STATE_PER_PARAM_BYTE[plan.optimizer.name]
@@ -212,11 +230,7 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
                 params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
             copies = stashed_versions(plan, len(rep.stages), s) * params
             if plan.shard:
-                n, layer = len(plan.replicas), float(max(graph.layers[i].param_bytes for i in range(st.start, st.end)))
-                bucket = plan.sync.bucket_bytes if plan.sync.granularity == "fine" else params   # coarse: one
-                whole = min(params, bucket + layer)   # a bucket's gradients, and its rows
-                grads = params / n + 2 * whole if plan.shard == 2 else params
-                out[st.device] = out.get(st.device, 0.0) + params + grads + acts + state_ratio * params / n
+                out[st.device] = out.get(st.device, 0.0) + sharded_bytes(plan, graph, st, rep, state_ratio) + acts
                 continue
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
             if st.offload_activations:

@@ -54,7 +54,7 @@ def lower_bound_s(sim: Any, plan: Plan, above: float = math.inf) -> float | None
     """A lower bound on `sim.simulate(plan).iteration_s` (sim: a hetplan.planner.sim.simulator.Simulator),
     or None where none is proven (see the module docstring). Where the replicas' terms alone
     give more than `above`, that bound (its all-reduce terms not added)."""
-    if plan.sync.mode != "sync" or plan.shard == 2 or not _connected(sim):   # ZeRO-2's scatters: not bounded
+    if plan.sync.mode != "sync" or plan.shard >= 2 or not _connected(sim):   # ZeRO-2/3's scatters: not bounded
         return None
     if contention.contended(sim.topology, sim.cost, plan):
         return None

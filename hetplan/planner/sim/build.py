@@ -11,6 +11,8 @@ are added, so per-device sums are reproducible bit for bit.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -25,7 +27,7 @@ from hetplan.planner.hardware.topology import Topology
 from hetplan.planner.files.schedule import split_backward
 from hetplan.planner.sim.template import ReplicaCore, ReplicaTemplate, Stream, accumulates, replica_core, replica_template
 from hetplan.planner.sim.taskgraph import (COUNTED, ComputeLabel, Const, HeldSend, HopRecipe, LayerRange, Recompute,
-                                   RouteHop, SavedCopy, SplitRange, SyncWork, TaskGraph, TaskMeta,
+                                   RouteHop, SavedCopy, SplitRange, SyncWork, Gathered, TaskGraph, TaskMeta,
                                    TransferLabel)
 from hetplan.planner.workload.graph import ModelGraph
 
@@ -131,7 +133,7 @@ class Builder:
         if self.plan.sync.mode == "parameter-server":
             self.server_steps()
             return
-        steps = self.optimizer_steps(self.scatters() if self.plan.shard == 2 else self.allreduces())
+        steps = self.optimizer_steps(self.scatters() if self.plan.shard >= 2 else self.allreduces())
         if self.plan.sync.period is not None:
             self.parameter_exchange(steps)
 
@@ -467,7 +469,29 @@ class Builder:
         recipe = LayerRange("fwd", r, st.device, st.start, st.end, sends, receives)
         if self.ddp and self.sim.cost.ddp_forward_s(st.device) > 0.0:
             recipe = SyncWork(recipe, st.device, ddp_forward=True)
+        if self.plan.shard == 3:
+            recipe = Gathered(recipe, *self.unit_gathers(st, s, forward=True))
         return self.g.value(recipe)
+
+    def unit_gathers(self, st: Stage, s: int, forward: bool) -> tuple[float, float]:
+        """ZeRO-3: (the first unit's all-gather, the others') of stage s's pass, a unit a
+        gradient bucket of the stage (coarse: the stage), forward from its first layers,
+        backward from its last (hetplan.runtime.shard.ParamShards)."""
+        ex, devices = self.exchange, tuple(rep.stages[s].device for rep in self.plan.replicas)
+        units = [ex.buckets[k].bytes for k in self.stage_buckets(st)] if ex.fine else []
+        units = units or [self.sim.graph.stage_param_bytes(st.start, st.end)]   # in ready order: last layers first
+        d = [self.sim.allreduce(devices, b)[1] * gather_share(self.sim.topology, devices, b) for b in units]
+        first = d[-1] if forward else d[0]
+        return first, sum(d) - first
+
+    def gathered(self, st: Stage, s: int, out: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+        """ZeRO-3: a backward pass's pieces, the first waiting for the gathers beside them all."""
+        if self.plan.shard != 3 or not out:
+            return out
+        g = self.g
+        rest = tuple(g.recipes[v] for v, _ in out[1:])
+        first = (g.value(Gathered(g.recipes[out[0][0]], *self.unit_gathers(st, s, forward=False), rest)), out[0][1])
+        return [first] + out[1:]
 
     def backward_values(self, r: int, s: int, stages, chunks: list[Chunk],
                         accumulates: bool = False) -> list[tuple[int, int | None]]:
@@ -487,7 +511,7 @@ class Builder:
                 recipe = LayerRange("bwd", r, st.device, c.lo, c.hi, sends, receives, action=j == 0,
                                     accumulates=accumulates)
             out.append((self.g.value(recipe), c.bucket))
-        return out
+        return self.gathered(st, s, out)
 
     def input_value(self, r: int, s: int, stages) -> int:
         """The value id of stage s's I pass (split backward) of one microbatch: the input-gradient
@@ -496,17 +520,18 @@ class Builder:
         runs the whole backward, as torch.distributed.pipelining does)."""
         st = stages[s]
         _, _, sends, receives = stage_messages(self.sim.graph, stages, s)
-        return self.g.value(LayerRange("inp", r, st.device, st.start, st.end if s > 0 else st.start,
-                                       sends=sends, receives=receives))
+        v = self.g.value(LayerRange("inp", r, st.device, st.start, st.end if s > 0 else st.start,
+                                    sends=sends, receives=receives))
+        return self.gathered(st, s, [(v, None)])[0][0] if s > 0 else v
 
     def weight_values(self, r: int, s: int, stages, chunks: list[Chunk],
                       accumulates: bool = False) -> list[tuple[int, int | None]]:
         """(value id, bucket) per W task (split backward) of one microbatch of stage s: the
         weight-gradient part of each chunk's layers (stage 0: their whole backward); no messages."""
         st = stages[s]
-        return [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi, action=j == 0,
-                                         accumulates=accumulates)), c.bucket)
-                for j, c in enumerate(chunks)]
+        return self.gathered(st, s, [(self.g.value(LayerRange("wgt" if s > 0 else "bwd", r, st.device, c.lo, c.hi,
+                                                              action=j == 0, accumulates=accumulates)), c.bucket)
+                                     for j, c in enumerate(chunks)])
 
     # --- transfers ---------------------------------------------------------------------------
     def route(self, src: str, dst: str, replica: int | None = None, cut: int | None = None,
@@ -624,7 +649,7 @@ class Builder:
                 t = self.optimizer_task(dev, f"{opt} step", step, deps)
             steps.append(t)
             stepped[dev] = t
-        return self.parameter_gathers(stepped) if self.plan.shard else steps
+        return self.parameter_gathers(stepped) if self.plan.shard in (1, 2) else steps   # ZeRO-3: as they run
 
     def stage_groups(self):
         """Sharded plans: (j, stage j of replica 0, the devices of stage j of every replica)."""
@@ -666,7 +691,7 @@ class Builder:
         for j, st, devices in self.stage_groups():
             n = graph.stage_param_bytes(st.start, st.end)
             res, d = self.sim.allreduce(devices, n)
-            d_k = g.value(Const(d / 2))
+            d_k = g.value(Const(d * gather_share(self.sim.topology, devices, n)))
             t = g.add(d_k, res, [stepped[dev] for dev in devices if dev in stepped],
                       TaskMeta(f"parameter all-gather stage {j}", "+".join(devices), "allreduce")
                       if self.tracing else None)
@@ -754,6 +779,17 @@ class Builder:
         g.memory_bound.add(t)
         g.count(dev, "optimizer_s", d_k)
         return t
+
+
+def gather_share(topology, devices: tuple[str, ...], n_bytes: float) -> float:
+    """An all-gather of n bytes over `devices` as a share of their all-reduce of n: half on NCCL
+    (all CUDA: a ring's all-gather is half a ring all-reduce); on gloo as measured on two CPU
+    workers (benchmarks/gloo_collectives.py, docs/tuning.md: 0.54 at 1 MB, 0.77 at 16 MB),
+    between them log-linear, held outside."""
+    if all(topology.device(d).kind == "cuda" for d in devices):
+        return 0.5
+    x = min(max(math.log2(max(n_bytes, 1.0) / 2**20) / 4.0, 0.0), 1.0)
+    return 0.54 + (0.77 - 0.54) * x
 
 
 def stage_messages(graph: ModelGraph, stages, s: int) -> tuple[int, int, int, int]:

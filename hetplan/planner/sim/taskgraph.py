@@ -88,6 +88,27 @@ class SyncWork:
 
 
 @dataclass(frozen=True, slots=True)
+class Gathered:
+    """A ZeRO-3 pass (hetplan.runtime.shard.ParamShards): `inner` waits for the first unit's
+    all-gather (`first_s`); the others (`rest_s`, prefetched one ahead) run beside the pass's
+    compute, `inner` and the pieces `alongside` it (a backward's later chunks), and hold it up
+    only where they take longer."""
+    inner: Any
+    first_s: float
+    rest_s: float
+    alongside: tuple = ()
+
+    @property
+    def replica(self):           # its value depends on the replica's microbatch as inner's does
+        return getattr(self.inner, "replica", None)
+
+    def seconds(self, cost: Any, graph: Any, mbs: list[float]) -> float:
+        t = self.inner.seconds(cost, graph, mbs)
+        beside = t + sum(a.seconds(cost, graph, mbs) for a in self.alongside)
+        return t + self.first_s + max(0.0, self.rest_s - beside)
+
+
+@dataclass(frozen=True, slots=True)
 class Recompute:
     """Backward of layers [lo, hi) plus the forward of the stage's layers [start, end) again
     (activation recomputation), at the replica's microbatch; messages and the action's own
@@ -208,7 +229,7 @@ class SplitSync:
         return cost.tensor_sync_s(self.phase, self.devices, self.start, self.end, mbs[self.replica])
 
 
-Recipe = Const | LayerRange | SyncWork | Recompute | HopRecipe | HeldSend | SavedCopy | SplitRange | SplitPart | SplitSync
+Recipe = Const | LayerRange | SyncWork | Gathered | Recompute | HopRecipe | HeldSend | SavedCopy | SplitRange | SplitPart | SplitSync
 
 
 # --- names of routes and tasks ------------------------------------------------------------------
