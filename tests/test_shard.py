@@ -183,6 +183,34 @@ def test_zero3_gathers_each_unit_before_its_layers_in_forward_and_backward():
     assert lower_bound_s(Simulator(g, t), dataclasses.replace(p, shard=3)) is None
 
 
+@pytest.mark.parametrize("layers,stage", [(24, 1), (60, 3)])
+def test_on_the_shipped_dgx_a_model_too_large_to_replicate_is_sharded_and_beats_the_pipeline(layers, stage):
+    # dgx-8gpu (hetplan/topologies): 8 GPUs of 80 GB beside two CPUs. Layers of 1 GB with Adam:
+    # replicated, a GPU holds 4x the model. 24 GB: ZeRO-1 holds 24 + 24 + 6 GB; 60 GB: only
+    # ZeRO-3 fits, 7.5 + 2 + 7.5 + 2 + 15 GB (the pipelines hold 60 GB / stages x 4)
+    import random
+
+    from hetplan.planner.files.plan import ModelRef
+    from hetplan.planner.hardware.topology import load_topology, resolve_topology
+    from hetplan.planner.search.mcmc import SearchConfig, search
+    from hetplan.planner.search.problem import make_space, replicated_fits, simulator_problem
+    from test_search import uniform_graph
+    topo = load_topology(resolve_topology("dgx-8gpu"))
+    graph = uniform_graph(num_layers=layers, batch=256, flops_per_sample=2e10, param_bytes=1e9, act_per_sample=1e6)
+    space = make_space(topo, graph.num_layers, graph.batch, ModelRef("toy"), "adam", 1e-3)
+    assert not replicated_fits(space, graph, topo)
+    space = dataclasses.replace(space, shard_choices=(0, 1, 2, 3))    # as plan_problem makes it
+    result = search(simulator_problem(Simulator(graph, topo), space), random.Random(0),
+                    SearchConfig(iterations=200, time_limit_s=60))
+    best = result.best.plan
+    assert best.shard == stage and len(best.replicas) == 8 and all(len(r.stages) == 1 for r in best.replicas)
+    assert all(d.startswith("cuda:") for d in best.devices)        # a shard group of one device kind
+    named = {c.name: c for c in result.baselines}
+    assert named["data parallel, ZeRO-3"].feasible and not named["data parallel over GPUs"].feasible
+    assert named["data parallel, ZeRO-1"].feasible == (stage == 1)
+    assert result.best.iteration_s < named["balanced pipeline"].iteration_s
+
+
 def test_zero2_reduce_scatters_each_bucket_after_backward():
     # 2 layers of one 1 MB tensor each, a 1e6 B/s link of 0.01 s. Coarse: ZeRO-1 all-reduces the
     # 2 MB after backward (2 * 0.01 + 2 = 2.02 s), ZeRO-2 reduce-scatters them, half of it (1.01 s).

@@ -114,10 +114,16 @@ def baseline_strategies(space: Space, single_s: dict[str, float], shares: dict[s
         out.append(("data parallel, equal shares", dp, proportional_batches(B, [1.0] * len(devs), [1] * len(devs))))
         speed = [1.0 / single_s[d] for d in devs]
         out.append(("data parallel, proportional shares", dp, proportional_batches(B, speed, [1] * len(devs))))
-        if 1 in space.shard_choices:      # replicated data parallel does not fit: what DeepSpeed users run
-            out.append(("data parallel, ZeRO-1", replace(dp, shard=1),
-                        proportional_batches(B, [1.0] * len(devs), [1] * len(devs))))
     gpus = [d for d in space.devices if space.kinds[d] == "cuda"][:B]
+    # replicated data parallel does not fit: what DeepSpeed and FSDP users run, over devices of
+    # one kind (a shard group's collectives run on one backend): the GPUs where there are any
+    zero = devs if len({space.kinds[d] for d in devs}) == 1 else gpus
+    if len(zero) > 1:
+        dz = Strategy(tuple(Pipeline((d,), ()) for d in zero), precision=first)
+        for k in (1, 3):
+            if k in space.shard_choices:
+                out.append((f"data parallel, ZeRO-{k}", replace(dz, shard=k),
+                            proportional_batches(B, [1.0] * len(zero), [1] * len(zero))))
     if 1 < len(gpus) < len(space.devices):
         # what most users run on a GPU server: DDP over the GPUs, CPUs idle
         gpu_dp = Strategy(tuple(Pipeline((d,), ()) for d in gpus), precision=first)

@@ -150,13 +150,13 @@ def plan_problem(workload, model, global_batch: int, topology, optimizer_name: s
     space = make_space(topology, first.num_layers, global_batch, model, optimizer_name, lr, precisions,
                        tensor_split=bool(first.pairs))
     if not replicated_fits(space, first, topology):
-        space = replace(space, shard_choices=(0, 1))
+        space = replace(space, shard_choices=(0, 1, 2, 3))
     return first, simulator_problem(ByPrecision(sims), space)
 
 
 def replicated_fits(space: Space, graph, topology) -> bool:
     """Whether plain data parallel over every device (equal shares) fits in memory: where it does
-    not, the search may shard (ZeRO stage 1)."""
+    not, the search may shard (ZeRO stages 1 to 3)."""
     from hetplan.planner.cost.memory import feasible, peak_memory
     from hetplan.planner.search.baselines import proportional_batches
     devs = space.devices[:space.global_batch]

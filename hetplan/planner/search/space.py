@@ -234,7 +234,7 @@ def fits(space: Space, s: Strategy) -> bool:
         return False
     if s.tensor and not _tensor_fits(s):
         return False
-    if s.shard and not _shard_fits(s):
+    if s.shard and not _shard_fits(space, s):
         return False
     for p in s.pipelines:
         if len(p.cuts) != len(p.devices) - 1 or not p.devices or not _layout_ok(p, s.schedule):
@@ -245,13 +245,16 @@ def fits(space: Space, s: Strategy) -> bool:
     return sum(min_batch(p, s.schedule) for p in s.pipelines) <= space.global_batch
 
 
-def _shard_fits(s: Strategy) -> bool:
-    """Sharding as the plan file allows it: two or more pipelines cut alike over as many
-    devices, the optimizer on the devices, no tensor split, offload or interleaving."""
+def _shard_fits(space: Space, s: Strategy) -> bool:
+    """Sharding as the plan file and the runtime allow it: two or more pipelines cut alike over
+    as many devices, stage j's devices of one kind, the optimizer on the devices, no tensor
+    split, offload or interleaving; ZeRO-3 without recompute."""
     first = s.pipelines[0]
     return (len(s.pipelines) >= 2 and all(p.cuts == first.cuts and len(p.devices) == len(first.devices)
                                           for p in s.pipelines)
-            and s.placement == "device" and not s.tensor and not s.offload and s.schedule != "interleaved-1f1b")
+            and all(len({space.kinds[p.devices[j]] for p in s.pipelines}) == 1 for j in range(len(first.devices)))
+            and s.placement == "device" and not s.tensor and not s.offload and s.schedule != "interleaved-1f1b"
+            and not (s.shard == 3 and s.recompute))
 
 
 def _tensor_fits(s: Strategy) -> bool:
