@@ -1,8 +1,11 @@
 """gloo's collectives on this machine: all-reduce, reduce-scatter and all-gather of the same
 bytes between N processes, the median of `--repeats` calls after two warm-ups, each after a
-barrier. What sharded data parallel (hetplan.runtime.shard) chooses between on gloo.
+barrier. What sharded data parallel (hetplan.runtime.shard) chooses between on gloo; and
+`zero3_gather`: ZeRO-3's gather of the same bytes as `--units` parameters, one unit each
+(hetplan.runtime.shard.ParamShards: a unit's buffer regrown, every rank's chunk all-gathered
+into it, the next unit's gather started), then freed.
 
-    python benchmarks/gloo_collectives.py [--world 2] [--mb 1 16] [--repeats 10]
+    python benchmarks/gloo_collectives.py [--world 2] [--mb 1 16] [--units 4] [--repeats 10]
 """
 from __future__ import annotations
 
@@ -13,7 +16,22 @@ import statistics
 import time
 
 
-def _worker(rank: int, world: int, port: int, sizes_mb: list[float], repeats: int) -> None:
+def _zero3(n: int, units: int):
+    """A ParamShards over `units` parameters of n/units floats each: gather and free them all."""
+    import torch
+    from hetplan.runtime.shard import ParamShards
+    params = [torch.nn.Parameter(torch.randn(n // units)) for _ in range(units)]
+    shards = ParamShards(params, None, [[i] for i in range(units)])
+
+    def call():
+        for u in range(units):
+            shards.gather(u)
+            shards.release(u - 1)
+        shards.release_all()
+    return call
+
+
+def _worker(rank: int, world: int, port: int, sizes_mb: list[float], repeats: int, units: int) -> None:
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -25,7 +43,8 @@ def _worker(rank: int, world: int, port: int, sizes_mb: list[float], repeats: in
         parts = [torch.empty(n // world) for _ in range(world)]
         calls = {"all_reduce": lambda: dist.all_reduce(x),
                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x),
-                 "all_gather": lambda: dist.all_gather(parts, part)}
+                 "all_gather": lambda: dist.all_gather(parts, part),
+                 "zero3_gather": _zero3(n, units)}
         row = {}
         for name, call in calls.items():
             times = []
@@ -48,10 +67,11 @@ def main(argv=None) -> int:
     a.add_argument("--world", type=int, default=2)
     a.add_argument("--mb", type=float, nargs="+", default=[1.0, 16.0])
     a.add_argument("--repeats", type=int, default=10)
+    a.add_argument("--units", type=int, default=4, help="zero3_gather: the bytes as this many parameters")
     args = a.parse_args(argv)
-    if args.world < 2 or args.repeats < 1 or any(m <= 0 for m in args.mb):
-        a.error("expected --world >= 2, --repeats >= 1 and positive --mb")
-    mp.spawn(_worker, args=(args.world, free_port(), args.mb, args.repeats), nprocs=args.world)
+    if args.world < 2 or args.repeats < 1 or args.units < 1 or any(m <= 0 for m in args.mb):
+        a.error("expected --world >= 2, --repeats >= 1, --units >= 1 and positive --mb")
+    mp.spawn(_worker, args=(args.world, free_port(), args.mb, args.repeats, args.units), nprocs=args.world)
     return 0
 
 

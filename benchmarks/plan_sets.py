@@ -172,11 +172,12 @@ def cpu_plan_set(num_layers: dict[str, int], devices: list[str]) -> dict[str, di
             L = num_layers[w]
             out[f"{w}/{sync['mode']}"] = plan = make_plan(W[w], [(0.5, 1, [(a, (0, L))]), (0.5, 1, [(b, (0, L))])])
             plan["sync"].update(sync)
-    for w in ("mlp", "gpt"):      # ZeRO: each replica steps (and with 2 keeps the gradients of) a half
+    for w in ("mlp", "gpt"):      # ZeRO: each replica steps (2: and keeps the gradients, 3: and the parameters of) a half
         if w in num_layers:
             both = [(0.5, 1, [(a, (0, num_layers[w]))]), (0.5, 1, [(b, (0, num_layers[w]))])]
             out[f"{w}/dp-zero1"] = make_plan(W[w], both, sync="fine", bucket_bytes=256 << 10, shard={"stage": 1})
             out[f"{w}/dp-zero2"] = make_plan(W[w], both, sync="fine", bucket_bytes=256 << 10, shard={"stage": 2})
+            out[f"{w}/dp-zero3"] = make_plan(W[w], both, sync="fine", bucket_bytes=256 << 10, shard={"stage": 3})
     out["gpt/dp-even-cpu-opt"] = make_plan(W["gpt"], [(0.5, 1, [(a, (0, num_layers["gpt"]))]),
                                                       (0.5, 1, [(b, (0, num_layers["gpt"]))])],
                                            placement="cpu", sync="fine", bucket_bytes=256 << 10)

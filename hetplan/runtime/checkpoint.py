@@ -103,13 +103,60 @@ def ensure_state(built) -> None:
 
 
 def state_dict(built) -> dict[str, torch.Tensor]:
-    """This rank's part: its parameters and their optimizer state, by the model's names."""
+    """This rank's part: its parameters and their optimizer state, by the model's names (ZeRO:
+    the whole state, gathered from the group's slices; ZeRO-3: inside `whole_parameters`)."""
     out = {f"model.{n}": p.detach() for n, p in built.named_params}
     out.update({f"buffer.{n}": b for n, b in built.module.named_buffers() if b is not None})
+    if built.optimizer.sharded is not None:
+        out.update(_sharded_state(built))
+        return out
     for n, (torch_opt, t) in _optimizer_slots(built).items():
         for key, v in torch_opt.state.get(t, {}).items():
             out[f"optim.{n}.{key}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
     return out
+
+
+def _sharded_state(built) -> dict[str, torch.Tensor]:
+    """ZeRO: each state of the slices' optimizer as whole tensors (`ShardedStep.whole`, one
+    all-gather per state name); a per-tensor scalar (Adam's step) the same on every slice."""
+    import torch.distributed as dist
+    st, opt = built.optimizer.sharded, built.optimizer.device_opt
+    states = [opt.state.get(t, {}) for t in st.slices]
+    keys = sorted({k for s in states for k in s})
+    everyone: list = [None] * st.n
+    dist.all_gather_object(everyone, keys, group=st.group)     # a rank with no slice knows none
+    keys = sorted({k for ks in everyone for k in ks})
+    names = {id(p): n for n, p in built.named_params}
+    out = {}
+    for key in keys:
+        vals = [s.get(key) for s in states]
+        if any(torch.is_tensor(v) and v.dim() == 0 or not torch.is_tensor(v) and v is not None for v in vals):
+            v = next(v for v in vals if v is not None)
+            scalar = v if torch.is_tensor(v) else torch.tensor(v)
+            for p in st.params:
+                out[f"optim.{names[id(p)]}.{key}"] = scalar.detach().cpu().clone()
+            continue
+        for p, whole in zip(st.params, st.whole(vals)):
+            out[f"optim.{names[id(p)]}.{key}"] = whole
+    return out
+
+
+def _load_sharded(built, sd: dict[str, torch.Tensor]) -> None:
+    """The slices' optimizer state (and ZeRO-3's own parameter chunks) from the loaded whole tensors."""
+    st, opt = built.optimizer.sharded, built.optimizer.device_opt
+    by_id = {id(p): n for n, p in built.named_params}
+    names = [by_id[id(p)] for p in st.params]
+    with torch.no_grad():
+        if st.own:
+            for t, got in zip(st.slices, st.split([p.detach() for p in st.params])):
+                t.copy_(got)
+        for key in sorted({k for t in st.slices for k in opt.state.get(t, {})}):
+            wholes = [sd[f"optim.{n}.{key}"] for n in names]
+            parts = st.split(wholes) if wholes[0].dim() else None     # else a scalar, the same on every slice
+            for j, t in enumerate(st.slices):
+                v = opt.state.get(t, {}).get(key)
+                if v is not None:
+                    v.copy_(parts[j] if parts is not None else wholes[0])
 
 
 def save(root: str | Path, step: int, built, rank: int, meta: dict[str, Any], group=None,
@@ -124,7 +171,8 @@ def save(root: str | Path, step: int, built, rank: int, meta: dict[str, Any], gr
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier(group)
-    dcp.save(state_dict(built), checkpoint_id=str(partial), process_group=group)
+    with built.whole_parameters():
+        dcp.save(state_dict(built), checkpoint_id=str(partial), process_group=group)
     torch.save(rng_states(), partial / f"rng-rank{rank}.pt")
     if written is not None:
         written()
@@ -154,13 +202,16 @@ def load(path: str | Path, built, rank: int, world: int, meta: dict[str, Any], p
         if built_full_shape(built, n, p) != tuple(want):
             raise InputError(f"{path / META}: params.{n}: shape {want}; expected {list(built_full_shape(built, n, p))}")
     ensure_state(built)
-    sd = state_dict(built)
-    try:
-        dcp.load(sd, checkpoint_id=str(path), process_group=group)
-    except Exception as e:  # noqa: BLE001 - a corrupt or mismatched checkpoint is bad input
-        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"{path}: cannot be read as this plan's state ({line[:200]}); expected a checkpoint "
-                         "of this model and optimizer") from None
+    with built.whole_parameters():
+        sd = state_dict(built)
+        try:
+            dcp.load(sd, checkpoint_id=str(path), process_group=group)
+        except Exception as e:  # noqa: BLE001 - a corrupt or mismatched checkpoint is bad input
+            line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(f"{path}: cannot be read as this plan's state ({line[:200]}); expected a checkpoint "
+                             "of this model and optimizer") from None
+        if built.optimizer.sharded is not None:
+            _load_sharded(built, sd)
     named = dict(built.named_params)
     with torch.no_grad():
         for n, (_, t) in _optimizer_slots(built).items():

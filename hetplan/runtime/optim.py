@@ -40,16 +40,17 @@ class StageOptimizer:
     """`zero_grad()` before an iteration, `step()` after the gradients are synced."""
 
     def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice,
-                 shard_group=None, own: bool = False):
+                 shard_group=None, shards=None):
         """`shard_group`: the process group of the replicas holding these parameters; each rank
-        steps and keeps the state of 1/N of them (`ShardedStep`; `own`: ZeRO-3's own slices)."""
+        steps and keeps the state of 1/N of them (`ShardedStep`; ZeRO-3: `shards`, the
+        stage's hetplan.runtime.shard.ParamShards)."""
         self.params = [p for p in params if p.requires_grad]
         self.device = device
         k = host_count(self.params, spec, device)
         self.on_device, self.on_host = self.params[:len(self.params) - k], self.params[len(self.params) - k:]
         self.master = [self._host_copy(p).requires_grad_(True) for p in self.on_host]
         self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.on_host]
-        self.sharded = ShardedStep(self.on_device, shard_group, own) if shard_group is not None else None
+        self.sharded = (shards or ShardedStep(self.on_device, shard_group)) if shard_group is not None else None
         self.device_opt = _make(self.sharded.slices if self.sharded else self.on_device, spec)
         self.host_opt = _make(self.master, spec)
 
@@ -62,7 +63,7 @@ class StageOptimizer:
         for p in self.params:
             p.grad = None
         if self.sharded is not None and self.sharded.scattered is not None:
-            self.sharded.scattered = [None] * len(self.sharded.params)
+            self.sharded.scattered = [None] * len(self.sharded.scattered)
 
     @torch.no_grad()
     def step(self) -> None:

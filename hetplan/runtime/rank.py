@@ -88,8 +88,8 @@ class Built:
     def whole_parameters(self):
         """A context in which every parameter of this rank is whole (ZeRO-3 gathers them: every
         rank of its group must enter it too)."""
-        shards = getattr(self.sync, "shards", None)
-        return shards.whole() if shards is not None else contextlib.nullcontext()
+        sharded = self.optimizer.sharded
+        return sharded.unsharded() if sharded is not None and sharded.own else contextlib.nullcontext()
 
     def held_peak_bytes(self) -> int:
         """The most bytes held at once besides parameters, gradients, optimizer state and saved

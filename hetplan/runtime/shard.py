@@ -24,10 +24,10 @@ class ShardedStep:
     parameter tensor (c = ceil(numel / N), the last slices shorter or empty), through views that
     share the parameters' storage; `gather()` all-gathers every rank's slices (one collective)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group, own: bool = False):
-        """`own` (stage 3): the slices are copies, not views (the parameters' storage is freed
-        between uses), and `gather` is ParamShards' a unit at a time."""
-        self.params, self.group, self.own = params, group, own
+    own = False         # StageOptimizer: `gather` after the step (ZeRO-3's ParamShards: as units run)
+
+    def __init__(self, params: list[torch.nn.Parameter], group):
+        self.params, self.group = params, group
         self.scattered: list[torch.Tensor | None] | None = None   # GradScatter's slices, by tensor
         self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
         self.chunk = [-(-p.numel() // self.n) for p in params]
@@ -36,8 +36,6 @@ class ShardedStep:
         self.mine = [i for i, (a, b) in enumerate(self.spans) if b > a]
         # leaves (no autograd history) sharing the parameters' storage: the optimizer's params
         self.slices = [params[i].detach().view(-1)[slice(*self.spans[i])] for i in self.mine]
-        if own:
-            self.slices = [t.clone() for t in self.slices]
         self.send = torch.empty(sum(self.chunk), dtype=params[0].dtype if params else torch.float32,
                                 device=params[0].device if params else "cpu")
 
@@ -50,6 +48,33 @@ class ShardedStep:
                 continue
             g = self.params[i].grad
             s.grad = None if g is None else g.view(-1)[slice(*self.spans[i])]
+
+    @torch.no_grad()
+    def whole(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Every parameter's whole tensor (its shape, on the host) of something kept in slices:
+        `parts[j]` this rank's of parameter `mine[j]` (None: nothing); one all-gather,
+        collective over the group (a checkpoint's optimizer state)."""
+        dtype = next((t.dtype for t in parts if t is not None), torch.float32)
+        send, at = torch.zeros(sum(self.chunk), dtype=dtype), 0
+        own = dict(zip(self.mine, parts))
+        for i, (c, (a, b)) in enumerate(zip(self.chunk, self.spans)):
+            if own.get(i) is not None:
+                send[at:at + b - a].copy_(own[i].reshape(-1))
+            at += c
+        send = send.to(self.send.device)
+        recv = [torch.empty_like(send) for _ in range(self.n)]
+        dist.all_gather(recv, send, group=self.group)
+        recv = [t.cpu() for t in recv]
+        out, at = [], 0
+        for p, c in zip(self.params, self.chunk):
+            flat = torch.cat([buf[at:at + c] for buf in recv])[:p.numel()]
+            out.append(flat.view(p.shape).clone())
+            at += c
+        return out
+
+    def split(self, wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`whole`'s inverse: this rank's slices from whole tensors by parameter."""
+        return [wholes[i].reshape(-1)[slice(*self.spans[i])] for i in self.mine]
 
     @torch.no_grad()
     def gather(self) -> None:
@@ -70,26 +95,21 @@ class ShardedStep:
 
 
 class GradScatter:
-    """ZeRO stages 2 and 3 for `step` (a ShardedStep): a hook on every parameter takes its final
+    """ZeRO stage 2 for `step` (a ShardedStep): a hook on every parameter takes its final
     gradient into a bucket; a bucket of `bucket_bytes` or more (the plan's sync.bucket_bytes),
-    or with `units` (stage 3) a unit all of whose gradients are in, and the last at `finish()`,
-    is reduce-scattered with SUM (the losses already carry the shares) in one collective: every
-    tensor's N slices laid out as N rows, each rank receiving its row (on gloo an all-reduce of
-    the rows, each rank keeping its own: gloo's reduce-scatter is slower than its all-reduce).
-    The whole gradients are freed then. The final gradients are the last backward's
-    (`before_backward`, the runner's call before each backward or W pass); earlier microbatches
-    accumulate whole gradients as usual. Every rank's hooks fire in the same order, so the
-    buckets match. `on_unit(u)` is called once per backward when unit u's gradients are in."""
+    and the last at `finish()`, is reduce-scattered with SUM (the losses already carry the
+    shares) in one collective: every tensor's N slices laid out as N rows, each rank receiving
+    its row (on gloo an all-reduce of the rows, each rank keeping its own: gloo's reduce-scatter
+    is slower than its all-reduce). The whole gradients are freed then. The final gradients
+    are the last backward's (`before_backward`, the runner's call before each backward or W
+    pass); earlier microbatches accumulate whole gradients as usual. Every rank's hooks fire in
+    the same order, so the buckets match."""
 
-    def __init__(self, step: ShardedStep, bucket_bytes: float, units: list[list[int]] | None = None,
-                 on_unit=None, shards=None):
+    def __init__(self, step: ShardedStep, bucket_bytes: float):
         self.step, self.bucket_bytes, self.final = step, bucket_bytes, False
         step.scattered = [None] * len(step.params)
         self.pending: list[int] = []
         self.pending_bytes = 0
-        self.units, self.on_unit, self.shards = units, on_unit, shards   # shards: ZeRO-3's ParamShards
-        self.unit_of = {i: u for u, idx in enumerate(units or ()) for i in idx}
-        self.arrived: dict[int, list[int]] = {}       # unit -> its parameters whose gradient is in
         self.gloo = dist.get_backend(step.group) == "gloo"
         self.peak = 0                   # the most gradient bytes held at once (slices, whole, bucket)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
@@ -97,39 +117,18 @@ class GradScatter:
     def before_backward(self, last_mb: int):
         """The runner's `before_backward`: the backward of `last_mb` makes the final gradients."""
         def enter(mb: int) -> None:
-            for u in sorted(self.arrived):      # units an earlier backward left incomplete (unused)
-                self.arrived.pop(u)
-                if self.on_unit is not None:
-                    self.on_unit(u)
             self.final = mb == last_mb
         return enter
 
     def _hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
-            if p.grad is None:
-                return
-            if self.units is not None:
-                u = self.unit_of[i]
-                got = self.arrived.setdefault(u, [])
-                got.append(i)
-                if len(got) == len(self.units[u]):
-                    self._unit_done(u)
-                return
-            if not self.final:
+            if not self.final or p.grad is None:
                 return
             self.pending.append(i)
             self.pending_bytes += p.grad.numel() * p.grad.element_size()
             if self.pending_bytes >= self.bucket_bytes:
                 self.flush()
         return hook
-
-    def _unit_done(self, u: int) -> None:
-        got = self.arrived.pop(u)
-        if self.final:
-            self.pending = got
-            self.flush()
-        if self.on_unit is not None:
-            self.on_unit(u)
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -172,13 +171,7 @@ class GradScatter:
         self.final = False
 
     def finish(self) -> None:
-        """The units whose gradients did not all come (parameters unused this iteration), in
-        unit order on every rank; then the last bucket."""
-        for u in sorted(self.arrived):
-            self._unit_done(u)
         self.flush()
-        if self.shards is not None:
-            self.shards.release_all()
 
     def held_bytes(self) -> int:
         """The gradient slices this rank keeps."""
@@ -190,9 +183,9 @@ class GradScatter:
         row."""
         return max(self.peak, self.held_bytes())
 
-    def param_peak_bytes(self) -> int | None:
-        """ZeRO-3: the most parameter bytes held at once (ParamShards); else None (all of them)."""
-        return None if self.shards is None else self.shards.peak_bytes()
+    def param_peak_bytes(self) -> None:
+        """All of the parameters (ZeRO-3's ParamShards: fewer)."""
+        return None
 
 
 class _Saved:
@@ -204,64 +197,100 @@ class _Saved:
 
 
 class ParamShards:
-    """ZeRO stage 3 over `step` (a ShardedStep with `own` slices): the parameters' storage is
-    freed except while a unit (a list of parameter indices, in forward order) is in use.
-    `gather(u)` all-gathers unit u from every rank's slices into its parameters and starts the
-    next unit's gather (the one before it in backward); `release(u)` frees them. The stage's graph
-    calls both around the unit's layers (`wire`); in backward, the saved-tensor hooks (`pack`,
-    `unpack`) gather a unit again when autograd first needs one of its parameters, and the
-    gradient hook (GradScatter's `on_unit`) releases it once its gradients are in."""
+    """ZeRO stage 3 over `group`'s N ranks, the sync and the sharded state of a stage (FSDP's
+    flat parameters): each unit (a list of parameter indices, one dtype; a gradient bucket)
+    is one flat buffer the unit's parameters are views of, its storage freed except while the
+    unit is in use; rank k keeps chunk k of it (`slices[u]`, 1/N of the unit, the last padded),
+    which the optimizer steps. `gather(u)` regrows the buffer and all-gathers every rank's chunk
+    straight into it, then starts the next unit's gather (the one before it in backward);
+    `release(u)` frees it. The stage's graph calls both around the unit's layers (`wire`); in
+    backward the saved-tensor hooks (`pack`, `unpack`) gather a unit again when autograd first
+    needs one of its parameters; a unit all of whose gradients are in is released and, in the
+    last backward (`before_backward`), its flat gradient reduce-scattered with SUM (on gloo an
+    all-reduce, each rank keeping its chunk) into `scattered[u]`."""
 
-    def __init__(self, step: ShardedStep, units: list[list[int]]):
-        self.step, self.units, self.n = step, units, step.n
-        params = step.params
-        storages = set()
-        for p in params:
-            st = p.untyped_storage()
-            if p.storage_offset() or st.nbytes() != p.numel() * p.element_size() or st.data_ptr() in storages:
-                raise ValueError("shard.stage 3 needs every parameter in a storage of its own; "
-                                 f"a parameter of shape {tuple(p.shape)} shares or views one")
-            storages.add(st.data_ptr())
+    own = True          # StageOptimizer: the parameters are gathered a unit at a time, not after the step
+
+    def __init__(self, params: list[torch.nn.Parameter], group, units: list[list[int]]):
+        self.params, self.group, self.units = params, group, units
+        self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
+        self.gloo = dist.get_backend(group) == "gloo"
+        self.flat, self.slices, self.offsets, self.chunk = [], [], [], []
+        for idx in units:
+            ps = [params[i] for i in idx]
+            if len({(p.dtype, p.device) for p in ps}) > 1:
+                raise ValueError("shard.stage 3 needs the parameters of a gradient bucket in one dtype on one "
+                                 f"device; got {sorted({str(p.dtype) for p in ps})}")
+            total = sum(p.numel() for p in ps)
+            c = -(-total // self.n)
+            flat = torch.zeros(c * self.n, dtype=ps[0].dtype, device=ps[0].device)
+            offs, at = [], 0
+            with torch.no_grad():
+                for p in ps:
+                    flat[at:at + p.numel()].copy_(p.detach().reshape(-1))
+                    p.data = flat[at:at + p.numel()].view(p.shape)
+                    offs.append(at)
+                    at += p.numel()
+            self.flat.append(flat)
+            self.offsets.append(offs)
+            self.chunk.append(c)
+            self.slices.append(flat[self.k * c:(self.k + 1) * c].clone())
+        self.bytes = [f.numel() * f.element_size() for f in self.flat]
         self.order = list(range(len(units)))          # forward order (set by `wire`)
-        self.bytes = [sum(params[i].numel() * params[i].element_size() for i in idx) for idx in units]
-        self.resident: dict[int, list[int]] = {}      # unit -> its parameters' storage pointers
+        self.resident: dict[int, int] = {}            # unit -> its buffer's storage pointer
         self.ptrs: dict[int, int] = {}                # storage pointer -> unit, while resident
-        self.inflight: dict[int, tuple] = {}          # unit -> (work, received) of a started gather
-        self.held = sum(t.numel() * t.element_size() for t in step.slices)   # slices, then resident units
+        self.inflight: dict[int, object] = {}         # unit -> the work of a started gather
+        self.scattered: list[torch.Tensor | None] = [None] * len(units)
+        self.arrived: dict[int, int] = {}             # unit -> how many of its gradients are in
+        self.unit_of = {i: u for u, idx in enumerate(units) for i in idx}
+        self.final, self.pinned = False, False        # the last backward; inside `unsharded`
+        self.held = sum(t.numel() * t.element_size() for t in self.slices)   # slices, then resident units
         self.peak = self.held
-        self.pinned = False                           # inside `whole`
+        self.grad_peak = 0
         for u in range(len(units)):
-            self._free(u)
+            self.flat[u].untyped_storage().resize_(0)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
 
-    def _free(self, u: int) -> None:
-        for i in self.units[u]:
-            self.step.params[i].untyped_storage().resize_(0)
-
+    # --- parameters ------------------------------------------------------------------------
     def _start(self, u: int) -> None:
         if u in self.resident or u in self.inflight:
             return
-        st = self.step
-        send = torch.cat([self._mine(i) for i in self.units[u]])
-        got = [torch.empty_like(send) for _ in range(self.n)]
-        work = dist.all_gather(got, send, group=st.group, async_op=True)
-        self.inflight[u] = (work, got)
-        self._count(sum(t.numel() * t.element_size() for t in got))
+        f = self.flat[u]
+        f.untyped_storage().resize_(self.bytes[u])
+        self.inflight[u] = dist.all_gather_into_tensor(f, self.slices[u], group=self.group, async_op=True)
+        self.held += self.bytes[u]
+        self.peak = max(self.peak, self.held)
 
-    def _mine(self, i: int) -> torch.Tensor:
-        """Parameter i's slice on this rank, padded to its chunk."""
-        st, c = self.step, self.step.chunk[i]
-        a, b = st.spans[i]
-        out = torch.zeros(c, dtype=st.params[i].dtype, device=st.params[i].device)
-        if b > a:
-            out[:b - a].copy_(st.slices[st.mine.index(i)])
-        return out
+    @torch.no_grad()
+    def gather(self, u: int, backward: bool = False) -> None:
+        if self.pinned:
+            return
+        if u not in self.resident:
+            self._start(u)
+            self.inflight.pop(u).wait()
+            ptr = self.flat[u].untyped_storage().data_ptr()
+            self.resident[u] = ptr
+            self.ptrs[ptr] = u
+        k = self.order.index(u) + (-1 if backward else 1)
+        if 0 <= k < len(self.order):
+            self._start(self.order[k])
 
-    def _count(self, extra: int) -> None:
-        self.peak = max(self.peak, self.held + extra + sum(
-            t.numel() * t.element_size() for _, got in self.inflight.values() for t in got))
+    def release(self, u: int) -> None:
+        if self.pinned or u not in self.resident:
+            return
+        self.ptrs.pop(self.resident.pop(u), None)
+        self.flat[u].untyped_storage().resize_(0)
+        self.held -= self.bytes[u]
+
+    def release_all(self) -> None:
+        for u in list(self.inflight):
+            self.inflight.pop(u).wait()
+            self.resident[u] = self.flat[u].untyped_storage().data_ptr()
+        for u in list(self.resident):
+            self.release(u)
 
     @contextlib.contextmanager
-    def whole(self):
+    def unsharded(self):
         """Every parameter whole while inside (evaluation, saving): every unit gathered, in unit
         order on every rank of the group, and none freed until the end."""
         for u in range(len(self.units)):
@@ -273,52 +302,8 @@ class ParamShards:
             self.pinned = False
             self.release_all()
 
-    @torch.no_grad()
-    def gather(self, u: int, backward: bool = False) -> None:
-        if self.pinned:
-            return
-        if u not in self.resident:
-            self._start(u)
-            work, got = self.inflight.pop(u)
-            work.wait()
-            st, at, ptrs = self.step, 0, []
-            for i in self.units[u]:
-                p, c = st.params[i], st.chunk[i]
-                p.untyped_storage().resize_(p.numel() * p.element_size())
-                flat = p.view(-1)
-                for r, buf in enumerate(got):
-                    a, b = min(r * c, p.numel()), min((r + 1) * c, p.numel())
-                    if b > a:
-                        flat[a:b].copy_(buf[at:at + b - a])
-                at += c
-                ptrs.append(p.untyped_storage().data_ptr())
-            self.resident[u] = ptrs
-            self.ptrs.update(dict.fromkeys(ptrs, u))
-            self.held += self.bytes[u]
-            self._count(0)
-        k = self.order.index(u) + (-1 if backward else 1)
-        if 0 <= k < len(self.order):
-            self._start(self.order[k])
-
-    def release(self, u: int) -> None:
-        if self.pinned:
-            return
-        ptrs = self.resident.pop(u, None)
-        if ptrs is None:
-            return
-        for ptr in ptrs:
-            self.ptrs.pop(ptr, None)
-        self._free(u)
-        self.held -= self.bytes[u]
-
-    def release_all(self) -> None:
-        for u in list(self.inflight):
-            self.inflight.pop(u)[0].wait()
-        for u in list(self.resident):
-            self.release(u)
-
     def pack(self, t: torch.Tensor):
-        """A handle for a resident parameter's storage (a parameter or a view of one), else None."""
+        """A handle for a resident unit's storage (a parameter or a view of one), else None."""
         try:
             u = self.ptrs.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):
@@ -334,10 +319,99 @@ class ParamShards:
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t) or t, self.unpack)
 
+    # --- gradients (GradSync's interface) ---------------------------------------------------
+    def before_backward(self, last_mb: int):
+        """The runner's `before_backward`: the backward of `last_mb` makes the final gradients."""
+        def enter(mb: int) -> None:
+            for u in sorted(self.arrived):      # units an earlier backward left incomplete (unused)
+                self._unit_done(u, scatter=False)
+            self.final = mb == last_mb
+        return enter
+
+    def _hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is None:
+                return
+            u = self.unit_of[i]
+            self.arrived[u] = self.arrived.get(u, 0) + 1
+            if self.arrived[u] == len(self.units[u]):
+                self._unit_done(u, self.final)
+        return hook
+
+    @torch.no_grad()
+    def _unit_done(self, u: int, scatter: bool) -> None:
+        self.arrived.pop(u, None)
+        if scatter:
+            ps = [self.params[i] for i in self.units[u]]
+            flat = torch.zeros_like(self.slices[u]).repeat(self.n)
+            for p, at in zip(ps, self.offsets[u]):
+                if p.grad is not None:
+                    flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
+            c = self.chunk[u]
+            if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
+                dist.all_reduce(flat, group=self.group)
+                mine = flat[self.k * c:(self.k + 1) * c].clone()
+            else:
+                mine = torch.empty_like(self.slices[u])
+                dist.reduce_scatter_tensor(mine, flat, group=self.group)
+            whole = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+            self.grad_peak = max(self.grad_peak, self.grad_bytes() + whole + (flat.numel() + mine.numel())
+                                 * flat.element_size())
+            self.scattered[u] = mine
+            for p in ps:
+                p.grad = None
+        self.release(u)
+
+    def begin(self) -> None:
+        self.final = False
+
+    def finish(self) -> None:
+        """The units whose gradients did not all come (parameters unused this iteration), in
+        unit order on every rank; then every unit freed."""
+        for u in sorted(self.arrived):
+            self._unit_done(u, self.final)
+        self.release_all()
+
+    def grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.scattered if t is not None)
+
     def peak_bytes(self) -> int:
-        """The most parameter bytes held at once: the slices, the resident units and the
-        gathers under way."""
+        """The most gradient bytes held at once: the chunks so far, the whole gradients, a unit's
+        flat gradient and the received chunk."""
+        return max(self.grad_peak, self.grad_bytes())
+
+    def param_peak_bytes(self) -> int:
+        """The most parameter bytes held at once: the chunks, and the units resident or being
+        gathered."""
         return self.peak
+
+    # --- the optimizer's and checkpoints' side (ShardedStep's interface) --------------------
+    def take_grads(self) -> None:
+        for s, g in zip(self.slices, self.scattered):
+            s.grad = g
+
+    def whole(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Every parameter's whole tensor (on the host) of something kept like the chunks
+        (`parts[u]`: this rank's of unit u); an all-gather per unit, collective over the group."""
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for u, (idx, part) in enumerate(zip(self.units, parts)):
+            got = torch.empty(self.chunk[u] * self.n, dtype=part.dtype, device=part.device)
+            dist.all_gather_into_tensor(got, part.contiguous(), group=self.group)
+            got = got.cpu()
+            for i, at in zip(idx, self.offsets[u]):
+                p = self.params[i]
+                out[i] = got[at:at + p.numel()].view(p.shape).clone()
+        return out
+
+    def split(self, wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`whole`'s inverse: this rank's chunk of every unit from whole tensors by parameter."""
+        out = []
+        for u, idx in enumerate(self.units):
+            flat = torch.zeros(self.chunk[u] * self.n, dtype=self.slices[u].dtype)
+            for i, at in zip(idx, self.offsets[u]):
+                flat[at:at + self.params[i].numel()].copy_(wholes[i].reshape(-1))
+            out.append(flat[self.k * self.chunk[u]:(self.k + 1) * self.chunk[u]])
+        return out
 
 
 class _Call(torch.nn.Module):

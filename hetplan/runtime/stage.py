@@ -221,7 +221,8 @@ class _StageBuild:
             runner.offload = ActivationOffload(self.device, params)
         shard_group = (self.groups.sync[self.ranks_of_layer[self.rep.stages[self.st_j].start]]
                        if plan.shard else None)     # validated: stage j of every replica, the same layers
-        optimizer = StageOptimizer(params, plan.optimizer, self.device, shard_group, own=plan.shard == 3)
+        shards = self._param_shards(params, shard_group) if plan.shard == 3 else None
+        optimizer = StageOptimizer(params, plan.optimizer, self.device, shard_group, shards)
         if plan.sync.mode in PIPEDREAM_MODES:
             shared = [t for t in layout.tied if len(t.ranks) > 1]
             if shared:        # each stage would update its own copy: refused, not trained apart
@@ -257,23 +258,27 @@ class _StageBuild:
                      BufferSync(groups, []), exchange, loss_weight=self.fraction)
 
 
+    def _param_shards(self, params, group):
+        """ZeRO-3: the stage's parameters in units (its gradient buckets; coarse: one), gathered
+        around the units' layers in the stage's graph (hetplan.runtime.shard)."""
+        from hetplan.runtime.shard import ParamShards, wire
+        trained = [p for p in params if p.requires_grad]
+        of = _bucket_of(self.plan, self.layout)
+        ids = sorted({of.get(p, -1 - i) for i, p in enumerate(trained)})   # in no bucket: a unit of its own
+        units = [[i for i, p in enumerate(trained) if of.get(p, -1 - i) == u] for u in ids]
+        shards = ParamShards(trained, group, units)
+        wire(self.module, shards, {id(trained[i]): u for u, idx in enumerate(units) for i in idx})
+        self.runner.params_saved = shards
+        return shards
+
     def _scatter(self, optimizer: StageOptimizer):
-        """ZeRO-2's GradScatter (buckets of sync.bucket_bytes; coarse: one, after backward); ZeRO-3's
-        also gathers and frees the parameters a unit (a gradient bucket) at a time."""
-        from hetplan.runtime.shard import GradScatter, ParamShards, wire
-        plan, step = self.plan, optimizer.sharded
+        """ZeRO-2's GradScatter (buckets of sync.bucket_bytes; coarse: one, after backward), or
+        ZeRO-3's ParamShards, the optimizer's own."""
+        from hetplan.runtime.shard import GradScatter
+        plan = self.plan
         last = [mb for kind, mb in self.actions if kind in ("B", "W")][-1]
-        bucket_bytes = plan.sync.bucket_bytes if plan.sync.granularity == "fine" else float("inf")
-        if plan.shard == 2:
-            sync = GradScatter(step, bucket_bytes)
-        else:
-            of = _bucket_of(plan, self.layout)
-            ids = sorted({of.get(p, -1 - i) for i, p in enumerate(step.params)})   # no bucket: its own
-            units = [[i for i, p in enumerate(step.params) if of.get(p, -1 - i) == u] for u in ids]
-            shards = ParamShards(step, units)
-            wire(self.module, shards, {id(step.params[i]): u for u, idx in enumerate(units) for i in idx})
-            sync = GradScatter(step, bucket_bytes, units, on_unit=shards.release, shards=shards)
-            self.runner.params_saved = shards
+        sync = optimizer.sharded if plan.shard == 3 else GradScatter(
+            optimizer.sharded, plan.sync.bucket_bytes if plan.sync.granularity == "fine" else float("inf"))
         self.runner.before_backward = sync.before_backward(last)
         return sync
 

@@ -64,9 +64,6 @@ def train_config(args, plan, given=None):
                          f"plans in this version; got {plan.sync.mode!r}")
     from hetplan.runtime.shard import check_runs as check_shard_runs
     check_shard_runs(plan, args.plan)
-    if plan.shard and args.checkpoint_dir:
-        raise InputError(f"{args.plan}: shard.stage: checkpoints of sharded optimizer state are not supported "
-                         "in this version; expected shard.stage 0 with --checkpoint-dir")
     if getattr(args, "rebalance", None):
         from hetplan.runtime.rebalance import check as check_rebalance
         check_rebalance(plan, args.plan)

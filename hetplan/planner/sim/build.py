@@ -476,11 +476,14 @@ class Builder:
     def unit_gathers(self, st: Stage, s: int, forward: bool) -> tuple[float, float]:
         """ZeRO-3: (the first unit's all-gather, the others') of stage s's pass, a unit a
         gradient bucket of the stage (coarse: the stage), forward from its first layers,
-        backward from its last (hetplan.runtime.shard.ParamShards)."""
+        backward from its last (hetplan.runtime.shard.ParamShards); all of them first where gloo
+        runs them on CPU workers with no core to spare (hetplan.planner.sim.contention)."""
         ex, devices = self.exchange, tuple(rep.stages[s].device for rep in self.plan.replicas)
         units = [ex.buckets[k].bytes for k in self.stage_buckets(st)] if ex.fine else []
         units = units or [self.sim.graph.stage_param_bytes(st.start, st.end)]   # in ready order: last layers first
         d = [self.sim.allreduce(devices, b)[1] * gather_share(self.sim.topology, devices, b) for b in units]
+        if any(dev in self.sim.saturated for dev in devices):   # gloo on the workers' own cores: no overlap
+            return sum(d), 0.0
         first = d[-1] if forward else d[0]
         return first, sum(d) - first
 
