@@ -211,8 +211,12 @@ def test_bf16_capture_halves_activations_and_keeps_weight_casts_apart():
     plan = Plan(ModelRef("mlp"), 64, (Replica(1.0, 2, (Stage("cpu:0", (0, 4)),)),), schedule="gpipe")
     saved = sum(l.saved_bytes for l in g32.layers)
     params = sum(l.param_bytes for l in g32.layers)
-    assert activation_bytes(plan, g32, 0, 0) == 2 * saved * 4 == 225280
-    assert activation_bytes(plan, g16, 0, 0) == 2 * (saved // 2 * 4 + params // 2) == 165736
+    assert activation_bytes(plan, g32, 0, 0) == 2 * saved * 4 == 212992
+    assert activation_bytes(plan, g16, 0, 0) == 2 * (saved // 2 * 4 + params // 2) == 159592
+    # a ReLU's output is the next Linear's saved input, one tensor (8 x 16 x 4 B): charged to the
+    # ReLU's layer; a stage that starts with that Linear receives it and holds it too
+    assert [l.saved_from for l in g32.layers] == [(), ((0, 512),), ((1, 512),), ((2, 512),)]
+    assert g32.saved_bytes_at(1, 4, 8) == sum(l.saved_bytes for l in g32.layers[1:]) + 512
 
 
 def _counted_in_real_tensors(monkeypatch, workload, batch, precision="fp32"):

@@ -66,6 +66,11 @@ class Recorder:
         self.param_shapes = {tuple(p.shape) for p in params} | {tuple(p.shape)[::-1] for p in params}
         self.ops: dict[str, dict] = {}
         self.stage_extra: dict[int, dict] = defaultdict(lambda: defaultdict(float))
+        # a value that crosses layers and that several layers save (a ReLU's output, the next
+        # Linear's input) is one tensor: charged to the first layer that saves it; each later
+        # one records (the layer saving it before, bytes) in `saved_from` (Layer.saved_from)
+        self.saved_by: dict[tuple, int] = {}
+        self.saved_from: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self.warnings: set[str] = set()
         self.unattributed_bwd_flops = 0.0
         self._current: str | None = None     # forward: exported node being interpreted
@@ -148,12 +153,18 @@ class Recorder:
                            if isinstance(x, torch.Tensor) else x for x in inputs)
         seen_saved: set[tuple] = set()
         rec = self
+        alive = {_key(x) for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)}
+        self.saved_by = {k: v for k, v in self.saved_by.items() if k in alive}   # the rest may be freed
 
         def pack(t):
-            key = (where(t), tuple(t.shape), t.dtype)
+            key = _key(t)
             if rec._current and key[0] not in rec.param_ptrs and key not in seen_saved:
                 seen_saved.add(key)
-                rec._entry(rec._current)["saved_bytes"] += t.numel() * t.element_size()
+                before = rec.saved_by.get(key)
+                if before is not None and before != rec._stage:
+                    rec.saved_from[rec._stage].append((before, t.numel() * t.element_size()))
+                else:
+                    rec._entry(rec._current)["saved_bytes"] += t.numel() * t.element_size()
             return t
 
         class Interp(fx.Interpreter):
@@ -178,6 +189,9 @@ class Recorder:
                 self.forward_context():
             outs = Interp(stage).run(*inputs)
         self._current = None
+        for t in pytree.tree_leaves(outs):           # values this layer saved that later layers receive
+            if isinstance(t, torch.Tensor) and _key(t) in seen_saved:
+                self.saved_by[_key(t)] = self._stage
         leaves = [t for t in pytree.tree_leaves(outs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if leaves:
             grads = [torch.ones_like(t) for t in leaves]
@@ -186,6 +200,10 @@ class Recorder:
                 torch.autograd.backward(leaves, grads)
             self._phase = "fwd"
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outs)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return where(t), tuple(t.shape), t.dtype
 
 
 @contextlib.contextmanager
@@ -373,6 +391,7 @@ def _layers(ex, stages, rec, model_buffers: dict[str, torch.Tensor]) -> list[Lay
             fwd_flops=tot("fwd_flops"), bwd_flops=tot("bwd_flops") + rec.stage_extra[k]["bwd_flops"],
             param_bytes=sum(p.numel() * p.element_size() for _, p in params),
             activation_bytes=int(tot("output_bytes")), saved_bytes=int(tot("saved_bytes")),
+            saved_from=tuple(rec.saved_from.get(k, ())),
             fwd_bytes_moved=tot("fwd_bytes_moved"),
             bwd_bytes_moved=tot("bwd_bytes_moved") + rec.stage_extra[k]["bwd_bytes_moved"],
             n_ops=int(tot("fwd_n_ops")), bwd_n_ops=int(tot("bwd_n_ops") + rec.stage_extra[k]["bwd_n_ops"]),

@@ -31,12 +31,16 @@ class Layer:
                                # (held for backward; parameter-like: do not scale with batch)
     buffer_bytes: tuple[tuple[str, int], ...] = ()   # (dtype, bytes) of the model's buffers this
                                # layer is the first to use (BatchNorm statistics, rotary tables)
+    saved_from: tuple[tuple[int, int], ...] = ()   # (layer, bytes): values this layer saves for
+                               # backward that an earlier layer saved before it (one tensor, in
+                               # saved_bytes there); a stage starting after that layer holds them too
 
     def scaled(self, ratio: float) -> "Layer":
         """The same layer at batch * ratio: activation-like fields scale, parameters do not."""
         return replace(self, fwd_flops=self.fwd_flops * ratio, bwd_flops=self.bwd_flops * ratio,
                        activation_bytes=int(self.activation_bytes * ratio),
                        saved_bytes=int(self.saved_bytes * ratio),
+                       saved_from=tuple((j, int(b * ratio)) for j, b in self.saved_from),
                        fwd_bytes_moved=self.fwd_bytes_moved * ratio,
                        bwd_bytes_moved=self.bwd_bytes_moved * ratio)
 
@@ -118,7 +122,9 @@ class ModelGraph:
             copies = sum(t.bytes for t in self.tied
                          if not start <= t.layers[0] < end and any(start <= l < end for l in t.layers))
             out = memo[(start, end)] = (sum(l.param_bytes for l in layers) + copies,
-                                        sum(l.saved_bytes for l in layers), sum(l.cast_param_bytes for l in layers),
+                                        sum(l.saved_bytes for l in layers)
+                                        + sum(b for l in layers for j, b in l.saved_from if j < start),
+                                        sum(l.cast_param_bytes for l in layers),
                                         sum(len(l.param_names) for l in layers))
         return out
 
