@@ -166,6 +166,12 @@ def test_quick_profile_writes_a_valid_measured_topology(quick_profile):
     assert calibration_from_dict(cal).grad_copy_s_per_byte == cal["grad_copy_s_per_byte"]
     # an all-reduce right behind another (profile_bench.allreduce_queued): no more than ms
     assert 0 <= cal["allreduce_queued_s"] < 1e-2
+    # ZeRO's all-gather (profile_bench.allgather_table): a curve over the all-reduce's sizes,
+    # never slower for fewer bytes; the cost model prices gathers of CPU workers from it
+    sizes, times = zip(*cal["allgather_curve"])
+    assert list(sizes) == [r["bytes"] for r in cal_allreduce(quick_profile)] and list(times) == sorted(times)
+    c = calibration_from_dict(cal)
+    assert c.allgather_s(2, sizes[-1]) == pytest.approx(times[-1]) and c.allgather_s(1, sizes[-1]) == 0.0
     # issuing a message through the runtime's PeerLink (a group per direction): µs, not ms
     assert 0 < cal["send_issue_s"] < 1e-2 and 0 < cal["recv_post_s"] < 1e-2
     # a small stage's compute right after a gloo receive (profile_bench.cold_compute): tens of
@@ -188,6 +194,11 @@ def test_contention_is_the_mean_over_rounds_spread_across_the_profile():
     results = [{"calibration": {"reference_alone_s": 1.0, "reference_together_s": 1.0,
                                 "reference_ratios": [1.0, 1.0, 1.3]}} for _ in workers]
     assert profile.calibration(workers, results, [])["cpu_contention_factor"] == pytest.approx(1.1)
+
+
+def cal_allreduce(quick_profile) -> list[dict]:
+    path, _ = quick_profile
+    return json.loads(path.read_text())["collectives"]["allreduce"]
 
 
 def test_progress_goes_to_stderr(quick_profile):

@@ -88,8 +88,10 @@ def calibration(workers: list[WorkerSpec], results: list[dict], allreduce: list[
     mem = memory_contention_factor(opt_rows.get("adam", []), together_rows.get("adam", []))
     single = ("wake_latency_s", "cold_compute_s", "send_issue_s", "recv_post_s", "action_overhead_s",
               "iteration_overhead_s", "grad_accumulate_s_per_byte", "ddp_forward_s", "grad_copy_s_per_byte")
+    gathered = results[0].get("allgather") or []
     c = Calibration(cpu_workers=len(cpus), cpu_contention_factor=factor, allreduce_latency_s=lat,
                     allreduce_bytes_per_s=bw, allreduce_curve=curve,
+                    allgather_curve=lower_envelope(gathered) if curve and gathered else (),
                     allreduce_queued_s=rank0.get("allreduce_queued_s") if curve else None,
                     **{k: rank0.get(k) or 0.0 for k in single},
                     memory_contention_factor=mem,
@@ -200,7 +202,7 @@ def assemble(workers: list[WorkerSpec], results: list[dict], settings: Settings,
                                                   "fit latency + bytes/bandwidth, weights 1/time"}))
     extra = {
         "host": host,
-        "collectives": {"allreduce": results[0]["allreduce"],
+        "collectives": {"allreduce": results[0]["allreduce"], "allgather": results[0].get("allgather", []),
                         "allreduce_devices": [w.name for w in workers]},
         "calibration": calibration(workers, results, results[0]["allreduce"]),
         "settings": asdict(settings),

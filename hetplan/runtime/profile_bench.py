@@ -221,6 +221,37 @@ def allreduce_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> l
     return rows
 
 
+def allgather_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> list[dict]:
+    """All-gather of n bytes in all (each rank's n / world into one float32 tensor of n, host
+    memory) in ZeRO's pattern (hetplan.runtime.shard: all_gather_into_tensor, launched async and
+    waited for), timed as `allreduce_table` times its all-reduce. The caller keeps rank 0's table."""
+    group = dist.new_group(backend="gloo")
+    lower_gloo_loop_priority()
+    world = dist.get_world_size()
+    a = torch.randn(64, 64)
+    out = {n: torch.zeros(max(1, n // 4 // world) * world) for n in sizes}
+    mine = {n: torch.zeros(max(1, n // 4 // world)) for n in sizes}
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(repeats + 1):
+        for n in sizes:
+            trips = max(1, round_trips(n) // 5)
+            dist.barrier()
+            total = 0.0
+            for _ in range(trips):
+                _compute_for(busy_s, a)
+                t0 = time.perf_counter()
+                dist.all_gather_into_tensor(out[n], mine[n], group=group, async_op=True).wait()
+                total += time.perf_counter() - t0
+            if rep:
+                samples[n].append(total / trips)
+    dist.destroy_process_group(group)
+    rows = []
+    for n in sizes:
+        med, spread = stats(samples[n])
+        rows.append({"bytes": n, "s": med, "spread": spread, "best_s": min(samples[n]), "samples": repeats})
+    return rows
+
+
 def allreduce_queued(n_bytes: int, repeats: int, queued: int = 4, lead_s: float = 0.002) -> float:
     """Seconds an all-reduce of n bytes adds when it is issued right behind others of its group
     (DDP's buckets, launched during a backward, run back to back once the worker waits): in

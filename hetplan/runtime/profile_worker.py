@@ -157,6 +157,9 @@ def profile_worker(workers: list[WorkerSpec], settings: Settings, out_dir: str) 
         if world > 1 and all(w.kind == "cpu" for w in workers):   # the curve's smallest size, queued
             result["calibration"]["allreduce_queued_s"] = bench.allreduce_queued(
                 settings.comm_sizes[0], max(20, 4 * settings.repeats))
+            # ZeRO's gathers (hetplan.runtime.shard), which gloo runs slower than half an all-reduce;
+            # within the all-reduce's announced step
+            result["allgather"] = bench.allgather_table(list(settings.comm_sizes), settings.repeats)
         alone, together = _reference_rounds(step, workers, settings, 2, rounds)
         if step is not None:
             result["calibration"].update(reference_alone_s=bench.stats(alone)[0],

@@ -418,6 +418,20 @@ class CostModel:
                     return t * self._collective
         return self.topology.allreduce_s(devices, n_bytes)
 
+    def allgather_s(self, devices: tuple[str, ...], n_bytes: float) -> float:
+        """All-gather of n bytes in all over `devices` (ZeRO's gathers): the calibrated gloo
+        curve when every device is a CPU worker of one host and the profile timed it
+        (Calibration.allgather_s); else half the all-reduce of n (a ring all-gather is the
+        second half of a ring all-reduce)."""
+        c = self.calibration
+        if c is not None and len(devices) > 1:
+            parsed = [parse_device_name(d) for d in devices]
+            if all(kind == "cpu" for _, kind, _ in parsed) and len({n for n, _, _ in parsed}) == 1:
+                t = c.allgather_s(len(devices), n_bytes)
+                if t is not None:
+                    return t * self._collective
+        return self.allreduce_s(devices, n_bytes) / 2
+
     def _cpu_calibration(self, device: str):
         """The topology's calibration where `device` is a CPU worker of it, else None."""
         c = self.calibration

@@ -33,6 +33,8 @@ class Calibration:
                                                    #   CPU workers, lower envelope (fit.lower_envelope)
     allreduce_queued_s: float | None = None        # the latency of an all-reduce issued right behind
                                                    #   another of its group (None: as a lone one's)
+    allgather_curve: tuple[tuple[float, float], ...] = ()   # ((bytes gathered, s), ...) over the CPU
+                                                   #   workers, lower envelope (ZeRO's gathers)
     optimizer: dict[str, OptimizerFit] = field(default_factory=dict)   # per torch.optim name
     iteration_overhead_s: float = 0.0              # the runtime loop's own work per iteration
     multi_worker_overhead_s: float = 0.0           # older profiles only, not used (a per-iteration
@@ -117,6 +119,18 @@ class Calibration:
         return first * steps + n_bytes / self.allreduce_bytes_per_s * volume
 
 
+    def allgather_s(self, k: int, n_bytes: float) -> float | None:
+        """gloo all-gather of n bytes in all over k CPU workers, from N measured workers as
+        `allreduce_s` scales its curve (l the curve's first time); None without a curve."""
+        if k <= 1:
+            return 0.0
+        if not self.allgather_curve:
+            return None
+        n = max(2, self.cpu_workers)
+        lat = self.allgather_curve[0][1]
+        return lat * (k - 1) / (n - 1) + (_on_curve(self.allgather_curve, n_bytes) - lat) * ((k - 1) / k) / ((n - 1) / n)
+
+
 def _on_curve(curve: tuple[tuple[float, float], ...], x: float) -> float:
     """Piecewise-linear through the points; flat below the first, the last slope beyond."""
     if x <= curve[0][0] or len(curve) == 1:
@@ -148,6 +162,9 @@ def calibration_from_dict(data: Any, file: str = "<topology>") -> Calibration:
             "allreduce_curve", list, default=[], check=_is_curve,
             expected="[[bytes, seconds], ...] with positive numbers, sizes increasing")),
         allreduce_queued_s=non_negative("allreduce_queued_s", None),
+        allgather_curve=tuple((float(n), float(t)) for n, t in r.get(
+            "allgather_curve", list, default=[], check=_is_curve,
+            expected="[[bytes, seconds], ...] with positive numbers, sizes increasing")),
         optimizer=opt,
         iteration_overhead_s=non_negative("iteration_overhead_s"),
         multi_worker_overhead_s=non_negative("multi_worker_overhead_s"),
@@ -183,6 +200,8 @@ def calibration_to_dict(c: Calibration) -> dict[str, Any]:
         out["allreduce_curve"] = [list(p) for p in c.allreduce_curve]
     if c.allreduce_queued_s is not None:
         out["allreduce_queued_s"] = c.allreduce_queued_s
+    if c.allgather_curve:
+        out["allgather_curve"] = [list(p) for p in c.allgather_curve]
     if c.optimizer:
         out["optimizer"] = {k: {"s_per_tensor": v.s_per_tensor, "s_per_byte": v.s_per_byte}
                             for k, v in sorted(c.optimizer.items())}

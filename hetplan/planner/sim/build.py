@@ -11,8 +11,6 @@ are added, so per-device sums are reproducible bit for bit.
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -46,6 +44,8 @@ class SimulatorView(Protocol):
 
     def allreduce(self, devices: tuple[str, ...], n_bytes: float,
                   queued: bool = False) -> tuple[tuple[int, ...], float]: ...
+
+    def allgather(self, devices: tuple[str, ...], n_bytes: float) -> tuple[tuple[int, ...], float]: ...
 
     def exchanged(self, plan: Plan) -> tuple[list[Bucket], list[Bucket]]: ...
 
@@ -481,7 +481,7 @@ class Builder:
         ex, devices = self.exchange, tuple(rep.stages[s].device for rep in self.plan.replicas)
         units = [ex.buckets[k].bytes for k in self.stage_buckets(st)] if ex.fine else []
         units = units or [self.sim.graph.stage_param_bytes(st.start, st.end)]   # in ready order: last layers first
-        d = [self.sim.allreduce(devices, b)[1] * gather_share(self.sim.topology, devices, b) for b in units]
+        d = [self.sim.allgather(devices, b)[1] for b in units]
         if any(dev in self.sim.saturated for dev in devices):   # gloo on the workers' own cores: no overlap
             return sum(d), 0.0
         first = d[-1] if forward else d[0]
@@ -686,15 +686,15 @@ class Builder:
 
     def parameter_gathers(self, stepped: dict[str, int]) -> list[int]:
         """Sharded (ZeRO): each replica stepped 1/N of a stage's parameters; one all-gather per
-        stage of its replicas gives every one all of them, after all their steps (a ring
-        all-gather: half of an all-reduce of the stage's bytes), and each device copies its slices
+        stage of its replicas gives every one all of them, after all their steps
+        (cost.allgather_s: profiled on CPU workers, else half an all-reduce), and each device copies its slices
         out and the others' in (the stage's bytes; hetplan.runtime.shard.ShardedStep.gather).
         Returns the copies."""
         g, graph, out = self.g, self.sim.graph, []
         for j, st, devices in self.stage_groups():
             n = graph.stage_param_bytes(st.start, st.end)
-            res, d = self.sim.allreduce(devices, n)
-            d_k = g.value(Const(d * gather_share(self.sim.topology, devices, n)))
+            res, d = self.sim.allgather(devices, n)
+            d_k = g.value(Const(d))
             t = g.add(d_k, res, [stepped[dev] for dev in devices if dev in stepped],
                       TaskMeta(f"parameter all-gather stage {j}", "+".join(devices), "allreduce")
                       if self.tracing else None)
@@ -782,17 +782,6 @@ class Builder:
         g.memory_bound.add(t)
         g.count(dev, "optimizer_s", d_k)
         return t
-
-
-def gather_share(topology, devices: tuple[str, ...], n_bytes: float) -> float:
-    """An all-gather of n bytes over `devices` as a share of their all-reduce of n: half on NCCL
-    (all CUDA: a ring's all-gather is half a ring all-reduce); on gloo as measured on two CPU
-    workers (benchmarks/gloo_collectives.py, docs/tuning.md: 0.54 at 1 MB, 0.77 at 16 MB),
-    between them log-linear, held outside."""
-    if all(topology.device(d).kind == "cuda" for d in devices):
-        return 0.5
-    x = min(max(math.log2(max(n_bytes, 1.0) / 2**20) / 4.0, 0.0), 1.0)
-    return 0.54 + (0.77 - 0.54) * x
 
 
 def stage_messages(graph: ModelGraph, stages, s: int) -> tuple[int, int, int, int]:

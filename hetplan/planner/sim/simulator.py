@@ -226,6 +226,14 @@ class Simulator:
             self._ar[key] = (tuple(res), self.cost.allreduce_s(devices, n_bytes, queued))
         return self._ar[key]
 
+    def allgather(self, devices: tuple[str, ...], n_bytes: float) -> tuple[tuple[int, ...], float]:
+        """The resources an all-gather of n bytes in all holds (an all-reduce's) and its
+        duration (cost.allgather_s)."""
+        key = (devices, n_bytes, "gather")
+        if key not in self._ar:
+            self._ar[key] = (self.allreduce(devices, n_bytes)[0], self.cost.allgather_s(devices, n_bytes))
+        return self._ar[key]
+
     def exchanged(self, plan: Plan) -> tuple[list[Bucket], list[Bucket]]:
         """hetplan.planner.cost.buckets.exchanged_buckets(plan, graph), cached per layer layout and sync:
         the bound and the builder both ask, plan after plan, for layouts the search has seen.
