@@ -41,8 +41,9 @@ def _worker(rank: int, world: int, port: int, sizes_mb: list[float], repeats: in
         n = int(mb * 2**20) // 4 // world * world
         x, part = torch.randn(n), torch.empty(n // world)
         parts = [torch.empty(n // world) for _ in range(world)]
+        from hetplan.runtime.shard import reduce_scatter_single
         calls = {"all_reduce": lambda: dist.all_reduce(x),
-                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x),
+                 "reduce_scatter": lambda: reduce_scatter_single(part, x),
                  "all_gather": lambda: dist.all_gather(parts, part),
                  "zero3_gather": _zero3(n, units)}
         row = {}

@@ -223,8 +223,9 @@ def allreduce_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> l
 
 def allgather_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> list[dict]:
     """All-gather of n bytes in all (each rank's n / world into one float32 tensor of n, host
-    memory) in ZeRO's pattern (hetplan.runtime.shard: all_gather_into_tensor, launched async and
+    memory) in ZeRO's pattern (hetplan.runtime.shard.all_gather_single, launched async and
     waited for), timed as `allreduce_table` times its all-reduce. The caller keeps rank 0's table."""
+    from hetplan.runtime.shard import all_gather_single
     group = dist.new_group(backend="gloo")
     lower_gloo_loop_priority()
     world = dist.get_world_size()
@@ -240,7 +241,7 @@ def allgather_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> l
             for _ in range(trips):
                 _compute_for(busy_s, a)
                 t0 = time.perf_counter()
-                dist.all_gather_into_tensor(out[n], mine[n], group=group, async_op=True).wait()
+                all_gather_single(out[n], mine[n], group=group, async_op=True).wait()
                 total += time.perf_counter() - t0
             if rep:
                 samples[n].append(total / trips)

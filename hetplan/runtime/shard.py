@@ -18,6 +18,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+# torch 2.13 names them *_single (the *_tensor names warn); torch 2.11 has only the old names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class ShardedStep:
     """ZeRO stage 1 over `group`'s N ranks: rank k steps elements [k·c, (k+1)·c) of every
@@ -82,9 +86,9 @@ class ShardedStep:
         for p, c, (a, b) in zip(self.params, self.chunk, self.spans):
             self.send[at:at + b - a].copy_(p.view(-1)[a:b])
             at += c
-        recv = [torch.empty_like(self.send) for _ in range(self.n)]
-        dist.all_gather(recv, self.send, group=self.group)
-        for r, buf in enumerate(recv):
+        got = torch.empty(self.n * self.send.numel(), dtype=self.send.dtype, device=self.send.device)
+        all_gather_single(got, self.send, group=self.group)
+        for r, buf in enumerate(got.view(self.n, -1)):
             if r == self.k:
                 continue
             at = 0
@@ -156,7 +160,7 @@ class GradScatter:
             mine = rows[st.k].clone()         # not a view: the rows are freed with the bucket
         else:
             mine = torch.empty(width, dtype=rows.dtype, device=rows.device)
-            dist.reduce_scatter_tensor(mine, rows.view(-1), group=st.group)
+            reduce_scatter_single(mine, rows.view(-1), group=st.group)
         whole = sum(p.grad.numel() * p.grad.element_size() for p in st.params if p.grad is not None)
         self.peak = max(self.peak, self.held_bytes() + whole + (rows.numel() + mine.numel()) * rows.element_size())
         col = 0
@@ -257,7 +261,7 @@ class ParamShards:
             return
         f = self.flat[u]
         f.untyped_storage().resize_(self.bytes[u])
-        self.inflight[u] = dist.all_gather_into_tensor(f, self.slices[u], group=self.group, async_op=True)
+        self.inflight[u] = all_gather_single(f, self.slices[u], group=self.group, async_op=True)
         self.held += self.bytes[u]
         self.peak = max(self.peak, self.held)
 
@@ -353,7 +357,7 @@ class ParamShards:
                 mine = flat[self.k * c:(self.k + 1) * c].clone()
             else:
                 mine = torch.empty_like(self.slices[u])
-                dist.reduce_scatter_tensor(mine, flat, group=self.group)
+                reduce_scatter_single(mine, flat, group=self.group)
             whole = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
             self.grad_peak = max(self.grad_peak, self.grad_bytes() + whole + (flat.numel() + mine.numel())
                                  * flat.element_size())
@@ -396,7 +400,7 @@ class ParamShards:
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for u, (idx, part) in enumerate(zip(self.units, parts)):
             got = torch.empty(self.chunk[u] * self.n, dtype=part.dtype, device=part.device)
-            dist.all_gather_into_tensor(got, part.contiguous(), group=self.group)
+            all_gather_single(got, part.contiguous(), group=self.group)
             got = got.cpu()
             for i, at in zip(idx, self.offsets[u]):
                 p = self.params[i]
