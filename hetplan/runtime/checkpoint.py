@@ -107,7 +107,7 @@ def state_dict(built) -> dict[str, torch.Tensor]:
     the whole state, gathered from the group's slices; ZeRO-3: inside `whole_parameters`)."""
     out = {f"model.{n}": p.detach() for n, p in built.named_params}
     out.update({f"buffer.{n}": b for n, b in built.module.named_buffers() if b is not None})
-    if built.optimizer.sharded is not None:
+    if getattr(built.optimizer, "sharded", None) is not None:
         out.update(_sharded_state(built))
         return out
     for n, (torch_opt, t) in _optimizer_slots(built).items():
@@ -210,7 +210,7 @@ def load(path: str | Path, built, rank: int, world: int, meta: dict[str, Any], p
             line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InputError(f"{path}: cannot be read as this plan's state ({line[:200]}); expected a checkpoint "
                              "of this model and optimizer") from None
-        if built.optimizer.sharded is not None:
+        if getattr(built.optimizer, "sharded", None) is not None:
             _load_sharded(built, sd)
     named = dict(built.named_params)
     with torch.no_grad():

@@ -88,7 +88,7 @@ class Built:
     def whole_parameters(self):
         """A context in which every parameter of this rank is whole (ZeRO-3 gathers them: every
         rank of its group must enter it too)."""
-        sharded = self.optimizer.sharded
+        sharded = getattr(self.optimizer, "sharded", None)
         return sharded.unsharded() if sharded is not None and sharded.own else contextlib.nullcontext()
 
     def held_peak_bytes(self) -> int:

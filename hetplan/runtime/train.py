@@ -80,7 +80,7 @@ class GlobalNormClip:
         self.norm = 0.0
 
     def _grads(self, params) -> list[torch.Tensor]:
-        sharded = self.built.optimizer.sharded                  # ZeRO-2/3: the reduce-scattered slices
+        sharded = getattr(self.built.optimizer, "sharded", None)   # ZeRO-2/3: the reduce-scattered slices
         if sharded is not None and sharded.scattered is not None:
             return [t for t in sharded.scattered if t is not None]
         return [p.grad for p in params if p.grad is not None]
