@@ -21,6 +21,8 @@ durations are those of the recipes (hetplan.planner.sim.taskgraph), which wake-u
   after h + their durations, and a step follows it (Jackson's head-body-tail bound of one
   machine);
 * the iteration adds cost.iteration_overhead_s.
+* ZeRO-2 and -3 (plan `shard`): the replicas' terms alone (each step over 1/N of the
+  parameters); their reduce-scatters, and ZeRO-3's gathers inside the passes, only add.
 
 Each task counts with its recipe's value; what only adds time is left out (wake-ups, cold
 starts, host and offload copies, the pieces of a last backward before its bucket, the buffer
@@ -54,7 +56,7 @@ def lower_bound_s(sim: Any, plan: Plan, above: float = math.inf) -> float | None
     """A lower bound on `sim.simulate(plan).iteration_s` (sim: a hetplan.planner.sim.simulator.Simulator),
     or None where none is proven (see the module docstring). Where the replicas' terms alone
     give more than `above`, that bound (its all-reduce terms not added)."""
-    if plan.sync.mode != "sync" or plan.shard >= 2 or not _connected(sim):   # ZeRO-2/3's scatters: not bounded
+    if plan.sync.mode != "sync" or not _connected(sim):
         return None
     if contention.contended(sim.topology, sim.cost, plan):
         return None
@@ -118,8 +120,10 @@ class _Bound:
         best = 0.0
         for rep, b in zip(self.plan.replicas, self.plan.replica_batches()):
             best = max(best, self.replica(rep.stages, rep.microbatches, b / rep.microbatches))
-        priced = self.priced()
         part = max(best, max(self.work.values(), default=0.0))
+        if self.plan.shard >= 2:    # its reduce-scatters and ZeRO-3's gathers only add: left out
+            return part
+        priced = self.priced()
         if priced.clean and enough(part):
             return part
         best = max(best, self.allreduces(priced))
