@@ -81,6 +81,34 @@ def test_a_sharded_checkpoint_resumes_unsharded_and_back(tmp_path):
     assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
 
 
+GPUS = [(1 / 3, 2, [("cuda:0", (0, 4))]), (2 / 3, 2, [("cuda:1", (0, 4))])]   # stand-ins: host memory
+ON_HOST = {"name": "adam", "lr": 0.01, "placement": "cpu"}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_state_on_the_host_trains_like_one_device(tmp_path, monkeypatch, stage):
+    # ZeRO-Offload over shards: each GPU's host steps the GPU's slices, which are copied back
+    from hetplan.planner.hardware.device import STANDIN_ENV
+    monkeypatch.setenv(STANDIN_ENV, "2")
+    rows, params = train(tmp_path, {**sharded(GPUS, stage), "optimizer": ON_HOST}, steps=5)
+    ref = reference(5, {"name": "adam", "lr": 0.01})
+    assert [r["loss"] for r in rows] == pytest.approx(ref.losses, rel=1e-5)
+    assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_state_on_the_host_resumes(tmp_path, monkeypatch):
+    from hetplan.planner.hardware.device import STANDIN_ENV
+    monkeypatch.setenv(STANDIN_ENV, "2")
+    p = {**sharded(GPUS, 3), "optimizer": ON_HOST}
+    _, whole = train(tmp_path, p, "whole", steps=6)
+    ck = str(tmp_path / "ck")
+    train(tmp_path, p, "first", steps=3, checkpoint_dir=ck, checkpoint_every=3)
+    rows, resumed = train(tmp_path, p, "second", steps=6, checkpoint_dir=ck, resume=True)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    for n, t in whole.items():
+        torch.testing.assert_close(resumed[n], t, rtol=1e-6, atol=0, msg=n)
+
+
 def test_each_replica_keeps_a_third_of_the_adam_state(tmp_path):
     def state(p: dict, name: str) -> dict[str, int]:
         path, out = tmp_path / f"{name}.json", tmp_path / f"{name}.m.json"
@@ -107,8 +135,8 @@ def test_shard_is_validated_with_one_line(tmp_path):
     refused(sharded([(1.0, 1, [("cpu:0", (0, 4))])]), "shard.stage", "two or more replicas")
     refused(sharded([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 2, [("cpu:1", (0, 2)), ("cpu:2", (2, 4))])]),
             "replicas[1].stages", "expected the layers of replicas[0]'s stages")
-    refused({**sharded(EQUAL), "optimizer": {"name": "adam", "lr": 0.01, "placement": "cpu"}},
-            "optimizer.placement", "expected \"device\"")
+    refused({**sharded(EQUAL), "optimizer": {"name": "adam", "lr": 0.01, "placement": "split", "cpu_fraction": 0.5}},
+            "optimizer.placement", "expected \"device\" or \"cpu\"")
     refused({**sharded(EQUAL), "optimizer": {"name": "adam", "lr": 0.01, "torch_class": "LBFGS"}},
             "optimizer.torch_class", "element-wise")
     assert plan_from_dict(sharded(EQUAL, 2), "p.json").shard == 2
@@ -157,6 +185,15 @@ def test_peak_memory_per_stage_hand_computed():
     two = dataclasses.replace(p, replicas=tuple(dataclasses.replace(r, microbatches=2) for r in p.replicas))
     assert peak_memory(dataclasses.replace(two, shard=2), g, t)["cuda:0"] == pytest.approx(29e6, rel=1e-9)
     assert peak_memory(dataclasses.replace(two, shard=3), g, t)["cuda:0"] == pytest.approx(27e6, rel=1e-9)
+    # the state on the host (placement "cpu"): each GPU's host holds its slices' state and its
+    # copy of their gradients, (2 + 1) x 4e6 per GPU; the GPU its parameters and gradients
+    th = topology([device("cpu:0"), device("cuda:0"), device("cuda:1")],
+                  [link("cuda:0", "cuda:1"), link("cpu:0", "cuda:0"), link("cpu:0", "cuda:1")])
+    off = dataclasses.replace(p, optimizer=dataclasses.replace(p.optimizer, placement="cpu"))
+    assert peak_memory(off, g, th) == {"cuda:0": 16e6, "cuda:1": 16e6, "cpu:0": 48e6}
+    for k, on_gpu in ((1, 16e6), (2, 14e6), (3, 12e6)):
+        assert peak_memory(dataclasses.replace(off, shard=k), g, th) == pytest.approx(
+            {"cuda:0": on_gpu, "cuda:1": on_gpu, "cpu:0": 24e6}, rel=1e-9)
     g1 = graph([layer(0, param_bytes=10**6)], batch=4)
     p1 = sim_plan([(0.5, 1, [("cuda:0", 0, 1)]), (0.5, 1, [("cuda:1", 0, 1)])], 4, optimizer="adam", bucket_bytes=1)
     assert peak_memory(dataclasses.replace(p1, shard=2), g1, t)["cuda:0"] == 1e6 + 2.5e6 + 1e6

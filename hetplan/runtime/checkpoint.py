@@ -120,8 +120,8 @@ def _sharded_state(built) -> dict[str, torch.Tensor]:
     """ZeRO: each state of the slices' optimizer as whole tensors (`ShardedStep.whole`, one
     all-gather per state name); a per-tensor scalar (Adam's step) the same on every slice."""
     import torch.distributed as dist
-    st, opt = built.optimizer.sharded, built.optimizer.device_opt
-    states = [opt.state.get(t, {}) for t in st.slices]
+    st = built.optimizer.sharded
+    states = [built.optimizer.state_of(t) for t in st.slices]
     keys = sorted({k for s in states for k in s})
     everyone: list = [None] * st.n
     dist.all_gather_object(everyone, keys, group=st.group)     # a rank with no slice knows none
@@ -142,21 +142,23 @@ def _sharded_state(built) -> dict[str, torch.Tensor]:
 
 
 def _load_sharded(built, sd: dict[str, torch.Tensor]) -> None:
-    """The slices' optimizer state (and ZeRO-3's own parameter chunks) from the loaded whole tensors."""
-    st, opt = built.optimizer.sharded, built.optimizer.device_opt
+    """The slices' optimizer state (and ZeRO-3's own parameter chunks, the host's master
+    copies) from the loaded whole tensors."""
+    st, opt = built.optimizer.sharded, built.optimizer
     by_id = {id(p): n for n, p in built.named_params}
     names = [by_id[id(p)] for p in st.params]
     with torch.no_grad():
         if st.own:
             for t, got in zip(st.slices, st.split([p.detach() for p in st.params])):
                 t.copy_(got)
-        for key in sorted({k for t in st.slices for k in opt.state.get(t, {})}):
+        for key in sorted({k for t in st.slices for k in opt.state_of(t)}):
             wholes = [sd[f"optim.{n}.{key}"] for n in names]
             parts = st.split(wholes) if wholes[0].dim() else None     # else a scalar, the same on every slice
             for j, t in enumerate(st.slices):
-                v = opt.state.get(t, {}).get(key)
+                v = opt.state_of(t).get(key)
                 if v is not None:
                     v.copy_(parts[j] if parts is not None else wholes[0])
+    opt.refresh_masters()
 
 
 def save(root: str | Path, step: int, built, rank: int, meta: dict[str, Any], group=None,

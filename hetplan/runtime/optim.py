@@ -9,7 +9,8 @@ tensors) while the device updates the others: the device's update is queued afte
 copies and runs while the host CPU updates its part. For a stage on a CPU device both are the
 same as "device" (nothing to move).
 Sharded (plan `shard`): each of the N replicas of a stage steps and keeps the optimizer state of
-an equal 1/N slice of every tensor (hetplan.runtime.shard).
+an equal 1/N slice of every tensor (hetplan.runtime.shard); under placement "cpu" its host does,
+over those slices (ZeRO-Offload over shards).
 Not modelled: ZeRO's overlap of the copies with backward.
 """
 from __future__ import annotations
@@ -43,21 +44,38 @@ class StageOptimizer:
                  shard_group=None, shards=None):
         """`shard_group`: the process group of the replicas holding these parameters; each rank
         steps and keeps the state of 1/N of them (`ShardedStep`; ZeRO-3: `shards`, the
-        stage's hetplan.runtime.shard.ParamShards)."""
+        stage's hetplan.runtime.shard.ParamShards), on its host CPU under placement "cpu"."""
         self.params = [p for p in params if p.requires_grad]
         self.device = device
-        k = host_count(self.params, spec, device)
-        self.on_device, self.on_host = self.params[:len(self.params) - k], self.params[len(self.params) - k:]
+        self.sharded = None if shard_group is None else shards or ShardedStep(self.params, shard_group)
+        stepped = self.sharded.slices if self.sharded else self.params   # what the optimizer steps
+        k = host_count(stepped, spec, device)
+        self.on_device, self.on_host = stepped[:len(stepped) - k], stepped[len(stepped) - k:]
         self.master = [self._host_copy(p).requires_grad_(True) for p in self.on_host]
         self.host_grads = [device.host_buffer(p.shape, torch.float32) for p in self.on_host]
-        self.sharded = (shards or ShardedStep(self.on_device, shard_group)) if shard_group is not None else None
-        self.device_opt = _make(self.sharded.slices if self.sharded else self.on_device, spec)
+        self.device_opt = _make(self.on_device, spec)
         self.host_opt = _make(self.master, spec)
 
     def _host_copy(self, p: torch.Tensor) -> torch.Tensor:
         h = self.device.host_buffer(p.shape, torch.float32)
         h.copy_(p.detach())
         return h
+
+    def state_of(self, t: torch.Tensor) -> dict:
+        """The optimizer state of stepped tensor `t` (a parameter or a slice; its host master's
+        where the host steps it)."""
+        for opt, ts, keys in ((self.device_opt, self.on_device, self.on_device),
+                              (self.host_opt, self.on_host, self.master)):
+            for x, key in zip(ts, keys):
+                if x is t:
+                    return opt.state.get(key, {})
+        return {}
+
+    def refresh_masters(self) -> None:
+        """The host's master copies from what they stand for (after a checkpoint's load)."""
+        with torch.no_grad():
+            for t, m in zip(self.on_host, self.master):
+                m.copy_(t)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -67,6 +85,8 @@ class StageOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.sharded is not None:
+            self.sharded.take_grads()                       # the slices' gradients
         for p, m, g in zip(self.on_host, self.master, self.host_grads):   # gradients to host
             if p.grad is None:
                 m.grad = None
@@ -74,20 +94,15 @@ class StageOptimizer:
                 m.grad = g.copy_(p.grad, non_blocking=True)
         copied = self.device.event()
         copied.record()
-        if self.sharded is not None:                        # every rank gathers, even one with no slice
-            self.sharded.take_grads()
-            if self.device_opt is not None:
-                self.device_opt.step()
-            if not self.sharded.own:                        # ZeRO-3 gathers a unit when it runs
-                self.sharded.gather()
-        elif self.device_opt is not None:
+        if self.device_opt is not None:
             self.device_opt.step()                          # queued on the device
-        if self.host_opt is None:
-            return
-        copied.synchronize()
-        self.host_opt.step()                                # meanwhile on the CPU
-        for p, m in zip(self.on_host, self.master):         # parameters back
-            p.copy_(m, non_blocking=True)
+        if self.host_opt is not None:
+            copied.synchronize()
+            self.host_opt.step()                            # meanwhile on the CPU
+            for p, m in zip(self.on_host, self.master):     # parameters (or slices) back
+                p.copy_(m, non_blocking=True)
+        if self.sharded is not None and not self.sharded.own:   # every rank gathers, even one with
+            self.sharded.gather()                           # no slice; ZeRO-3 a unit when it runs
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (Adam moments; master copies of the host's part)."""

@@ -48,7 +48,8 @@ microbatches, stage index s):
   stage; coarse sync: the stage). More than unsharded where the bucket is the stage. With more
   than one microbatch the earlier ones' whole gradients are held too (the slices and a bucket's
   rows beside them). Stage 3: also 1/N of the parameters, plus two units (a bucket: the one in
-  use and the next being gathered). The runtime's slices (hetplan.runtime.shard.ShardedStep) are
+  use and the next being gathered). Under placement "cpu" the host holds the slices' optimizer
+  state and its copy of their gradients instead (ZeRO-Offload over shards). The runtime's slices (hetplan.runtime.shard.ShardedStep) are
   1/N of every tensor.
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
@@ -231,6 +232,11 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
             copies = stashed_versions(plan, len(rep.stages), s) * params
             if plan.shard:
                 out[st.device] = out.get(st.device, 0.0) + sharded_bytes(plan, graph, st, rep, state_ratio) + acts
+                host = host_cpu(topology, st.device) if placement == "cpu" else st.device
+                if host != st.device:   # ZeRO-Offload over shards: the slices' state and gradients there
+                    part = float(graph.stage_param_bytes(st.start, st.end)) / len(plan.replicas)
+                    out[st.device] -= state_ratio * part
+                    out[host] = out.get(host, 0.0) + (state_ratio + 1) * part
                 continue
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
             if st.offload_activations:

@@ -426,7 +426,7 @@ def _validate_mode(plan: Plan, err) -> None:
 def _validate_shard(plan: Plan, err) -> None:
     """Sharding (ZeRO stages 1 to 3) needs what it shards over: two or more synchronous replicas
     whose stages hold the same layers (stage j's shard group is stage j of every replica), each
-    stage on one device, the optimizer on the devices; stage 3 without recompute (its gathers
+    stage on one device, the optimizer on the devices or their hosts (not split); stage 3 without recompute (its gathers
     are wired into the forward that recompute would run again) and with as many microbatches in
     every replica (their gathers and releases are the group's collectives)."""
     if plan.shard not in SHARD_STAGES:
@@ -444,9 +444,9 @@ def _validate_shard(plan: Plan, err) -> None:
         raise err("shard.stage", f"expected two or more replicas to shard over {why}, got {len(plan.replicas)}")
     if plan.sync.mode != "sync":
         raise err("sync.mode", f"expected \"sync\" {why}, got {plan.sync.mode!r}")
-    if plan.optimizer.placement != "device":
-        raise err("optimizer.placement", f"expected \"device\" {why} (sharded state on the host is not "
-                                         f"supported yet), got {plan.optimizer.placement!r}")
+    if plan.optimizer.placement == "split":
+        raise err("optimizer.placement", f"expected \"device\" or \"cpu\" {why} (a split of sharded state "
+                                         f"is not supported), got \"split\"")
     from hetplan.planner.files.optimizer_spec import ELEMENTWISE, DEFAULT_CLASS
     cls = plan.optimizer.torch_class or DEFAULT_CLASS.get(plan.optimizer.name)
     if cls is not None and cls.split(".")[-1] not in ELEMENTWISE:

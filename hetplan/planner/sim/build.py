@@ -631,6 +631,7 @@ class Builder:
             host = host_cpu(sim.topology, dev) if placement != "device" else dev
             if host != dev and f is None:
                 steps.append(self.offloaded_step(dev, host, n, n_t, deps))
+                stepped[dev] = steps[-1]          # sharded: the gather waits for it
                 continue
             host_part, launch = None, 0.0
             if host != dev:
