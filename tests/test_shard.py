@@ -144,10 +144,21 @@ def test_shard_is_validated_with_one_line(tmp_path):
 
 def test_what_does_not_run_yet_is_one_line_exit_2(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps(sharded([(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cuda:0", (0, 4))])], 1)))
-    one_error_line(_hetplan("run", path, "--steps", 2), "shard.stage", "cpu and cuda devices")
     path.write_text(json.dumps({**sharded(EQUAL, 3), "schedule": "interleaved-1f1b"}))
     one_error_line(_hetplan("run", path, "--steps", 2), "schedule", "other than \"interleaved-1f1b\"")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_cpu_beside_a_gpu_shards_through_host_memory(tmp_path, monkeypatch, stage):
+    # the group runs on gloo beside the GPU's tensors: every collective staged through the host
+    # (the stand-in GPU takes that path too); equal slices on both, a third of the batch on the CPU
+    from hetplan.planner.hardware.device import STANDIN_ENV
+    monkeypatch.setenv(STANDIN_ENV, "1")
+    both = [(1 / 3, 2, [("cpu:0", (0, 4))]), (2 / 3, 2, [("cuda:0", (0, 4))])]
+    rows, params = train(tmp_path, sharded(both, stage), steps=5)
+    ref = reference(5, {"name": "adam", "lr": 0.01})
+    assert [r["loss"] for r in rows] == pytest.approx(ref.losses, rel=1e-5)
+    assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_zero1_steps_half_and_gathers_the_parameters_after():
@@ -265,7 +276,7 @@ def test_on_the_shipped_dgx_a_model_too_large_to_replicate_is_sharded_and_beats_
                     SearchConfig(iterations=200, time_limit_s=60))
     best = result.best.plan
     assert best.shard == stage and len(best.replicas) == 8 and all(len(r.stages) == 1 for r in best.replicas)
-    assert all(d.startswith("cuda:") for d in best.devices)        # a shard group of one device kind
+    assert all(d.startswith("cuda:") for d in best.devices)        # the two CPUs would slow it
     named = {c.name: c for c in result.baselines}
     assert named["data parallel, ZeRO-3"].feasible and not named["data parallel over GPUs"].feasible
     assert named["data parallel, ZeRO-1"].feasible == (stage == 1)

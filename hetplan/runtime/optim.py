@@ -41,13 +41,14 @@ class StageOptimizer:
     """`zero_grad()` before an iteration, `step()` after the gradients are synced."""
 
     def __init__(self, params: list[torch.nn.Parameter], spec: Optimizer, device: TorchDevice,
-                 shard_group=None, shards=None):
+                 shard_group=None, shards=None, staged: bool = False):
         """`shard_group`: the process group of the replicas holding these parameters; each rank
         steps and keeps the state of 1/N of them (`ShardedStep`; ZeRO-3: `shards`, the
-        stage's hetplan.runtime.shard.ParamShards), on its host CPU under placement "cpu"."""
+        stage's hetplan.runtime.shard.ParamShards), on its host CPU under placement "cpu";
+        `staged`: the group's collectives go through host memory (a CPU beside a GPU)."""
         self.params = [p for p in params if p.requires_grad]
         self.device = device
-        self.sharded = None if shard_group is None else shards or ShardedStep(self.params, shard_group)
+        self.sharded = None if shard_group is None else shards or ShardedStep(self.params, shard_group, staged)
         stepped = self.sharded.slices if self.sharded else self.params   # what the optimizer steps
         k = host_count(stepped, spec, device)
         self.on_device, self.on_host = stepped[:len(stepped) - k], stepped[len(stepped) - k:]

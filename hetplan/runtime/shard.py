@@ -30,8 +30,10 @@ class ShardedStep:
 
     own = False         # StageOptimizer: `gather` after the step (ZeRO-3's ParamShards: as units run)
 
-    def __init__(self, params: list[torch.nn.Parameter], group):
-        self.params, self.group = params, group
+    def __init__(self, params: list[torch.nn.Parameter], group, staged: bool = False):
+        """`staged`: the group runs on gloo beside CUDA tensors (a CPU and a GPU sharding a
+        stage): every collective goes through host memory (hetplan.runtime.sync.Groups.host_staged)."""
+        self.params, self.group, self.staged = params, group, staged
         self.scattered: list[torch.Tensor | None] | None = None   # GradScatter's slices, by tensor
         self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
         self.chunk = [-(-p.numel() // self.n) for p in params]
@@ -65,7 +67,7 @@ class ShardedStep:
             if own.get(i) is not None:
                 send[at:at + b - a].copy_(own[i].reshape(-1))
             at += c
-        send = send.to(self.send.device)
+        send = send if self.staged else send.to(self.send.device)
         recv = [torch.empty_like(send) for _ in range(self.n)]
         dist.all_gather(recv, send, group=self.group)
         recv = [t.cpu() for t in recv]
@@ -86,8 +88,9 @@ class ShardedStep:
         for p, c, (a, b) in zip(self.params, self.chunk, self.spans):
             self.send[at:at + b - a].copy_(p.view(-1)[a:b])
             at += c
-        got = torch.empty(self.n * self.send.numel(), dtype=self.send.dtype, device=self.send.device)
-        all_gather_single(got, self.send, group=self.group)
+        send = self.send.cpu() if self.staged else self.send
+        got = torch.empty(self.n * send.numel(), dtype=send.dtype, device=send.device)
+        all_gather_single(got, send, group=self.group)
         for r, buf in enumerate(got.view(self.n, -1)):
             if r == self.k:
                 continue
@@ -156,8 +159,9 @@ class GradScatter:
                 rows[full + 1:, col:col + c].zero_()
             col += c
         if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
-            dist.all_reduce(rows, group=st.group)
-            mine = rows[st.k].clone()         # not a view: the rows are freed with the bucket
+            on = rows.cpu() if st.staged else rows
+            dist.all_reduce(on, group=st.group)
+            mine = on[st.k].to(rows.device, copy=True)   # not a view: the rows are freed with the bucket
         else:
             mine = torch.empty(width, dtype=rows.dtype, device=rows.device)
             reduce_scatter_single(mine, rows.view(-1), group=st.group)
@@ -215,8 +219,9 @@ class ParamShards:
 
     own = True          # StageOptimizer: the parameters are gathered a unit at a time, not after the step
 
-    def __init__(self, params: list[torch.nn.Parameter], group, units: list[list[int]]):
-        self.params, self.group, self.units = params, group, units
+    def __init__(self, params: list[torch.nn.Parameter], group, units: list[list[int]], staged: bool = False):
+        """`staged`: as ShardedStep's (each gather lands in host memory, then is copied in)."""
+        self.params, self.group, self.units, self.staged = params, group, units, staged
         self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
         self.gloo = dist.get_backend(group) == "gloo"
         self.flat, self.slices, self.offsets, self.chunk = [], [], [], []
@@ -261,7 +266,10 @@ class ParamShards:
             return
         f = self.flat[u]
         f.untyped_storage().resize_(self.bytes[u])
-        self.inflight[u] = all_gather_single(f, self.slices[u], group=self.group, async_op=True)
+        into = torch.empty(f.numel(), dtype=f.dtype) if self.staged else None
+        work = all_gather_single(f if into is None else into, self.slices[u].cpu() if self.staged else self.slices[u],
+                                 group=self.group, async_op=True)
+        self.inflight[u] = (work, into)
         self.held += self.bytes[u]
         self.peak = max(self.peak, self.held)
 
@@ -271,7 +279,7 @@ class ParamShards:
             return
         if u not in self.resident:
             self._start(u)
-            self.inflight.pop(u).wait()
+            self._land(u)
             ptr = self.flat[u].untyped_storage().data_ptr()
             self.resident[u] = ptr
             self.ptrs[ptr] = u
@@ -286,9 +294,15 @@ class ParamShards:
         self.flat[u].untyped_storage().resize_(0)
         self.held -= self.bytes[u]
 
+    def _land(self, u: int) -> None:
+        work, into = self.inflight.pop(u)
+        work.wait()
+        if into is not None:
+            self.flat[u].copy_(into)
+
     def release_all(self) -> None:
         for u in list(self.inflight):
-            self.inflight.pop(u).wait()
+            self._land(u)
             self.resident[u] = self.flat[u].untyped_storage().data_ptr()
         for u in list(self.resident):
             self.release(u)
@@ -353,8 +367,9 @@ class ParamShards:
                     flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
             c = self.chunk[u]
             if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
-                dist.all_reduce(flat, group=self.group)
-                mine = flat[self.k * c:(self.k + 1) * c].clone()
+                on = flat.cpu() if self.staged else flat
+                dist.all_reduce(on, group=self.group)
+                mine = on[self.k * c:(self.k + 1) * c].to(flat.device, copy=True)
             else:
                 mine = torch.empty_like(self.slices[u])
                 reduce_scatter_single(mine, flat, group=self.group)
@@ -399,8 +414,9 @@ class ParamShards:
         (`parts[u]`: this rank's of unit u); an all-gather per unit, collective over the group."""
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for u, (idx, part) in enumerate(zip(self.units, parts)):
+            part = part.cpu() if self.staged else part.contiguous()
             got = torch.empty(self.chunk[u] * self.n, dtype=part.dtype, device=part.device)
-            all_gather_single(got, part.contiguous(), group=self.group)
+            all_gather_single(got, part, group=self.group)
             got = got.cpu()
             for i, at in zip(idx, self.offsets[u]):
                 p = self.params[i]
@@ -463,15 +479,8 @@ def wire(stage, shards: ParamShards, unit_of: dict[int, int]) -> None:
 
 
 def check_runs(plan, file: str) -> None:
-    """InputError unless the runtime runs the plan's sharding: one-device stages that are not
-    interleaved, each stage's replicas on one device kind."""
+    """InputError unless the runtime runs the plan's sharding: stages that are not interleaved."""
     from hetplan.planner.files.io import InputError
-    from hetplan.planner.hardware.topology import parse_device_name
-    for j in range(len(plan.replicas[0].stages) if plan.shard else 0):
-        kinds = {parse_device_name(r.stages[j].device)[1] for r in plan.replicas}
-        if len(kinds) > 1:    # its collectives run on one backend, over tensors of one kind
-            raise InputError(f"{file}: shard.stage: stage {j}'s replicas are on {' and '.join(sorted(kinds))} "
-                             "devices; sharding runs over devices of one kind in this version")
     if plan.shard and plan.schedule == "interleaved-1f1b":
         raise InputError(f"{file}: schedule: expected a schedule other than \"interleaved-1f1b\" with "
                          f"shard.stage {plan.shard} in this version")

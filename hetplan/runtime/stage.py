@@ -219,10 +219,11 @@ class _StageBuild:
         runner.saved_tracker = SavedTracker(params)
         if self.rep.stages[self.st_j].offload_activations:
             runner.offload = ActivationOffload(self.device, params)
-        shard_group = (self.groups.sync[self.ranks_of_layer[self.rep.stages[self.st_j].start]]
-                       if plan.shard else None)     # validated: stage j of every replica, the same layers
-        shards = self._param_shards(params, shard_group) if plan.shard == 3 else None
-        optimizer = StageOptimizer(params, plan.optimizer, self.device, shard_group, shards)
+        ranks = self.ranks_of_layer[self.rep.stages[self.st_j].start]   # validated: stage j of every
+        shard_group = self.groups.sync[ranks] if plan.shard else None     # replica, the same layers
+        staged = self.groups.host_staged(ranks)      # a CPU beside a GPU: through host memory
+        shards = self._param_shards(params, shard_group, staged) if plan.shard == 3 else None
+        optimizer = StageOptimizer(params, plan.optimizer, self.device, shard_group, shards, staged)
         if plan.sync.mode in PIPEDREAM_MODES:
             shared = [t for t in layout.tied if len(t.ranks) > 1]
             if shared:        # each stage would update its own copy: refused, not trained apart
@@ -258,7 +259,7 @@ class _StageBuild:
                      BufferSync(groups, []), exchange, loss_weight=self.fraction)
 
 
-    def _param_shards(self, params, group):
+    def _param_shards(self, params, group, staged: bool):
         """ZeRO-3: the stage's parameters in units (its gradient buckets; coarse: one), gathered
         around the units' layers in the stage's graph (hetplan.runtime.shard)."""
         from hetplan.runtime.shard import ParamShards, wire
@@ -266,7 +267,7 @@ class _StageBuild:
         of = _bucket_of(self.plan, self.layout)
         ids = sorted({of.get(p, -1 - i) for i, p in enumerate(trained)})   # in no bucket: a unit of its own
         units = [[i for i, p in enumerate(trained) if of.get(p, -1 - i) == u] for u in ids]
-        shards = ParamShards(trained, group, units)
+        shards = ParamShards(trained, group, units, staged)
         wire(self.module, shards, {id(trained[i]): u for u, idx in enumerate(units) for i in idx})
         self.runner.params_saved = shards
         return shards

@@ -247,12 +247,11 @@ def fits(space: Space, s: Strategy) -> bool:
 
 def _shard_fits(space: Space, s: Strategy) -> bool:
     """Sharding as the plan file and the runtime allow it: two or more pipelines cut alike over
-    as many devices, stage j's devices of one kind, the optimizer on the devices or their hosts
+    as many devices, the optimizer on the devices or their hosts
     (not split), no tensor split, offload or interleaving; ZeRO-3 without recompute."""
     first = s.pipelines[0]
     return (len(s.pipelines) >= 2 and all(p.cuts == first.cuts and len(p.devices) == len(first.devices)
                                           for p in s.pipelines)
-            and all(len({space.kinds[p.devices[j]] for p in s.pipelines}) == 1 for j in range(len(first.devices)))
             and s.placement in ("device", "cpu") and not s.tensor and not s.offload
             and s.schedule != "interleaved-1f1b" and not (s.shard == 3 and s.recompute))
 
