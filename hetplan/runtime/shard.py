@@ -117,6 +117,7 @@ class GradScatter:
         step.scattered = [None] * len(step.params)
         self.pending: list[int] = []
         self.pending_bytes = 0
+        self.flying: list[tuple] = []   # (work, indices, rows or row, device) of a bucket launched
         self.gloo = dist.get_backend(step.group) == "gloo"
         self.peak = 0                   # the most gradient bytes held at once (slices, whole, bucket)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
@@ -158,28 +159,43 @@ class GradScatter:
                 rows[full, col + rest:col + c].zero_()
                 rows[full + 1:, col:col + c].zero_()
             col += c
+        for i in idx:                     # the whole gradients are in the rows now
+            st.params[i].grad = None
+        # launched, not waited for: backward goes on (a blocking collective per bucket made each
+        # rank wait for the other's backward to reach it, bucket after bucket); the bucket
+        # before it is finished first, so at most one bucket's rows are in flight
         if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
             on = rows.cpu() if st.staged else rows
-            dist.all_reduce(on, group=st.group)
-            mine = on[st.k].to(rows.device, copy=True)   # not a view: the rows are freed with the bucket
+            work, out = dist.all_reduce(on, group=st.group, async_op=True), on
         else:
-            mine = torch.empty(width, dtype=rows.dtype, device=rows.device)
-            reduce_scatter_single(mine, rows.view(-1), group=st.group)
+            out = torch.empty(width, dtype=rows.dtype, device=rows.device)
+            work = reduce_scatter_single(out, rows.view(-1), group=st.group, async_op=True)
         whole = sum(p.grad.numel() * p.grad.element_size() for p in st.params if p.grad is not None)
-        self.peak = max(self.peak, self.held_bytes() + whole + (rows.numel() + mine.numel()) * rows.element_size())
-        col = 0
-        for i in idx:
-            a, b = st.spans[i]
-            st.scattered[i] = mine[col:col + b - a] if b > a else None
-            st.params[i].grad = None
-            col += st.chunk[i]
+        flying = sum(t.numel() * t.element_size() for _, _, t, _ in self.flying)
+        self.peak = max(self.peak, self.held_bytes() + whole + flying + 2 * rows.numel() * rows.element_size())
+        self._land()
+        self.flying.append((work, idx, out, rows.device))
         self.pending, self.pending_bytes = [], 0
+
+    def _land(self) -> None:
+        """Wait for the bucket in flight and keep this rank's row of it."""
+        st = self.step
+        for work, idx, out, device in self.flying:
+            work.wait()
+            mine = (out[st.k] if self.gloo else out).to(device, copy=True)   # the rows are freed
+            col = 0
+            for i in idx:
+                a, b = st.spans[i]
+                st.scattered[i] = mine[col:col + b - a] if b > a else None
+                col += st.chunk[i]
+        self.flying = []
 
     def begin(self) -> None:          # GradSync's interface
         self.final = False
 
     def finish(self) -> None:
         self.flush()
+        self._land()
 
     def held_bytes(self) -> int:
         """The gradient slices this rank keeps."""
@@ -250,6 +266,7 @@ class ParamShards:
         self.ptrs: dict[int, int] = {}                # storage pointer -> unit, while resident
         self.inflight: dict[int, object] = {}         # unit -> the work of a started gather
         self.scattered: list[torch.Tensor | None] = [None] * len(units)
+        self.flying: list[tuple] = []                 # (work, unit, flat or chunk) of a launched scatter
         self.arrived: dict[int, int] = {}             # unit -> how many of its gradients are in
         self.unit_of = {i: u for u, idx in enumerate(units) for i in idx}
         self.final, self.pinned = False, False        # the last backward; inside `unsharded`
@@ -365,21 +382,31 @@ class ParamShards:
             for p, at in zip(ps, self.offsets[u]):
                 if p.grad is not None:
                     flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
-            c = self.chunk[u]
+            for p in ps:                  # the whole gradients are in the flat buffer now
+                p.grad = None
+            # launched, not waited for (as GradScatter's buckets): one unit in flight
             if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
                 on = flat.cpu() if self.staged else flat
-                dist.all_reduce(on, group=self.group)
-                mine = on[self.k * c:(self.k + 1) * c].to(flat.device, copy=True)
+                work, out = dist.all_reduce(on, group=self.group, async_op=True), on
             else:
-                mine = torch.empty_like(self.slices[u])
-                reduce_scatter_single(mine, flat, group=self.group)
+                out = torch.empty_like(self.slices[u])
+                work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
             whole = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-            self.grad_peak = max(self.grad_peak, self.grad_bytes() + whole + (flat.numel() + mine.numel())
-                                 * flat.element_size())
-            self.scattered[u] = mine
-            for p in ps:
-                p.grad = None
+            flying = sum(t.numel() * t.element_size() for _, _, t in self.flying)
+            self.grad_peak = max(self.grad_peak, self.grad_bytes() + whole + flying
+                                 + (flat.numel() + self.slices[u].numel()) * flat.element_size())
+            self._land_grads()
+            self.flying.append((work, u, out))
         self.release(u)
+
+    def _land_grads(self) -> None:
+        """Wait for the unit in flight and keep this rank's chunk of its gradient."""
+        for work, u, out in self.flying:
+            work.wait()
+            c = self.chunk[u]
+            self.scattered[u] = (out[self.k * c:(self.k + 1) * c] if self.gloo else out).to(
+                self.slices[u].device, copy=True)
+        self.flying = []
 
     def begin(self) -> None:
         self.final = False
@@ -389,6 +416,7 @@ class ParamShards:
         unit order on every rank; then every unit freed."""
         for u in sorted(self.arrived):
             self._unit_done(u, self.final)
+        self._land_grads()
         self.release_all()
 
     def grad_bytes(self) -> int:
