@@ -1,15 +1,19 @@
-"""Sharded data parallel (plan `shard`, ZeRO): the N replicas of a stage each keep an equal
-1/N slice of every parameter tensor's optimizer state (stage 1), gradient (stage 2) and the
-parameter itself (stage 3).
+"""Sharded data parallel (plan `shard`, ZeRO): the N replicas of a stage share its optimizer
+state (stage 1), gradients (stage 2) and parameters (stage 3) in equal parts, whatever the
+batch shares.
 
-`ShardedStep`: rank k steps elements [k·c, (k+1)·c) of every tensor (c = ceil(numel / N)) through
-views into the parameters, then one all-gather a step gives every replica the whole update;
-exact for element-wise optimizers (hetplan.planner.files.optimizer_spec.ELEMENTWISE).
-`GradScatter` (stage 2): the final gradients (the last microbatch's backward) are reduce-scattered
-with SUM (the losses are already weighted by the shares) a bucket at a time into this rank's
-slices, and the whole gradients freed: no more than a bucket's whole gradients are held.
-`ParamShards` (stage 3): each unit (a gradient bucket of the stage's layers) is all-gathered
-before its layers run, forward and backward, the next one prefetched, and freed after them.
+`ShardedStep` (stages 1, 2): rank k steps elements [k·c, (k+1)·c) of every tensor
+(c = ceil(numel / N)) through views into the parameters, then one all-gather a step gives every
+replica the whole update; exact for element-wise optimizers
+(hetplan.planner.files.optimizer_spec.ELEMENTWISE).
+`GradScatter` (stage 2): the final gradients (the last backward's) are reduce-scattered with SUM
+(the losses already carry the shares) a bucket at a time into this rank's slices, the whole
+gradients freed.
+`ParamShards` (stage 3, FSDP's flat parameters): each unit (a gradient bucket) is one flat
+buffer, rank k keeping chunk k; it is all-gathered before its layers run, forward and backward,
+the next one prefetched, and freed after them; its gradient reduce-scattered as stage 2's.
+Checkpoints hold whole tensors (`whole`, `split`). A group of a CPU and a GPU (`staged`) runs
+every collective through host memory.
 """
 from __future__ import annotations
 

@@ -183,20 +183,27 @@ def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]
     out = {dev: split.get(dev) or ((graph.stage_param_bytes(*rs[0]) if len(rs) == 1 else graph.device_param_bytes(rs)),
                                    sum(graph.stage_param_tensors(a, b) for a, b in rs))
            for dev, rs in ranges.items()}
-    if plan.shard:      # each of the N replicas steps its 1/N (validated: one stage a device)
-        k = len(plan.replicas)
-        out = {dev: (n / k, max(1, -(-n_t // k))) for dev, (n, n_t) in out.items()}
+    if plan.shard:      # each of the N replicas steps its 1/N (validated: one stage a device):
+        k = len(plan.replicas)   # a slice of every tensor; ZeRO-3 a chunk of each unit (bucket)
+        units = {dev: len(_stage_units(plan, graph, rs[0])) for dev, rs in ranges.items()} if plan.shard == 3 else {}
+        out = {dev: (n / k, units.get(dev, n_t)) for dev, (n, n_t) in out.items()}
     return out
+
+
+def _stage_units(plan: Plan, graph: ModelGraph, layers: tuple[int, int]) -> list[int]:
+    """The bytes of each gradient bucket of a stage of layers [a, b) (ZeRO-3's units); coarse
+    sync: one, the stage."""
+    from hetplan.planner.cost.buckets import grad_buckets
+    a, b = layers
+    mine = [x.bytes for x in grad_buckets(plan, graph) if a <= min(x.layers) < b]
+    return mine if mine and plan.sync.granularity == "fine" else [graph.stage_param_bytes(a, b)]
 
 
 def sharded_bytes(plan: Plan, graph: ModelGraph, st: Stage, rep, state_ratio: float) -> float:
     """A sharded stage's parameters, gradients and optimizer state on its device (the module
     docstring's rule; hetplan.runtime.shard)."""
-    from hetplan.planner.cost.buckets import grad_buckets
     params, n = float(graph.stage_param_bytes(st.start, st.end)), len(plan.replicas)
-    mine = [b.bytes for b in grad_buckets(plan, graph) if st.start <= min(b.layers) < st.end]
-    # the largest bucket (a unit under ZeRO-3); coarse sync: the stage
-    whole = float(max(mine)) if mine and plan.sync.granularity == "fine" else params
+    whole = float(max(_stage_units(plan, graph, st.layers)))   # the largest bucket (a ZeRO-3 unit)
     grads = params
     if plan.shard >= 2:   # the slices, a bucket's rows; earlier microbatches' whole gradients
         grads = params / n + 2 * whole if rep.microbatches == 1 else params + params / n + whole

@@ -476,16 +476,22 @@ class Builder:
     def unit_gathers(self, st: Stage, s: int, forward: bool) -> tuple[float, float]:
         """ZeRO-3: (the first unit's all-gather, the others') of stage s's pass, a unit a
         gradient bucket of the stage (coarse: the stage), forward from its first layers,
-        backward from its last (hetplan.runtime.shard.ParamShards); all of them first where gloo
-        runs them on CPU workers with no core to spare (hetplan.planner.sim.contention)."""
+        backward from its last (hetplan.runtime.shard.ParamShards); all of them first, each
+        with its wait's wake-up, where gloo runs them on CPU workers with no core to spare
+        (hetplan.planner.sim.contention)."""
         ex, devices = self.exchange, tuple(rep.stages[s].device for rep in self.plan.replicas)
         units = [ex.buckets[k].bytes for k in self.stage_buckets(st)] if ex.fine else []
         units = units or [self.sim.graph.stage_param_bytes(st.start, st.end)]   # in ready order: last layers first
         d = [self.sim.allgather(devices, b)[1] for b in units]
-        if any(dev in self.sim.saturated for dev in devices):   # gloo on the workers' own cores: no overlap
-            return sum(d), 0.0
+        if any(dev in self.sim.saturated for dev in devices):   # gloo on the workers' own cores: no overlap,
+            return sum(d) + len(d) * self.resumed_s(st.device), 0.0   # each wait a wake-up
         first = d[-1] if forward else d[0]
         return first, sum(d) - first
+
+    def resumed_s(self, dev: str) -> float:
+        """What a CPU worker's wait in a collective costs beside the collective: it resumes late
+        and its next compute runs cold (calibration's wake_latency_s, cold_compute_s)."""
+        return self.sim.cost.wake_latency_s(dev) + self.sim.cost.cold_compute_s(dev)
 
     def gathered(self, st: Stage, s: int, out: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
         """ZeRO-3: a backward pass's pieces, the first waiting for the gathers beside them all."""
@@ -671,8 +677,10 @@ class Builder:
         for j, st, devices in self.stage_groups():
             # NCCL (all CUDA): half an all-reduce; gloo (hetplan.runtime.sync.Groups): an all-reduce
             share = 0.5 if all(self.sim.topology.device(d).kind == "cuda" for d in devices) else 1.0
-            d = sum(self.sim.allreduce(b.devices, b.bytes)[1] * share
-                    for b in self.exchange.buckets if set(b.devices) == set(devices))
+            mine = [b for b in self.exchange.buckets if set(b.devices) == set(devices)]
+            d = sum(self.sim.allreduce(b.devices, b.bytes)[1] * share for b in mine)
+            if any(dev in self.sim.saturated for dev in devices):   # each bucket's wait a wake-up
+                d += len(mine) * max(map(self.resumed_s, devices))
             res = self.sim.allreduce(devices, graph.stage_param_bytes(st.start, st.end))[0]
             d_k = g.value(Const(d))
             t = g.add(d_k, res, [self.progress.last_backward[dev] for dev in devices],
