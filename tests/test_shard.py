@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from equivalence import assert_params_match
 from hetplan.planner.files.io import InputError
@@ -20,7 +19,7 @@ from hetplan.planner.sim.simulator import Simulator, simulate
 from simhelpers import device, graph, layer, link, topology
 from simhelpers import plan as sim_plan
 from test_cli_inputs import one_error_line
-from test_train import _hetplan, plan, reference, train
+from test_train import _hetplan, assert_resumed_equals_uninterrupted, plan, reference, train
 
 EQUAL = [(0.5, 1, [("cpu:0", (0, 4))]), (0.5, 1, [("cpu:1", (0, 4))])]
 UNEQUAL = [(0.25, 1, [("cpu:0", (0, 4))]), (0.75, 3, [("cpu:1", (0, 4))])]
@@ -59,14 +58,7 @@ def test_sharded_gradients_clip_by_the_global_norm(tmp_path, stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_sharded_run_stopped_then_resumed_equals_uninterrupted(tmp_path, stage):
-    p = sharded(UNEQUAL_3, stage)
-    _, whole = train(tmp_path, p, "whole", steps=6)
-    ck = str(tmp_path / "ck")
-    train(tmp_path, p, "first", steps=3, checkpoint_dir=ck, checkpoint_every=3)
-    rows, resumed = train(tmp_path, p, "second", steps=6, checkpoint_dir=ck, resume=True)
-    assert [r["step"] for r in rows] == [4, 5, 6]
-    for n, t in whole.items():
-        torch.testing.assert_close(resumed[n], t, rtol=1e-6, atol=0, msg=n)
+    assert_resumed_equals_uninterrupted(tmp_path, sharded(UNEQUAL_3, stage))
 
 
 def test_a_sharded_checkpoint_resumes_unsharded_and_back(tmp_path):
@@ -99,14 +91,7 @@ def test_sharded_state_on_the_host_trains_like_one_device(tmp_path, monkeypatch,
 def test_sharded_state_on_the_host_resumes(tmp_path, monkeypatch):
     from hetplan.planner.hardware.device import STANDIN_ENV
     monkeypatch.setenv(STANDIN_ENV, "2")
-    p = {**sharded(GPUS, 3), "optimizer": ON_HOST}
-    _, whole = train(tmp_path, p, "whole", steps=6)
-    ck = str(tmp_path / "ck")
-    train(tmp_path, p, "first", steps=3, checkpoint_dir=ck, checkpoint_every=3)
-    rows, resumed = train(tmp_path, p, "second", steps=6, checkpoint_dir=ck, resume=True)
-    assert [r["step"] for r in rows] == [4, 5, 6]
-    for n, t in whole.items():
-        torch.testing.assert_close(resumed[n], t, rtol=1e-6, atol=0, msg=n)
+    assert_resumed_equals_uninterrupted(tmp_path, {**sharded(GPUS, 3), "optimizer": ON_HOST})
 
 
 def test_each_replica_keeps_a_third_of_the_adam_state(tmp_path):

@@ -87,9 +87,8 @@ def test_hybrid_trains_like_one_device_with_adamw_clipping_and_a_cosine_schedule
     assert_params_match(params, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(PLANS))
-def test_stopped_then_resumed_equals_uninterrupted(tmp_path, name):
-    p = plan(PLANS[name])
+def assert_resumed_equals_uninterrupted(tmp_path: Path, p: dict) -> None:
+    """6 steps in one run against 3, a checkpoint, and 3 more resumed from it: the same parameters."""
     _, whole = train(tmp_path, p, "whole", steps=6)
     ck = str(tmp_path / "ck")
     train(tmp_path, p, "first", steps=3, checkpoint_dir=ck, checkpoint_every=3)
@@ -97,6 +96,11 @@ def test_stopped_then_resumed_equals_uninterrupted(tmp_path, name):
     assert [r["step"] for r in rows] == [4, 5, 6]
     for n, t in whole.items():
         torch.testing.assert_close(resumed[n], t, rtol=1e-6, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_stopped_then_resumed_equals_uninterrupted(tmp_path, name):
+    assert_resumed_equals_uninterrupted(tmp_path, plan(PLANS[name]))
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))

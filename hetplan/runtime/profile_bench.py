@@ -195,30 +195,9 @@ def allreduce_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> l
     (it starts at the last arrival). The sizes take turns, round after round, so that a slow
     spell of the host lands on every size a little, not on one size's every sample. The caller
     keeps rank 0's table."""
-    group = dist.new_group(backend="gloo")
-    lower_gloo_loop_priority()    # a new group may start its own loop thread
-    a = torch.randn(64, 64)
     buffers = {n: torch.zeros(n // 4) for n in sizes}
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(repeats + 1):
-        for n in sizes:
-            trips = max(1, round_trips(n) // 5)
-            dist.barrier()
-            total = 0.0
-            for _ in range(trips):
-                _compute_for(busy_s, a)
-                t0 = time.perf_counter()
-                dist.all_reduce(buffers[n], group=group, async_op=True).wait()
-                total += time.perf_counter() - t0
-            if rep:
-                samples[n].append(total / trips)
-    dist.destroy_process_group(group)
-    rows = []
-    for n in sizes:
-        med, spread = stats(samples[n])
-        rows.append({"bytes": n, "s": med, "spread": spread, "best_s": min(samples[n]),
-                     "samples": repeats})
-    return rows
+    return _collective_table(sizes, repeats, busy_s,
+                             lambda n, group: dist.all_reduce(buffers[n], group=group, async_op=True))
 
 
 def allgather_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> list[dict]:
@@ -226,12 +205,20 @@ def allgather_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> l
     memory) in ZeRO's pattern (hetplan.runtime.shard.all_gather_single, launched async and
     waited for), timed as `allreduce_table` times its all-reduce. The caller keeps rank 0's table."""
     from hetplan.runtime.shard import all_gather_single
-    group = dist.new_group(backend="gloo")
-    lower_gloo_loop_priority()
     world = dist.get_world_size()
-    a = torch.randn(64, 64)
     out = {n: torch.zeros(max(1, n // 4 // world) * world) for n in sizes}
     mine = {n: torch.zeros(max(1, n // 4 // world)) for n in sizes}
+    return _collective_table(sizes, repeats, busy_s,
+                             lambda n, group: all_gather_single(out[n], mine[n], group=group, async_op=True))
+
+
+def _collective_table(sizes: list[int], repeats: int, busy_s: float, launch) -> list[dict]:
+    """`launch(n, group)` (a collective of n bytes, returning its work) timed from launch to
+    the end of its wait after `busy_s` of compute, the sizes taking turns round after round,
+    on a gloo group of its own: {bytes, s (median), spread, best_s, samples} per size."""
+    group = dist.new_group(backend="gloo")
+    lower_gloo_loop_priority()    # a new group may start its own loop thread
+    a = torch.randn(64, 64)
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(repeats + 1):
         for n in sizes:
@@ -241,7 +228,7 @@ def allgather_table(sizes: list[int], repeats: int, busy_s: float = 0.0005) -> l
             for _ in range(trips):
                 _compute_for(busy_s, a)
                 t0 = time.perf_counter()
-                all_gather_single(out[n], mine[n], group=group, async_op=True).wait()
+                launch(n, group).wait()
                 total += time.perf_counter() - t0
             if rep:
                 samples[n].append(total / trips)
