@@ -43,3 +43,16 @@ def test_a_plan_records_its_threads_and_runs_with_them_anywhere(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(measured))
     r = _hetplan("compare", "p.json", "m.json", "--topology", "t.json", cwd=tmp_path)
     assert f"{cpus[0]} ran 3 threads, priced at 2" in r.stderr
+
+
+def test_a_bound_run_records_the_nodes_cores_not_its_own(tmp_path):
+    # each worker binds itself to its core before the measured file is written: the file says
+    # how many cores the node had (what `compare` checks against the plan's), not one
+    import os
+    plan = {"model": {"spec": "mlp", "args": {"hidden": 16, "depth": 1}}, "global_batch": 8,
+            "replicas": [{"batch_fraction": 0.5, "stages": [{"device": f"cpu:{i}", "layers": [0, 2]}]}
+                         for i in (0, 1)]}
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    r = _hetplan("run", "p.json", "--iters", "3", "--warmup", "1", "-o", "m.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert json.loads((tmp_path / "m.json").read_text())["host"]["usable_cores"] == len(os.sched_getaffinity(0))

@@ -22,10 +22,10 @@ import torch
 
 
 def host_info() -> dict[str, Any]:
-    from hetplan.planner.hardware.cores import usable_cores
+    from hetplan.planner.hardware.cores import node_cores
     return {"hostname": socket.gethostname(), "platform": platform.platform(),
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "usable_cores": len(usable_cores())}
+            "usable_cores": len(node_cores())}     # the node's, not the worker's bound cores
 
 
 def iteration_times(iter_s: list[list[float]]) -> list[float]:

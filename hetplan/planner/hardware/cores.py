@@ -69,6 +69,15 @@ def _span(cores: tuple[int, ...]) -> str:
     return ",".join(map(str, cores))
 
 
+_before_binding: list[int] | None = None   # the usable cores when bind_worker bound this process
+
+
+def node_cores() -> list[int]:
+    """The cores this node's workers share: this process's usable cores before `bind_worker`
+    bound it to its own."""
+    return list(_before_binding) if _before_binding is not None else usable_cores()
+
+
 def bind_current_thread(cores: Sequence[int]) -> None:
     """Bind the calling thread (and the threads it starts from now on) to `cores`."""
     os.sched_setaffinity(0, cores)
@@ -82,6 +91,8 @@ def bind_worker(threads: Sequence[tuple[str, int]], name: str) -> tuple[tuple[in
         return None, "cores not bound: no thread affinity on this OS"
     assigned = assign_cores(threads, usable) if enabled else {}
     if assigned:
+        global _before_binding
+        _before_binding = usable
         bind_current_thread(assigned[name])
     return assigned.get(name), describe(assigned, threads, usable, enabled)
 
@@ -104,5 +115,5 @@ def bound_to_first(threads: int) -> Iterator[tuple[int, ...] | None]:
         os.sched_setaffinity(0, old)
 
 
-__all__ = ["BIND_ENV", "binding_enabled", "usable_cores", "assign_cores", "describe",
+__all__ = ["BIND_ENV", "binding_enabled", "usable_cores", "node_cores", "assign_cores", "describe",
            "bind_current_thread", "bind_worker", "bound_to_first"]
