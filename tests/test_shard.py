@@ -286,3 +286,21 @@ def test_zero2_reduce_scatters_each_bucket_after_backward():
     r = simulate(dataclasses.replace(fine, shard=2), g, t, trace=True)
     span = {x["name"]: x["end_s"] - x["start_s"] for x in r.tasks}
     assert span["gradient reduce-scatter stage 0"] == pytest.approx(1.02, rel=1e-12)
+
+
+def test_plan_shards_a_6b_gpt_on_the_shipped_dgx(tmp_path):
+    # `plan` from the command line, a model we never run: GPT of 32 blocks of width 4096 (6.5e9
+    # parameters, captured in fake tensors) on dgx-8gpu (80 GB GPUs). Replicated data parallel
+    # and ZeRO-1 do not fit; the search shards everything over the 8 GPUs and beats the pipeline
+    out = tmp_path / "big.json"
+    r = _hetplan("plan", "--model", "gpt", "--model-arg", "layers=32", "--model-arg", "d_model=4096",
+                 "--model-arg", "heads=32", "--model-arg", "vocab=32000", "--model-arg", "context=512",
+                 "--batch", "64", "--topology", "dgx-8gpu", "--json", "-o", out, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    p = json.loads(out.read_text())
+    assert p["shard"] == {"stage": 3} and len(p["replicas"]) == 8
+    assert all(r["stages"][0]["device"].startswith("cuda:") for r in p["replicas"])
+    summary = json.loads(r.stdout)
+    named = {c["name"]: c for c in summary["baselines"]}
+    assert not named["data parallel, ZeRO-1"]["feasible"] and named["balanced pipeline"]["feasible"]
+    assert summary["iteration_s"] < named["balanced pipeline"]["iteration_s"]
