@@ -131,6 +131,11 @@ def test_what_does_not_run_yet_is_one_line_exit_2(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**sharded(EQUAL, 3), "schedule": "interleaved-1f1b"}))
     one_error_line(_hetplan("run", path, "--steps", 2), "schedule", "other than \"interleaved-1f1b\"")
+    # every entry point (torchrun's workers too): the build refuses it before any group exists
+    from hetplan.runtime import stage
+    with pytest.raises(InputError, match="schedule: expected a schedule other than"):
+        stage.build(plan_from_dict(json.loads(path.read_text()), str(path)), ["cpu:0", "cpu:1"], 0, None,
+                    file=str(path))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

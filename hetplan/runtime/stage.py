@@ -120,6 +120,8 @@ def build(plan: Plan, names: list[str], rank: int, device: TorchDevice, timeout=
     """What rank `rank` runs; `device` is its hetplan.planner.hardware.device.TorchDevice; `marks`
     (hetplan.runtime.startup.Marks) gets "model" once the workload is built and checked; `iterations`:
     how many the run trains (a PipeDream stream's length)."""
+    from hetplan.runtime.shard import check_runs
+    check_runs(plan, file)       # every entry point (`run` checks it before it starts workers too)
     kinds = [parse_device_name(d)[1] for d in names]
     if plan.sync.mode == "parameter-server" and names[rank] == plan.sync.server:
         return _server(plan, kinds, device, timeout, marks, file, given)

@@ -62,8 +62,6 @@ def train_config(args, plan, given=None):
     if plan.sync.mode != "sync" and (args.checkpoint_dir or args.eval_every or plan.optimizer.clip_grad_norm):
         raise InputError(f"{args.plan}: sync.mode: checkpoints, evaluation and clipping run with synchronous "
                          f"plans in this version; got {plan.sync.mode!r}")
-    from hetplan.runtime.shard import check_runs as check_shard_runs
-    check_shard_runs(plan, args.plan)
     if getattr(args, "rebalance", None):
         from hetplan.runtime.rebalance import check as check_rebalance
         check_rebalance(plan, args.plan)
