@@ -27,6 +27,23 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def launch_scatter(rows: torch.Tensor, group, staged: bool):
+    """Start a SUM reduce-scatter of `rows` (N rows, row k rank k's): (work, what `my_row`
+    reads). On gloo an all-reduce of the rows (gloo's reduce-scatter is slower than its
+    all-reduce: docs/tuning.md), through host memory where `staged`."""
+    if dist.get_backend(group) == "gloo":
+        on = rows.cpu() if staged else rows
+        return dist.all_reduce(on, group=group, async_op=True), on
+    out = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return reduce_scatter_single(out, rows.reshape(-1), group=group, async_op=True), out
+
+
+def my_row(work, out: torch.Tensor, k: int, device) -> torch.Tensor:
+    """Wait for `launch_scatter`'s work; rank k's row, a tensor of its own on `device`."""
+    work.wait()
+    return (out[k] if out.dim() == 2 else out).to(device, copy=True)
+
+
 class ShardedStep:
     """ZeRO stage 1 over `group`'s N ranks: rank k steps elements [k·c, (k+1)·c) of every
     parameter tensor (c = ceil(numel / N), the last slices shorter or empty), through views that
@@ -72,13 +89,11 @@ class ShardedStep:
                 send[at:at + b - a].copy_(own[i].reshape(-1))
             at += c
         send = send if self.staged else send.to(self.send.device)
-        recv = [torch.empty_like(send) for _ in range(self.n)]
-        dist.all_gather(recv, send, group=self.group)
-        recv = [t.cpu() for t in recv]
-        out, at = [], 0
+        got = torch.empty(self.n * send.numel(), dtype=send.dtype, device=send.device)
+        all_gather_single(got, send, group=self.group)
+        rows, out, at = got.view(self.n, -1).cpu(), [], 0
         for p, c in zip(self.params, self.chunk):
-            flat = torch.cat([buf[at:at + c] for buf in recv])[:p.numel()]
-            out.append(flat.view(p.shape).clone())
+            out.append(rows[:, at:at + c].reshape(-1)[:p.numel()].view(p.shape).clone())
             at += c
         return out
 
@@ -122,7 +137,6 @@ class GradScatter:
         self.pending: list[int] = []
         self.pending_bytes = 0
         self.flying: list[tuple] = []   # (work, indices, rows or row, device) of a bucket launched
-        self.gloo = dist.get_backend(step.group) == "gloo"
         self.peak = 0                   # the most gradient bytes held at once (slices, whole, bucket)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
 
@@ -168,12 +182,7 @@ class GradScatter:
         # launched, not waited for: backward goes on (a blocking collective per bucket made each
         # rank wait for the other's backward to reach it, bucket after bucket); the bucket
         # before it is finished first, so at most one bucket's rows are in flight
-        if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
-            on = rows.cpu() if st.staged else rows
-            work, out = dist.all_reduce(on, group=st.group, async_op=True), on
-        else:
-            out = torch.empty(width, dtype=rows.dtype, device=rows.device)
-            work = reduce_scatter_single(out, rows.view(-1), group=st.group, async_op=True)
+        work, out = launch_scatter(rows, st.group, st.staged)
         whole = sum(p.grad.numel() * p.grad.element_size() for p in st.params if p.grad is not None)
         flying = sum(t.numel() * t.element_size() for _, _, t, _ in self.flying)
         self.peak = max(self.peak, self.held_bytes() + whole + flying + 2 * rows.numel() * rows.element_size())
@@ -185,8 +194,7 @@ class GradScatter:
         """Wait for the bucket in flight and keep this rank's row of it."""
         st = self.step
         for work, idx, out, device in self.flying:
-            work.wait()
-            mine = (out[st.k] if self.gloo else out).to(device, copy=True)   # the rows are freed
+            mine = my_row(work, out, st.k, device)
             col = 0
             for i in idx:
                 a, b = st.spans[i]
@@ -243,7 +251,6 @@ class ParamShards:
         """`staged`: as ShardedStep's (each gather lands in host memory, then is copied in)."""
         self.params, self.group, self.units, self.staged = params, group, units, staged
         self.n, self.k = dist.get_world_size(group), dist.get_rank(group)
-        self.gloo = dist.get_backend(group) == "gloo"
         self.flat, self.slices, self.offsets, self.chunk = [], [], [], []
         for idx in units:
             ps = [params[i] for i in idx]
@@ -268,7 +275,7 @@ class ParamShards:
         self.order = list(range(len(units)))          # forward order (set by `wire`)
         self.resident: dict[int, int] = {}            # unit -> its buffer's storage pointer
         self.ptrs: dict[int, int] = {}                # storage pointer -> unit, while resident
-        self.inflight: dict[int, object] = {}         # unit -> the work of a started gather
+        self.inflight: dict[int, tuple] = {}          # unit -> (work, host buffer or None) of a started gather
         self.scattered: list[torch.Tensor | None] = [None] * len(units)
         self.flying: list[tuple] = []                 # (work, unit, flat or chunk) of a launched scatter
         self.arrived: dict[int, int] = {}             # unit -> how many of its gradients are in
@@ -389,12 +396,7 @@ class ParamShards:
             for p in ps:                  # the whole gradients are in the flat buffer now
                 p.grad = None
             # launched, not waited for (as GradScatter's buckets): one unit in flight
-            if self.gloo:      # gloo's reduce-scatter is slower than its all-reduce (docs/tuning.md)
-                on = flat.cpu() if self.staged else flat
-                work, out = dist.all_reduce(on, group=self.group, async_op=True), on
-            else:
-                out = torch.empty_like(self.slices[u])
-                work = reduce_scatter_single(out, flat, group=self.group, async_op=True)
+            work, out = launch_scatter(flat.view(self.n, -1), self.group, self.staged)
             whole = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
             flying = sum(t.numel() * t.element_size() for _, _, t in self.flying)
             self.grad_peak = max(self.grad_peak, self.grad_bytes() + whole + flying
@@ -406,10 +408,7 @@ class ParamShards:
     def _land_grads(self) -> None:
         """Wait for the unit in flight and keep this rank's chunk of its gradient."""
         for work, u, out in self.flying:
-            work.wait()
-            c = self.chunk[u]
-            self.scattered[u] = (out[self.k * c:(self.k + 1) * c] if self.gloo else out).to(
-                self.slices[u].device, copy=True)
+            self.scattered[u] = my_row(work, out, self.k, self.slices[u].device)
         self.flying = []
 
     def begin(self) -> None:

@@ -213,7 +213,7 @@ def _train(cfg, plan, built, rank, device, name, marks) -> dict:
         prof.export_chrome_trace(str(Path(cfg.trace_dir) / f"rank{rank}.json"))
     saved = built.runner.saved_tracker.peak_bytes
     grad_bytes = sum(p.numel() * p.element_size() for p in built.params if p.requires_grad)
-    if hasattr(built.sync, "peak_bytes"):     # ZeRO-2: its slices, and a bucket's whole gradients at a time
+    if hasattr(built.sync, "peak_bytes"):     # ZeRO-2/3: slices, and whole gradients a bucket at a time
         grad_bytes = built.sync.peak_bytes()
         param_bytes = built.sync.param_peak_bytes() or param_bytes    # ZeRO-3: slices, units in use
     on_host = device.device.type == "cpu"   # a CPU worker or a stand-in: no allocator statistics
