@@ -49,8 +49,8 @@ microbatches, stage index s):
   than one microbatch the earlier ones' whole gradients are held too (the slices and a bucket's
   rows beside them). Stage 3: also 1/N of the parameters, plus two units (a bucket: the one in
   use and the next being gathered). Under placement "cpu" the host holds the slices' optimizer
-  state and its copy of their gradients instead (ZeRO-Offload over shards). The runtime's slices (hetplan.runtime.shard.ShardedStep) are
-  1/N of every tensor.
+  state and its copy of their gradients instead (ZeRO-Offload over shards). The runtime's
+  slices are 1/N of every tensor (stages 1, 2) or of every unit (stage 3; hetplan.runtime.shard).
 
 Not modelled: allocator fragmentation and caching, temporary workspaces, the gradient of the
 activations flowing through backward, communication buffers, the CUDA context.
@@ -185,14 +185,14 @@ def stepped_params(plan: Plan, graph: ModelGraph) -> dict[str, tuple[float, int]
            for dev, rs in ranges.items()}
     if plan.shard:      # each of the N replicas steps its 1/N (validated: one stage a device):
         k = len(plan.replicas)   # a slice of every tensor; ZeRO-3 a chunk of each unit (bucket)
-        units = {dev: len(_stage_units(plan, graph, rs[0])) for dev, rs in ranges.items()} if plan.shard == 3 else {}
+        units = {dev: len(stage_units(plan, graph, rs[0])) for dev, rs in ranges.items()} if plan.shard == 3 else {}
         out = {dev: (n / k, units.get(dev, n_t)) for dev, (n, n_t) in out.items()}
     return out
 
 
-def _stage_units(plan: Plan, graph: ModelGraph, layers: tuple[int, int]) -> list[int]:
-    """The bytes of each gradient bucket of a stage of layers [a, b) (ZeRO-3's units); coarse
-    sync: one, the stage."""
+def stage_units(plan: Plan, graph: ModelGraph, layers: tuple[int, int]) -> list[int]:
+    """The bytes of each gradient bucket of a stage of layers [a, b) (ZeRO-3's units), in the
+    order backward makes them ready (its last layers first); coarse sync: one, the stage."""
     from hetplan.planner.cost.buckets import grad_buckets
     a, b = layers
     mine = [x.bytes for x in grad_buckets(plan, graph) if a <= min(x.layers) < b]
@@ -203,7 +203,7 @@ def sharded_bytes(plan: Plan, graph: ModelGraph, st: Stage, rep, state_ratio: fl
     """A sharded stage's parameters, gradients and optimizer state on its device (the module
     docstring's rule; hetplan.runtime.shard)."""
     params, n = float(graph.stage_param_bytes(st.start, st.end)), len(plan.replicas)
-    whole = float(max(_stage_units(plan, graph, st.layers)))   # the largest bucket (a ZeRO-3 unit)
+    whole = float(max(stage_units(plan, graph, st.layers)))   # the largest bucket (a ZeRO-3 unit)
     grads = params
     if plan.shard >= 2:   # the slices, a bucket's rows; earlier microbatches' whole gradients
         grads = params / n + 2 * whole if rep.microbatches == 1 else params + params / n + whole
@@ -238,11 +238,12 @@ def peak_memory(plan: Plan, graph: ModelGraph, topology: Topology) -> dict[str, 
                 params = float(graph.device_param_bytes(before + [st.layers]) - graph.device_param_bytes(before))
             copies = stashed_versions(plan, len(rep.stages), s) * params
             if plan.shard:
-                out[st.device] = out.get(st.device, 0.0) + sharded_bytes(plan, graph, st, rep, state_ratio) + acts
                 host = host_cpu(topology, st.device) if placement == "cpu" else st.device
-                if host != st.device:   # ZeRO-Offload over shards: the slices' state and gradients there
+                on_host = host != st.device      # ZeRO-Offload over shards: the slices' state and gradients there
+                out[st.device] = out.get(st.device, 0.0) + acts + sharded_bytes(plan, graph, st, rep,
+                                                                                0.0 if on_host else state_ratio)
+                if on_host:
                     part = float(graph.stage_param_bytes(st.start, st.end)) / len(plan.replicas)
-                    out[st.device] -= state_ratio * part
                     out[host] = out.get(host, 0.0) + (state_ratio + 1) * part
                 continue
             out[st.device] = out.get(st.device, 0.0) + 2 * params + acts + copies
@@ -263,5 +264,5 @@ def feasible(peaks: dict[str, float], topology: Topology) -> bool:
     return all(v <= topology.device(d).memory_bytes for d, v in peaks.items())
 
 
-__all__ = ["held_param_bytes", "stepped_params", "in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
+__all__ = ["held_param_bytes", "stepped_params", "stage_units", "sharded_bytes", "in_flight", "device_activation_bytes", "stashed_versions", "saved_per_microbatch", "activation_bytes",
            "offloaded_bytes", "peak_memory", "feasible"]

@@ -53,7 +53,7 @@ class Space:
                                            # interleaved ones with v = 2 virtual stages per device
     tensor_split: bool = False             # the model has linear pairs to split between devices
                                            # (ModelGraph.pairs): the tensor move is drawn
-    shard_choices: tuple[int, ...] = (0,)  # ZeRO stages the walk may draw (plan `shard`): (0, 1)
+    shard_choices: tuple[int, ...] = (0,)  # ZeRO stages the walk may draw (plan `shard`): 0-3
                                            # where replicated data parallel does not fit
 
     @property
@@ -247,8 +247,8 @@ def fits(space: Space, s: Strategy) -> bool:
 
 def _shard_fits(space: Space, s: Strategy) -> bool:
     """Sharding as the plan file and the runtime allow it: two or more pipelines cut alike over
-    as many devices, the optimizer on the devices or their hosts
-    (not split), no tensor split, offload or interleaving; ZeRO-3 without recompute."""
+    as many devices, the optimizer on the devices or their hosts (not split), no tensor split,
+    offload or interleaving; ZeRO-3 without recompute."""
     first = s.pipelines[0]
     return (len(s.pipelines) >= 2 and all(p.cuts == first.cuts and len(p.devices) == len(first.devices)
                                           for p in s.pipelines)

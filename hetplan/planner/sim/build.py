@@ -18,7 +18,7 @@ import numpy as np
 
 from hetplan.planner.cost.buckets import Bucket
 from hetplan.planner.cost.grad_sync import runs_on_ddp
-from hetplan.planner.cost.memory import stepped_params
+from hetplan.planner.cost.memory import stage_units, stepped_params
 from hetplan.planner.cost.model import CostModel, host_cpu
 from hetplan.planner.files.plan import PIPEDREAM_MODES, Plan, Replica, Stage
 from hetplan.planner.hardware.topology import Topology
@@ -479,10 +479,8 @@ class Builder:
         backward from its last (hetplan.runtime.shard.ParamShards); all of them first, each
         with its wait's wake-up, where gloo runs them on CPU workers with no core to spare
         (hetplan.planner.sim.contention)."""
-        ex, devices = self.exchange, tuple(rep.stages[s].device for rep in self.plan.replicas)
-        units = [ex.buckets[k].bytes for k in self.stage_buckets(st)] if ex.fine else []
-        units = units or [self.sim.graph.stage_param_bytes(st.start, st.end)]   # in ready order: last layers first
-        d = [self.sim.allgather(devices, b)[1] for b in units]
+        devices = tuple(rep.stages[s].device for rep in self.plan.replicas)
+        d = [self.sim.allgather(devices, b)[1] for b in stage_units(self.plan, self.sim.graph, st.layers)]
         if any(dev in self.sim.saturated for dev in devices):   # gloo on the workers' own cores: no overlap,
             return sum(d) + len(d) * self.resumed_s(st.device), 0.0   # each wait a wake-up
         first = d[-1] if forward else d[0]
