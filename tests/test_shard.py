@@ -309,3 +309,43 @@ def test_plan_shards_a_6b_gpt_on_the_shipped_dgx(tmp_path):
     named = {c["name"]: c for c in summary["baselines"]}
     assert not named["data parallel, ZeRO-1"]["feasible"] and named["balanced pipeline"]["feasible"]
     assert summary["iteration_s"] < named["balanced pipeline"]["iteration_s"]
+
+
+_SCATTER_PROBE = """
+import json, sys, torch, torch.distributed as dist
+from hetplan.runtime import shard
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+params = list(net.parameters()) + [torch.nn.Parameter(torch.ones(7))]   # w0 b0 w1 b1 w2 b2, unused
+x = torch.randn(6, 3)
+want = torch.autograd.grad(net(x).square().sum(), params[:6])
+launched, real = [], shard.launch_scatter
+def spy(rows, group, staged):
+    launched.append(rows.numel())
+    return real(rows, group, staged)
+shard.launch_scatter = spy
+seen = []
+params[0].register_post_accumulate_grad_hook(lambda p: seen.append(len(launched)))   # before the scatter's
+step = shard.ShardedStep(params, dist.group.WORLD)
+scatter = shard.GradScatter(step, [[4, 5], [0, 1, 2, 3], [6]])
+scatter.begin()
+scatter.before_backward(0)(0)
+net(x).square().sum().backward()
+scatter.finish()
+same = all(torch.equal(s, w.reshape(-1)) for s, w in zip(step.scattered, want))
+print(json.dumps({"launched": launched, "seen": seen, "same": same, "unused": step.scattered[6] is None}))
+"""
+
+
+def test_zero2_scatters_the_plans_buckets_each_once_complete(tmp_path):
+    # The runtime's buckets are the simulator's: a bucket is reduce-scattered once all of its
+    # gradients are in (the last layer's 10 + 2 values before the first layer's gradient comes),
+    # then the rest (12 + 4 + 20 + 5); an unused parameter's bucket is never launched
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _SCATTER_PROBE, str(tmp_path / "rdzv")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got == {"launched": [12, 41], "seen": [1], "same": True, "unused": True}

@@ -18,6 +18,7 @@ every collective through host memory.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,17 @@ class ShardedStep:
         self.slices = [params[i].detach().view(-1)[slice(*self.spans[i])] for i in self.mine]
         self.send = torch.empty(sum(self.chunk), dtype=params[0].dtype if params else torch.float32,
                                 device=params[0].device if params else "cpu")
+        # the gather's copies, each a list for one foreach copy: this rank's slices into `send`,
+        # and every other rank's (at its offset in the gathered rows) into the parameters
+        offs = [0] + list(itertools.accumulate(self.chunk))[:-1]
+        self.send_views = [self.send[offs[i]:offs[i] + self.spans[i][1] - self.spans[i][0]] for i in self.mine]
+        self.into, self.from_at = [], []
+        for r in range(self.n):
+            for i, (p, c) in enumerate(zip(params, self.chunk)):
+                a, b = min(r * c, p.numel()), min((r + 1) * c, p.numel())
+                if r != self.k and b > a:
+                    self.into.append(p.detach().view(-1)[a:b])
+                    self.from_at.append((r * len(self.send) + offs[i], b - a))
 
     def take_grads(self) -> None:
         """Each slice's gradient: the same elements of its parameter's (synced) gradient, or
@@ -103,40 +115,36 @@ class ShardedStep:
 
     @torch.no_grad()
     def gather(self) -> None:
-        at = 0
-        for p, c, (a, b) in zip(self.params, self.chunk, self.spans):
-            self.send[at:at + b - a].copy_(p.view(-1)[a:b])
-            at += c
+        if self.mine:
+            torch._foreach_copy_(self.send_views, self.slices)
         send = self.send.cpu() if self.staged else self.send
         got = torch.empty(self.n * send.numel(), dtype=send.dtype, device=send.device)
         all_gather_single(got, send, group=self.group)
-        for r, buf in enumerate(got.view(self.n, -1)):
-            if r == self.k:
-                continue
-            at = 0
-            for p, c in zip(self.params, self.chunk):
-                a, b = min(r * c, p.numel()), min((r + 1) * c, p.numel())
-                p.view(-1)[a:b].copy_(buf[at:at + b - a])
-                at += c
+        if self.into:
+            got = got.to(self.send.device)
+            torch._foreach_copy_(self.into, [got[a:a + n] for a, n in self.from_at])
 
 
 class GradScatter:
     """ZeRO stage 2 for `step` (a ShardedStep): a hook on every parameter takes its final
-    gradient into a bucket; a bucket of `bucket_bytes` or more (the plan's sync.bucket_bytes),
-    and the last at `finish()`, is reduce-scattered with SUM (the losses already carry the
-    shares) in one collective: every tensor's N slices laid out as N rows, each rank receiving
-    its row (on gloo an all-reduce of the rows, each rank keeping its own: gloo's reduce-scatter
-    is slower than its all-reduce). The whole gradients are freed then. The final gradients
-    are the last backward's (`before_backward`, the runner's call before each backward or W
-    pass); earlier microbatches accumulate whole gradients as usual. Every rank's hooks fire in
-    the same order, so the buckets match."""
+    gradient into its bucket (`buckets`: lists of parameter indices, the plan's gradient buckets,
+    as the simulator's and ZeRO-3's units; coarse sync: one); a bucket all of whose gradients
+    are in, and any left at `finish()` (parameters unused this iteration) in bucket order, is
+    reduce-scattered with SUM (the losses already carry the shares) in one collective: every
+    tensor's N slices laid out as N rows, each rank receiving its row (on gloo an all-reduce of
+    the rows, each rank keeping its own: gloo's reduce-scatter is slower than its all-reduce).
+    The whole gradients are freed then. The final gradients are the last backward's
+    (`before_backward`, the runner's call before each backward or W pass); earlier microbatches
+    accumulate whole gradients as usual. Every rank's hooks fire in the same order, so the
+    buckets are launched in the same order."""
 
-    def __init__(self, step: ShardedStep, bucket_bytes: float):
-        self.step, self.bucket_bytes, self.final = step, bucket_bytes, False
+    def __init__(self, step: ShardedStep, buckets: list[list[int]]):
+        self.step, self.buckets, self.final = step, buckets, False
         step.scattered = [None] * len(step.params)
-        self.pending: list[int] = []
-        self.pending_bytes = 0
+        self.bucket_of = {i: b for b, idx in enumerate(buckets) for i in idx}
+        self.arrived: dict[int, list[int]] = {}   # bucket -> the indices whose final gradient is in
         self.flying: list[tuple] = []   # (work, indices, rows or row, device) of a bucket launched
+        self.whole, self.counted = 0, set()   # whole gradients' bytes held in the last backward, for the peak
         self.peak = 0                   # the most gradient bytes held at once (slices, whole, bucket)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
 
@@ -144,51 +152,52 @@ class GradScatter:
         """The runner's `before_backward`: the backward of `last_mb` makes the final gradients."""
         def enter(mb: int) -> None:
             self.final = mb == last_mb
+            if self.final:   # the whole gradients the earlier backwards accumulated
+                self.counted = {i for i, p in enumerate(self.step.params) if p.grad is not None}
+                self.whole = sum(self._bytes(i) for i in self.counted)
         return enter
 
     def _hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
             if not self.final or p.grad is None:
                 return
-            self.pending.append(i)
-            self.pending_bytes += p.grad.numel() * p.grad.element_size()
-            if self.pending_bytes >= self.bucket_bytes:
-                self.flush()
+            if i not in self.counted:
+                self.whole += self._bytes(i)
+            b = self.bucket_of[i]
+            got = self.arrived.setdefault(b, [])
+            got.append(i)
+            if len(got) == len(self.buckets[b]):
+                self.flush(b)
         return hook
 
+    def _bytes(self, i: int) -> int:
+        g = self.step.params[i].grad
+        return 0 if g is None else g.numel() * g.element_size()
+
     @torch.no_grad()
-    def flush(self) -> None:
-        if not self.pending:
+    def flush(self, b: int) -> None:
+        """Reduce-scatter bucket b's arrived gradients (launched, not waited for; the bucket
+        before it is finished first)."""
+        st, idx = self.step, self.arrived.pop(b, [])
+        if not idx:
             return
-        st, idx = self.step, self.pending
-        grads = [st.params[i].grad for i in idx]
-        width = sum(st.chunk[i] for i in idx)
-        rows = torch.empty(st.n, width, dtype=grads[0].dtype, device=grads[0].device)
-        col = 0
-        for i, g in zip(idx, grads):
-            c, n = st.chunk[i], g.numel()
-            flat = g.view(-1)
-            full = n // c if c else 0                 # rows filled whole; then one partial, then padding
-            if full:
-                rows[:full, col:col + c].copy_(flat[:full * c].view(full, c))
-            if full < st.n:
-                rest = n - full * c
-                rows[full, col:col + rest].copy_(flat[full * c:])
-                rows[full, col + rest:col + c].zero_()
-                rows[full + 1:, col:col + c].zero_()
-            col += c
+        parts = []
+        for i in idx:                     # each gradient as N rows of its chunk, padded
+            flat, c = st.params[i].grad.reshape(-1), st.chunk[i]
+            pad = st.n * c - flat.numel()
+            parts.append((torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(st.n, c))
+        rows = torch.cat(parts, dim=1)
+        self.whole -= sum(self._bytes(i) for i in idx)
         for i in idx:                     # the whole gradients are in the rows now
             st.params[i].grad = None
         # launched, not waited for: backward goes on (a blocking collective per bucket made each
-        # rank wait for the other's backward to reach it, bucket after bucket); the bucket
-        # before it is finished first, so at most one bucket's rows are in flight
+        # rank wait for the other's backward to reach it, bucket after bucket); at most one
+        # bucket's rows are in flight
         work, out = launch_scatter(rows, st.group, st.staged)
-        whole = sum(p.grad.numel() * p.grad.element_size() for p in st.params if p.grad is not None)
         flying = sum(t.numel() * t.element_size() for _, _, t, _ in self.flying)
-        self.peak = max(self.peak, self.held_bytes() + whole + flying + 2 * rows.numel() * rows.element_size())
+        self.peak = max(self.peak, self.held_bytes() + self.whole + flying + 2 * rows.numel() * rows.element_size())
         self._land()
         self.flying.append((work, idx, out, rows.device))
-        self.pending, self.pending_bytes = [], 0
 
     def _land(self) -> None:
         """Wait for the bucket in flight and keep this rank's row of it."""
@@ -206,7 +215,8 @@ class GradScatter:
         self.final = False
 
     def finish(self) -> None:
-        self.flush()
+        for b in sorted(self.arrived):
+            self.flush(b)
         self._land()
 
     def held_bytes(self) -> int:

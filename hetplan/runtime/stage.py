@@ -54,6 +54,14 @@ def _bucket_of(plan: Plan, layout: _Layout) -> dict[torch.nn.Parameter, int]:
     return out
 
 
+def _param_buckets(plan: Plan, layout: _Layout, params: list[torch.nn.Parameter]) -> list[list[int]]:
+    """`params`' indices by gradient bucket (`_bucket_of`), in bucket order; a parameter in no
+    bucket a bucket of its own (ZeRO-2's buckets, ZeRO-3's units)."""
+    of = _bucket_of(plan, layout)
+    ids = sorted({of.get(p, -1 - i) for i, p in enumerate(params)})
+    return [[i for i, p in enumerate(params) if of.get(p, -1 - i) == u] for u in ids]
+
+
 def _check_ownership(named: dict, names_by_layer) -> None:
     """Every parameter of the stage must belong to a layer, or its gradient would be left out of
     the sync."""
@@ -266,22 +274,20 @@ class _StageBuild:
         around the units' layers in the stage's graph (hetplan.runtime.shard)."""
         from hetplan.runtime.shard import ParamShards, wire
         trained = [p for p in params if p.requires_grad]
-        of = _bucket_of(self.plan, self.layout)
-        ids = sorted({of.get(p, -1 - i) for i, p in enumerate(trained)})   # in no bucket: a unit of its own
-        units = [[i for i, p in enumerate(trained) if of.get(p, -1 - i) == u] for u in ids]
+        units = _param_buckets(self.plan, self.layout, trained)
         shards = ParamShards(trained, group, units, staged)
         wire(self.module, shards, {id(trained[i]): u for u, idx in enumerate(units) for i in idx})
         self.runner.params_saved = shards
         return shards
 
     def _scatter(self, optimizer: StageOptimizer):
-        """ZeRO-2's GradScatter (buckets of sync.bucket_bytes; coarse: one, after backward), or
-        ZeRO-3's ParamShards, the optimizer's own."""
+        """ZeRO-2's GradScatter (the gradient buckets; coarse: one, after backward), or ZeRO-3's
+        ParamShards, the optimizer's own."""
         from hetplan.runtime.shard import GradScatter
         plan = self.plan
         last = [mb for kind, mb in self.actions if kind in ("B", "W")][-1]
         sync = optimizer.sharded if plan.shard == 3 else GradScatter(
-            optimizer.sharded, plan.sync.bucket_bytes if plan.sync.granularity == "fine" else float("inf"))
+            optimizer.sharded, _param_buckets(plan, self.layout, optimizer.sharded.params))
         self.runner.before_backward = sync.before_backward(last)
         return sync
 
