@@ -399,10 +399,9 @@ class ParamShards:
         self.arrived.pop(u, None)
         if scatter:
             ps = [self.params[i] for i in self.units[u]]
-            flat = torch.zeros_like(self.slices[u]).repeat(self.n)
-            for p, at in zip(ps, self.offsets[u]):
-                if p.grad is not None:
-                    flat[at:at + p.numel()].copy_(p.grad.reshape(-1))
+            pieces = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
+            pad = self.chunk[u] * self.n - sum(p.numel() for p in ps)
+            flat = torch.cat(pieces + [ps[0].new_zeros(pad)] if pad else pieces)
             for p in ps:                  # the whole gradients are in the flat buffer now
                 p.grad = None
             # launched, not waited for (as GradScatter's buckets): one unit in flight
