@@ -349,3 +349,25 @@ def test_zero2_scatters_the_plans_buckets_each_once_complete(tmp_path):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got == {"launched": [12, 41], "seen": [1], "same": True, "unused": True}
+
+
+def test_zero1_on_a_saturated_host_pays_a_wake_up_after_its_parameter_gather():
+    # two one-thread CPU workers; a layer of 10**6 parameter bytes; an all-reduce costs 0.5 s +
+    # 10**6 B / 10**6 B/s, the all-gather (not profiled) half of it: 0.75 s. On a 2-core host (no
+    # core to spare) its wait is a wake-up, 0.25 + 0.125 s more; on 4 cores it is not
+    from test_calibration import CAL, _Contended
+    cal = {**CAL, "cpu_contention_factor": 1.0, "allreduce_latency_s": 0.5, "allreduce_bytes_per_s": 1e6,
+           "wake_latency_s": 0.25, "cold_compute_s": 0.125}
+    g = graph([layer(0, param_bytes=10**6)])
+    p = dataclasses.replace(sim_plan([(0.5, 1, [("cpu:0", 0, 1)]), (0.5, 1, [("cpu:1", 0, 1)])], 2,
+                                     granularity="coarse"), shard=1)
+
+    def gather_s(cores):
+        t = topology([dataclasses.replace(device(f"cpu:{i}", flops=1e9, mem_bw=1e9), threads=1) for i in (0, 1)],
+                     [link("cpu:0", "cpu:1", bw=1e30, lat=0.0)])
+        t = dataclasses.replace(t, measured={"calibration": cal, "host": {"cores": cores}})
+        tasks = Simulator(g, t, _Contended(g, t)).simulate(p, trace=True).tasks
+        return next(x["end_s"] - x["start_s"] for x in tasks if x["name"] == "parameter all-gather stage 0")
+
+    assert gather_s(2) == pytest.approx(0.75 + 0.375, rel=1e-12)
+    assert gather_s(4) == pytest.approx(0.75, rel=1e-12)

@@ -694,13 +694,16 @@ class Builder:
     def parameter_gathers(self, stepped: dict[str, int]) -> list[int]:
         """Sharded (ZeRO): each replica stepped 1/N of a stage's parameters; one all-gather per
         stage of its replicas gives every one all of them, after all their steps
-        (cost.allgather_s: profiled on CPU workers, else half an all-reduce), and each device copies its slices
-        out and the others' in (the stage's bytes; hetplan.runtime.shard.ShardedStep.gather).
-        Returns the copies."""
+        (cost.allgather_s: profiled on CPU workers, else half an all-reduce; on CPU workers with no
+        core to spare, with its wait's wake-up), and each device copies its slices out and the
+        others' in (the stage's bytes; hetplan.runtime.shard.ShardedStep.gather). Returns the
+        copies."""
         g, graph, out = self.g, self.sim.graph, []
         for j, st, devices in self.stage_groups():
             n = graph.stage_param_bytes(st.start, st.end)
             res, d = self.sim.allgather(devices, n)
+            if any(dev in self.sim.saturated for dev in devices):   # its wait a wake-up, as the scatters'
+                d += max(map(self.resumed_s, devices))
             d_k = g.value(Const(d))
             t = g.add(d_k, res, [stepped[dev] for dev in devices if dev in stepped],
                       TaskMeta(f"parameter all-gather stage {j}", "+".join(devices), "allreduce")
