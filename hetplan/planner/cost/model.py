@@ -409,28 +409,28 @@ class CostModel:
         CPU worker of one host and the topology has a fit (Calibration.allreduce_s; `queued`:
         issued right behind another of its group); else the contract's ring formula
         (Topology.allreduce_s)."""
-        c = self.calibration
-        if c is not None and len(devices) > 1:
-            parsed = [parse_device_name(d) for d in devices]
-            if all(kind == "cpu" for _, kind, _ in parsed) and len({n for n, _, _ in parsed}) == 1:
-                t = c.allreduce_s(len(devices), n_bytes, queued)
-                if t is not None:
-                    return t * self._collective
-        return self.topology.allreduce_s(devices, n_bytes)
+        c = self._gloo_calibration(devices)
+        t = c.allreduce_s(len(devices), n_bytes, queued) if c is not None else None
+        return t * self._collective if t is not None else self.topology.allreduce_s(devices, n_bytes)
 
     def allgather_s(self, devices: tuple[str, ...], n_bytes: float) -> float:
         """All-gather of n bytes in all over `devices` (ZeRO's gathers): the calibrated gloo
         curve when every device is a CPU worker of one host and the profile timed it
         (Calibration.allgather_s); else half the all-reduce of n (a ring all-gather is the
         second half of a ring all-reduce)."""
+        c = self._gloo_calibration(devices)
+        t = c.allgather_s(len(devices), n_bytes) if c is not None else None
+        return t * self._collective if t is not None else self.allreduce_s(devices, n_bytes) / 2
+
+    def _gloo_calibration(self, devices: tuple[str, ...]):
+        """The topology's calibration where `devices` are two or more CPU workers of one host
+        (its collectives were measured over them), else None."""
         c = self.calibration
-        if c is not None and len(devices) > 1:
-            parsed = [parse_device_name(d) for d in devices]
-            if all(kind == "cpu" for _, kind, _ in parsed) and len({n for n, _, _ in parsed}) == 1:
-                t = c.allgather_s(len(devices), n_bytes)
-                if t is not None:
-                    return t * self._collective
-        return self.allreduce_s(devices, n_bytes) / 2
+        if c is None or len(devices) < 2:
+            return None
+        parsed = [parse_device_name(d) for d in devices]
+        one_host = all(kind == "cpu" for _, kind, _ in parsed) and len({n for n, _, _ in parsed}) == 1
+        return c if one_host else None
 
     def _cpu_calibration(self, device: str):
         """The topology's calibration where `device` is a CPU worker of it, else None."""

@@ -107,17 +107,13 @@ class Calibration:
             return 0.0
         if self.allreduce_latency_s is None or self.allreduce_bytes_per_s is None:
             return None
-        n = max(2, self.cpu_workers)
-        steps = (k - 1) / (n - 1)
-        volume = ((k - 1) / k) / ((n - 1) / n)
         lat = self.allreduce_latency_s
         if self.allreduce_curve:
             lat = min(lat, self.allreduce_curve[0][1])      # no more than the smallest measured
         first = self.allreduce_queued_s if queued and self.allreduce_queued_s is not None else lat
-        if self.allreduce_curve:
-            return first * steps + (_on_curve(self.allreduce_curve, n_bytes) - lat) * volume
-        return first * steps + n_bytes / self.allreduce_bytes_per_s * volume
-
+        rest = (_on_curve(self.allreduce_curve, n_bytes) - lat if self.allreduce_curve
+                else n_bytes / self.allreduce_bytes_per_s)
+        return self._ring_scaled(k, first, rest)
 
     def allgather_s(self, k: int, n_bytes: float) -> float | None:
         """gloo all-gather of n bytes in all over k CPU workers, from N measured workers as
@@ -126,9 +122,14 @@ class Calibration:
             return 0.0
         if not self.allgather_curve:
             return None
-        n = max(2, self.cpu_workers)
         lat = self.allgather_curve[0][1]
-        return lat * (k - 1) / (n - 1) + (_on_curve(self.allgather_curve, n_bytes) - lat) * ((k - 1) / k) / ((n - 1) / n)
+        return self._ring_scaled(k, lat, _on_curve(self.allgather_curve, n_bytes) - lat)
+
+    def _ring_scaled(self, k: int, first: float, rest: float) -> float:
+        """A collective measured over N workers, for k: `first` (its latency) by the ring's steps,
+        `rest` (the time beyond it) by its volume (`allreduce_s`)."""
+        n = max(2, self.cpu_workers)
+        return first * ((k - 1) / (n - 1)) + rest * (((k - 1) / k) / ((n - 1) / n))
 
 
 def _on_curve(curve: tuple[tuple[float, float], ...], x: float) -> float:
