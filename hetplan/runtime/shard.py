@@ -144,7 +144,7 @@ class GradScatter:
         self.bucket_of = {i: b for b, idx in enumerate(buckets) for i in idx}
         self.arrived: dict[int, list[int]] = {}   # bucket -> the indices whose final gradient is in
         self.flying: list[tuple] = []   # (work, indices, rows or row, device) of a bucket launched
-        self.whole, self.counted = 0, set()   # whole gradients' bytes held in the last backward, for the peak
+        self.whole_bytes, self.counted = 0, set()   # whole gradients' bytes held in the last backward, for the peak
         self.peak = 0                   # the most gradient bytes held at once (slices, whole, bucket)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(step.params)]
 
@@ -154,7 +154,7 @@ class GradScatter:
             self.final = mb == last_mb
             if self.final:   # the whole gradients the earlier backwards accumulated
                 self.counted = {i for i, p in enumerate(self.step.params) if p.grad is not None}
-                self.whole = sum(self._bytes(i) for i in self.counted)
+                self.whole_bytes = sum(self._bytes(i) for i in self.counted)
         return enter
 
     def _hook(self, i: int):
@@ -162,7 +162,7 @@ class GradScatter:
             if not self.final or p.grad is None:
                 return
             if i not in self.counted:
-                self.whole += self._bytes(i)
+                self.whole_bytes += self._bytes(i)
             b = self.bucket_of[i]
             got = self.arrived.setdefault(b, [])
             got.append(i)
@@ -187,7 +187,7 @@ class GradScatter:
             pad = st.n * c - flat.numel()
             parts.append((torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(st.n, c))
         rows = torch.cat(parts, dim=1)
-        self.whole -= sum(self._bytes(i) for i in idx)
+        self.whole_bytes -= sum(self._bytes(i) for i in idx)
         for i in idx:                     # the whole gradients are in the rows now
             st.params[i].grad = None
         # launched, not waited for: backward goes on (a blocking collective per bucket made each
@@ -195,7 +195,7 @@ class GradScatter:
         # bucket's rows are in flight
         work, out = launch_scatter(rows, st.group, st.staged)
         flying = sum(t.numel() * t.element_size() for _, _, t, _ in self.flying)
-        self.peak = max(self.peak, self.held_bytes() + self.whole + flying + 2 * rows.numel() * rows.element_size())
+        self.peak = max(self.peak, self.held_bytes() + self.whole_bytes + flying + 2 * rows.numel() * rows.element_size())
         self._land()
         self.flying.append((work, idx, out, rows.device))
 
@@ -294,6 +294,8 @@ class ParamShards:
         self.held = sum(t.numel() * t.element_size() for t in self.slices)   # slices, then resident units
         self.peak = self.held
         self.grad_peak = 0
+        self.with_grad: set[int] = set()              # parameters holding a whole gradient, and their bytes
+        self.whole_bytes = 0
         for u in range(len(units)):
             self.flat[u].untyped_storage().resize_(0)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
@@ -388,6 +390,9 @@ class ParamShards:
         def hook(p: torch.Tensor) -> None:
             if p.grad is None:
                 return
+            if i not in self.with_grad:
+                self.with_grad.add(i)
+                self.whole_bytes += p.grad.numel() * p.grad.element_size()
             u = self.unit_of[i]
             self.arrived[u] = self.arrived.get(u, 0) + 1
             if self.arrived[u] == len(self.units[u]):
@@ -402,13 +407,15 @@ class ParamShards:
             pieces = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
             pad = self.chunk[u] * self.n - sum(p.numel() for p in ps)
             flat = torch.cat(pieces + [ps[0].new_zeros(pad)] if pad else pieces)
-            for p in ps:                  # the whole gradients are in the flat buffer now
+            for i, p in zip(self.units[u], ps):   # the whole gradients are in the flat buffer now
+                if i in self.with_grad:
+                    self.with_grad.discard(i)
+                    self.whole_bytes -= p.grad.numel() * p.grad.element_size()
                 p.grad = None
             # launched, not waited for (as GradScatter's buckets): one unit in flight
             work, out = launch_scatter(flat.view(self.n, -1), self.group, self.staged)
-            whole = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
             flying = sum(t.numel() * t.element_size() for _, _, t in self.flying)
-            self.grad_peak = max(self.grad_peak, self.grad_bytes() + whole + flying
+            self.grad_peak = max(self.grad_peak, self.grad_bytes() + self.whole_bytes + flying
                                  + (flat.numel() + self.slices[u].numel()) * flat.element_size())
             self._land_grads()
             self.flying.append((work, u, out))
@@ -422,6 +429,7 @@ class ParamShards:
 
     def begin(self) -> None:
         self.final = False
+        self.with_grad, self.whole_bytes = set(), 0       # the optimizer's zero_grad has just run
 
     def finish(self) -> None:
         """The units whose gradients did not all come (parameters unused this iteration), in
